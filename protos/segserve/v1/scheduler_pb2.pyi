@@ -1,0 +1,111 @@
+from protos.segserve.v1 import common_pb2 as _common_pb2
+from protos.segserve.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_EOS_TOKEN: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP_TOKEN: FinishReason
+FINISH_REASON_CONTEXT_LENGTH: FinishReason
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    stopping: _common_pb2.StoppingCriteria
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingCriteria, _Mapping]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("token_ids", "scores", "top_logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class GenerateComplete(_message.Message):
+    __slots__ = ("finish_reason", "num_prompt_tokens", "num_generated_tokens", "queue_wait_us", "first_token_us", "decode_us", "max_batch_size")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_US_FIELD_NUMBER: _ClassVar[int]
+    DECODE_US_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    queue_wait_us: int
+    first_token_us: int
+    decode_us: int
+    max_batch_size: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., first_token_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class GenerateError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("chunk", "complete", "error")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    chunk: TokenChunk
+    complete: GenerateComplete
+    error: GenerateError
+    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., complete: _Optional[_Union[GenerateComplete, _Mapping]] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ...) -> None: ...
+
+class SchedulerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerInfo(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: _worker_pb2.WorkerInfo
+    def __init__(self, worker: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerStats(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_used_kv_blocks: int
+    num_total_kv_blocks: int
+    num_preemptions: int
+    num_steps: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny random models built once per session, the real default model on demand."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import build_tiny_gemma3, build_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory):
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The real gemma-3-270m, converted once into the cache (about a minute the first time)."""
+    from worker.checkpoint import prepare_default_model
+
+    return prepare_default_model()

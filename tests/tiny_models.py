@@ -1,0 +1,104 @@
+"""Tiny random causal LMs and a byte-level BPE tokenizer, built locally in seconds.
+
+Nothing is downloaded. The tiny Gemma3 has a short sliding window so that tests
+cross it, and a Llama stands for "any transformers causal LM".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_TRAINING_TEXT = """
+The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n
+{"name": "Ada", "age": 36, "city": "London"} Übermäßig schöne Grüße! 東京 こんにちは 🙂
+User: what is the capital of France? Assistant: The capital of France is Paris.
+for i in range(10):\n    print(i * i)\n``` code fence ``` <think> reasoning </think>
+"""
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|end|>"]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 400):
+    """Train a byte-level BPE on a few lines of mixed text and save it as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_TRAINING_TEXT] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+    )
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_gemma3(out_dir: Path, seed: int = 0) -> Path:
+    """A 4-layer Gemma3 (sliding window 8 on local layers) with random weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = build_tokenizer(out_dir)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        # Wide init and an untied head give varied, well-separated greedy choices
+        # (the default init makes a tiny random model repeat one token).
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return _save_random(Gemma3ForCausalLM, config, out_dir, seed)
+
+
+def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama with grouped-query attention and random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(out_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # Wide init and an untied head give varied, well-separated greedy choices
+        # (the default init makes a tiny random model repeat one token).
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return _save_random(LlamaForCausalLM, config, out_dir, seed)
+
+
+def _save_random(model_cls, config, out_dir: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(out_dir)
+    return out_dir

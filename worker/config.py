@@ -1,0 +1,41 @@
+"""The worker's typed configuration; CLI flags derive from these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerConfig:
+    model: str | None = None
+    """Transformers causal-LM directory; None serves the default model (gemma-3-270m)."""
+    served_model_name: str | None = None
+    """Name the model is served under; defaults to the directory name."""
+    device: str = "auto"
+    """torch device: "auto" picks cuda when present, else cpu."""
+    dtype: str = "auto"
+    """torch dtype: "auto" is bfloat16 on cuda and float32 on cpu."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_gb: float = 1.0
+    """Memory given to the KV cache, in GiB; sets the number of blocks."""
+    num_kv_blocks: int = 0
+    """Exact number of KV blocks; overrides kv_cache_gb when > 0 (tests use it to run short of memory)."""
+    max_model_len: int = 0
+    """Longest sequence served; 0 = the model's max_position_embeddings."""
+    num_threads: int = 0
+    """torch intra-op threads on cpu; 0 = torch's default."""
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to (localhost by default)."""
+    port: int = 50061
+    """gRPC port."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be > 0")
+        if self.kv_cache_gb <= 0 and self.num_kv_blocks <= 0:
+            raise ValueError("kv_cache_gb or num_kv_blocks must be > 0")
+        if self.num_kv_blocks < 0 or self.max_model_len < 0 or self.num_threads < 0:
+            raise ValueError("num_kv_blocks, max_model_len and num_threads must be >= 0")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
