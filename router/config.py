@@ -16,12 +16,12 @@ class RouterConfig:
     host: str = "127.0.0.1"
     """HTTP bind address."""
     port: int = 8000
-    """HTTP port."""
+    """HTTP port (0 = any free port, chosen by the launcher)."""
     default_max_tokens: int = 256
     """max_tokens when a request gives none (bounded by the context left)."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError("port must be in 1..65535")
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in 0..65535")
         if self.default_max_tokens <= 0:
             raise ValueError("default_max_tokens must be > 0")

@@ -1,0 +1,132 @@
+"""The `segserve` command.
+
+    segserve serve                 the whole stack on localhost:8000 (default model)
+    segserve worker|scheduler|router   one service, as the launcher or a pod runs it
+    segserve prepare-model         convert the default model into the cache once
+    segserve bench throughput      the throughput benchmark (JSON + PNG)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from router.config import RouterConfig
+from scheduler.config import SchedulerConfig
+from segserve.flags import add_dataclass_args, from_args
+from worker.config import WorkerConfig
+
+# `serve` takes every service's flags; the names that clash get a service prefix.
+_SERVE_WORKER_RENAME = {"host": "worker_host", "port": "worker_port"}
+_SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port"}
+_SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address"})
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    from segserve.launcher import Stack, StackConfig
+
+    config = StackConfig(
+        worker=from_args(WorkerConfig, args, _SERVE_WORKER_RENAME),
+        scheduler=from_args(SchedulerConfig, args, _SERVE_SCHEDULER_RENAME),
+        router=from_args(RouterConfig, args, served_model_name=args.served_model_name),
+        log_dir=args.log_dir,
+    )
+    # Ctrl-C reaches the whole process group; the stack then stops every service.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with Stack(config) as stack:
+        print(f"segserve is ready: {stack.base_url}/v1 (model {stack.config.router.served_model_name or ''})",
+              flush=True)
+        try:
+            return stack.wait()
+        except KeyboardInterrupt:
+            print("\nshutting down", flush=True)
+            return 0
+
+
+def _worker_command(args: argparse.Namespace) -> int:
+    from worker.server import serve
+
+    asyncio.run(serve(from_args(WorkerConfig, args)))
+    return 0
+
+
+def _scheduler_command(args: argparse.Namespace) -> int:
+    from scheduler.main import run
+
+    run(from_args(SchedulerConfig, args))
+    return 0
+
+
+def _router_command(args: argparse.Namespace) -> int:
+    from router.server import run
+
+    run(from_args(RouterConfig, args))
+    return 0
+
+
+def _prepare_model_command(args: argparse.Namespace) -> int:
+    from worker.checkpoint import prepare_default_model
+
+    print(prepare_default_model())
+    return 0
+
+
+def _bench_throughput_command(args: argparse.Namespace) -> int:
+    from segserve.bench.throughput import run_throughput
+
+    run_throughput(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="segserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run router, scheduler and worker on this machine")
+    add_dataclass_args(serve, WorkerConfig, rename=_SERVE_WORKER_RENAME)
+    add_dataclass_args(serve, SchedulerConfig, skip=frozenset({"worker_address"}), rename=_SERVE_SCHEDULER_RENAME)
+    add_dataclass_args(serve, RouterConfig, skip=_SERVE_ROUTER_SKIP)
+    serve.add_argument("--log-dir", default=None, help="write each service's log to this directory")
+    serve.set_defaults(func=_serve_command)
+
+    for name, cls, func in (("worker", WorkerConfig, _worker_command),
+                            ("scheduler", SchedulerConfig, _scheduler_command),
+                            ("router", RouterConfig, _router_command)):
+        sub = commands.add_parser(name, help=f"run the {name} service alone")
+        add_dataclass_args(sub, cls)
+        sub.set_defaults(func=func)
+
+    prepare = commands.add_parser("prepare-model", help="convert the default model into the cache")
+    prepare.set_defaults(func=_prepare_model_command)
+
+    bench = commands.add_parser("bench", help="benchmarks that write JSON and a plot")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    throughput = benches.add_parser("throughput", help="concurrent streams vs transformers serve and generate()")
+    try:
+        from segserve.bench.throughput import add_throughput_args
+    except ImportError:  # the bench package is optional at import time of the CLI
+        add_throughput_args = None
+    if add_throughput_args:
+        add_throughput_args(throughput)
+    throughput.set_defaults(func=_bench_throughput_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 0
+    except (ValueError, FileNotFoundError) as exc:  # bad flags or paths: a message, not a traceback
+        print(f"segserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

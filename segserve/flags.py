@@ -1,0 +1,94 @@
+"""Command-line flags derived from the services' config dataclasses.
+
+Each dataclass field becomes `--field-name`, typed from its annotation, with its
+attribute docstring as help. `to_argv` is the inverse, used by the launcher to
+start each service as its own process with the same config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from functools import cache
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+            if isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _base_type(annotation: Any) -> type:
+    """`int | None` -> int; `list[int]` -> list."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType")):
+        return _base_type(args[0])
+    return typing.get_origin(annotation) or annotation
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] = frozenset(),
+                       rename: dict[str, str] | None = None) -> None:
+    """Add one flag per field of `cls` (defaults None, so unset flags keep the dataclass default)."""
+    rename = rename or {}
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
+        dest = rename.get(field.name, field.name)
+        kind = _base_type(hints[field.name])
+        default = field.default if field.default is not dataclasses.MISSING else None
+        help_text = f"{docs.get(field.name, '')} (default: {default})"
+        if kind is bool:
+            parser.add_argument(_flag(dest), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        elif kind is list:
+            parser.add_argument(_flag(dest), dest=dest, nargs="*", default=None, help=help_text)
+        else:
+            parser.add_argument(_flag(dest), dest=dest, type=kind, default=None, help=help_text)
+
+
+def from_args(cls: type[T], args: argparse.Namespace, rename: dict[str, str] | None = None, **overrides) -> T:
+    """Build `cls` from parsed flags; flags left unset keep the dataclass defaults."""
+    rename = rename or {}
+    values = {}
+    for field in dataclasses.fields(cls):
+        value = getattr(args, rename.get(field.name, field.name), None)
+        if value is not None:
+            values[field.name] = value
+    values.update(overrides)
+    return cls(**values)
+
+
+def to_argv(config: Any) -> list[str]:
+    """Flags that reproduce `config` when parsed by add_dataclass_args/from_args."""
+    argv = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None or value == field.default:
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(field.name) if value else "--no-" + field.name.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            argv += [_flag(field.name), *map(str, value)]
+        else:
+            argv += [_flag(field.name), str(value)]
+    return argv

@@ -1,0 +1,130 @@
+"""End to end: real processes (worker, Ray-actor scheduler, router), real HTTP, the official openai client.
+
+Greedy output through the whole stack must be token-identical to
+`model.generate(do_sample=False)` in fp32, alone, among concurrent requests, and
+when the KV cache is too small to hold every request at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from router.config import RouterConfig
+from scheduler.config import SchedulerConfig
+from segserve.launcher import Stack, StackConfig
+from worker.config import WorkerConfig
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox",
+    '{"name": "Ada", "age"',
+    "User: what is the capital of France? Assistant:",
+    "for i in range(10):\n    print(i",
+    "Übermäßig schöne Grüße! 東京",
+    "The",
+    "``` code fence ``` <think> reasoning </think> and then the quick brown fox jumps over",
+]
+
+
+def _stack(model_dir, tmp_path, **worker_overrides) -> Stack:
+    config = StackConfig(
+        worker=WorkerConfig(model=str(model_dir), port=0, **worker_overrides),
+        scheduler=SchedulerConfig(port=0, max_num_seqs=16, max_num_batched_tokens=128),
+        router=RouterConfig(port=0),
+        log_dir=str(tmp_path),
+    )
+    return Stack(config)
+
+
+def reference_completion(model_dir, prompt: str, max_new_tokens: int) -> list[int]:
+    """Plain transformers greedy decoding: the output segserve must reproduce."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+def complete(client: OpenAI, model: str, prompt: str, max_tokens: int, stream: bool = False) -> str:
+    if not stream:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+    events = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    return "".join(event.choices[0].text for event in events if event.choices)
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_gemma3_dir, tmp_path_factory):
+    with _stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs")) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def tiny_references(tiny_gemma3_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gemma3_dir)
+    return {p: tokenizer.decode(reference_completion(tiny_gemma3_dir, p, 40), skip_special_tokens=True)
+            for p in PROMPTS}
+
+
+def _client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_greedy_matches_generate_streamed_and_not(tiny_stack, tiny_references):
+    client = _client(tiny_stack)
+    model = client.models.list().data[0].id
+    for prompt in PROMPTS[:3]:
+        assert complete(client, model, prompt, 40) == tiny_references[prompt]
+        assert complete(client, model, prompt, 40, stream=True) == tiny_references[prompt]
+
+
+def test_batch_invariance_among_concurrent_requests(tiny_stack, tiny_references):
+    client = _client(tiny_stack)
+    model = client.models.list().data[0].id
+    with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outputs = list(pool.map(lambda p: complete(client, model, p, 40, stream=True), PROMPTS))
+    assert outputs == [tiny_references[p] for p in PROMPTS]
+
+
+def test_more_requests_than_the_kv_cache_holds(tiny_gemma3_dir, tiny_references, tmp_path):
+    # 8 blocks of 16 tokens hold 128 tokens; 8 requests of up to ~60 tokens each need far more.
+    with _stack(tiny_gemma3_dir, tmp_path, num_kv_blocks=8, block_size=16) as stack:
+        client = _client(stack)
+        model = client.models.list().data[0].id
+        with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outputs = list(pool.map(lambda p: complete(client, model, p, 40, stream=True), PROMPTS))
+    assert outputs == [tiny_references[p] for p in PROMPTS]
+
+
+REAL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Here is a list of fruits: apple, banana,",
+]
+
+
+@pytest.mark.real_model
+def test_default_model_greedy_and_chat_through_the_stack(default_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    expected = [tokenizer.decode(reference_completion(default_model_dir, p, 16), skip_special_tokens=True)
+                for p in REAL_PROMPTS]
+    with _stack(default_model_dir, tmp_path) as stack:
+        client = _client(stack)
+        model = client.models.list().data[0].id
+        assert model == "gemma-3-270m"
+        assert [complete(client, model, p, 16, stream=True) for p in REAL_PROMPTS] == expected
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Name a color."}], max_tokens=8, stream=True,
+            stream_options={"include_usage": True},
+        )
+        events = list(stream)
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert text.strip()
+    assert events[-1].usage is not None and 0 < events[-1].usage.completion_tokens <= 8
