@@ -1,0 +1,149 @@
+"""One request's token stream turned into text deltas, shared by every endpoint.
+
+In: the scheduler's event stream (token chunks, then complete or failure). Out:
+`Delta`s (text, per-token logprobs, and on the last one the finish reason and
+usage), a `GenerateFailure`, or `KEEPALIVE` when nothing arrived for a while (so
+a streaming endpoint can send an SSE comment). The gRPC stream is read by a pump
+task feeding a queue, so waiting with a timeout never disturbs it; closing the
+iterator (client gone) cancels the pump, which cancels the gRPC call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from router.detokenizer import IncrementalDetokenizer
+from router.scheduler_client import (
+    FinishReason,
+    GenerateComplete,
+    GenerateEvent,
+    GenerateFailure,
+    GenerateParams,
+    SchedulerClient,
+    TokenChunk,
+)
+
+logger = logging.getLogger(__name__)
+
+_OPENAI_FINISH = {
+    FinishReason.EOS_TOKEN: "stop",
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CONTEXT_LENGTH: "length",
+    FinishReason.UNSPECIFIED: "stop",
+}
+
+
+class KeepAlive:
+    """Nothing happened for a keep-alive interval."""
+
+
+KEEPALIVE = KeepAlive()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely alternatives (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Delta:
+    """Text that became final, with its tokens' logprobs; the last delta has finish_reason and usage."""
+
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """Everything one request sends to the scheduler and needs to read the answer."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: GenerateParams
+    eos_token_ids: frozenset[int]
+    num_top_logprobs: int | None = None
+    """Alternatives per token in the response; None = no logprobs."""
+    timeout_s: float | None = None
+
+
+def to_logprobs(chunk: TokenChunk, num_top: int) -> list[TokenLogprob]:
+    """Per token: its logprob (from the top list when present: under greedy decoding the score is a logit)."""
+    out = []
+    for i, token_id in enumerate(chunk.token_ids):
+        top = chunk.top_logprobs[i] if i < len(chunk.top_logprobs) else []
+        logprob = next((lp for tid, lp in top if tid == token_id), None)
+        if logprob is None:
+            logprob = chunk.scores[i] if i < len(chunk.scores) else float("nan")
+        out.append(TokenLogprob(token_id, logprob, top[:num_top]))
+    return out
+
+
+def finish_delta(done: GenerateComplete, job: GenerationJob, text: str) -> Delta:
+    usage = Usage(done.num_prompt_tokens or len(job.prompt_token_ids), done.num_generated_tokens)
+    return Delta(text=text, finish_reason=_OPENAI_FINISH[done.finish_reason], usage=usage)
+
+
+async def generate_deltas(
+    client: SchedulerClient,
+    job: GenerationJob,
+    detokenizer: IncrementalDetokenizer,
+    keepalive_s: float | None = None,
+) -> AsyncIterator[Delta | GenerateFailure | KeepAlive]:
+    """Stream one request; ends after the Delta carrying finish_reason or after a GenerateFailure."""
+    queue: asyncio.Queue[GenerateEvent] = asyncio.Queue()
+    pump = asyncio.create_task(_pump(client, job, queue))
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), keepalive_s)
+            except TimeoutError:
+                yield KEEPALIVE
+                continue
+            if isinstance(event, TokenChunk):
+                text_ids = [t for t in event.token_ids if t not in job.eos_token_ids]
+                logprobs = [] if job.num_top_logprobs is None else to_logprobs(event, job.num_top_logprobs)
+                yield Delta(text=detokenizer.add(text_ids), logprobs=logprobs)
+            elif isinstance(event, GenerateComplete):
+                yield finish_delta(event, job, detokenizer.flush())
+                return
+            else:
+                yield event
+                return
+    finally:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
+
+
+async def _pump(client: SchedulerClient, job: GenerationJob, queue: asyncio.Queue) -> None:
+    try:
+        events = client.generate(job.request_id, job.prompt_token_ids, job.params, timeout_s=job.timeout_s)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                queue.put_nowait(event)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug, not a scheduler answer: still end the stream
+        logger.exception("generation %s failed", job.request_id)
+        queue.put_nowait(GenerateFailure("internal", f"router: {type(exc).__name__}: {exc}"))

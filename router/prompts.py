@@ -1,0 +1,58 @@
+"""Prompts to token ids, and the output budget they leave.
+
+Completions prompts are tokenized with the tokenizer's default special tokens
+(BOS for gemma); a list of token ids is taken as is. Chat messages go through
+the model's chat template, which already writes the BOS token, so the templated
+text is tokenized without adding special tokens again.
+"""
+
+from __future__ import annotations
+
+from jinja2 import TemplateError
+
+from router.errors import bad_request
+
+
+def completion_prompt_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+    if isinstance(prompt, list):
+        too_big = [t for t in prompt if t >= vocab_size]
+        if too_big:
+            raise bad_request(f"prompt token id {too_big[0]} is out of range (vocabulary size {vocab_size})", "prompt")
+        return list(prompt)
+    ids = list(tokenizer(prompt).input_ids)
+    if not ids:
+        raise bad_request("the prompt tokenizes to no tokens", "prompt")
+    return ids
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
+    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+    if not ids:
+        raise bad_request("the messages tokenize to no tokens", "messages")
+    return ids
+
+
+def max_new_tokens(
+    requested: int | None, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int,
+    prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
+) -> int:
+    """The output budget: the request's, else the default bounded by the context left."""
+    room = max_model_len - num_prompt_tokens
+    if room <= 0:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens; shorten the {prompt_param}.", prompt_param, "context_length_exceeded")
+    if requested is None:
+        return min(default_max_tokens, room)
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
+            f"tokens, so {max_tokens_param} can be at most {room} (got {requested}).",
+            max_tokens_param, "context_length_exceeded")
+    return requested

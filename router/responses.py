@@ -1,0 +1,215 @@
+"""OpenAI response bodies (pydantic) and the renderers that build them from `Delta`s.
+
+A renderer knows one endpoint's shapes: the streamed chunks (one per delta, the
+usage chunk) and the whole non-streamed response. Logprobs come out in OpenAI's
+two shapes: the legacy completions one (tokens / token_logprobs / top_logprobs /
+text_offset) and the chat one (content: [{token, logprob, bytes, top_logprobs}]).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel
+
+from router.detokenizer import TokenTexts
+from router.generation import Delta, TokenLogprob
+from router.generation import Usage as UsageCounts
+
+# JSON has no -inf; clients get a very small number instead (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+
+def _clean(logprob: float) -> float:
+    return _MIN_LOGPROB if math.isnan(logprob) or logprob < _MIN_LOGPROB else logprob
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, counts: UsageCounts) -> Usage:
+        return cls(prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens,
+                   total_tokens=counts.total_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The non-streamed body and, with partial text, every streamed chunk."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class _Renderer:
+    def __init__(self, response_id: str, created: int, model: str, token_texts: TokenTexts, want_logprobs: bool):
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.token_texts = token_texts
+        self.want_logprobs = want_logprobs
+
+    def start(self) -> list[BaseModel]:
+        """Chunks sent before the first delta."""
+        return []
+
+    def _has_content(self, delta: Delta) -> bool:
+        return bool(delta.text or delta.finish_reason or (self.want_logprobs and delta.logprobs))
+
+
+class CompletionRenderer(_Renderer):
+    """/v1/completions."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._text_offset = 0
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in logprobs:
+            token = self.token_texts.get(lp.token_id)[0]
+            out.tokens.append(token)
+            out.token_logprobs.append(_clean(lp.logprob))
+            out.top_logprobs.append({self.token_texts.get(t)[0]: _clean(v) for t, v in lp.top})
+            out.text_offset.append(self._text_offset)
+            self._text_offset += len(token)
+        return out
+
+    def _body(self, choices: list[CompletionChoice], usage: UsageCounts | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
+                                  usage=Usage.of(usage) if usage else None)
+
+    def chunk(self, delta: Delta) -> CompletionResponse | None:
+        if not self._has_content(delta):
+            return None
+        choice = CompletionChoice(text=delta.text, logprobs=self._logprobs(delta.logprobs),
+                                  finish_reason=delta.finish_reason)
+        return self._body([choice])
+
+    def usage_chunk(self, usage: UsageCounts) -> CompletionResponse:
+        return self._body([], usage)
+
+    def response(self, deltas: list[Delta]) -> CompletionResponse:
+        last = deltas[-1]
+        logprobs = self._logprobs([lp for d in deltas for lp in d.logprobs])
+        choice = CompletionChoice(text="".join(d.text for d in deltas), logprobs=logprobs,
+                                  finish_reason=last.finish_reason)
+        return self._body([choice], last.usage)
+
+
+class ChatRenderer(_Renderer):
+    """/v1/chat/completions."""
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for lp in logprobs:
+            token, raw = self.token_texts.get(lp.token_id)
+            top = [TopLogprob(token=self.token_texts.get(t)[0], logprob=_clean(v), bytes=self.token_texts.get(t)[1])
+                   for t, v in lp.top]
+            content.append(ChatLogprob(token=token, logprob=_clean(lp.logprob), bytes=raw, top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageCounts | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=choices,
+                                   usage=Usage.of(usage) if usage else None)
+
+    def start(self) -> list[BaseModel]:
+        return [self._chunk([ChatStreamChoice(delta=ChatDelta(role="assistant", content=""))])]
+
+    def chunk(self, delta: Delta) -> ChatCompletionChunk | None:
+        if not self._has_content(delta):
+            return None
+        content = ChatDelta(content=delta.text) if delta.text or not delta.finish_reason else ChatDelta()
+        choice = ChatStreamChoice(delta=content, logprobs=self._logprobs(delta.logprobs),
+                                  finish_reason=delta.finish_reason)
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: UsageCounts) -> ChatCompletionChunk:
+        return self._chunk([], usage)
+
+    def response(self, deltas: list[Delta]) -> ChatCompletionResponse:
+        last = deltas[-1]
+        message = ChatMessageOut(content="".join(d.text for d in deltas))
+        choice = ChatChoice(message=message, logprobs=self._logprobs([lp for d in deltas for lp in d.logprobs]),
+                            finish_reason=last.finish_reason)
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                      choices=[choice], usage=Usage.of(last.usage) if last.usage else None)

@@ -1,0 +1,61 @@
+"""Start the router: load the tokenizer, wait for the scheduler, serve HTTP with uvicorn.
+
+`run(config)` blocks until the server stops. `build_app(config)` does the
+start-up (tokenizer, bounded wait for the scheduler's GetInfo) and returns the
+app; `make_server` wraps an app in a uvicorn server that tests can stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+from fastapi import FastAPI
+
+from router.app import create_app
+from router.config import RouterConfig
+from router.scheduler_client import SchedulerClient
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model: str | None):
+    """The tokenizer (with its chat template) of the served model directory."""
+    from transformers import AutoTokenizer
+
+    from worker.checkpoint import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+
+async def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
+    """The app, once the scheduler answers GetInfo (TimeoutError after config.scheduler_wait_s)."""
+    tokenizer = tokenizer if tokenizer is not None else await asyncio.to_thread(load_tokenizer, config.model)
+    client = SchedulerClient(config.scheduler_address)
+    logger.info("waiting for the scheduler at %s", config.scheduler_address)
+    try:
+        model_info = await client.wait_ready(config.scheduler_wait_s)
+    except BaseException:
+        await client.close()
+        raise
+    if model_info.vocab_size and len(tokenizer) > model_info.vocab_size:
+        logger.warning("tokenizer has %d tokens, the model's vocabulary %d", len(tokenizer), model_info.vocab_size)
+    logger.info("serving %s (max_model_len %d)", model_info.model_name, model_info.max_model_len)
+    return create_app(config, client, tokenizer, model_info)
+
+
+def make_server(config: RouterConfig, app: FastAPI, log_level: str = "info") -> uvicorn.Server:
+    # Streams rely on our own keep-alives; uvicorn's default 5 s idle timeout only
+    # concerns idle keep-alive connections between requests.
+    return uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                         timeout_graceful_shutdown=5))
+
+
+async def serve(config: RouterConfig) -> None:
+    await make_server(config, await build_app(config)).serve()
+
+
+def run(config: RouterConfig) -> None:
+    """Serve until interrupted."""
+    asyncio.run(serve(config))

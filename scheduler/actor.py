@@ -1,0 +1,39 @@
+"""The scheduler as a Ray async actor: engine and gRPC server live on the actor's event loop.
+
+The router reaches it by its gRPC address (host:port returned by `start`);
+Ray only hosts and supervises it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+
+from scheduler.config import SchedulerConfig
+from scheduler.servicer import start_server, stop_server
+
+
+@ray.remote(num_cpus=0)
+class SchedulerActor:
+    """`start(config) -> port`, `stats() -> dict`, `stop()`; all run on one asyncio loop."""
+
+    def __init__(self):
+        self._server = None
+        self._engine = None
+
+    async def start(self, config: SchedulerConfig) -> int:
+        """Build the engine, serve gRPC on config.host:config.port; returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError("the scheduler actor is already started")
+        self._server, self._engine = await start_server(config)
+        return self._server.bound_port
+
+    async def stats(self) -> dict:
+        """The engine's EngineStats as a dict (zeros before start)."""
+        return dataclasses.asdict(self._engine.stats()) if self._engine else {}
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await stop_server(self._server, self._engine)
+            self._server = self._engine = None

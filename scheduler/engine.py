@@ -1,0 +1,198 @@
+"""The asyncio step loop: schedule -> worker step -> postprocess, then deliver outputs.
+
+In: add_request() / abort() from the gRPC servicer. Out: per-request streams of
+RequestOutput (new tokens; the last one has finish_status and metrics) ending
+with either a finished output or a RequestError. The loop sleeps on an event
+when there is no work and never lets a failed step hang a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import RequestError, RequestOutput, SampledTokens, SchedulerOutput
+from scheduler.scheduler import Scheduler
+from scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
+from scheduler.worker_client import WorkerError, WorkerHealth, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+_CONNECT_RETRY_S = 0.5
+
+
+class EngineNotReady(RuntimeError):
+    """The worker has not answered GetInfo yet, so no request can be admitted."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (config.max_num_waiting); the client should retry later."""
+
+
+class Worker(Protocol):
+    """What the engine needs from a worker (WorkerClient, or a fake in tests)."""
+
+    async def get_info(self) -> WorkerInfo: ...
+
+    async def step(self, output: SchedulerOutput) -> dict[str, SampledTokens]: ...
+
+    async def health(self) -> WorkerHealth: ...
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_kv_blocks: int = 0
+    num_total_kv_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+Event = RequestOutput | RequestError
+
+
+class RequestStream:
+    """Async iterator over one request's events; ends after its terminal event."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._is_done = False
+
+    def put(self, event: Event) -> None:
+        self._queue.put_nowait(event)
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._is_done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        self._is_done = isinstance(event, RequestError) or event.is_finished
+        return event
+
+
+class Engine:
+    def __init__(self, config: SchedulerConfig, worker: Worker):
+        self.config = config
+        self.worker = worker
+        self.info: WorkerInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def is_connected(self) -> bool:
+        return self.scheduler is not None
+
+    def start(self) -> None:
+        """Start the loop on the running event loop; it connects to the worker first (retrying)."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="segserve-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._fail(list(self._streams), "unavailable", "the scheduler is shutting down")
+
+    async def health(self) -> WorkerHealth:
+        if not self.is_connected:
+            return WorkerHealth(False, "not connected to the worker yet")
+        return await self.worker.health()
+
+    def add_request(self, request_id: str, prompt_token_ids: Iterable[int], sampling: SamplingParams,
+                    stopping: StoppingCriteria) -> RequestStream:
+        """Queue a request; raises EngineNotReady, EngineOverloaded, or RequestRejected when it can never run."""
+        if self.scheduler is None:
+            raise EngineNotReady(f"the worker at {self.config.worker_address} has not answered yet")
+        if len(self.scheduler.waiting) >= self.config.max_num_waiting:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting; retry later")
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), sampling, stopping))
+        stream = self._streams[request_id] = RequestStream(request_id)
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a live request: its blocks are free at once; its stream ends with "cancelled"."""
+        if self.scheduler is None or not self.scheduler.abort(request_id):
+            return False
+        self._deliver(RequestError(request_id, "cancelled", "the request was cancelled"))
+        return True
+
+    def stats(self) -> EngineStats:
+        if self.scheduler is None:
+            return EngineStats()
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), s.block_manager.num_used_blocks,
+                           s.block_manager.num_total_blocks, s.num_preemptions, s.num_steps)
+
+    async def _run(self) -> None:
+        try:
+            await self._connect()
+            while True:
+                if not self.scheduler.has_work:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                await self._step()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            logger.exception("scheduler loop died")
+            self._fail(list(self._streams), "internal", "the scheduler loop died; see the scheduler's log")
+            raise
+
+    async def _step(self) -> None:
+        output = self.scheduler.schedule()
+        if output.is_empty:  # only right after a preemption left nothing runnable; retry next turn
+            await asyncio.sleep(0.001)
+            return
+        try:
+            sampled = await self.worker.step(output)
+            results = self.scheduler.postprocess(output, sampled)
+        except Exception as exc:  # the worker failed (or answered nonsense): fail this step, serve the rest
+            if not isinstance(exc, WorkerError):
+                logger.exception("step failed")
+            message = str(exc) if isinstance(exc, WorkerError) else f"step failed: {type(exc).__name__}: {exc}"
+            self._fail(self.scheduler.discard(output), "internal", message)
+            return
+        for result in results:
+            self._deliver(result)
+
+    async def _connect(self) -> None:
+        is_logged = False
+        while True:
+            try:
+                info = await self.worker.get_info()
+                break
+            except WorkerError as exc:
+                if not is_logged:
+                    logger.warning("waiting for the worker at %s: %s", self.config.worker_address, exc)
+                    is_logged = True
+                await asyncio.sleep(_CONNECT_RETRY_S)
+        self.scheduler = Scheduler(
+            num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
+            eos_token_ids=info.eos_token_ids, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens)
+        self.info = info
+        logger.info("connected to worker %s: %s, %d KV blocks of %d tokens", self.config.worker_address,
+                    info.model_name, info.num_kv_blocks, info.block_size)
+
+    def _fail(self, request_ids: Iterable[str], code: str, message: str) -> None:
+        for request_id in request_ids:
+            if self.scheduler is not None:
+                self.scheduler.abort(request_id)
+            self._deliver(RequestError(request_id, code, message))
+
+    def _deliver(self, event: Event) -> None:
+        is_terminal = isinstance(event, RequestError) or event.is_finished
+        stream = self._streams.pop(event.request_id, None) if is_terminal else self._streams.get(event.request_id)
+        if stream is not None:
+            stream.put(event)

@@ -1,0 +1,243 @@
+"""Continuous batching as pure logic: which tokens of which sequences run each step.
+
+No model, no network, no asyncio: schedule() returns a SchedulerOutput,
+postprocess() takes what the worker sampled and returns per-request outputs.
+One code path serves prompt chunks and decode tokens alike (vLLM v1 style):
+each step computes up to `num_uncomputed_tokens` of every running sequence,
+within max_num_batched_tokens and max_num_seqs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+
+from scheduler.block_manager import BlockManager
+from scheduler.outputs import (
+    NewSequence,
+    RequestOutput,
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+)
+from scheduler.sequence import RequestMetrics, Sequence, SequenceStatus
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the model or the KV cache) or clashes with a live one."""
+
+
+class Scheduler:
+    """Owns the waiting queue (FIFO), the running list and the KV-block allocation.
+
+    Call order per step: schedule() -> (worker) -> postprocess() or, if the
+    step failed, discard(). add() and abort() may be called at any time.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        # Longest sequence (prompt + output) that can exist; reaching it ends generation.
+        # The last sampled token needs no KV slot, hence the + 1.
+        self.max_len = min(max_model_len, self.block_manager.num_total_tokens + 1)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.clock = clock
+        self.requests: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        # In admission order: the last one is the first to be preempted.
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self._finished_seq_ids: list[str] = []
+        self._in_flight: dict[str, Sequence] = {}
+        self._is_preempting = False  # whether the current schedule() has preempted anything
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (FIFO), or raise RequestRejected if it can never run."""
+        if seq.request_id in self.requests:
+            raise RequestRejected(f"request_id {seq.request_id!r} is already live")
+        if seq.num_prompt_tokens == 0:
+            raise RequestRejected("prompt_token_ids must not be empty")
+        if seq.stopping.max_new_tokens <= 0:
+            raise RequestRejected("stopping.max_new_tokens must be > 0")
+        if seq.num_prompt_tokens >= self.max_len:
+            raise RequestRejected(
+                f"prompt_token_ids has {seq.num_prompt_tokens} tokens; at most {self.max_len - 1} fit "
+                f"(max_model_len and KV-cache capacity leave room for one generated token)")
+        if seq.request_id in self._finished_seq_ids:
+            # Its NewSequence restarts the worker's state; releasing it after that would drop the new one.
+            self._finished_seq_ids.remove(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a live request at once (its blocks are free for the next step); False if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work: running sequences first, then waiting ones in arrival order."""
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        self._is_preempting = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)  # >= 1: the last sampled token at least
+            if not self._allocate_or_preempt(seq, num_new):
+                break  # seq was the last one left to preempt
+            chosen.append((seq, num_new))
+            budget -= num_new
+            index += 1
+        # Admitting while short of blocks would only preempt again next step.
+        while self.waiting and not self._is_preempting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen.append((seq, num_new))
+            budget -= num_new
+        return self._build_output(chosen)
+
+    def postprocess(self, output: SchedulerOutput, sampled: Mapping[str, SampledTokens]) -> list[RequestOutput]:
+        """Account the step's computed tokens, append sampled ones, apply stop conditions.
+
+        `sampled` holds an entry for every scheduled sequence with sample indices.
+        Sequences aborted while the step ran are skipped.
+        """
+        now = self.clock()
+        results = []
+        in_flight, self._in_flight = self._in_flight, {}
+        for work in output.scheduled:
+            seq = in_flight.get(work.seq_id)
+            if seq is None or seq.is_finished:
+                continue
+            seq.num_computed_tokens += len(work.token_ids)
+            if work.sample_indices:
+                results.append(self._append_sampled(seq, sampled[work.seq_id], now))
+        return results
+
+    def discard(self, output: SchedulerOutput) -> list[str]:
+        """Forget a step that failed; returns the ids of its sequences still live (the caller aborts them)."""
+        in_flight, self._in_flight = self._in_flight, {}
+        return [work.seq_id for work in output.scheduled
+                if (seq := in_flight.get(work.seq_id)) is not None and not seq.is_finished]
+
+    def _append_sampled(self, seq: Sequence, sample: SampledTokens, now: float) -> RequestOutput:
+        num_accepted = 0
+        status = None
+        for token_id in sample.token_ids:
+            seq.append_token(token_id, now)
+            num_accepted += 1
+            status = self._stop_status(seq, token_id)
+            if status is not None:
+                break
+        result = RequestOutput(
+            request_id=seq.request_id,
+            token_ids=list(sample.token_ids[:num_accepted]),
+            scores=list(sample.scores[:num_accepted]),
+            top_logprobs=list(sample.top_logprobs[:num_accepted]),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_generated_tokens=seq.num_output_tokens,
+        )
+        if status is not None:
+            self._finish(seq, status)
+            result.finish_status = status
+            result.metrics = RequestMetrics.of(seq)
+        return result
+
+    def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        if token_id in self.eos_token_ids and not seq.stopping.ignore_eos:
+            return SequenceStatus.FINISHED_EOS_TOKEN
+        if token_id in seq.stopping.stop_token_ids:
+            return SequenceStatus.FINISHED_STOP_TOKEN
+        if seq.num_output_tokens >= seq.stopping.max_new_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_len:
+            return SequenceStatus.FINISHED_CONTEXT_LENGTH
+        return None
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> bool:
+        """Allocate blocks for seq, preempting the latest-admitted sequences while short.
+
+        False when seq itself had to be preempted. Never preempts a sequence
+        already chosen this step: those sit before seq in `running`.
+        """
+        while not self.block_manager.can_allocate(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_new)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # The worker keeps the sequence's sampling state: a step with
+        # num_computed_tokens = 0 makes it recompute prompt + output so far.
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self._is_preempting = True
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        del self.requests[seq.request_id]
+        if seq.is_known_to_worker:
+            self._finished_seq_ids.append(seq.request_id)
+
+    def _build_output(self, chosen: list[tuple[Sequence, int]]) -> SchedulerOutput:
+        output = SchedulerOutput()
+        if not chosen:
+            return output  # finished ids wait for the next step that runs
+        now = self.clock()
+        for seq, num_new in chosen:
+            start = seq.num_computed_tokens
+            is_at_end = start + num_new == seq.num_tokens
+            output.scheduled.append(ScheduledSequence(
+                seq_id=seq.request_id,
+                token_ids=seq.token_ids[start:start + num_new],
+                num_computed_tokens=start,
+                block_table=list(seq.block_table),
+                sample_indices=[num_new - 1] if is_at_end else [],
+            ))
+            if not seq.is_known_to_worker:
+                output.new_sequences.append(NewSequence(seq.request_id, seq.sampling, seq.num_prompt_tokens))
+                seq.is_known_to_worker = True
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            seq.max_batch_size = max(seq.max_batch_size, len(chosen))
+            self._in_flight[seq.request_id] = seq
+        output.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
+        self.num_steps += 1
+        return output

@@ -1,0 +1,261 @@
+"""The model runner against the stock transformers model: greedy decoding, batching, KV paging, trees."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from worker.config import WorkerConfig
+from worker.messages import InvalidRequest, NewSequence, ScheduledSequence, StepRequest
+from worker.model_runner import ModelRunner
+from worker.sampler import SamplingParams
+
+BLOCK_SIZE = 4
+PROMPT = [1, 50, 60, 70, 80, 90, 100, 33, 21, 7, 140]
+
+
+def make_runner(model_dir, num_kv_blocks: int = 64, block_size: int = BLOCK_SIZE) -> ModelRunner:
+    # float32 everywhere (also on a GPU) so that greedy choices compare exactly with the reference
+    config = WorkerConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype="float32")
+    runner = ModelRunner(config)
+    runner.warm_up()
+    return runner
+
+
+@pytest.fixture(scope="module")
+def gemma3_runner(tiny_gemma3_dir):
+    return make_runner(tiny_gemma3_dir)
+
+
+@pytest.fixture(scope="module")
+def llama_runner(tiny_llama_dir):
+    return make_runner(tiny_llama_dir)
+
+
+@pytest.fixture(params=["gemma3", "llama"])
+def runner(request):
+    return request.getfixturevalue(f"{request.param}_runner")
+
+
+@contextlib.contextmanager
+def stock_attention(model):
+    """Run the same weights with transformers' own SDPA attention (the reference)."""
+    model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation("segserve_paged")
+
+
+def reference_greedy(model, prompt: list[int], num_new: int) -> list[int]:
+    with stock_attention(model), torch.inference_mode():
+        out = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=num_new,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def reference_last_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits after `token_ids`, computed from scratch with no cache: [V]."""
+    with stock_attention(model), torch.inference_mode():
+        ids = torch.tensor([token_ids], device=model.device)
+        return model(input_ids=ids, use_cache=False).logits[0, -1].float()
+
+
+class Decoder:
+    """Drives one sequence through the runner the way the scheduler does: chunked prefill, then decode."""
+
+    def __init__(self, seq_id: str, prompt: list[int], blocks: list[int], chunks: list[int] | None = None,
+                 params: SamplingParams | None = None):
+        self.seq_id, self.prompt, self.blocks = seq_id, prompt, blocks
+        self.pending = _split(prompt, chunks or [len(prompt)])
+        self.new = NewSequence(seq_id, params or SamplingParams(), len(prompt))
+        self.num_computed, self.output = 0, []
+
+    def work(self) -> ScheduledSequence:
+        tokens = self.pending[0] if self.pending else [self.output[-1]]
+        is_last_chunk = len(self.pending) <= 1
+        return ScheduledSequence(self.seq_id, tokens, self.num_computed, self.blocks,
+                                 sample_indices=[len(tokens) - 1] if is_last_chunk else [])
+
+    def advance(self, work: ScheduledSequence, sampled: list[int]) -> None:
+        self.num_computed += len(work.token_ids)
+        if self.pending:
+            self.pending.pop(0)
+        self.output += sampled
+
+
+def _split(tokens: list[int], sizes: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(tokens[start:start + size])
+        start += size
+    assert start == len(tokens)
+    return out
+
+
+def run_together(runner: ModelRunner, decoders: list[Decoder], num_new: int) -> dict[str, list[int]]:
+    """Step all decoders in shared batches until each has num_new tokens; then forget them."""
+    new = [d.new for d in decoders]
+    while any(len(d.output) < num_new for d in decoders):
+        active = [d for d in decoders if len(d.output) < num_new]
+        works = [d.work() for d in active]
+        outputs = {o.seq_id: o.token_ids for o in runner.step(StepRequest(works, new))}
+        new = []
+        for d, w in zip(active, works):
+            d.advance(w, outputs.get(d.seq_id, []))
+    runner.step(StepRequest(finished_seq_ids=[d.seq_id for d in decoders]))
+    return {d.seq_id: d.output for d in decoders}
+
+
+def test_greedy_decode_matches_generate(runner):
+    """Uneven prefill chunks, a scattered block table, 20 tokens: far past tiny Gemma3's window of 8."""
+    num_new = 20
+    blocks = [9, 2, 31, 5, 17, 3, 40, 11]
+    got = run_together(runner, [Decoder("a", PROMPT, blocks, chunks=[3, 5, 3])], num_new)["a"]
+    assert got == reference_greedy(runner.model, PROMPT, num_new)
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_matches_generate(default_model_dir):
+    from transformers import AutoTokenizer
+
+    runner = make_runner(default_model_dir, num_kv_blocks=8, block_size=16)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = ["The capital of France is Paris. The capital of Germany is",
+             "def add(a, b):\n    return a + b\n\ndef mul("]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    decoders = [Decoder(f"p{i}", p, [i * 2, i * 2 + 1], chunks=[5, len(p) - 5]) for i, p in enumerate(prompts)]
+    got = run_together(runner, decoders, 4)
+    for i, prompt in enumerate(prompts):
+        assert got[f"p{i}"] == reference_greedy(runner.model, prompt, 4)
+
+
+def test_batch_invariance(runner):
+    """Sequences of different lengths, prefilling and decoding in shared steps, match decoding alone."""
+    prompts = {"short": PROMPT[:3], "mid": PROMPT[:9], "long": PROMPT + [200, 201, 202]}
+    tables = {"short": [0, 1, 2, 3, 4, 5], "mid": [6, 7, 8, 9, 10, 11, 12], "long": [13, 14, 15, 16, 17, 18, 19]}
+    chunks = {"short": [3], "mid": [4, 5], "long": [2, 6, 6]}
+    together = run_together(runner, [Decoder(k, p, tables[k], chunks[k]) for k, p in prompts.items()], 12)
+    for key, prompt in prompts.items():
+        alone = run_together(runner, [Decoder(key, prompt, tables[key])], 12)
+        assert together[key] == alone[key]
+
+
+def _prefill_logits(runner: ModelRunner, seq_id: str, tokens: list[int], blocks: list[int]) -> torch.Tensor:
+    work = ScheduledSequence(seq_id, tokens, 0, blocks, sample_indices=list(range(len(tokens))))
+    logits = runner.compute_logits(StepRequest([work], [NewSequence(seq_id, SamplingParams(), len(tokens))]))
+    decode = ScheduledSequence(seq_id, [5], len(tokens), blocks, sample_indices=[0])
+    logits = torch.cat([logits, runner.compute_logits(StepRequest([decode]))])
+    runner.step(StepRequest(finished_seq_ids=[seq_id]))
+    return logits
+
+
+def test_block_tables_scattered_and_reused(runner):
+    tokens = PROMPT + [3, 4, 5, 6]
+    contiguous = _prefill_logits(runner, "a", tokens, [0, 1, 2, 3, 4])
+    shuffled = _prefill_logits(runner, "b", tokens, [37, 12, 50, 8, 21])
+    torch.testing.assert_close(shuffled, contiguous, atol=1e-5, rtol=0)
+    # Blocks 37, 12, ... now hold another sequence's keys: a new one reusing them must not see them.
+    other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4]
+    fresh = _prefill_logits(runner, "c", other, [60, 61, 62, 63])
+    reused = _prefill_logits(runner, "d", other, [12, 50, 37, 8])
+    torch.testing.assert_close(reused, fresh, atol=1e-5, rtol=0)
+
+
+# A candidate tree: parent of each node (node 0 is the root, the last sampled token).
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 6]
+TREE_TOKENS = [77, 12, 250, 31, 99, 140, 5, 64]
+
+
+def tree_layout(parents: list[int]) -> tuple[np.ndarray, list[int], list[list[int]]]:
+    """Mask [n, n] (each node sees its ancestors and itself), depths, and each node's root path."""
+    paths = []
+    for node, parent in enumerate(parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [node])
+    mask = np.zeros((len(parents), len(parents)), dtype=bool)
+    for node, path in enumerate(paths):
+        mask[node, path] = True
+    return mask, [len(p) - 1 for p in paths], paths
+
+
+def test_tree_forward_matches_naive(runner):
+    """One packed tree forward (mask + depth positions) equals each root-to-node path run from scratch."""
+    context = PROMPT + [200, 201, 202, 203]  # 15 tokens: the tree's keys cross the sliding window of 8
+    mask, depths, paths = tree_layout(TREE_PARENTS)
+    blocks = [20, 3, 44, 9, 30, 1]
+    prefill = ScheduledSequence("t", context, 0, blocks)
+    runner.step(StepRequest([prefill], [NewSequence("t", SamplingParams(), len(context))]))
+    tree = ScheduledSequence("t", TREE_TOKENS, len(context), blocks, position_ids=[len(context) + d for d in depths],
+                             attention_mask=mask, sample_indices=list(range(len(TREE_TOKENS))))
+    packed = runner.compute_logits(StepRequest([tree]))
+    runner.step(StepRequest(finished_seq_ids=["t"]))
+    for node, path in enumerate(paths):
+        naive = reference_last_logits(runner.model, context + [TREE_TOKENS[i] for i in path])
+        torch.testing.assert_close(packed[node], naive.to(packed.device), atol=1e-4, rtol=0)
+        assert packed[node].argmax() == naive.argmax()
+
+
+def test_tree_sampling_sees_each_nodes_path(runner):
+    """Penalties at a tree node count the node's own path, exactly as a plain sequence ending there."""
+    # Top log-probabilities are normalized over the whole penalized row, so any history difference shows.
+    params = SamplingParams(repetition_penalty=3.0, frequency_penalty=2.0, num_top_logprobs=3)
+    context = PROMPT[:6]
+    mask, depths, paths = tree_layout(TREE_PARENTS)
+    tree = ScheduledSequence("t", TREE_TOKENS, len(context), list(range(10, 14)),
+                             position_ids=[len(context) + d for d in depths], attention_mask=mask,
+                             sample_indices=list(range(len(TREE_TOKENS))))
+    runner.step(StepRequest([ScheduledSequence("t", context, 0, list(range(10, 14)))],
+                            [NewSequence("t", params, 3)]))
+    (tree_out,) = runner.step(StepRequest([tree], finished_seq_ids=[]))
+    runner.step(StepRequest(finished_seq_ids=["t"]))
+    for node, path in enumerate(paths):
+        tokens = context + [TREE_TOKENS[i] for i in path]
+        plain = ScheduledSequence("p", tokens, 0, list(range(20, 24)), sample_indices=[len(tokens) - 1])
+        (out,) = runner.step(StepRequest([plain], [NewSequence("p", params, 3)], finished_seq_ids=["p"]))
+        assert tree_out.token_ids[node] == out.token_ids[0]
+        assert tree_out.scores[node] == pytest.approx(out.scores[0], abs=1e-4)
+        assert tree_out.top_logprobs[node][0] == out.top_logprobs[0][0]
+        assert tree_out.top_logprobs[node][1] == pytest.approx(out.top_logprobs[0][1], abs=1e-4)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(seq_id="nobody"), "unknown seq_id"),
+    (dict(block_table=[]), "block_table"),
+    (dict(token_ids=[1, 2, 400]), "token_ids"),
+    (dict(num_computed_tokens=7), "knows only"),
+    (dict(attention_mask=np.zeros((3, 3), dtype=bool)), "attend to itself"),
+    (dict(sample_indices=[3]), "sample_indices"),
+    (dict(position_ids=[0, 1]), "position_ids"),
+])
+def test_invalid_requests_are_rejected_without_side_effects(gemma3_runner, bad, message):
+    runner = gemma3_runner
+    good = dict(seq_id="v", token_ids=[1, 2, 3], num_computed_tokens=0, block_table=[0, 1], sample_indices=[2])
+    runner.step(StepRequest(new_sequences=[NewSequence("v", SamplingParams(), 3)], finished_seq_ids=["v"]))
+    with pytest.raises(InvalidRequest, match=message):
+        runner.step(StepRequest([ScheduledSequence(**{**good, **bad})]))
+    # The rejected step changed nothing: the sequence still starts from scratch.
+    (first,) = runner.step(StepRequest([ScheduledSequence(**good)]))
+    (again,) = runner.step(StepRequest([ScheduledSequence(**good)], [NewSequence("v", SamplingParams(), 3)]))
+    assert first.token_ids == again.token_ids
+
+
+def test_overlapping_slots_and_finished_sequences_are_rejected(gemma3_runner):
+    runner = gemma3_runner
+    new = [NewSequence("x", SamplingParams(), 2), NewSequence("y", SamplingParams(), 2)]
+    clash = [ScheduledSequence("x", [1, 2], 0, [5]), ScheduledSequence("y", [3, 4], 0, [5])]
+    with pytest.raises(InvalidRequest, match="same KV-cache slot"):
+        runner.step(StepRequest(clash, new))
+    runner.step(StepRequest(finished_seq_ids=["x"]))
+    with pytest.raises(InvalidRequest, match="unknown seq_id"):
+        runner.step(StepRequest([ScheduledSequence("x", [1], 0, [5])]))
+
+
+def test_info_describes_model_and_cache(gemma3_runner):
+    info = gemma3_runner.info()
+    assert (info.num_kv_blocks, info.block_size, info.vocab_size, info.max_model_len) == (64, BLOCK_SIZE, 400, 512)
+    assert info.eos_token_ids == (gemma3_runner.model.config.eos_token_id,)
+    assert info.dtype == "float32" and info.device == str(gemma3_runner.model.device)
+    assert gemma3_runner.is_ready

@@ -1,0 +1,79 @@
+"""The paged KV cache: fixed-size blocks of key/value slots per layer.
+
+The worker owns this memory; the scheduler owns its allocation and sends each
+sequence's block table. A token at storage position `pos` of a sequence lives in
+slot `block_table[pos // block_size] * block_size + pos % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    """Per-layer geometry of the cache, read from the model config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_model_config(cls, config) -> KVCacheShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        return cls(text.num_hidden_layers, num_kv_heads, head_dim)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, keys and values."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def num_blocks_for(shape: KVCacheShape, block_size: int, dtype: torch.dtype, kv_cache_gb: float) -> int:
+    """How many blocks fit in kv_cache_gb GiB."""
+    return max(1, int(kv_cache_gb * 2**30) // shape.bytes_per_block(block_size, dtype))
+
+
+class PagedKVCache:
+    """K and V tensors per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, shape: KVCacheShape, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        # zeros, not empty: padded key slots are read (and masked out); a NaN there
+        # would still poison the output through 0 * NaN in the value product.
+        self.keys = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        flat = (num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
+        self._flat_keys = [k.view(flat) for k in self.keys]
+        self._flat_values = [v.view(flat) for v in self.values]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store new tokens. slots: [T] flat slot ids; key/value: [T, num_kv_heads, head_dim]."""
+        self._flat_keys[layer_idx].index_copy_(0, slots, key)
+        self._flat_values[layer_idx].index_copy_(0, slots, value)
+
+    def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read slots [R, L] as keys and values [R, num_kv_heads, L, head_dim] each."""
+        dims = (*slots.shape, self.shape.num_kv_heads, self.shape.head_dim)  # [R, L, KVH, D]
+        flat = slots.reshape(-1)
+        key = self._flat_keys[layer_idx].index_select(0, flat).view(dims)
+        value = self._flat_values[layer_idx].index_select(0, flat).view(dims)
+        return key.transpose(1, 2), value.transpose(1, 2)
+
+
+def slot_ids(block_table: torch.Tensor, start: int, stop: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots [stop - start] of storage positions [start, stop); block_table: [num_blocks] long."""
+    positions = torch.arange(start, stop)
+    return block_table[positions // block_size] * block_size + positions % block_size

@@ -1,0 +1,132 @@
+"""The worker's gRPC service: GetInfo, Step and Health over a ModelRunner.
+
+Protobuf is converted here and nowhere else. The forward runs in a thread so the
+event loop keeps answering Health while a step computes; steps are serialized
+(the runner and its KV cache are single-threaded). Exceptions become gRPC status
+codes in one place, `_status_errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+import grpc
+
+from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
+from worker.config import WorkerConfig
+from worker.messages import InvalidRequest, StepRequest
+from worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class NotReady(RuntimeError):
+    """The model is still loading (or failed to load)."""
+
+
+def _status_errors(method):
+    """Map exceptions to gRPC status codes: bad requests are INVALID_ARGUMENT, never a crash."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NotReady as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception as exc:
+            logger.exception("worker %s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves a ModelRunner once `attach` has handed over a warmed-up one."""
+
+    def __init__(self, runner: ModelRunner | None = None):
+        self._runner: ModelRunner | None = None
+        self._detail = "loading the model"
+        self._step_lock = asyncio.Lock()
+        if runner is not None:
+            self.attach(runner)
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Start serving `runner`; it must have passed its warm-up forward."""
+        if not runner.is_ready:
+            raise ValueError("attach a runner only after warm_up() succeeded")
+        self._runner = runner
+
+    def mark_failed(self, detail: str) -> None:
+        self._detail = detail
+
+    def _ready_runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise NotReady(f"worker not ready: {self._detail}")
+        return self._runner
+
+    @_status_errors
+    async def GetInfo(self, request, context):
+        return self._ready_runner().info().to_pb()
+
+    @_status_errors
+    async def Step(self, request, context):
+        runner = self._ready_runner()
+        step = StepRequest.from_pb(request)
+        async with self._step_lock:
+            start = time.perf_counter_ns()
+            outputs = await asyncio.to_thread(runner.step, step)
+            compute_us = (time.perf_counter_ns() - start) // 1000
+        return worker_pb2.StepResponse(outputs=[o.to_pb() for o in outputs], compute_us=compute_us)
+
+    @_status_errors
+    async def Health(self, request, context):
+        if self._runner is None:
+            return worker_pb2.HealthResponse(ready=False, detail=self._detail)
+        return worker_pb2.HealthResponse(ready=True)
+
+
+async def start_server(servicer: WorkerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Bind and start a grpc.aio server for `servicer`; returns it and the bound port (port 0 = any free one)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 * 2**20),
+        ("grpc.max_send_message_length", 64 * 2**20),
+    ])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the worker to {host}:{port}")
+    await server.start()
+    return server, bound
+
+
+def load_runner(config: WorkerConfig) -> ModelRunner:
+    """Load the model and run the warm-up forward (blocking; call in a thread)."""
+    runner = ModelRunner(config)
+    runner.warm_up()
+    return runner
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Bind first (Health answers "not ready" while loading), load and warm up, then serve until stopped."""
+    servicer = WorkerServicer()
+    server, port = await start_server(servicer, config.host, config.port)
+    logger.info("worker listening on %s:%d, loading the model", config.host, port)
+    try:
+        runner = await asyncio.to_thread(load_runner, config)
+    except Exception as exc:
+        servicer.mark_failed(f"model failed to load: {exc}")
+        await server.stop(grace=None)
+        raise
+    servicer.attach(runner)
+    info = runner.info()
+    logger.info("worker ready: %s, %d KV blocks of %d tokens on %s/%s", info.model_name, info.num_kv_blocks,
+                info.block_size, info.device, info.dtype)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(grace=1.0)
