@@ -1,0 +1,1 @@
+"""Speculative drafting: per-segment lookup corpora and draft models (the next milestone)."""

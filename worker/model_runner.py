@@ -17,6 +17,7 @@ other accepted tokens are sent again as new tokens.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
 from worker.checkpoint import resolve_model
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
+from worker.lm_head import install_tuned_head
 from worker.messages import (
     InvalidRequest,
     NewSequence,
@@ -38,6 +40,7 @@ from worker.sampler import SampleRow, SamplingParams, make_generator, sample
 from worker.validation import StepLimits, validate_disjoint_slots, validate_sequence
 
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WARMUP_SEQ_ID = "__segserve_warmup__"
 
@@ -77,6 +80,7 @@ class ModelRunner:
             path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device).eval()
         self.device = self.model.device  # "cuda" resolved to "cuda:0"
+        self.tuned_head = install_tuned_head(self.model)
         model_config = self.model.config.get_text_config()
         max_len = model_config.max_position_embeddings
         if config.max_model_len > max_len:
@@ -107,7 +111,10 @@ class ModelRunner:
         return self._info
 
     def warm_up(self) -> None:
-        """Run one real step (forward and sampling) on block 0; the runner is ready after it."""
+        """Pick the output head's matmul layout, then run one real step (forward and sampling) on
+        block 0; the runner is ready after it."""
+        if self.tuned_head is not None:
+            logger.info("output head layouts by row count: %s", self.tuned_head.tune())
         num_tokens = min(4, self.limits.max_model_len)
         blocks = list(range(-(-num_tokens // self.kv_cache.block_size)))
         seq = ScheduledSequence(_WARMUP_SEQ_ID, [0] * num_tokens, 0, blocks, sample_indices=[num_tokens - 1])

@@ -1,0 +1,222 @@
+"""An async, closed-loop load generator for any OpenAI-compatible server.
+
+Each of `concurrency` streams sends `requests_per_stream` streamed
+`POST /v1/completions` requests back to back (temperature 0, fixed prompts,
+`max_tokens` N) and records, per request, when it was sent, when each SSE event
+carrying text arrived, how many tokens it produced and how it ended. A level is
+bounded in requests and in time; only loopback servers are accepted (this is a
+local benchmark, not a load-testing tool for other people's hosts).
+
+Timings are `time.perf_counter()` seconds; statistics live in `report`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+@dataclass
+class RequestRecord:
+    """What one streamed request did."""
+
+    stream_index: int
+    """Which concurrent stream sent it (0..concurrency-1)."""
+    started_at: float
+    """perf_counter() when the request was sent."""
+    finished_at: float = 0.0
+    """perf_counter() when the stream ended (or failed)."""
+    event_times: list[float] = field(default_factory=list)
+    """perf_counter() of every SSE event that carried non-empty text, in order."""
+    num_tokens: int = 0
+    """Completion tokens: usage.completion_tokens when the server sends it, else len(event_times)."""
+    finish_reason: str | None = None
+    """The server's finish_reason ("length", "stop", ...), None if it sent none."""
+    error: str | None = None
+    """Why the request failed (HTTP status, error event, timeout); None on success."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LoadSpec:
+    """One level of load against one server."""
+
+    base_url: str
+    """Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)."""
+    prompts: list[str]
+    """Prompts, cycled over requests."""
+    max_tokens: int
+    """max_tokens of every request."""
+    concurrency: int
+    """Number of streams running at once."""
+    requests_per_stream: int = 1
+    """Requests each stream sends back to back."""
+    model: str | None = None
+    """The `model` body field; None leaves it out."""
+    extra_body: dict = field(default_factory=dict)
+    """Extra body fields (e.g. {"ignore_eos": true}) merged into every request."""
+    request_timeout_s: float = 120.0
+    """Longest one request may take."""
+    time_limit_s: float = 600.0
+    """Longest the whole level may take; requests still running then fail with 'time limit'."""
+
+    def __post_init__(self) -> None:
+        check_loopback(self.base_url)
+        if not self.prompts:
+            raise ValueError("prompts must not be empty")
+        if self.max_tokens <= 0 or self.concurrency <= 0 or self.requests_per_stream <= 0:
+            raise ValueError("max_tokens, concurrency and requests_per_stream must be > 0")
+        if self.request_timeout_s <= 0 or self.time_limit_s <= 0:
+            raise ValueError("request_timeout_s and time_limit_s must be > 0")
+
+
+@dataclass
+class LoadRun:
+    """All requests of one level and the wall-clock window they ran in."""
+
+    records: list[RequestRecord]
+    started_at: float
+    finished_at: float
+
+
+def check_loopback(base_url: str) -> None:
+    """Refuse any server that is not on this machine's loopback interface."""
+    host = urlsplit(base_url).hostname
+    if host not in LOOPBACK_HOSTS:
+        raise ValueError(f"loadgen only targets loopback servers, not {host!r}")
+
+
+def completions_url(base_url: str) -> str:
+    root = base_url.rstrip("/")
+    return root + ("/completions" if root.endswith("/v1") else "/v1/completions")
+
+
+def request_body(spec: LoadSpec, prompt: str, max_tokens: int | None = None) -> dict:
+    """The JSON body of one streamed completion request."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens or spec.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if spec.model is not None:
+        body["model"] = spec.model
+    body.update(spec.extra_body)
+    return body
+
+
+def parse_sse_line(line: str) -> dict | None:
+    """One SSE line -> its JSON payload; None for comments, blanks, non-data fields and [DONE]."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:") :].strip()
+    if not payload or payload == "[DONE]":
+        return None
+    return json.loads(payload)
+
+
+def apply_event(record: RequestRecord, event: dict, now: float) -> None:
+    """Fold one parsed SSE event into `record` (text arrival, usage, finish reason, errors)."""
+    if "error" in event:
+        record.error = f"error event: {event['error']}"
+        return
+    for choice in event.get("choices") or []:
+        if choice.get("text"):
+            record.event_times.append(now)
+        if choice.get("finish_reason"):
+            record.finish_reason = choice["finish_reason"]
+    usage = event.get("usage")
+    if usage and usage.get("completion_tokens") is not None:
+        record.num_tokens = int(usage["completion_tokens"])
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord) -> None:
+    """Send one streamed request and fill `record` as events arrive."""
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:300]
+            record.error = f"HTTP {response.status_code}: {detail}"
+            return
+        async for line in response.aiter_lines():
+            event = parse_sse_line(line)
+            if event is not None:
+                apply_event(record, event, time.perf_counter())
+            if record.error:
+                return
+    if record.num_tokens == 0:
+        record.num_tokens = len(record.event_times)
+
+
+async def _timed_request(client, url: str, body: dict, record: RequestRecord, timeout_s: float) -> RequestRecord:
+    try:
+        await asyncio.wait_for(stream_one(client, url, body, record), timeout=max(timeout_s, 0.001))
+    except asyncio.TimeoutError:
+        record.error = "time limit"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.finished_at = time.perf_counter()
+    return record
+
+
+def make_client(concurrency: int, request_timeout_s: float) -> httpx.AsyncClient:
+    # trust_env=False: a proxy configured for package registries must never see loopback traffic.
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(request_timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2),
+        trust_env=False,
+    )
+
+
+async def run_load(spec: LoadSpec) -> LoadRun:
+    """Run one level: `concurrency` closed-loop streams, bounded by `time_limit_s`."""
+    url = completions_url(spec.base_url)
+    started_at = time.perf_counter()
+    deadline = started_at + spec.time_limit_s
+    records: list[RequestRecord] = []
+
+    async def stream(index: int, client: httpx.AsyncClient) -> None:
+        for round_index in range(spec.requests_per_stream):
+            now = time.perf_counter()
+            if now >= deadline:
+                return
+            prompt = spec.prompts[(index + round_index * spec.concurrency) % len(spec.prompts)]
+            record = RequestRecord(stream_index=index, started_at=now)
+            records.append(record)
+            timeout_s = min(spec.request_timeout_s, deadline - now)
+            await _timed_request(client, url, request_body(spec, prompt), record, timeout_s)
+
+    async with make_client(spec.concurrency, spec.request_timeout_s) as client:
+        await asyncio.gather(*(stream(i, client) for i in range(spec.concurrency)))
+    return LoadRun(records=records, started_at=started_at, finished_at=time.perf_counter())
+
+
+async def probe(spec: LoadSpec, max_tokens: int = 4) -> RequestRecord:
+    """Send one short request (warm-up, or to learn whether the server accepts `extra_body`)."""
+    url = completions_url(spec.base_url)
+    record = RequestRecord(stream_index=0, started_at=time.perf_counter())
+    async with make_client(1, spec.request_timeout_s) as client:
+        body = request_body(spec, spec.prompts[0], max_tokens=max_tokens)
+        return await _timed_request(client, url, body, record, spec.request_timeout_s)
+
+
+async def fetch_model_name(base_url: str, timeout_s: float = 10.0) -> str | None:
+    """The first model id from GET /v1/models, or None when the server has no usable list."""
+    check_loopback(base_url)
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+            response = await client.get(root + "/v1/models")
+            data = response.json().get("data") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return data[0].get("id") if data else None

@@ -1,0 +1,199 @@
+"""Turn raw request timings into the numbers the throughput benchmark reports.
+
+Pure functions (percentiles, per-level summaries, goal checks, the markdown
+table) plus two writers (JSON, PNG). Latencies are reported in milliseconds,
+throughput in generated tokens per second.
+
+- TTFT: request sent -> first SSE event carrying text.
+- ITL: gap between consecutive text events of one request (one event may carry
+  several tokens, e.g. under speculative decoding; that is what a client sees).
+- Aggregate tokens/s: completion tokens of every successful request / the
+  level's wall time (first request sent -> last request finished).
+- Decode tokens/s of one request: (tokens - 1) / (last event - first event).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from statistics import median
+
+from segserve.bench.loadgen import RequestRecord
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation (numpy's default); None if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError("q must be in [0, 100]")
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def inter_token_gaps(event_times: list[float]) -> list[float]:
+    """Gaps between consecutive events, in seconds."""
+    return [later - earlier for earlier, later in zip(event_times, event_times[1:])]
+
+
+def decode_tokens_per_s(record: RequestRecord) -> float | None:
+    """Decode rate of one request after its first token; None when it cannot be told."""
+    if len(record.event_times) < 2 or record.num_tokens < 2:
+        return None
+    span = record.event_times[-1] - record.event_times[0]
+    return (record.num_tokens - 1) / span if span > 0 else None
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000.0
+
+
+def summarize(records: list[RequestRecord], wall_s: float | None = None) -> dict:
+    """Aggregate one level's requests; `wall_s` defaults to first start -> last finish."""
+    ok = [r for r in records if r.error is None and r.event_times]
+    if wall_s is None and records:
+        wall_s = max(r.finished_at for r in records) - min(r.started_at for r in records)
+    ttfts = [r.event_times[0] - r.started_at for r in ok]
+    gaps = [gap for r in ok for gap in inter_token_gaps(r.event_times)]
+    decode_rates = [rate for r in ok if (rate := decode_tokens_per_s(r)) is not None]
+    total_tokens = sum(r.num_tokens for r in ok)
+    return {
+        "num_requests": len(records),
+        "num_errors": len(records) - len(ok),
+        "errors": sorted({r.error or "no tokens" for r in records if r not in ok})[:5],
+        "total_tokens": total_tokens,
+        "mean_tokens_per_request": total_tokens / len(ok) if ok else None,
+        "wall_s": wall_s,
+        "aggregate_tokens_per_s": total_tokens / wall_s if wall_s and total_tokens else None,
+        "ttft_ms_p50": _ms(percentile(ttfts, 50)),
+        "ttft_ms_p99": _ms(percentile(ttfts, 99)),
+        "itl_ms_p50": _ms(percentile(gaps, 50)),
+        "itl_ms_p99": _ms(percentile(gaps, 99)),
+        "decode_tokens_per_s_median": median(decode_rates) if decode_rates else None,
+    }
+
+
+def level_result(concurrency: int, records: list, started_at: float, finished_at: float) -> dict:
+    """A level for the JSON: its summary and every raw record, times relative to the level's start."""
+    raw = []
+    for record in records:
+        item = record.to_dict()
+        item["started_at"] -= started_at
+        item["finished_at"] -= started_at
+        item["event_times"] = [t - started_at for t in record.event_times]
+        raw.append(item)
+    summary = summarize(records, finished_at - started_at)
+    return {"concurrency": concurrency, "summary": summary, "records": raw}
+
+
+def _level(system: dict, concurrency: int) -> dict | None:
+    for level in system.get("levels", []):
+        if level["concurrency"] == concurrency:
+            return level["summary"]
+    return None
+
+
+def evaluate_goals(baseline: dict | None, ours: dict | None, peer: dict | None, low: int, high: int) -> list[dict]:
+    """The issue's three goals, each with its measured value and pass/fail (None = not measurable)."""
+    ours_low = _level(ours, low) if ours else None
+    ours_high = _level(ours, high) if ours else None
+    peer_high = _level(peer, high) if peer else None
+    goals = []
+
+    ratio = _ratio(ours_low and ours_low["decode_tokens_per_s_median"], baseline and baseline["decode_tokens_per_s"])
+    goals.append(_check(f"{low}-stream decode vs plain generate()", ">= 0.95x", ratio, 0.95))
+    ratio = _ratio(ours_high and ours_high["aggregate_tokens_per_s"], ours_low and ours_low["aggregate_tokens_per_s"])
+    goals.append(_check(f"{high}-stream aggregate vs our {low}-stream", ">= 3x", ratio, 3.0))
+    ratio = _ratio(ours_high and ours_high["aggregate_tokens_per_s"], peer_high and peer_high["aggregate_tokens_per_s"])
+    goals.append(_check(f"{high}-stream aggregate vs {peer['name'] if peer else 'peer'}", "> 1x", ratio, 1.0, strict=True))
+    return goals
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def _check(name: str, target: str, measured: float | None, threshold: float, strict: bool = False) -> dict:
+    if measured is None:
+        passed = None
+    else:
+        passed = measured > threshold if strict else measured >= threshold
+    return {"name": name, "target": target, "measured": measured, "passed": passed}
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(results: dict) -> str:
+    """The README table: one row per system and concurrency, then the baseline and the goals."""
+    lines = [
+        "| system | streams | agg tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for system in results.get("systems", {}).values():
+        for level in system["levels"]:
+            s = level["summary"]
+            lines.append(
+                f"| {system['name']} | {level['concurrency']} | {_fmt(s['aggregate_tokens_per_s'])} "
+                f"| {_fmt(s['ttft_ms_p50'], 0)} | {_fmt(s['ttft_ms_p99'], 0)} | {_fmt(s['itl_ms_p50'], 0)} "
+                f"| {_fmt(s['itl_ms_p99'], 0)} | {s['num_errors']}/{s['num_requests']} |"
+            )
+    baseline = results.get("baseline")
+    if baseline:
+        lines.append(
+            f"| plain generate() | 1 | {_fmt(baseline['tokens_per_s'])} | {_fmt(baseline['ttft_ms'], 0)} | | "
+            f"{_fmt(baseline['itl_ms_p50'], 0)} | {_fmt(baseline['itl_ms_p99'], 0)} | |"
+        )
+    lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
+    for goal in results.get("goals", []):
+        verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
+        measured = "n/a" if goal["measured"] is None else f"{goal['measured']:.2f}x"
+        lines.append(f"| {goal['name']} | {goal['target']} | {measured} | {verdict} |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, results: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def plot(path: Path, results: dict) -> Path:
+    """Aggregate tokens/s, TTFT and ITL against concurrency, one line per system (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [
+        (axes[0], "aggregate tokens/s", [("aggregate_tokens_per_s", "")]),
+        (axes[1], "TTFT (ms)", [("ttft_ms_p50", " p50"), ("ttft_ms_p99", " p99")]),
+        (axes[2], "inter-token latency (ms)", [("itl_ms_p50", " p50"), ("itl_ms_p99", " p99")]),
+    ]
+    for axis, title, keys in panels:
+        for system in results.get("systems", {}).values():
+            xs = [level["concurrency"] for level in system["levels"]]
+            for key, suffix in keys:
+                ys = [level["summary"][key] for level in system["levels"]]
+                ys = [math.nan if y is None else y for y in ys]
+                axis.plot(xs, ys, marker="o", linestyle="--" if suffix == " p99" else "-", label=system["name"] + suffix)
+        axis.set_title(title)
+        axis.set_xlabel("concurrent streams")
+        axis.set_xscale("log", base=2)
+        axis.grid(True, alpha=0.3)
+    baseline = results.get("baseline")
+    if baseline and baseline.get("tokens_per_s"):
+        axes[0].axhline(baseline["tokens_per_s"], color="grey", linestyle=":", label="plain generate()")
+    for axis in axes:
+        axis.legend(fontsize=8)
+    fig.suptitle(f"segserve bench throughput: {results.get('model', '')}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,272 @@
+"""`segserve bench throughput`: segserve vs a peer on the same model, 1/4/16 streams.
+
+Order (nothing else of ours runs while a system is measured): plain `generate()`
+baseline in this process -> segserve (launched with `segserve.launcher.Stack`,
+or an already running one via --segserve-url) -> the peer (`transformers serve
+--continuous-batching`, or batched `generate()` when that cannot start). Each
+server gets a warm-up request first. Outputs go to --out: throughput.json,
+throughput.png, the peer's log; the markdown table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import platform
+import shlex
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from segserve.bench import loadgen, peers, report
+
+# Open-ended prompts of similar length: a base model continues them for long
+# stretches, and requests additionally ask the server to ignore EOS.
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when",
+    "Here is a short story about a lighthouse keeper who finds a strange map. One morning,",
+    "The main differences between a compiler and an interpreter are",
+    "In the mountains north of the village, the old road winds past",
+    "A practical guide to baking bread at home. First, you will need",
+    "The city council met on Tuesday evening to discuss the new train line, and",
+    "Photosynthesis is the process by which plants turn sunlight into",
+    "When the expedition finally reached the frozen coast, the captain wrote in his journal that",
+]
+PEER_CHOICES = ("auto", "transformers-serve", "batched-generate", "none")
+
+
+@dataclass
+class ThroughputConfig:
+    model: str | None = None
+    """Model directory; None = the default gemma-3-270m. Every system runs this one."""
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    """Concurrent stream counts; the lowest and highest are the ones the goals compare."""
+    max_tokens: int = 64
+    """Tokens generated per request (EOS is ignored where the server allows it)."""
+    requests_per_stream: int = 2
+    """Requests each stream sends back to back at every level."""
+    peer: str = "auto"
+    """auto (transformers serve, else batched generate()), transformers-serve, batched-generate or none."""
+    peer_args: str = ""
+    """Extra flags for `transformers serve`, e.g. "--cb-num-blocks 256" (its CB cache sizing is automatic)."""
+    segserve_url: str | None = None
+    """Measure an already running segserve at this loopback URL instead of launching one."""
+    skip_segserve: bool = False
+    """Measure only the baseline and the peer."""
+    baseline_runs: int = 2
+    """Measured runs of plain generate() (after one warm-up); the median is reported."""
+    level_time_limit_s: float = 600.0
+    """Longest one concurrency level may run."""
+    request_timeout_s: float = 300.0
+    """Longest one request may take."""
+    startup_timeout_s: float = 300.0
+    """Longest a server may take to become ready."""
+    dtype: str = "auto"
+    """Weights dtype for every system: auto = bfloat16 on cuda, float32 on cpu."""
+    out: str = "bench-results"
+    """Directory for throughput.json, throughput.png and logs."""
+
+    def __post_init__(self) -> None:
+        self.concurrency = tuple(sorted(set(self.concurrency)))
+        if not self.concurrency or min(self.concurrency) <= 0:
+            raise ValueError("concurrency must list positive stream counts")
+        if self.max_tokens < 2 or self.requests_per_stream <= 0 or self.baseline_runs <= 0:
+            raise ValueError("max_tokens must be >= 2; requests_per_stream and baseline_runs > 0")
+        if self.peer not in PEER_CHOICES:
+            raise ValueError(f"peer must be one of {PEER_CHOICES}")
+        if min(self.level_time_limit_s, self.request_timeout_s, self.startup_timeout_s) <= 0:
+            raise ValueError("time limits must be > 0")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.segserve_url:
+            loadgen.check_loopback(self.segserve_url)
+
+
+def _concurrency_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `segserve bench throughput`, one per ThroughputConfig field."""
+    defaults = ThroughputConfig()
+    parser.add_argument("--model", default=defaults.model, help="model directory (default: gemma-3-270m)")
+    parser.add_argument("--concurrency", type=_concurrency_list, default=defaults.concurrency, help="e.g. 1,4,16")
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--requests-per-stream", type=int, default=defaults.requests_per_stream)
+    parser.add_argument("--peer", choices=PEER_CHOICES, default=defaults.peer)
+    parser.add_argument("--peer-args", default=defaults.peer_args, help="extra `transformers serve` flags")
+    parser.add_argument("--segserve-url", default=None, help="bench a running segserve instead of launching one")
+    parser.add_argument("--skip-segserve", action="store_true")
+    parser.add_argument("--baseline-runs", type=int, default=defaults.baseline_runs)
+    parser.add_argument("--level-time-limit-s", type=float, default=defaults.level_time_limit_s)
+    parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
+    parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=defaults.dtype)
+    parser.add_argument("--out", default=defaults.out, help="output directory (default: bench-results/)")
+
+
+def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
+    return ThroughputConfig(**{f.name: getattr(args, f.name) for f in fields(ThroughputConfig)})
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "transformers": transformers.__version__,
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def bench_http(name: str, base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig) -> dict:
+    """Warm up (one short request, then one short batched round), then run every level against one server."""
+    spec = dict(base_url=base_url, prompts=PROMPTS, max_tokens=config.max_tokens, model=model,
+                request_timeout_s=config.request_timeout_s, time_limit_s=config.level_time_limit_s)  # fmt: skip
+    system = {"name": name, "kind": "openai-sse", "base_url": base_url, "model": model, "extra_body": extra_body}
+    warmup = asyncio.run(loadgen.probe(loadgen.LoadSpec(concurrency=1, extra_body=extra_body, **spec)))
+    if warmup.error and extra_body and warmup.error.startswith("HTTP 4"):
+        system["notes"] = [f"server refused extra body {extra_body} ({warmup.error}); EOS may end requests early"]
+        extra_body = system["extra_body"] = {}
+        warmup = asyncio.run(loadgen.probe(loadgen.LoadSpec(concurrency=1, **spec)))
+    if warmup.error:
+        return {**system, "error": f"warm-up request failed: {warmup.error}", "levels": []}
+    # A short batched round too: the first batched steps of a server are slower than the rest.
+    warm = dict(spec, concurrency=min(4, config.concurrency[-1]), max_tokens=min(8, config.max_tokens))
+    asyncio.run(loadgen.run_load(loadgen.LoadSpec(extra_body=extra_body, **warm)))
+    system["levels"] = []
+    for concurrency in config.concurrency:
+        level_spec = loadgen.LoadSpec(
+            concurrency=concurrency, requests_per_stream=config.requests_per_stream, extra_body=extra_body, **spec
+        )
+        run = asyncio.run(loadgen.run_load(level_spec))
+        system["levels"].append(report.level_result(concurrency, run.records, run.started_at, run.finished_at))
+        _progress(name, system["levels"][-1])
+    return system
+
+
+def _progress(name: str, level: dict) -> None:
+    summary = level["summary"]
+    tps = summary["aggregate_tokens_per_s"]
+    print(f"[bench] {name} x{level['concurrency']}: {tps or 0:.1f} tok/s, "
+          f"{summary['num_errors']}/{summary['num_requests']} errors", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict:
+    extra_body = {"ignore_eos": True}
+    if config.segserve_url:
+        model = asyncio.run(loadgen.fetch_model_name(config.segserve_url))
+        return bench_http("segserve", config.segserve_url, model, extra_body, config)
+    try:
+        from router.config import RouterConfig
+        from scheduler.config import SchedulerConfig
+        from segserve.launcher import Stack, StackConfig
+        from worker.config import WorkerConfig
+
+        stack_config = StackConfig(
+            worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0),  # 0 = the launcher picks
+            scheduler=SchedulerConfig(port=0),
+            router=RouterConfig(port=peers.free_port()),
+            startup_timeout_s=config.startup_timeout_s,
+            log_dir=str(out / "segserve-logs"),
+        )
+        with Stack(stack_config) as stack:
+            model = asyncio.run(loadgen.fetch_model_name(stack.base_url))
+            return bench_http("segserve", stack.base_url, model, extra_body, config)
+    except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
+        return {"name": "segserve", "error": f"{type(exc).__name__}: {exc}", "levels": []}
+
+
+def bench_peer(config: ThroughputConfig, model_dir: Path, out: Path) -> dict | None:
+    if config.peer == "none":
+        return None
+    notes = []
+    if config.peer in ("auto", "transformers-serve"):
+        server = peers.TransformersServe(
+            model_dir, dtype=config.dtype, startup_timeout_s=config.startup_timeout_s,
+            log_path=out / "transformers-serve.log", extra_args=tuple(shlex.split(config.peer_args)),
+        )
+        try:
+            with server:
+                extra_body = peers.ignore_eos_body(model_dir, config.max_tokens)
+                system = bench_http(f"{server.name} (continuous batching)", server.base_url, server.model_name,
+                                    extra_body, config)  # fmt: skip
+            system["command"] = shlex.join(server.command())
+            if config.peer == "transformers-serve" or "error" not in system:
+                return system
+            notes.append(system["error"])
+        except peers.PeerStartError as exc:
+            if config.peer == "transformers-serve":
+                return {"name": server.name, "error": str(exc), "levels": []}
+            notes.append(f"transformers serve could not start: {exc}")
+    return bench_batched_generate(config, model_dir, notes)
+
+
+def bench_batched_generate(config: ThroughputConfig, model_dir: Path, notes: list[str]) -> dict:
+    """The fallback peer: every stream of a level is one row of one generate() batch."""
+    model, tokenizer = peers.load_model(model_dir, config.dtype)
+    system = {"name": "batched generate()", "kind": "batched-generate", "notes": notes, "levels": []}
+    for concurrency in config.concurrency:
+        records = peers.run_batched_generate(
+            model, tokenizer, PROMPTS, concurrency, config.max_tokens, config.requests_per_stream
+        )
+        started_at, finished_at = records[0].started_at, records[-1].finished_at
+        system["levels"].append(report.level_result(concurrency, records, started_at, finished_at))
+        _progress(system["name"], system["levels"][-1])
+    return system
+
+
+def run_throughput(args: argparse.Namespace) -> dict:
+    """Run the whole benchmark; write JSON + PNG under --out, print the table, return the results."""
+    from worker.checkpoint import resolve_model
+
+    config = config_from_args(args)
+    config.dtype = peers.resolve_dtype(config.dtype)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model(config.model)
+    results = {
+        "benchmark": "throughput",
+        "command": shlex.join(sys.argv),
+        "config": asdict(config),
+        "model": str(model_dir),
+        "machine": machine_info(),
+        "prompts": PROMPTS,
+        "systems": {},
+    }
+    model, tokenizer = peers.load_model(model_dir, config.dtype)
+    results["baseline"] = peers.measure_plain_generate(model, tokenizer, PROMPTS[0], config.max_tokens,
+                                                       config.baseline_runs)  # fmt: skip
+    del model, tokenizer
+    if not config.skip_segserve:
+        results["systems"]["segserve"] = bench_segserve(config, model_dir, out)
+    peer = bench_peer(config, model_dir, out)
+    if peer is not None:
+        results["systems"]["peer"] = peer
+    low, high = config.concurrency[0], config.concurrency[-1]
+    results["goals"] = report.evaluate_goals(results["baseline"], results["systems"].get("segserve"), peer, low, high)
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    results["outputs"] = {"json": str(out / "throughput.json"), "png": str(out / "throughput.png")}
+    report.plot(out / "throughput.png", results)
+    report.write_json(out / "throughput.json", results)
+    print(report.markdown_table(results))
+    for system in results["systems"].values():
+        for line in [system["error"]] if system.get("error") else []:
+            print(f"\n{system['name']}: {line}")
+        for note in system.get("notes", []):
+            print(f"\n{system['name']}: {note}")
+    return results
