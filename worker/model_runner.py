@@ -27,7 +27,7 @@ from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
 from worker.checkpoint import resolve_model
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
-from worker.lm_head import install_tuned_head
+from worker.tuned_linear import install_tuned_linears, tune_all
 from worker.messages import (
     InvalidRequest,
     NewSequence,
@@ -80,7 +80,7 @@ class ModelRunner:
             path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device).eval()
         self.device = self.model.device  # "cuda" resolved to "cuda:0"
-        self.tuned_head = install_tuned_head(self.model)
+        self.tuned_linears = install_tuned_linears(self.model)
         model_config = self.model.config.get_text_config()
         max_len = model_config.max_position_embeddings
         if config.max_model_len > max_len:
@@ -111,10 +111,10 @@ class ModelRunner:
         return self._info
 
     def warm_up(self) -> None:
-        """Pick the output head's matmul layout, then run one real step (forward and sampling) on
-        block 0; the runner is ready after it."""
-        if self.tuned_head is not None:
-            logger.info("output head layouts by row count: %s", self.tuned_head.tune())
+        """Pick every linear layer's matmul layout, then run one real step (forward and sampling)
+        on block 0; the runner is ready after it."""
+        if self.tuned_linears:
+            logger.info("linear layouts by weight shape and row count: %s", tune_all(self.tuned_linears))
         num_tokens = min(4, self.limits.max_model_len)
         blocks = list(range(-(-num_tokens // self.kv_cache.block_size)))
         seq = ScheduledSequence(_WARMUP_SEQ_ID, [0] * num_tokens, 0, blocks, sample_indices=[num_tokens - 1])
