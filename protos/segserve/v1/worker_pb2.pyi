@@ -42,7 +42,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "block_table", "position_ids", "attention_mask", "sample_indices")
+    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "block_table", "position_ids", "attention_mask", "sample_indices", "draft_parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class ScheduledSequence(_message.Message):
     POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -57,7 +58,8 @@ class ScheduledSequence(_message.Message):
     position_ids: _containers.RepeatedScalarFieldContainer[int]
     attention_mask: bytes
     sample_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., attention_mask: _Optional[bytes] = ..., sample_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., position_ids: _Optional[_Iterable[int]] = ..., attention_mask: _Optional[bytes] = ..., sample_indices: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("new_sequences", "sequences", "finished_seq_ids")
