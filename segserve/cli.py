@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
@@ -37,8 +38,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     # Ctrl-C reaches the whole process group; the stack then stops every service.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with Stack(config) as stack:
-        print(f"segserve is ready: {stack.base_url}/v1 (model {stack.config.router.served_model_name or ''})",
-              flush=True)
+        model_name = stack.config.worker.served_model_name or Path(stack.config.worker.model).name
+        print(f"segserve is ready: {stack.base_url}/v1 serving {model_name!r}; Ctrl-C stops it", flush=True)
         try:
             return stack.wait()
         except KeyboardInterrupt:

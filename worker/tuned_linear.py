@@ -56,7 +56,7 @@ class TunedLinear(nn.Module):
         num_rows = rows.shape[0]
         if num_rows == 1:  # a single row takes a slow gemv path; two rows take the fast gemm one
             rows = torch.cat([rows, rows])
-        out = (self.weight @ rows.t()).t()[:num_rows].contiguous()  # [M, N]
+        out = _transpose(self.weight @ rows.t(), num_rows)  # [N, M'] -> [M, N]
         return out + self.bias if self.bias is not None else out
 
     @torch.inference_mode()
@@ -74,6 +74,15 @@ class TunedLinear(nn.Module):
             self._project(rows, strategy)
             calls += 1
         return (time.perf_counter() - start) / calls
+
+
+def _transpose(columns: torch.Tensor, num_rows: int, chunk: int = 16384) -> torch.Tensor:
+    """[N, M'] -> contiguous [M, N] (first num_rows columns), copied in cache-sized chunks:
+    a plain strided .contiguous() of a 16 x 262,144 result took twice as long."""
+    out = columns.new_empty(num_rows, columns.shape[0])
+    for start in range(0, columns.shape[0], chunk):
+        out[:, start:start + chunk].copy_(columns[start:start + chunk, :num_rows].t())
+    return out
 
 
 def install_tuned_linears(model: nn.Module, min_bytes: int = MIN_TUNED_BYTES) -> list[TunedLinear]:
