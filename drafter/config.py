@@ -1,0 +1,33 @@
+"""The drafter's typed configuration; CLI flags derive from these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DrafterConfig:
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to (localhost by default)."""
+    port: int = 50071
+    """gRPC port (0 = any free port)."""
+    segments_config: str | None = None
+    """Segments TOML file; None = drafter/segments/default.toml (for the default model)."""
+    tokenizer: str | None = None
+    """Model directory whose tokenizer resolves marker strings; None = the default model."""
+    corpus_dir: str | None = None
+    """Directory of saved corpora (<segment>.corpus.npz): loaded at start, saved at shutdown; None = in memory only."""
+    max_requests: int = 4096
+    """Most requests tracked at once; the least recently queried is dropped (it resyncs later)."""
+    history_max_key: int = 8
+    """Longest suffix of a request's tokens matched against its own history."""
+    history_min_key: int = 2
+    """Shortest such suffix; shorter matches propose nothing."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in 0..65535")
+        if self.max_requests <= 0:
+            raise ValueError("max_requests must be > 0")
+        if not 1 <= self.history_min_key <= self.history_max_key:
+            raise ValueError("history keys need 1 <= history_min_key <= history_max_key")

@@ -1,0 +1,80 @@
+"""DraftPlanner: one request's state -> a candidate tree from its segment's sources and algorithm.
+
+In: a RequestState and the scheduler's node budget. Out: a DraftTree and the
+segment name. Sources per segment: its lookup corpus and the request's own
+history, plus its draft model ("combine"), or the draft model alone ("replace").
+Each source's scores are normalized to sum to 1 before merging, so a corpus's raw
+frequencies and a draft model's probabilities weigh the same.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from drafter.corpus import LookupCorpus
+from drafter.segments import SegmentKind, SegmentsConfig
+from drafter.state import RequestState
+from drafter.trees import build
+from drafter.types import Continuation, ContinuationSource, DraftTree, RequestAwareSource
+
+
+class DraftPlanner:
+    """Holds the corpora and draft models; pure logic, no network."""
+
+    def __init__(
+        self,
+        segments: SegmentsConfig,
+        corpora: Mapping[str, LookupCorpus] | None = None,
+        draft_models: Mapping[str, ContinuationSource] | None = None,
+    ):
+        self.segments = segments
+        self.corpora = dict(corpora or {})
+        for kind in segments.all_kinds:
+            self.corpora.setdefault(kind.name, LookupCorpus(kind.corpus))
+        self.draft_models = dict(draft_models or {})
+
+    def learn(self, segment: str, token_ids: Sequence[int]) -> None:
+        """Online learning: a closed segment's tokens join its corpus."""
+        corpus = self.corpora.get(segment)
+        if corpus is not None:
+            corpus.add(token_ids)
+
+    def release(self, request_id: str) -> None:
+        """A request ended: per-request sources (draft-model caches) forget it."""
+        for model in self.draft_models.values():
+            if isinstance(model, RequestAwareSource):
+                model.release(request_id)
+
+    def draft(self, state: RequestState, max_nodes: int) -> tuple[DraftTree, str]:
+        """The tree for one request within min(max_nodes, the segment's budget)."""
+        kind = self.segments.kind(state.segment)
+        budget = min(max_nodes, kind.max_nodes)
+        if budget <= 0:
+            return DraftTree(), kind.name
+        continuations: list[Continuation] = []
+        for source in self._sources(kind, state):
+            continuations.extend(_normalized(_propose(source, state, kind)))
+        return build(kind.algorithm, continuations, budget, kind.max_depth), kind.name
+
+    def _sources(self, kind: SegmentKind, state: RequestState) -> list[ContinuationSource]:
+        draft_model = self.draft_models.get(kind.name)
+        is_replace = kind.draft_model is not None and kind.draft_model.mode == "replace"
+        if draft_model is not None and is_replace:
+            return [draft_model]
+        sources: list[ContinuationSource] = [self.corpora[kind.name], state.history]
+        if draft_model is not None:
+            sources.append(draft_model)
+        return sources
+
+
+def _propose(source: ContinuationSource, state: RequestState, kind: SegmentKind) -> list[Continuation]:
+    if isinstance(source, RequestAwareSource):  # keeps e.g. a draft model's KV cache per request
+        return source.propose_for(state.request_id, state.tokens, kind.max_depth, kind.max_candidates)
+    return source.propose(state.tokens, kind.max_depth, kind.max_candidates)
+
+
+def _normalized(continuations: list[Continuation]) -> list[Continuation]:
+    total = sum(c.score for c in continuations if c.score > 0)
+    if total <= 0:
+        return []
+    return [Continuation(c.token_ids, c.score / total) for c in continuations if c.score > 0 and c.token_ids]

@@ -1,0 +1,91 @@
+"""The Drafter gRPC servicer: batched Draft (state updates + trees) and Health.
+
+Protobuf is converted here only: queries become `Query` tuples, trees leave as
+drafter_pb2.DraftTree. A batch runs in one worker thread (corpus lookups and any
+draft model are CPU work) so Health stays responsive; batches are serialized
+because corpora and request states are single-threaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from drafter.planner import DraftPlanner
+from drafter.state import RequestStates
+from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Query:
+    """One DraftQuery, off the wire."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_tokens: int
+    num_prompt_tokens: int
+    max_nodes: int
+
+    @classmethod
+    def from_pb(cls, pb: drafter_pb2.DraftQuery) -> "Query":
+        return cls(pb.request_id, list(pb.new_token_ids), pb.num_tokens, pb.num_prompt_tokens, pb.max_nodes)
+
+
+def _status_errors(method):
+    """Map unexpected exceptions to INTERNAL (the scheduler then drafts nothing this step)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            logger.exception("drafter %s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """Serves a DraftPlanner over per-request states."""
+
+    def __init__(self, planner: DraftPlanner, states: RequestStates):
+        self.planner = planner
+        self.states = states
+        self._lock = asyncio.Lock()
+
+    @_status_errors
+    async def Draft(self, request, context):
+        queries = [Query.from_pb(q) for q in request.queries]
+        finished = list(request.finished_request_ids)
+        async with self._lock:
+            trees = await asyncio.to_thread(self.draft_batch, queries, finished)
+        return drafter_pb2.DraftResponse(trees=trees)
+
+    @_status_errors
+    async def Health(self, request, context):
+        return worker_pb2.HealthResponse(ready=True)
+
+    def draft_batch(self, queries: list[Query], finished: list[str]) -> list[drafter_pb2.DraftTree]:
+        """Drop finished requests, then update and draft each query in order."""
+        for request_id in finished:
+            self.states.drop(request_id)
+            self.planner.release(request_id)
+        return [self._draft_one(q) for q in queries]
+
+    def _draft_one(self, query: Query) -> drafter_pb2.DraftTree:
+        state = self.states.update(query.request_id, query.new_token_ids, query.num_tokens, query.num_prompt_tokens)
+        if state is None:
+            return drafter_pb2.DraftTree(request_id=query.request_id, needs_resync=True)
+        tree, segment = self.planner.draft(state, query.max_nodes)
+        if not tree.is_valid():  # never send garbage; an empty tree just means no speculation
+            logger.error("dropping an invalid tree for %s", query.request_id)
+            tree.token_ids, tree.parents = [], []
+        return drafter_pb2.DraftTree(
+            request_id=query.request_id, token_ids=tree.token_ids, parents=tree.parents, segment=segment
+        )

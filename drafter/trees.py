@@ -1,0 +1,139 @@
+"""Tree builders: merge continuations into a trie, then pick nodes under a budget.
+
+In: `Continuation`s from any sources (scores comparable across the list). Out: a
+`DraftTree` in topological order with at most `max_nodes` nodes of depth at most
+`max_depth`. A trie node's weight is the sum of the scores of the continuations
+through it, so weight(node) / weight(all) estimates the probability of its path.
+
+Builders live in `BUILDERS` (name -> function); a segment names one in its config.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from drafter.types import Continuation, DraftTree
+
+
+@dataclass
+class _TrieNode:
+    token_id: int
+    weight: float = 0.0
+    children: dict[int, "_TrieNode"] = field(default_factory=dict)
+
+    def ranked_children(self) -> list["_TrieNode"]:
+        """Heaviest first; ties keep insertion order (earlier = better-ranked continuation)."""
+        return sorted(self.children.values(), key=lambda c: -c.weight)
+
+
+def merge(continuations: list[Continuation], max_depth: int) -> _TrieNode:
+    """A trie of the continuations cut at max_depth; shared prefixes become shared nodes."""
+    root = _TrieNode(token_id=-1)
+    for cont in sorted(continuations, key=lambda c: -c.score):
+        if cont.score <= 0:
+            continue
+        node = root
+        root.weight += cont.score
+        for token_id in cont.token_ids[:max_depth]:
+            node = node.children.setdefault(token_id, _TrieNode(token_id))
+            node.weight += cont.score
+    return root
+
+
+class _Emitter:
+    """Collects nodes into a DraftTree, mapping trie nodes to their indices."""
+
+    def __init__(self) -> None:
+        self.tree = DraftTree()
+        self._index: dict[int, int] = {}
+
+    def emit(self, node: _TrieNode, parent: _TrieNode | None) -> None:
+        self._index[id(node)] = len(self.tree.token_ids)
+        self.tree.token_ids.append(node.token_id)
+        self.tree.parents.append(-1 if parent is None else self._index[id(parent)])
+
+
+def single_branch(continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+    """One chain: the heaviest child at every level."""
+    out = _Emitter()
+    node, parent = merge(continuations, max_depth), None
+    for _ in range(min(max_nodes, max_depth)):
+        if not node.children:
+            break
+        child = node.ranked_children()[0]
+        out.emit(child, parent)
+        node = parent = child
+    return out.tree
+
+
+def multi_branch_dfs(continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+    """Depth-first, heaviest child first: the best chain in full, then its alternatives."""
+    out = _Emitter()
+    for node, parent in _preorder(merge(continuations, max_depth)):
+        if len(out.tree) >= max_nodes:
+            break
+        out.emit(node, parent)
+    return out.tree
+
+
+def _preorder(root: _TrieNode) -> Iterator[tuple[_TrieNode, _TrieNode | None]]:
+    stack: list[tuple[_TrieNode, _TrieNode | None]] = [(c, None) for c in reversed(root.ranked_children())]
+    while stack:
+        node, parent = stack.pop()
+        yield node, parent
+        stack.extend((c, node) for c in reversed(node.ranked_children()))
+
+
+def multi_branch_bfs(continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+    """Breadth-first, heaviest child first: every alternative of depth d before depth d + 1."""
+    out = _Emitter()
+    root = merge(continuations, max_depth)
+    queue = deque((c, None) for c in root.ranked_children())
+    while queue and len(out.tree) < max_nodes:
+        node, parent = queue.popleft()
+        out.emit(node, parent)
+        queue.extend((c, node) for c in node.ranked_children())
+    return out.tree
+
+
+def best_first(continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+    """Most probable paths first: the nodes with the largest weight, whatever their depth.
+
+    A child never outweighs its parent, and a node enters the queue only after its
+    parent is emitted, so pop order is a topological order.
+    """
+    out = _Emitter()
+    root = merge(continuations, max_depth)
+    counter = 0  # tie-break: earlier pushes (heavier siblings, shallower nodes) first
+    heap: list[tuple[float, int, _TrieNode, _TrieNode | None]] = []
+    for child in root.ranked_children():
+        heap.append((-child.weight, counter, child, None))
+        counter += 1
+    heapq.heapify(heap)
+    while heap and len(out.tree) < max_nodes:
+        _, _, node, parent = heapq.heappop(heap)
+        out.emit(node, parent)
+        for child in node.ranked_children():
+            heapq.heappush(heap, (-child.weight, counter, child, node))
+            counter += 1
+    return out.tree
+
+
+TreeBuilder = Callable[[list[Continuation], int, int], DraftTree]
+
+BUILDERS: dict[str, TreeBuilder] = {
+    "single_branch": single_branch,
+    "multi_branch_dfs": multi_branch_dfs,
+    "multi_branch_bfs": multi_branch_bfs,
+    "best_first": best_first,
+}
+
+
+def build(algorithm: str, continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+    """Build a tree with the named algorithm (a key of BUILDERS)."""
+    if max_nodes <= 0 or max_depth <= 0 or not continuations:
+        return DraftTree()
+    return BUILDERS[algorithm](continuations, max_nodes, max_depth)
