@@ -1,7 +1,8 @@
 """The `segserve` command.
 
     segserve serve                 the whole stack on localhost:8000 (default model)
-    segserve worker|scheduler|router   one service, as the launcher or a pod runs it
+    segserve worker|scheduler|router|drafter   one service, as the launcher or a pod runs it
+    segserve corpus build FILE...  build per-segment drafter corpora from text files
     segserve prepare-model         convert the default model into the cache once
     segserve bench throughput      the throughput benchmark (JSON + PNG)
 """
@@ -15,6 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
+from drafter.config import DrafterConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.flags import add_dataclass_args, from_args
@@ -68,6 +70,30 @@ def _router_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drafter_command(args: argparse.Namespace) -> int:
+    from drafter.server import serve
+
+    _stop_on_sigterm()  # so that serve() saves its corpora on the way out
+    asyncio.run(serve(from_args(DrafterConfig, args)))
+    return 0
+
+
+def _corpus_build_command(args: argparse.Namespace) -> int:
+    from drafter.build import build_corpus
+
+    counts = build_corpus(args.files, args.tokenizer, args.segments_config, args.out)
+    for segment, num_entries in sorted(counts.items()):
+        print(f"{segment}: {num_entries} corpus nodes")
+    return 0
+
+
+def _stop_on_sigterm() -> None:
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _prepare_model_command(args: argparse.Namespace) -> int:
     from worker.checkpoint import prepare_default_model
 
@@ -96,10 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, cls, func in (("worker", WorkerConfig, _worker_command),
                             ("scheduler", SchedulerConfig, _scheduler_command),
-                            ("router", RouterConfig, _router_command)):
+                            ("router", RouterConfig, _router_command),
+                            ("drafter", DrafterConfig, _drafter_command)):
         sub = commands.add_parser(name, help=f"run the {name} service alone")
         add_dataclass_args(sub, cls)
         sub.set_defaults(func=func)
+
+    corpus = commands.add_parser("corpus", help="drafter corpora")
+    corpus_commands = corpus.add_subparsers(dest="corpus", required=True)
+    build = corpus_commands.add_parser("build", help="add the segments of text files to per-segment corpora")
+    build.add_argument("files", nargs="+", help="UTF-8 text files")
+    build.add_argument("--out", required=True, help="corpus directory (existing corpora there are extended)")
+    build.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default model if unset)")
+    build.add_argument("--segments-config", default=None, help="segments TOML (the shipped default if unset)")
+    build.set_defaults(func=_corpus_build_command)
 
     prepare = commands.add_parser("prepare-model", help="convert the default model into the cache")
     prepare.set_defaults(func=_prepare_model_command)

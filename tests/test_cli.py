@@ -42,3 +42,38 @@ def test_invalid_config_values_are_rejected():
         WorkerConfig(block_size=0)
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+
+
+def test_corpus_build_writes_per_segment_corpora(tiny_gemma3_dir, tmp_path):
+    from segserve.cli import main
+
+    text = tmp_path / "code.md"
+    text.write_text("Here is code:\n```\nfor i in range(10):\n    print(i)\n```\nand more text.\n" * 3)
+    segments = tmp_path / "segments.toml"
+    segments.write_text(_TINY_SEGMENTS)
+    out = tmp_path / "corpora"
+    assert main(["corpus", "build", str(text), "--out", str(out), "--tokenizer", str(tiny_gemma3_dir),
+                 "--segments-config", str(segments)]) == 0
+    from transformers import AutoTokenizer
+
+    from drafter.corpus import LookupCorpus
+    from drafter.server import corpus_path
+
+    code = LookupCorpus.load(corpus_path(out, "code"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gemma3_dir)
+    fenced = tokenizer.encode("```\nfor i in range(10):\n    print(i)\n```", add_special_tokens=False)
+    context, expected = fenced[:5], fenced[5:9]
+    best = code.propose(context, max_len=len(expected), max_candidates=4)[0]
+    assert list(best.token_ids) == expected
+
+
+_TINY_SEGMENTS = """
+[default]
+algorithm = "best_first"
+
+[[segment]]
+name = "code"
+start = "```"
+end = "```"
+algorithm = "multi_branch_dfs"
+"""
