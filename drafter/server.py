@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import grpc
 
 from drafter.config import DrafterConfig
+from worker.checkpoint import resolve_model
 from drafter.corpus import LookupCorpus
 from drafter.history import HistorySource
 from drafter.planner import DraftPlanner
@@ -50,9 +51,17 @@ def save_corpora(corpora: Mapping[str, LookupCorpus], corpus_dir: str | Path) ->
 def load_tokenizer(tokenizer_dir: str | None) -> Any:
     from transformers import AutoTokenizer
 
-    from worker.checkpoint import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(tokenizer_dir)))
+
+
+def load_draft_models(segments: SegmentsConfig, target_dir: str | None) -> dict[str, ContinuationSource]:
+    """The draft model of every segment kind that configures one (self-speculative ones share the target's weights)."""
+    from drafter.draft_model import load_draft_model
+
+    target = str(resolve_model(target_dir))
+    return {kind.name: load_draft_model(kind.draft_model.loader_spec(target))
+            for kind in segments.all_kinds if kind.draft_model is not None}
 
 
 def build_servicer(
@@ -83,6 +92,8 @@ async def start_server(servicer: DrafterServicer, host: str, port: int) -> tuple
 async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSource] | None = None) -> None:
     """Load segments and corpora, serve until stopped, then save the corpora to corpus_dir."""
     segments = load_segments(config.segments_config, load_tokenizer(config.tokenizer))
+    if draft_models is None:
+        draft_models = load_draft_models(segments, config.tokenizer)
     servicer = build_servicer(config, segments, draft_models)
     server, port = await start_server(servicer, config.host, config.port)
     logger.info("drafter listening on %s:%d with segments %s", config.host, port,

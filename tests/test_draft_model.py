@@ -270,3 +270,19 @@ def test_a_head_smaller_than_the_candidates_asked_for_still_proposes(gemma_draft
     draft = DraftModel(gemma_draft.model, head_token_ids=[5])
     proposals = draft.propose([5, 5], max_len=3, max_candidates=8)
     assert proposals == [Continuation((5, 5, 5), pytest.approx(1.0))]
+
+
+def test_drafter_loads_the_draft_model_its_segments_config_names(tiny_gemma3_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from drafter.draft_model import DraftModel
+    from drafter.segments import load_segments
+    from drafter.server import load_draft_models
+
+    config = tmp_path / "segments.toml"
+    config.write_text('[default]\nalgorithm = "best_first"\n\n[[segment]]\nname = "code"\nstart = "```"\n'
+                      'end = "```"\ndraft_model = { kind = "self_speculative", num_layers = 1, mode = "combine" }\n')
+    segments = load_segments(config, AutoTokenizer.from_pretrained(tiny_gemma3_dir))
+    models = load_draft_models(segments, str(tiny_gemma3_dir))
+    assert set(models) == {"code"} and isinstance(models["code"], DraftModel)
+    assert models["code"].propose([5, 6, 7], max_len=3, max_candidates=2)[0].token_ids
