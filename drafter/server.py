@@ -51,7 +51,6 @@ def save_corpora(corpora: Mapping[str, LookupCorpus], corpus_dir: str | Path) ->
 def load_tokenizer(tokenizer_dir: str | None) -> Any:
     from transformers import AutoTokenizer
 
-
     return AutoTokenizer.from_pretrained(str(resolve_model(tokenizer_dir)))
 
 
