@@ -102,3 +102,28 @@ def _save_random(model_cls, config, out_dir: Path, seed: int) -> Path:
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def build_small_vocab_llama(out_dir: Path, vocab_size: int = 40, seed: int = 0) -> Path:
+    """A 2-layer Llama over `vocab_size` token ids and no tokenizer: its next-token distributions are
+    small enough to estimate from a few thousand draws (speculative sampling tests)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        # Between flat and peaked (perplexity ~3-7): drafts of likely tokens are often accepted,
+        # and rejections with real probability mass elsewhere happen too.
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _save_random(LlamaForCausalLM, config, out_dir, seed)

@@ -3,10 +3,12 @@
 In (gRPC `segserve.v1.Worker`, see protos/segserve/v1/worker.proto):
   - StepRequest: new sequences (sampling parameters, prompt length), the scheduled work
     (token ids from num_computed_tokens on, block table, optional rotary positions and
-    n x n attention mask for candidate trees, sample indices), finished sequence ids.
+    n x n attention mask for candidate trees, sample indices, or draft_parents for a
+    speculative tree the worker verifies itself), finished sequence ids.
 Out:
   - StepResponse: per sequence, one sampled token (+ score, optional top log-probabilities)
-    per sample index, and the compute time.
+    per sample index (for a verified tree: the accepted drafts + the target's own token),
+    and the compute time.
   - WorkerInfo: KV-cache blocks and block size, context limit, vocabulary, EOS ids.
   - Health: ready once a real warm-up forward has run.
 
@@ -18,6 +20,7 @@ Modules:
   kv_cache      PagedKVCache: per-layer [num_blocks, block_size, kv_heads, head_dim] K and V.
   attention     the "segserve_paged" attention function under the stock transformers model.
   model_runner  ModelRunner: sequence state, the packed forward, sampling.
+  verify        tree verification: layout from draft_parents, acceptance walk, KV compaction moves.
   sampler       batched logits processing and sampling.
   server        the grpc.aio servicer and serve(config).
 

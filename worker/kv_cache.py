@@ -64,6 +64,11 @@ class PagedKVCache:
         self._flat_keys[layer_idx].index_copy_(0, slots, key)
         self._flat_values[layer_idx].index_copy_(0, slots, value)
 
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy every layer's K and V from src_slots [M] to dst_slots [M] (all sources read first)."""
+        for flat in (*self._flat_keys, *self._flat_values):
+            flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
+
     def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read slots [R, L] as keys and values [R, num_kv_heads, L, head_dim] each."""
         dims = (*slots.shape, self.shape.num_kv_heads, self.shape.head_dim)  # [R, L, KVH, D]

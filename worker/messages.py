@@ -65,6 +65,9 @@ class ScheduledSequence:
     attention_mask: np.ndarray | None = None
     """[n, n] bool, True where token i may attend to token j; None = causal."""
     sample_indices: list[int] = field(default_factory=list)
+    draft_parents: list[int] | None = None
+    """Speculative verification: parent index (into token_ids) of each draft token_ids[i + 1];
+    token_ids[0] is the root. None = a plain step. See worker/verify.py."""
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +97,7 @@ class ScheduledSequence:
             position_ids=list(pb.position_ids) if pb.position_ids else None,
             attention_mask=unpack_mask(pb.attention_mask, n) if pb.attention_mask else None,
             sample_indices=list(pb.sample_indices),
+            draft_parents=list(pb.draft_parents) or None,
         )
 
     def to_pb(self) -> worker_pb2.ScheduledSequence:
@@ -105,6 +109,7 @@ class ScheduledSequence:
             position_ids=self.position_ids or [],
             attention_mask=pack_mask(self.attention_mask) if self.attention_mask is not None else b"",
             sample_indices=self.sample_indices,
+            draft_parents=self.draft_parents or [],
         )
 
 

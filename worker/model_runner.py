@@ -10,9 +10,10 @@ simply overwrites it). KV slots and history are only meaningful up to the
 scheduler's next `num_computed_tokens`: tree nodes that were not accepted are
 overwritten by later steps. Invariant the scheduler keeps: the first
 num_computed_tokens storage positions hold the sequence's real tokens at their
-own rotary positions, so an accepted tree node counts as computed only if it sits
-at storage index == position (a chain of nodes 0, 1, 2, ... from the root);
-other accepted tokens are sent again as new tokens.
+own rotary positions. A verified tree (`draft_parents`, worker/verify.py) keeps
+it too: after acceptance the runner moves the accepted nodes' KV to their
+sequential slots and sets the history to history[:num_computed] + root +
+accepted drafts.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from worker.messages import (
     StepRequest,
     WorkerInfo,
 )
-from worker.sampler import SampleRow, SamplingParams, make_generator, sample
+from worker.sampler import SampleRow, SamplingParams, make_generator
 from worker.validation import StepLimits, validate_disjoint_slots, validate_sequence
+from worker.verify import TreeLayout, expand_tree, kv_moves, sample_with_trees
 
 
 logger = logging.getLogger(__name__)
@@ -123,20 +125,21 @@ class ModelRunner:
         self.is_ready = True
 
     def step(self, request: StepRequest) -> list[SequenceOutput]:
-        """Update sequence state, run the batched forward, sample at every sample index."""
-        self.update_states(request)
-        logits = self.execute(request.sequences)
-        return self.sample(request.sequences, logits)
+        """Update sequence state, run the batched forward, sample at every sample index (verify trees)."""
+        sequences = self.update_states(request)
+        logits = self.execute(sequences)
+        return self.sample(sequences, logits)
 
     def compute_logits(self, request: StepRequest) -> torch.Tensor:
-        """Like step() without sampling: float32 logits [N, V], one row per sample index in request order."""
-        self.update_states(request)
-        return self.execute(request.sequences)
+        """Like step() without sampling: float32 logits [N, V], one row per sample index (every node
+        of a tree) in request order."""
+        return self.execute(self.update_states(request))
 
-    def update_states(self, request: StepRequest) -> None:
+    def update_states(self, request: StepRequest) -> list[ScheduledSequence]:
         """Forget finished sequences, register new ones, validate the batch, then record its tokens.
 
-        Nothing changes when the request is invalid.
+        Nothing changes when the request is invalid. Returns the work to execute, with tree steps
+        expanded to their mask, depth positions and one sample index per node.
         """
         states = dict(self._states)
         for seq_id in request.finished_seq_ids:
@@ -159,6 +162,7 @@ class ModelRunner:
             history = states[seq.seq_id].history
             del history[seq.num_computed_tokens:]
             history.extend(seq.token_ids)
+        return [expand_tree(seq) if seq.draft_parents is not None else seq for seq in request.sequences]
 
     @torch.inference_mode()
     def execute(self, sequences: list[ScheduledSequence]) -> torch.Tensor:
@@ -183,26 +187,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, sequences: list[ScheduledSequence], logits: torch.Tensor) -> list[SequenceOutput]:
-        """Sample one token per sample index, each with its own history (its tree path for tree nodes)."""
-        rows, owners = [], []
+        """Sample one token per sample index, each with its own history; walk and compact trees."""
+        outputs, accepted = sample_with_trees(sequences, logits, self._sample_row)
         for seq in sequences:
-            state = self._states[seq.seq_id]
-            context = state.history[: seq.num_computed_tokens]
-            for index in seq.sample_indices:
-                rows.append(SampleRow(state.params, context + seq.visible_tokens(index), state.num_prompt_tokens,
-                                      state.generator))
-            owners.append((seq.seq_id, len(seq.sample_indices)))
-        if not rows:
-            return []
-        result = sample(logits, rows)
-        outputs, start = [], 0
-        for seq_id, count in owners:
-            if count:
-                stop = start + count
-                outputs.append(SequenceOutput(seq_id, result.token_ids[start:stop], result.scores[start:stop],
-                                              result.top_logprobs[start:stop]))
-                start = stop
+            if seq.seq_id in accepted:
+                self._keep_accepted(seq, accepted[seq.seq_id])
         return outputs
+
+    def _sample_row(self, seq: ScheduledSequence, index: int) -> SampleRow:
+        """Token `index` of `seq`, seeing the sequence's computed tokens and its own path or prefix."""
+        state = self._states[seq.seq_id]
+        context = state.history[: seq.num_computed_tokens]
+        return SampleRow(state.params, context + seq.visible_tokens(index), state.num_prompt_tokens, state.generator)
+
+    def _keep_accepted(self, seq: ScheduledSequence, accepted_nodes: list[int]) -> None:
+        """Move the accepted nodes' KV to sequential slots; history = computed + root + accepted drafts."""
+        moves = kv_moves(accepted_nodes, TreeLayout.from_draft_parents(seq.draft_parents).depths)
+        if moves:
+            block_size, start = self.kv_cache.block_size, seq.num_computed_tokens
+            slots = [[seq.block_table[p // block_size] * block_size + p % block_size for p in (start + a, start + b)]
+                     for a, b in moves]
+            src, dst = torch.tensor(slots, dtype=torch.long, device=self.device).unbind(1)  # [M] each
+            self.kv_cache.move(src, dst)
+        history = self._states[seq.seq_id].history
+        history[seq.num_computed_tokens + 1:] = [seq.token_ids[node] for node in accepted_nodes]
 
 
 def _output_vocab_size(model) -> int:

@@ -62,6 +62,19 @@ def validate_sequence(seq: ScheduledSequence, num_known_tokens: int, limits: Ste
             raise InvalidRequest(f"{name}: attention_mask must let every token attend to itself")
     if any(i >= n or i < 0 for i in seq.sample_indices):
         raise InvalidRequest(f"{name}: sample_indices must be in [0, {n})")
+    if seq.draft_parents is not None:
+        _validate_tree(seq, name)
+
+
+def _validate_tree(seq: ScheduledSequence, name: str) -> None:
+    """A tree step: one parent per draft token, each an earlier node; the worker derives the layout."""
+    if len(seq.draft_parents) != len(seq.token_ids) - 1:
+        raise InvalidRequest(f"{name}: {len(seq.draft_parents)} draft_parents for {len(seq.token_ids) - 1} drafts")
+    if any(not 0 <= parent <= i for i, parent in enumerate(seq.draft_parents)):
+        raise InvalidRequest(f"{name}: draft_parents[i] must be in [0, i] (an earlier node)")
+    if seq.position_ids is not None or seq.attention_mask is not None or seq.sample_indices:
+        raise InvalidRequest(f"{name}: a tree step (draft_parents) takes no position_ids, attention_mask "
+                             "or sample_indices")
 
 
 def validate_disjoint_slots(sequences: list[ScheduledSequence], block_size: int) -> None:
