@@ -9,8 +9,13 @@ Layers, outermost first:
   the gRPC server and the engine on one asyncio loop.
 - servicer.py + convert.py: the Scheduler gRPC service; protobuf <-> dataclasses
   and request validation happen here only.
-- engine.py: the async step loop (schedule -> worker step -> postprocess) and
-  per-request event streams.
-- worker_client.py: the gRPC client to the worker (protobuf converted here).
-- scheduler.py, block_manager.py, sequence.py, outputs.py: pure logic, no I/O.
+- engine.py: the async step loop (schedule -> draft -> worker step ->
+  postprocess) and per-request event streams.
+- worker_client.py, drafter_client.py: gRPC clients to the worker and the
+  drafter replicas (protobuf converted here).
+- speculator.py: one batched Draft call per step; usable trees go to the
+  scheduler, failures only make the step plain.
+- scheduler.py, block_manager.py, sequence.py, outputs.py, stopping.py,
+  draft_trees.py, spec_policy.py: pure logic, no I/O (spec_policy chooses the
+  node budget from measured step times and acceptance).
 """

@@ -54,6 +54,16 @@ class BlockManager:
             raise RuntimeError(f"{seq.request_id}: {missing} KV blocks needed, {self.num_free_blocks} free")
         seq.block_table.extend(self._free_block_ids.popleft() for _ in range(missing))
 
+    def num_free_slots(self, seq: Sequence) -> int:
+        """Token slots seq could still fill beyond num_computed_tokens: its own spare slots plus every free block."""
+        return (len(seq.block_table) + len(self._free_block_ids)) * self.block_size - seq.num_computed_tokens
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past seq's computed tokens (left over by rejected draft nodes)."""
+        keep = num_blocks_for(seq.num_computed_tokens, self.block_size)
+        self._free_block_ids.extend(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks to the pool (their contents are simply overwritten later)."""
         self._free_block_ids.extend(seq.block_table)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -21,6 +21,18 @@ class SchedulerConfig:
     """Most requests queued but not running; more are refused (RESOURCE_EXHAUSTED, HTTP 429)."""
     worker_step_timeout_s: float = 120.0
     """Deadline of one worker step; a step past it fails the requests it carried."""
+    drafter_addresses: list[str] = field(default_factory=list)
+    """gRPC addresses of the drafter replicas (requests are hashed over them); empty = no speculation."""
+    draft_timeout_ms: float = 20.0
+    """Deadline of the one batched Draft call per step; past it the step runs without speculation."""
+    max_draft_nodes: int = 16
+    """Most draft nodes (root excluded) in one sequence's candidate tree."""
+    is_spec_adaptive: bool = True
+    """Choose the node budget per step from measured step times and acceptance (False = always the max)."""
+    spec_probe_interval: int = 64
+    """Steps between probes of a speculation setting the policy has turned off (its stats go stale)."""
+    drafter_retry_s: float = 1.0
+    """First backoff after a drafter replica fails; it doubles per failure up to 60 s."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -33,3 +45,12 @@ class SchedulerConfig:
             raise ValueError("port must be in 0..65535")
         if self.worker_step_timeout_s <= 0:
             raise ValueError("worker_step_timeout_s must be > 0")
+        self.drafter_addresses = [a for a in self.drafter_addresses if a]
+        if self.draft_timeout_ms <= 0:
+            raise ValueError("draft_timeout_ms must be > 0")
+        if self.max_draft_nodes < 0:
+            raise ValueError("max_draft_nodes must be >= 0")
+        if self.spec_probe_interval <= 0:
+            raise ValueError("spec_probe_interval must be > 0")
+        if self.drafter_retry_s <= 0:
+            raise ValueError("drafter_retry_s must be > 0")

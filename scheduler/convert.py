@@ -12,6 +12,7 @@ from protos.segserve.v1 import common_pb2, scheduler_pb2
 from scheduler.engine import EngineStats
 from scheduler.outputs import RequestError, RequestOutput
 from scheduler.sequence import SamplingParams, SequenceStatus, StoppingCriteria
+from scheduler.spec_policy import SegmentStats
 from scheduler.worker_client import WorkerInfo
 
 
@@ -102,4 +103,11 @@ def stats_to_pb(stats: EngineStats) -> scheduler_pb2.SchedulerStats:
     return scheduler_pb2.SchedulerStats(
         num_running=stats.num_running, num_waiting=stats.num_waiting,
         num_used_kv_blocks=stats.num_used_kv_blocks, num_total_kv_blocks=stats.num_total_kv_blocks,
-        num_preemptions=stats.num_preemptions, num_steps=stats.num_steps)
+        num_preemptions=stats.num_preemptions, num_steps=stats.num_steps, spec=_spec_to_pb("", stats.spec),
+        spec_segments=[_spec_to_pb(name, segment) for name, segment in sorted(stats.spec_segments.items())])
+
+
+def _spec_to_pb(segment: str, stats: SegmentStats) -> scheduler_pb2.SpecStats:
+    return scheduler_pb2.SpecStats(
+        segment=segment, num_verified=stats.num_verified, num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens, acceptance_rate_by_depth=stats.acceptance_rate_by_depth)

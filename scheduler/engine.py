@@ -1,23 +1,29 @@
-"""The asyncio step loop: schedule -> worker step -> postprocess, then deliver outputs.
+"""The asyncio step loop: schedule -> draft -> worker step (forward/verify) -> postprocess, then deliver.
 
 In: add_request() / abort() from the gRPC servicer. Out: per-request streams of
 RequestOutput (new tokens; the last one has finish_status and metrics) ending
 with either a finished output or a RequestError. The loop sleeps on an event
-when there is no work and never lets a failed step hang a stream.
+when there is no work and never lets a failed step hang a stream. With a
+drafter, each step first asks it for candidate trees (speculator.py); a
+drafter that fails only makes that step plain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import RequestError, RequestOutput, SampledTokens, SchedulerOutput
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
+from scheduler.spec_policy import SegmentStats, SpecPolicy
+from scheduler.speculator import Drafter, Speculator
 from scheduler.worker_client import WorkerError, WorkerHealth, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,10 @@ class EngineStats:
     num_total_kv_blocks: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    spec: SegmentStats = field(default_factory=SegmentStats)
+    """Speculation over all segments: trees verified, draft and accepted tokens, acceptance per depth."""
+    spec_segments: dict[str, SegmentStats] = field(default_factory=dict)
+    """The same per segment kind ("" = not yet known)."""
 
 
 Event = RequestOutput | RequestError
@@ -79,9 +89,11 @@ class RequestStream:
 
 
 class Engine:
-    def __init__(self, config: SchedulerConfig, worker: Worker):
+    def __init__(self, config: SchedulerConfig, worker: Worker, drafter: Drafter | None = None):
         self.config = config
         self.worker = worker
+        self.drafter = drafter
+        self.speculator: Speculator | None = None
         self.info: WorkerInfo | None = None
         self.scheduler: Scheduler | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -131,13 +143,16 @@ class Engine:
             return EngineStats()
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.block_manager.num_used_blocks,
-                           s.block_manager.num_total_blocks, s.num_preemptions, s.num_steps)
+                           s.block_manager.num_total_blocks, s.num_preemptions, s.num_steps,
+                           copy.deepcopy(s.acceptance.total), copy.deepcopy(s.acceptance.segments))
 
     async def _run(self) -> None:
         try:
             await self._connect()
             while True:
                 if not self.scheduler.has_work:
+                    if self.speculator is not None:
+                        await self.speculator.flush_finished(self.scheduler)
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -154,8 +169,13 @@ class Engine:
         if output.is_empty:  # only right after a preemption left nothing runnable; retry next turn
             await asyncio.sleep(0.001)
             return
+        if self.speculator is not None:
+            await self.speculator.propose(self.scheduler, output)
         try:
+            start = time.perf_counter()
             sampled = await self.worker.step(output)
+            if self.speculator is not None:
+                self.speculator.observe_step(output.num_scheduled_tokens, time.perf_counter() - start)
             results = self.scheduler.postprocess(output, sampled)
         except Exception as exc:  # the worker failed (or answered nonsense): fail this step, serve the rest
             if not isinstance(exc, WorkerError):
@@ -181,6 +201,10 @@ class Engine:
             num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
             eos_token_ids=info.eos_token_ids, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens)
+        if self.drafter is not None and self.config.max_draft_nodes > 0:
+            policy = SpecPolicy(self.config.max_draft_nodes, self.config.spec_probe_interval,
+                                self.config.is_spec_adaptive, acceptance=self.scheduler.acceptance)
+            self.speculator = Speculator(self.drafter, policy, info.vocab_size)
         self.info = info
         logger.info("connected to worker %s: %s, %d KV blocks of %d tokens", self.config.worker_address,
                     info.model_name, info.num_kv_blocks, info.block_size)

@@ -38,6 +38,40 @@ class ScheduledSequence:
     """Empty = num_computed_tokens + i (candidate trees will set depths here)."""
     attention_mask: bytes = b""
     """Packed tree mask (see worker.proto); empty = causal."""
+    draft_parents: list[int] = field(default_factory=list)
+    """A candidate tree to verify (see worker.proto): token_ids[0] is the root (the last sampled
+    token), draft_parents[i] is the index into token_ids of token_ids[i + 1]'s parent (0 = root).
+    Empty = no speculation; when set, sample_indices is empty and the worker answers with the
+    accepted drafts plus its own token."""
+
+    @property
+    def is_sampled(self) -> bool:
+        """Whether the worker returns tokens for this work (a sampled position or a tree)."""
+        return bool(self.sample_indices or self.draft_parents)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_parents)
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A candidate tree from the drafter, rooted at the sequence's last token (drafter.proto)."""
+
+    token_ids: list[int]
+    """Draft tokens in topological order."""
+    parents: list[int]
+    """-1 = the root, else an index into token_ids smaller than the node's own."""
+    segment: str = ""
+    """The segment kind the request is in, for per-segment stats."""
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each node; the root's children have depth 1."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
 
 
 @dataclass
@@ -52,6 +86,10 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_draft_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

@@ -4,7 +4,9 @@ No model, no network, no asyncio: schedule() returns a SchedulerOutput,
 postprocess() takes what the worker sampled and returns per-request outputs.
 One code path serves prompt chunks and decode tokens alike (vLLM v1 style):
 each step computes up to `num_uncomputed_tokens` of every running sequence,
-within max_num_batched_tokens and max_num_seqs.
+within max_num_batched_tokens and max_num_seqs. Speculation plugs in between
+schedule() and the worker: draft_candidates() names the decode sequences,
+attach_drafts() turns them into candidate trees within the leftover budget.
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 from scheduler.block_manager import BlockManager
+from scheduler.draft_trees import fit_tree, max_depth_of, worker_parents
 from scheduler.outputs import (
+    DraftTree,
     NewSequence,
     RequestOutput,
     SampledTokens,
     ScheduledSequence,
     SchedulerOutput,
 )
-from scheduler.sequence import RequestMetrics, Sequence, SequenceStatus
+from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.spec_policy import AcceptanceStats
+from scheduler.stopping import append_sampled
 
 
 class RequestRejected(ValueError):
@@ -61,6 +67,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._finished_seq_ids: list[str] = []
+        self.finished_draft_ids: list[str] = []
+        """Ended sequences the drafter knew; the speculator drains it into its next Draft call."""
+        self.acceptance = AcceptanceStats()
         self._in_flight: dict[str, Sequence] = {}
         self._is_preempting = False  # whether the current schedule() has preempted anything
 
@@ -80,9 +89,10 @@ class Scheduler:
             raise RequestRejected(
                 f"prompt_token_ids has {seq.num_prompt_tokens} tokens; at most {self.max_len - 1} fit "
                 f"(max_model_len and KV-cache capacity leave room for one generated token)")
-        if seq.request_id in self._finished_seq_ids:
-            # Its NewSequence restarts the worker's state; releasing it after that would drop the new one.
-            self._finished_seq_ids.remove(seq.request_id)
+        for finished in (self._finished_seq_ids, self.finished_draft_ids):
+            if seq.request_id in finished:
+                # Its first step restarts the worker's (drafter's) state; a release after it would drop the new one.
+                finished.remove(seq.request_id)
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
@@ -123,11 +133,39 @@ class Scheduler:
             budget -= num_new
         return self._build_output(chosen)
 
+    def draft_candidates(self, output: SchedulerOutput) -> list[Sequence]:
+        """This step's decode sequences: their only uncomputed token is the last sampled one."""
+        return [seq for work in output.scheduled
+                if (seq := self._in_flight[work.seq_id]).num_uncomputed_tokens == 1 and work.sample_indices]
+
+    def attach_drafts(self, output: SchedulerOutput, trees: Mapping[str, DraftTree]) -> None:
+        """Turn decode work into tree verification, within the step's token budget and free KV blocks.
+
+        Trees shrink (or drop) to fit: the budget left after schedule(), the
+        stop conditions (no node past max_new_tokens or the context), and the
+        free blocks (drafts never preempt anything).
+        """
+        room = self.max_num_batched_tokens - output.num_scheduled_tokens
+        for index, work in enumerate(output.scheduled):
+            tree = trees.get(work.seq_id)
+            seq = self._in_flight.get(work.seq_id)
+            if tree is None or seq is None or not work.sample_indices or seq.num_uncomputed_tokens != 1:
+                continue
+            tree = fit_tree(tree, seq, room, self.max_len, self.block_manager)
+            if not tree.token_ids:
+                continue
+            self.block_manager.allocate(seq, 1 + len(tree.token_ids))
+            room -= len(tree.token_ids)
+            output.scheduled[index] = ScheduledSequence(
+                seq_id=work.seq_id, token_ids=work.token_ids + tree.token_ids,
+                num_computed_tokens=work.num_computed_tokens, block_table=list(seq.block_table),
+                sample_indices=[], draft_parents=worker_parents(tree))
+
     def postprocess(self, output: SchedulerOutput, sampled: Mapping[str, SampledTokens]) -> list[RequestOutput]:
         """Account the step's computed tokens, append sampled ones, apply stop conditions.
 
-        `sampled` holds an entry for every scheduled sequence with sample indices.
-        Sequences aborted while the step ran are skipped.
+        `sampled` holds an entry for every sampled work (sample indices or a
+        tree). Sequences aborted while the step ran are skipped.
         """
         now = self.clock()
         results = []
@@ -136,9 +174,19 @@ class Scheduler:
             seq = in_flight.get(work.seq_id)
             if seq is None or seq.is_finished:
                 continue
-            seq.num_computed_tokens += len(work.token_ids)
-            if work.sample_indices:
-                results.append(self._append_sampled(seq, sampled[work.seq_id], now))
+            if work.draft_parents:  # root + accepted drafts are in KV; rejected nodes' blocks go back
+                num_returned = len(sampled[work.seq_id].token_ids)
+                seq.num_computed_tokens += num_returned
+                self.block_manager.trim(seq)
+                self.acceptance.record(seq.segment, max_depth_of(work.draft_parents), work.num_draft_tokens,
+                                       num_returned - 1)
+            else:
+                seq.num_computed_tokens += len(work.token_ids)
+            if work.is_sampled:
+                result = append_sampled(seq, sampled[work.seq_id], now, self.eos_token_ids, self.max_len)
+                if result.is_finished:
+                    self._finish(seq, result.finish_status)
+                results.append(result)
         return results
 
     def discard(self, output: SchedulerOutput) -> list[str]:
@@ -146,40 +194,6 @@ class Scheduler:
         in_flight, self._in_flight = self._in_flight, {}
         return [work.seq_id for work in output.scheduled
                 if (seq := in_flight.get(work.seq_id)) is not None and not seq.is_finished]
-
-    def _append_sampled(self, seq: Sequence, sample: SampledTokens, now: float) -> RequestOutput:
-        num_accepted = 0
-        status = None
-        for token_id in sample.token_ids:
-            seq.append_token(token_id, now)
-            num_accepted += 1
-            status = self._stop_status(seq, token_id)
-            if status is not None:
-                break
-        result = RequestOutput(
-            request_id=seq.request_id,
-            token_ids=list(sample.token_ids[:num_accepted]),
-            scores=list(sample.scores[:num_accepted]),
-            top_logprobs=list(sample.top_logprobs[:num_accepted]),
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_generated_tokens=seq.num_output_tokens,
-        )
-        if status is not None:
-            self._finish(seq, status)
-            result.finish_status = status
-            result.metrics = RequestMetrics.of(seq)
-        return result
-
-    def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
-        if token_id in self.eos_token_ids and not seq.stopping.ignore_eos:
-            return SequenceStatus.FINISHED_EOS_TOKEN
-        if token_id in seq.stopping.stop_token_ids:
-            return SequenceStatus.FINISHED_STOP_TOKEN
-        if seq.num_output_tokens >= seq.stopping.max_new_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_len:
-            return SequenceStatus.FINISHED_CONTEXT_LENGTH
-        return None
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> bool:
         """Allocate blocks for seq, preempting the latest-admitted sequences while short.
@@ -215,6 +229,8 @@ class Scheduler:
         del self.requests[seq.request_id]
         if seq.is_known_to_worker:
             self._finished_seq_ids.append(seq.request_id)
+        if seq.is_known_to_drafter:
+            self.finished_draft_ids.append(seq.request_id)
 
     def _build_output(self, chosen: list[tuple[Sequence, int]]) -> SchedulerOutput:
         output = SchedulerOutput()

@@ -89,6 +89,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     is_known_to_worker: bool = False
     """Set once the worker has been sent this sequence's NewSequence."""
+    num_drafter_tokens: int = 0
+    """Tokens the drafter holds for this sequence (0 = send the whole sequence next time)."""
+    is_known_to_drafter: bool = False
+    """Set once a Draft call carried this sequence: the drafter must be told when it ends."""
+    segment: str = ""
+    """The segment kind the drafter last reported for this sequence ("" = unknown)."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -13,6 +13,7 @@ import grpc
 from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler.config import SchedulerConfig
 from scheduler.convert import InvalidRequest, event_to_pb, generate_args_from_pb, stats_to_pb
+from scheduler.drafter_client import DrafterClient
 from scheduler.engine import Engine, EngineNotReady, EngineOverloaded
 from scheduler.scheduler import RequestRejected
 from scheduler.worker_client import WorkerClient, info_to_pb
@@ -62,7 +63,9 @@ async def start_server(config: SchedulerConfig, engine: Engine | None = None) ->
     The bound port (useful with port 0) is in `server.bound_port`.
     """
     if engine is None:
-        engine = Engine(config, WorkerClient(config.worker_address, config.worker_step_timeout_s))
+        drafter = (DrafterClient(config.drafter_addresses, config.draft_timeout_ms / 1000, config.drafter_retry_s)
+                   if config.drafter_addresses else None)
+        engine = Engine(config, WorkerClient(config.worker_address, config.worker_step_timeout_s), drafter)
     engine.start()
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
@@ -79,6 +82,7 @@ async def start_server(config: SchedulerConfig, engine: Engine | None = None) ->
 async def stop_server(server: grpc.aio.Server, engine: Engine, grace_s: float = 2.0) -> None:
     await engine.stop()
     await server.stop(grace_s)
-    close = getattr(engine.worker, "close", None)
-    if close is not None:
-        await close()
+    for client in (engine.worker, engine.drafter):
+        close = getattr(client, "close", None)
+        if close is not None:
+            await close()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.segserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from scheduler.draft_trees import is_tree_path, max_depth_of
 from scheduler.outputs import SampledTokens, SchedulerOutput, TopLogprobs
 from scheduler.sequence import SamplingParams
 
@@ -72,14 +73,16 @@ def step_request_to_pb(output: SchedulerOutput) -> worker_pb2.StepRequest:
             worker_pb2.ScheduledSequence(
                 seq_id=work.seq_id, token_ids=work.token_ids, num_computed_tokens=work.num_computed_tokens,
                 block_table=work.block_table, position_ids=work.position_ids,
-                attention_mask=work.attention_mask, sample_indices=work.sample_indices)
+                attention_mask=work.attention_mask, sample_indices=work.sample_indices,
+                draft_parents=work.draft_parents)
             for work in output.scheduled],
         finished_seq_ids=output.finished_seq_ids,
     )
 
 
 def step_response_from_pb(response: worker_pb2.StepResponse, output: SchedulerOutput) -> dict[str, SampledTokens]:
-    """Sampled tokens per sequence, checked against what was asked (one token per sample index)."""
+    """Sampled tokens per sequence, checked against what was asked (one token per sample index, or a
+    path of the candidate tree plus one token)."""
     sampled = {
         out.seq_id: SampledTokens(
             token_ids=list(out.token_ids), scores=list(out.scores),
@@ -91,15 +94,23 @@ def step_response_from_pb(response: worker_pb2.StepResponse, output: SchedulerOu
 
 def _check_sampled(sampled: Mapping[str, SampledTokens], output: SchedulerOutput) -> None:
     for work in output.scheduled:
-        if not work.sample_indices:
+        if not work.is_sampled:
             continue
         sample = sampled.get(work.seq_id)
         if sample is None:
             raise WorkerError(f"worker step returned no output for sequence {work.seq_id!r}")
-        if len(sample.token_ids) != len(work.sample_indices) or len(sample.scores) != len(sample.token_ids):
+        if len(sample.scores) != len(sample.token_ids):
+            raise WorkerError(f"worker step returned {len(sample.token_ids)} tokens but {len(sample.scores)} "
+                              f"scores for sequence {work.seq_id!r}")
+        if work.draft_parents:
+            if not 1 <= len(sample.token_ids) <= max_depth_of(work.draft_parents) + 1 or not is_tree_path(
+                    sample.token_ids, work.token_ids[1:], work.draft_parents):
+                raise WorkerError(f"worker step returned {sample.token_ids} for sequence {work.seq_id!r}: "
+                                  f"not a path of its candidate tree plus one token")
+        elif len(sample.token_ids) != len(work.sample_indices):
             raise WorkerError(
-                f"worker step returned {len(sample.token_ids)} tokens and {len(sample.scores)} scores for "
-                f"sequence {work.seq_id!r}, expected {len(work.sample_indices)}")
+                f"worker step returned {len(sample.token_ids)} tokens for sequence {work.seq_id!r}, "
+                f"expected {len(work.sample_indices)}")
 
 
 def _rpc_error(what: str, exc: grpc.aio.AioRpcError) -> WorkerError:

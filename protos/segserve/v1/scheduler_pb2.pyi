@@ -95,17 +95,35 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps")
+    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps", "spec", "spec_segments")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SPEC_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_used_kv_blocks: int
     num_total_kv_blocks: int
     num_preemptions: int
     num_steps: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    spec: SpecStats
+    spec_segments: _containers.RepeatedCompositeFieldContainer[SpecStats]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., spec_segments: _Optional[_Iterable[_Union[SpecStats, _Mapping]]] = ...) -> None: ...
+
+class SpecStats(_message.Message):
+    __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_BY_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    num_verified: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate_by_depth: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, segment: _Optional[str] = ..., num_verified: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate_by_depth: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -1,0 +1,215 @@
+"""When speculation pays: acceptance stats, a measured step-cost model, and the node-budget policy.
+
+In: per verified tree (segment, depth reached, nodes, accepted drafts) and per
+worker step (tokens computed, seconds). Out: a node budget per segment kind
+for the next step, chosen to maximise expected generated tokens per second,
+and the acceptance metrics (per segment, per depth). Pure: no I/O, no clock.
+
+Why: verifying N nodes on a CPU costs far more than one decode step (the
+output head is memory-bound at one row and grows with rows), so a tree that
+is accepted rarely, or a batch already large, makes decoding slower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+_EMA = 0.1  # weight of a new observation; ~10 observations of memory
+_PRIOR_RATE = 0.5  # acceptance assumed before measuring, and its decay per unmeasured depth
+
+
+@dataclass
+class SegmentStats:
+    """Acceptance of one segment kind: cumulative counts for metrics, EMAs for the policy."""
+
+    num_verified: int = 0
+    """Sequence-steps that verified a non-empty tree."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_offered_by_depth: list[int] = field(default_factory=list)
+    """[d - 1]: trees that reached depth d."""
+    num_accepted_by_depth: list[int] = field(default_factory=list)
+    """[d - 1]: of those, how many had a node at depth d accepted."""
+    ema_rate_by_depth: list[float] = field(default_factory=list)
+    """[d - 1]: recent acceptance at depth d, starting from a prior worth one observation."""
+    ema_accepted_per_step: float = 0.0
+    max_num_nodes: int = 0
+    """Largest tree verified: bigger budgets have not been tried."""
+
+    @property
+    def acceptance_rate_by_depth(self) -> list[float]:
+        return [a / o if o else 0.0 for a, o in zip(self.num_accepted_by_depth, self.num_offered_by_depth)]
+
+    def record(self, tree_depth: int, num_nodes: int, num_accepted: int) -> None:
+        self.num_verified += 1
+        self.num_draft_tokens += num_nodes
+        self.num_accepted_tokens += num_accepted
+        for depth in range(1, tree_depth + 1):
+            if depth > len(self.num_offered_by_depth):
+                self.num_offered_by_depth.append(0)
+                self.num_accepted_by_depth.append(0)
+                self.ema_rate_by_depth.append(_PRIOR_RATE)
+            is_accepted = depth <= num_accepted
+            self.num_offered_by_depth[depth - 1] += 1
+            self.num_accepted_by_depth[depth - 1] += is_accepted
+            # The mean with the prior while observations are few, an EMA after.
+            weight = max(_EMA, 1 / (self.num_offered_by_depth[depth - 1] + 1))
+            self.ema_rate_by_depth[depth - 1] += weight * (is_accepted - self.ema_rate_by_depth[depth - 1])
+        self.ema_accepted_per_step += max(_EMA, 1 / self.num_verified) * (num_accepted - self.ema_accepted_per_step)
+        self.max_num_nodes = max(self.max_num_nodes, num_nodes)
+
+    def expected_accepted(self, num_nodes: int) -> float:
+        """Accepted drafts expected from a tree of num_nodes nodes: the sum of the depth rates.
+
+        A tree of k nodes is at most k deep. Depths no tree reached so far
+        count only when k exceeds every tree tried (a bigger budget may reach
+        them), at a rate decaying geometrically from the deepest measured one,
+        so an unexplored budget looks promising enough to be tried once.
+        """
+        rates = self.ema_rate_by_depth[:num_nodes]
+        expected = sum(rates)
+        if num_nodes > max(len(rates), self.max_num_nodes):
+            rate = rates[-1] if rates else 1.0
+            for _ in range(num_nodes - len(rates)):
+                rate *= _PRIOR_RATE
+                expected += rate
+        return expected
+
+
+class AcceptanceStats:
+    """SegmentStats per segment kind, plus the global ones ("" = segment unknown)."""
+
+    def __init__(self) -> None:
+        self.total = SegmentStats()
+        self.segments: dict[str, SegmentStats] = {}
+
+    def record(self, segment: str, tree_depth: int, num_nodes: int, num_accepted: int) -> None:
+        self.total.record(tree_depth, num_nodes, num_accepted)
+        self.segments.setdefault(segment, SegmentStats()).record(tree_depth, num_nodes, num_accepted)
+
+    def of(self, segment: str) -> SegmentStats:
+        """The segment's stats, falling back to the global ones for a segment never verified."""
+        stats = self.segments.get(segment)
+        return stats if stats is not None and stats.num_verified else self.total
+
+
+class StepCostModel:
+    """Worker step time as a function of tokens computed, fitted from measured steps.
+
+    Measurements go into buckets (exact up to 8 tokens, then powers of two),
+    each an EMA of (tokens, seconds); estimates interpolate between buckets.
+    Below the smallest measurement time scales down with tokens (a pessimistic
+    guess for speculation, so plain steps get measured); above the largest it
+    extends the last slope (flat with one point, so larger trees get tried).
+    """
+
+    def __init__(self) -> None:
+        self._points: dict[int, list[float]] = {}  # bucket -> [tokens, seconds]
+
+    @staticmethod
+    def _bucket(num_tokens: int) -> int:
+        return num_tokens if num_tokens <= 8 else 1 << (num_tokens - 1).bit_length()
+
+    @property
+    def is_fitted(self) -> bool:
+        return bool(self._points)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        point = self._points.get(self._bucket(num_tokens))
+        if point is None:
+            self._points[self._bucket(num_tokens)] = [float(num_tokens), seconds]
+        else:
+            point[0] += _EMA * (num_tokens - point[0])
+            point[1] += _EMA * (seconds - point[1])
+
+    def estimate(self, num_tokens: int) -> float:
+        """Seconds for a step of num_tokens; needs is_fitted."""
+        points = sorted(self._points.values())
+        (x0, y0), (xn, yn) = points[0], points[-1]
+        if num_tokens <= x0:
+            return y0 * num_tokens / x0
+        if num_tokens >= xn:
+            if len(points) == 1:
+                return yn
+            (xa, ya) = points[-2]
+            return yn + max(0.0, (yn - ya) / (xn - xa)) * (num_tokens - xn)
+        for (xa, ya), (xb, yb) in zip(points, points[1:]):
+            if xa <= num_tokens <= xb:
+                return ya + (yb - ya) * (num_tokens - xa) / (xb - xa)
+        return yn  # unreachable: the points cover [x0, xn]
+
+
+def budget_options(max_nodes: int) -> list[int]:
+    """Node budgets the policy considers: 0, powers of two, and max_nodes."""
+    options = {0, max_nodes}
+    options.update(1 << i for i in range(max_nodes.bit_length()) if 1 << i <= max_nodes)
+    return sorted(options)
+
+
+@dataclass
+class SpecPolicy:
+    """Chooses each segment group's node budget per step (greedy ascent on expected tokens/s).
+
+    Segments whose budget comes out 0 are switched off for the step; every
+    probe_interval steps they get a small budget so their stats stay current.
+    """
+
+    max_nodes: int
+    probe_interval: int = 64
+    is_adaptive: bool = True
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    cost: StepCostModel = field(default_factory=StepCostModel)
+    draft_overhead_s: float = 0.0
+    """EMA of the Draft call's latency: paid only by steps that speculate."""
+    num_steps: int = 0
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost.observe(num_tokens, seconds)
+
+    def observe_draft_call(self, seconds: float) -> None:
+        self.draft_overhead_s += (_EMA if self.draft_overhead_s else 1.0) * (seconds - self.draft_overhead_s)
+
+    def choose(self, groups: Mapping[str, int], num_base_tokens: int, token_room: int) -> dict[str, int]:
+        """Node budget per segment group.
+
+        groups: segment -> number of decode sequences in it this step;
+        num_base_tokens: tokens the step computes without drafts;
+        token_room: draft tokens that still fit in the step's budget.
+        """
+        self.num_steps += 1
+        options = budget_options(self.max_nodes)
+        if not self.is_adaptive:
+            return {segment: self.max_nodes for segment in groups}
+        if not self.cost.is_fitted:
+            return {segment: 0 for segment in groups}  # measure a plain step first
+        budgets = {segment: 0 for segment in groups}
+        best = self._tokens_per_s(budgets, groups, num_base_tokens)
+        while True:
+            move = None
+            for segment, budget in budgets.items():
+                for higher in (o for o in options if o > budget):  # any higher: a cost step may hide behind the next
+                    trial = {**budgets, segment: higher}
+                    if sum(groups[s] * b for s, b in trial.items()) > token_room:
+                        break
+                    rate = self._tokens_per_s(trial, groups, num_base_tokens)
+                    if rate > best:
+                        best, move = rate, trial
+            if move is None:
+                break
+            budgets = move
+        if self.num_steps % self.probe_interval == 0:  # refresh the stats of what is switched off
+            probe = min(4, self.max_nodes)
+            budgets = {s: b or (probe if groups[s] * probe <= token_room else 0) for s, b in budgets.items()}
+        return budgets
+
+    def _tokens_per_s(self, budgets: Mapping[str, int], groups: Mapping[str, int], num_base_tokens: int) -> float:
+        tokens = sum(groups[s] * (1.0 + self.acceptance.of(s).expected_accepted(b)) if b else groups[s]
+                     for s, b in budgets.items())
+        num_draft_tokens = sum(groups[s] * b for s, b in budgets.items())
+        seconds = self.cost.estimate(num_base_tokens + num_draft_tokens)
+        if num_draft_tokens:
+            seconds += self.draft_overhead_s
+        return tokens / seconds if seconds > 0 else 0.0
