@@ -5,6 +5,7 @@
     segserve corpus build FILE...  build per-segment drafter corpora from text files
     segserve prepare-model         convert the default model into the cache once
     segserve bench throughput      the throughput benchmark (JSON + PNG)
+    segserve bench spec            speculative decoding vs generate() and prompt lookup (JSON + PNG)
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from worker.config import WorkerConfig
 _SERVE_WORKER_RENAME = {"host": "worker_host", "port": "worker_port"}
 _SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port"}
 _SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address"})
+_SERVE_DRAFTER_RENAME = {"host": "drafter_host", "port": "drafter_port"}
+_SERVE_DRAFTER_SKIP = frozenset({"tokenizer"})
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -35,6 +38,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         worker=from_args(WorkerConfig, args, _SERVE_WORKER_RENAME),
         scheduler=from_args(SchedulerConfig, args, _SERVE_SCHEDULER_RENAME),
         router=from_args(RouterConfig, args, served_model_name=args.served_model_name),
+        drafter=from_args(DrafterConfig, args, _SERVE_DRAFTER_RENAME),
+        is_speculative=args.speculation,
         log_dir=args.log_dir,
     )
     # Ctrl-C reaches the whole process group; the stack then stops every service.
@@ -108,6 +113,13 @@ def _bench_throughput_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec_command(args: argparse.Namespace) -> int:
+    from segserve.bench.spec import run_spec
+
+    run_spec(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="segserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run router, scheduler and worker on this machine")
     add_dataclass_args(serve, WorkerConfig, rename=_SERVE_WORKER_RENAME)
-    add_dataclass_args(serve, SchedulerConfig, skip=frozenset({"worker_address"}), rename=_SERVE_SCHEDULER_RENAME)
+    add_dataclass_args(serve, SchedulerConfig, skip=frozenset({"worker_address", "drafter_addresses"}),
+                       rename=_SERVE_SCHEDULER_RENAME)
+    add_dataclass_args(serve, DrafterConfig, skip=_SERVE_DRAFTER_SKIP, rename=_SERVE_DRAFTER_RENAME)
+    serve.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
+                       help="run a drafter and decode speculatively (default: on)")
     add_dataclass_args(serve, RouterConfig, skip=_SERVE_ROUTER_SKIP)
     serve.add_argument("--log-dir", default=None, help="write each service's log to this directory")
     serve.set_defaults(func=_serve_command)
@@ -150,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     if add_throughput_args:
         add_throughput_args(throughput)
     throughput.set_defaults(func=_bench_throughput_command)
+    spec = benches.add_parser("spec", help="speculative decoding on 4 workloads vs generate() and prompt lookup")
+    try:
+        from segserve.bench.spec import add_spec_args
+    except ImportError:
+        add_spec_args = None
+    if add_spec_args:
+        add_spec_args(spec)
+    spec.set_defaults(func=_bench_spec_command)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Start worker, scheduler and router as separate local processes, and stop them.
+"""Start worker, drafter, scheduler and router as separate local processes, and stop them.
 
 `segserve serve` and the end-to-end tests and benchmarks use the same `Stack`.
 Each service runs as `python -m segserve.cli <service> <flags>` so that the local
@@ -21,7 +21,8 @@ from typing import IO
 import grpc
 import httpx
 
-from protos.segserve.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from drafter.config import DrafterConfig
+from protos.segserve.v1 import drafter_pb2_grpc, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.flags import to_argv
@@ -39,6 +40,10 @@ class StackConfig:
     """The scheduler's config; its worker_address is set by the launcher."""
     router: RouterConfig = field(default_factory=RouterConfig)
     """The router's config; its scheduler_address is set by the launcher."""
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    """The drafter's config; its tokenizer (the served model) is set by the launcher."""
+    is_speculative: bool = True
+    """Run a drafter and decode speculatively; False = plain decoding, no drafter process."""
     startup_timeout_s: float = 300.0
     """How long to wait for every service to report ready."""
     log_dir: str | None = None
@@ -79,17 +84,23 @@ class Stack:
         model_dir = str(resolve_model(cfg.worker.model))  # converts the default model once, with a progress bar
         worker = dataclasses.replace(cfg.worker, model=model_dir, port=cfg.worker.port or free_port())
         worker_address = f"{worker.host}:{worker.port}"
+        drafter = dataclasses.replace(cfg.drafter, tokenizer=model_dir, port=cfg.drafter.port or free_port())
+        drafter_address = f"{drafter.host}:{drafter.port}"
         scheduler = dataclasses.replace(cfg.scheduler, worker_address=worker_address,
+                                        drafter_addresses=[drafter_address] if cfg.is_speculative else [],
                                         port=cfg.scheduler.port or free_port())
         scheduler_address = f"{scheduler.host}:{scheduler.port}"
         router = dataclasses.replace(cfg.router, model=model_dir, scheduler_address=scheduler_address,
                                      served_model_name=cfg.router.served_model_name or worker.served_model_name,
                                      port=cfg.router.port or free_port())
-        self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router)
+        self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router, drafter=drafter)
         deadline = time.monotonic() + cfg.startup_timeout_s
         try:
             self._spawn("worker", worker)
             self._wait_grpc_ready("worker", worker_pb2_grpc.WorkerStub, worker_address, deadline)
+            if cfg.is_speculative:
+                self._spawn("drafter", drafter)
+                self._wait_grpc_ready("drafter", drafter_pb2_grpc.DrafterStub, drafter_address, deadline)
             self._spawn("scheduler", scheduler)
             self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, scheduler_address, deadline)
             self._spawn("router", router)
@@ -100,7 +111,7 @@ class Stack:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every service (router first), then SIGKILL whatever outlives the timeout."""
-        for name in ("router", "scheduler", "worker"):
+        for name in ("router", "scheduler", "drafter", "worker"):
             proc = self.processes.get(name)
             if proc and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

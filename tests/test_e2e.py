@@ -14,6 +14,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from drafter.config import DrafterConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.launcher import Stack, StackConfig
@@ -33,14 +34,26 @@ PROMPTS = [
 ]
 
 
-def _stack(model_dir, tmp_path, **worker_overrides) -> Stack:
+def _stack(model_dir, tmp_path, is_speculative: bool = True, **worker_overrides) -> Stack:
     config = StackConfig(
         worker=WorkerConfig(model=str(model_dir), port=0, **worker_overrides),
         scheduler=SchedulerConfig(port=0, max_num_seqs=16, max_num_batched_tokens=128),
         router=RouterConfig(port=0),
+        drafter=DrafterConfig(port=0),
+        is_speculative=is_speculative,
         log_dir=str(tmp_path),
     )
     return Stack(config)
+
+
+def spec_stats(stack: Stack):
+    """The scheduler's speculation counters, over its gRPC GetStats."""
+    import grpc
+
+    from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(stack.config.router.scheduler_address) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=10).spec
 
 
 def reference_completion(model_dir, prompt: str, max_new_tokens: int) -> list[int]:
@@ -60,9 +73,9 @@ def complete(client: OpenAI, model: str, prompt: str, max_tokens: int, stream: b
     return "".join(event.choices[0].text for event in events if event.choices)
 
 
-@pytest.fixture(scope="module")
-def tiny_stack(tiny_gemma3_dir, tmp_path_factory):
-    with _stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs")) as stack:
+@pytest.fixture(scope="module", params=[True, False], ids=["speculative", "plain"])
+def tiny_stack(request, tiny_gemma3_dir, tmp_path_factory):
+    with _stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), is_speculative=request.param) as stack:
         yield stack
 
 
@@ -103,6 +116,26 @@ def test_more_requests_than_the_kv_cache_holds(tiny_gemma3_dir, tiny_references,
     assert outputs == [tiny_references[p] for p in PROMPTS]
 
 
+def test_killing_the_drafter_mid_stream_fails_no_request(tiny_gemma3_dir, tiny_references, tmp_path):
+    import threading
+    import time
+
+    with _stack(tiny_gemma3_dir, tmp_path) as stack:
+        client = _client(stack)
+        model = client.models.list().data[0].id
+        drafter = stack.processes["drafter"]
+        killer = threading.Timer(0.3, drafter.kill)
+        killer.start()
+        with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outputs = list(pool.map(lambda p: complete(client, model, p, 40, stream=True), PROMPTS))
+        killer.join()
+        time.sleep(0.1)
+        assert drafter.poll() is not None, "the drafter was not killed during the test"
+        # Decoding goes on without speculation.
+        assert outputs == [tiny_references[p] for p in PROMPTS]
+        assert complete(client, model, PROMPTS[0], 40) == tiny_references[PROMPTS[0]]
+
+
 REAL_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -115,11 +148,19 @@ def test_default_model_greedy_and_chat_through_the_stack(default_model_dir, tmp_
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     expected = [tokenizer.decode(reference_completion(default_model_dir, p, 16), skip_special_tokens=True)
                 for p in REAL_PROMPTS]
+    quoting = ("Fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango.\n"
+               "The same fruits again: apple, banana, cherry,")
+    expected_quote = tokenizer.decode(reference_completion(default_model_dir, quoting, 24), skip_special_tokens=True)
     with _stack(default_model_dir, tmp_path) as stack:
         client = _client(stack)
         model = client.models.list().data[0].id
         assert model == "gemma-3-270m"
         assert [complete(client, model, p, 16, stream=True) for p in REAL_PROMPTS] == expected
+        # A continuation that copies its prompt: drafts from the request's own history get accepted.
+        for _ in range(3):
+            assert complete(client, model, quoting, 24, stream=True) == expected_quote
+        stats = spec_stats(stack)
+        assert stats.num_verified > 0 and stats.num_accepted_tokens > 0
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Name a color."}], max_tokens=8, stream=True,
             stream_options={"include_usage": True},

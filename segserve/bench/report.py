@@ -175,16 +175,20 @@ def plot(path: Path, results: dict) -> Path:
         (axes[1], "TTFT (ms)", [("ttft_ms_p50", " p50"), ("ttft_ms_p99", " p99")]),
         (axes[2], "inter-token latency (ms)", [("itl_ms_p50", " p50"), ("itl_ms_p99", " p99")]),
     ]
+    systems = [system for system in results.get("systems", {}).values() if system.get("levels")]
+    ticks = sorted({level["concurrency"] for system in systems for level in system["levels"]})
     for axis, title, keys in panels:
-        for system in results.get("systems", {}).values():
+        for color, system in enumerate(systems):
             xs = [level["concurrency"] for level in system["levels"]]
             for key, suffix in keys:
                 ys = [level["summary"][key] for level in system["levels"]]
                 ys = [math.nan if y is None else y for y in ys]
-                axis.plot(xs, ys, marker="o", linestyle="--" if suffix == " p99" else "-", label=system["name"] + suffix)
+                axis.plot(xs, ys, marker="o", color=f"C{color}", linestyle="--" if suffix == " p99" else "-",
+                          label=system["name"] + suffix)  # fmt: skip
         axis.set_title(title)
         axis.set_xlabel("concurrent streams")
         axis.set_xscale("log", base=2)
+        axis.set_xticks(ticks, [str(t) for t in ticks])
         axis.grid(True, alpha=0.3)
     baseline = results.get("baseline")
     if baseline and baseline.get("tokens_per_s"):

@@ -4,8 +4,9 @@ Order (nothing else of ours runs while a system is measured): plain `generate()`
 baseline in this process -> segserve (launched with `segserve.launcher.Stack`,
 or an already running one via --segserve-url) -> the peer (`transformers serve
 --continuous-batching`, or batched `generate()` when that cannot start). Each
-server gets a warm-up request first. Outputs go to --out: throughput.json,
-throughput.png, the peer's log; the markdown table is printed.
+server is warmed up first (a short request, then a short batched round).
+Outputs go to --out: throughput.json, throughput.png, the peer's log; the
+markdown table is printed.
 """
 
 from __future__ import annotations
@@ -263,6 +264,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
     results["outputs"] = {"json": str(out / "throughput.json"), "png": str(out / "throughput.png")}
     report.plot(out / "throughput.png", results)
     report.write_json(out / "throughput.json", results)
+    print(f"\npeer: {peer['name'] if peer else 'none'}; baseline: {results['baseline']['method']}\n")
     print(report.markdown_table(results))
     for system in results["systems"].values():
         for line in [system["error"]] if system.get("error") else []:
