@@ -8,11 +8,23 @@ model and writes what it measured:
 - out: `throughput.json` (every raw per-request timing, the config, machine info,
   the command line), `throughput.png` and a markdown table on stdout.
 
-Modules: `loadgen` (async OpenAI-SSE load generator, loopback only), `peers`
+`segserve bench spec` compares speculative decoding, in one run, against HF
+`generate()` plain and with prompt lookup on four workloads (code edit, grounded
+answer, repeated JSON records, open-ended text):
+
+- in: a model directory, max_tokens, the structured workload's length and warm-up,
+  systems and kinds to run (CLI flags from `add_spec_args`);
+- out: `spec.json` (raw per-request numbers, scheduler spec counters, greedy
+  mismatches, command, machine), `spec.png`, a markdown table and the goals.
+
+Modules: `spec_workloads` (prompts), `spec_systems` (HF and segserve adapters),
+`spec_report` (numbers, goals, table, plot), `spec` (orchestration).
+Throughput modules: `loadgen` (async OpenAI-SSE load generator, loopback only), `peers`
 (`transformers serve`, plain and batched `generate()`), `report` (statistics,
 goals, JSON, plot, table) and `throughput` (the orchestration the CLI calls).
 """
 
+from segserve.bench.spec import add_spec_args, run_spec
 from segserve.bench.throughput import add_throughput_args, run_throughput
 
-__all__ = ["add_throughput_args", "run_throughput"]
+__all__ = ["add_spec_args", "add_throughput_args", "run_spec", "run_throughput"]

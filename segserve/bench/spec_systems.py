@@ -1,0 +1,123 @@
+"""The systems `segserve bench spec` compares, each behind one call: (prompt, max_tokens) -> request dict.
+
+- `hf_system(model_dir, dtype, **generate_kwargs)`: in-process `model.generate`
+  (greedy, EOS never stops it); plain, or with `prompt_lookup_num_tokens=10`.
+- `segserve_system(model_dir, dtype, is_speculative, ...)`: a whole local stack
+  (`segserve.launcher.Stack`), non-streamed `POST /v1/completions` with
+  `ignore_eos`, and the scheduler's GetStats counters read around every request.
+
+Each is a context manager factory yielding `complete(prompt, max_tokens) ->
+{"num_tokens", "wall_s", "text", "spec"}` (spec: counter deltas, or None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+
+from segserve.bench.spec_report import SPEC_COUNTERS
+
+Complete = Callable[[str, int], dict]
+
+
+@contextlib.contextmanager
+def hf_system(model_dir: Path, dtype: str = "float32", **generate_kwargs) -> Iterator[Complete]:
+    """Single-stream greedy `generate()`; `generate_kwargs` e.g. prompt_lookup_num_tokens=10."""
+    import torch
+
+    from segserve.bench.peers import load_model
+
+    model, tokenizer = load_model(model_dir, dtype)
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None  # run to max_new_tokens, as segserve does with ignore_eos
+    config.pad_token_id = tokenizer.pad_token_id
+    config.do_sample = False
+
+    def complete(prompt: str, max_tokens: int) -> dict:
+        encoded = tokenizer(prompt, return_tensors="pt").to(model.device)  # input_ids: [1, L]
+        call_config = copy.deepcopy(config)  # one config object: generate() deprecates config + kwargs
+        call_config.update(max_new_tokens=max_tokens, **generate_kwargs)
+        started_at = time.perf_counter()
+        with torch.inference_mode():
+            output = model.generate(**encoded, generation_config=call_config)  # output: [1, L + T]
+        wall_s = time.perf_counter() - started_at
+        token_ids = output[0, encoded["input_ids"].shape[1] :].tolist()
+        text = tokenizer.decode(token_ids, skip_special_tokens=True)
+        return {"num_tokens": len(token_ids), "wall_s": wall_s, "text": text, "spec": None}
+
+    try:
+        yield complete
+    finally:
+        del model
+
+
+def read_counters(stub) -> dict:
+    """Scheduler counters now: num_steps, the spec totals, and per segment kind."""
+    from protos.segserve.v1 import scheduler_pb2
+
+    stats = stub.GetStats(scheduler_pb2.StatsRequest(), timeout=10.0)
+    counters = {name: getattr(stats.spec, name) for name in SPEC_COUNTERS if name != "num_steps"}
+    counters["num_steps"] = stats.num_steps
+    counters["segments"] = {s.segment: {"num_verified": s.num_verified, "num_draft_tokens": s.num_draft_tokens,
+                                        "num_accepted_tokens": s.num_accepted_tokens}
+                            for s in stats.spec_segments}  # fmt: skip
+    return counters
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    """after - before, per counter and per segment kind (segments new since `before` count from 0)."""
+    delta = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    delta["segments"] = {}
+    for segment, values in after["segments"].items():
+        old = before["segments"].get(segment, {})
+        change = {name: value - old.get(name, 0) for name, value in values.items()}
+        if any(change.values()):
+            delta["segments"][segment] = change
+    return delta
+
+
+@contextlib.contextmanager
+def segserve_system(model_dir: Path, dtype: str, is_speculative: bool, log_dir: Path,
+                    startup_timeout_s: float = 300.0, request_timeout_s: float = 600.0) -> Iterator[Complete]:  # fmt: skip
+    """A fresh local stack (fresh corpora too), measured one request at a time."""
+    import grpc
+
+    from protos.segserve.v1 import scheduler_pb2_grpc
+    from router.config import RouterConfig
+    from scheduler.config import SchedulerConfig
+    from segserve.launcher import Stack, StackConfig, free_port
+    from worker.config import WorkerConfig
+
+    stack_config = StackConfig(
+        worker=WorkerConfig(model=str(model_dir), dtype=dtype, port=0),
+        scheduler=SchedulerConfig(port=0),
+        router=RouterConfig(port=free_port()),
+        is_speculative=is_speculative,
+        startup_timeout_s=startup_timeout_s,
+        log_dir=str(log_dir),
+    )
+    with Stack(stack_config) as stack, grpc.insecure_channel(stack.config.router.scheduler_address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        # trust_env=False: a proxy configured for package registries must never see loopback traffic.
+        with httpx.Client(base_url=stack.base_url, timeout=request_timeout_s, trust_env=False) as client:
+            yield lambda prompt, max_tokens: complete_http(client, stub, prompt, max_tokens)
+
+
+def complete_http(client: httpx.Client, stub, prompt: str, max_tokens: int) -> dict:
+    """One greedy completion, EOS ignored; `stub` (a SchedulerStub or None) gives the counter deltas."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    before = read_counters(stub) if stub else None
+    started_at = time.perf_counter()
+    response = client.post("/v1/completions", json=body)
+    wall_s = time.perf_counter() - started_at
+    if response.status_code != 200:
+        raise RuntimeError(f"segserve answered HTTP {response.status_code}: {response.text[:300]}")
+    data = response.json()
+    spec = counter_delta(before, read_counters(stub)) if stub else None
+    return {"num_tokens": data["usage"]["completion_tokens"], "wall_s": wall_s,
+            "text": data["choices"][0]["text"], "spec": spec}  # fmt: skip
