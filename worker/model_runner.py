@@ -28,7 +28,7 @@ from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
 from worker.checkpoint import resolve_model
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
-from worker.tuned_linear import install_tuned_linears, tune_all
+from worker.packed_linear import pack_linears
 from worker.messages import (
     InvalidRequest,
     NewSequence,
@@ -82,7 +82,8 @@ class ModelRunner:
             path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device).eval()
         self.device = self.model.device  # "cuda" resolved to "cuda:0"
-        self.tuned_linears = install_tuned_linears(self.model)
+        if config.is_packed_linear:
+            logger.info("packed %d linear weights for oneDNN", pack_linears(self.model))
         model_config = self.model.config.get_text_config()
         max_len = model_config.max_position_embeddings
         if config.max_model_len > max_len:
@@ -113,10 +114,7 @@ class ModelRunner:
         return self._info
 
     def warm_up(self) -> None:
-        """Pick every linear layer's matmul layout, then run one real step (forward and sampling)
-        on block 0; the runner is ready after it."""
-        if self.tuned_linears:
-            logger.info("linear layouts by weight shape and row count: %s", tune_all(self.tuned_linears))
+        """Run one real step (forward and sampling) on block 0; the runner is ready after it."""
         num_tokens = min(4, self.limits.max_model_len)
         blocks = list(range(-(-num_tokens // self.kv_cache.block_size)))
         seq = ScheduledSequence(_WARMUP_SEQ_ID, [0] * num_tokens, 0, blocks, sample_indices=[num_tokens - 1])

@@ -1,0 +1,65 @@
+"""Packed linear layers compute what nn.Linear computes, row by row independently of the batch."""
+
+import pytest
+import torch
+from torch import nn
+
+from worker.packed_linear import PackedLinear, is_packing_supported, pack_linears
+
+pytestmark = pytest.mark.skipif(not is_packing_supported(torch.device("cpu"), torch.float32),
+                                reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_rows", [0, 1, 2, 3, 16, 70])
+def test_matches_linear(num_rows, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 1000, bias=bias)
+    x = torch.randn(1, num_rows, 48)  # [B, M, K] as a causal LM hands it over
+    with torch.inference_mode():
+        out = PackedLinear(linear)(x)
+        assert out.shape == (1, num_rows, 1000)
+        torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_batch():
+    torch.manual_seed(0)
+    layer = PackedLinear(nn.Linear(640, 4096, bias=False))
+    x = torch.randn(64, 640)
+    with torch.inference_mode():
+        full = layer(x)
+        for num_rows in (1, 2, 5, 16, 33):
+            assert torch.equal(layer(x[:num_rows]), full[:num_rows])
+
+
+def test_bfloat16_matches_linear_where_supported():
+    if not is_packing_supported(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU has no bf16 oneDNN path")
+    linear = nn.Linear(64, 128).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=2e-2, atol=2e-2)
+
+
+def test_unsupported_devices_and_dtypes_are_left_alone():
+    model = nn.Sequential(nn.Linear(8, 8).half(), nn.Linear(8, 8, device="meta"))
+    assert pack_linears(model) == 0
+    assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear
+
+
+def test_packing_a_model_keeps_tied_weights_tied_and_outputs_equal(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    model = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=16, tie_word_embeddings=True))
+    assert pack_linears(model) == 8  # q, k, v, o, gate, up, down, head
+    assert isinstance(model.get_output_embeddings(), PackedLinear)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    packed = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    assert pack_linears(packed) > 0
+    input_ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(input_ids).logits, reference(input_ids).logits, rtol=1e-4, atol=1e-4)
