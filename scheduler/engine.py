@@ -165,6 +165,7 @@ class Engine:
             raise
 
     async def _step(self) -> None:
+        cycle_start = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:  # only right after a preemption left nothing runnable; retry next turn
             await asyncio.sleep(0.001)
@@ -185,6 +186,8 @@ class Engine:
             return
         for result in results:
             self._deliver(result)
+        if self.speculator is not None:
+            self.speculator.observe_cycle(sum(len(r.token_ids) for r in results), time.perf_counter() - cycle_start)
 
     async def _connect(self) -> None:
         is_logged = False

@@ -8,6 +8,14 @@ and the acceptance metrics (per segment, per depth). Pure: no I/O, no clock.
 Why: verifying N nodes on a CPU costs far more than one decode step (the
 output head is memory-bound at one row and grows with rows), so a tree that
 is accepted rarely, or a batch already large, makes decoding slower.
+
+The model's cost estimate sees only the worker's step time; the drafter, the
+scheduler's bookkeeping and the router's per-token work share the same cores,
+and on the 2-core CI machine those errors decide the sign at 16 sequences
+(the model predicted +7% from speculating, the stack measured -10%). So a
+`SpeculationGate` checks the model against what the stack actually delivers:
+generated tokens per second of whole scheduler steps, with and without
+speculation, per batch size.
 """
 
 from __future__ import annotations
@@ -142,6 +150,63 @@ class StepCostModel:
         return yn  # unreachable: the points cover [x0, xn]
 
 
+@dataclass
+class _Arm:
+    """EMAs of one arm's generated tokens and seconds per scheduler step."""
+
+    num_steps: int = 0
+    ema_tokens: float = 0.0
+    ema_seconds: float = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.num_steps += 1
+        weight = max(_EMA, 1 / self.num_steps)
+        self.ema_tokens += weight * (num_tokens - self.ema_tokens)
+        self.ema_seconds += weight * (seconds - self.ema_seconds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.ema_tokens / self.ema_seconds if self.ema_seconds > 0 else 0.0
+
+
+@dataclass
+class SpeculationGate:
+    """Speculate at a batch size only while it measurably delivers more tokens per second.
+
+    Per batch-size bucket (powers of two of decode sequences) it keeps the
+    goodput of whole scheduler steps that speculated and of steps that did
+    not. Each arm gets min_steps steps first (speculation first); after that
+    the better arm runs, and every explore_interval steps of a bucket the other
+    arm runs once, so a change of workload is noticed.
+    """
+
+    min_steps: int = 4
+    explore_interval: int = 16
+    arms: dict[tuple[int, bool], _Arm] = field(default_factory=dict)
+    num_decisions: dict[int, int] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(num_sequences: int) -> int:
+        return 1 << max(num_sequences - 1, 0).bit_length()
+
+    def _arm(self, num_sequences: int, is_speculating: bool) -> _Arm:
+        return self.arms.setdefault((self.bucket(num_sequences), is_speculating), _Arm())
+
+    def should_speculate(self, num_sequences: int) -> bool:
+        bucket = self.bucket(num_sequences)
+        count = self.num_decisions[bucket] = self.num_decisions.get(bucket, 0) + 1
+        spec, plain = self._arm(num_sequences, True), self._arm(num_sequences, False)
+        if spec.num_steps < self.min_steps or plain.num_steps < self.min_steps:
+            return spec.num_steps <= plain.num_steps
+        is_better = spec.tokens_per_s >= plain.tokens_per_s
+        return is_better != (count % self.explore_interval == 0)
+
+    def observe(self, num_sequences: int, is_speculating: bool, num_tokens: int, seconds: float) -> None:
+        """A finished step: its decode sequences, whether it verified any tree, tokens generated."""
+        if num_sequences > 0 and seconds > 0:
+            self._arm(num_sequences, is_speculating).observe(num_tokens, seconds)
+
+
 def budget_options(max_nodes: int) -> list[int]:
     """Node budgets the policy considers: 0, powers of two, and max_nodes."""
     options = {0, max_nodes}
@@ -155,6 +220,7 @@ class SpecPolicy:
 
     Segments whose budget comes out 0 are switched off for the step; every
     probe_interval steps they get a small budget so their stats stay current.
+    The gate switches the whole step off where speculating has measured slower.
     """
 
     max_nodes: int
@@ -162,12 +228,18 @@ class SpecPolicy:
     is_adaptive: bool = True
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     cost: StepCostModel = field(default_factory=StepCostModel)
+    gate: SpeculationGate = field(default_factory=SpeculationGate)
     draft_overhead_s: float = 0.0
     """EMA of the Draft call's latency: paid only by steps that speculate."""
     num_steps: int = 0
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
+
+    def observe_cycle(self, num_sequences: int, is_speculating: bool, num_tokens: int, seconds: float) -> None:
+        """A whole scheduler step (schedule, draft, worker, postprocess) and the tokens it generated."""
+        if self.is_adaptive:
+            self.gate.observe(num_sequences, is_speculating, num_tokens, seconds)
 
     def observe_draft_call(self, seconds: float) -> None:
         self.draft_overhead_s += (_EMA if self.draft_overhead_s else 1.0) * (seconds - self.draft_overhead_s)
@@ -183,7 +255,7 @@ class SpecPolicy:
         options = budget_options(self.max_nodes)
         if not self.is_adaptive:
             return {segment: self.max_nodes for segment in groups}
-        if not self.cost.is_fitted:
+        if not self.cost.is_fitted or not self.gate.should_speculate(sum(groups.values())):
             return {segment: 0 for segment in groups}  # measure a plain step first
         budgets = {segment: 0 for segment in groups}
         best = self._tokens_per_s(budgets, groups, num_base_tokens)

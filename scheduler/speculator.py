@@ -43,9 +43,11 @@ class Speculator:
         self.clock = clock
         self.num_garbage_trees = 0
         self.num_errors = 0
+        self._last_step = (0, False)  # (decode sequences, whether it speculated) of the step proposed last
 
     async def propose(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
         """Attach candidate trees to output's decode sequences (or nothing, on any failure)."""
+        self._last_step = (0, False)
         try:
             await self._propose(scheduler, output)
         except Exception:  # a bug here must cost speed, never a request
@@ -66,12 +68,18 @@ class Speculator:
         """A worker step's measured time, for the cost model."""
         self.policy.observe_step(num_tokens, seconds)
 
+    def observe_cycle(self, num_generated_tokens: int, seconds: float) -> None:
+        """The last proposed step, end to end, and the tokens it generated: for the gate."""
+        num_sequences, is_speculating = self._last_step
+        self.policy.observe_cycle(num_sequences, is_speculating, num_generated_tokens, seconds)
+
     async def _propose(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
         candidates = scheduler.draft_candidates(output)
         groups = Counter(seq.segment for seq in candidates)
         room = scheduler.max_num_batched_tokens - output.num_scheduled_tokens
         budgets = self.policy.choose(groups, output.num_scheduled_tokens, room) if candidates else {}
         is_speculating = any(budgets.values())
+        self._last_step = (len(candidates), is_speculating)
         if not is_speculating and len(scheduler.finished_draft_ids) < _MAX_FINISHED_BACKLOG:
             return  # the drafter catches up on these sequences' tokens at the next call
         finished, scheduler.finished_draft_ids = scheduler.finished_draft_ids, []

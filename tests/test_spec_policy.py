@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.spec_policy import AcceptanceStats, SegmentStats, SpecPolicy, StepCostModel, budget_options
+from scheduler.spec_policy import (
+    AcceptanceStats,
+    SegmentStats,
+    SpecPolicy,
+    SpeculationGate,
+    StepCostModel,
+    budget_options,
+)
 
 # Measured on the 2-core CPU with gemma-3-270m (NOTES.md): the output head dominates.
 CPU_COSTS = {1: 0.050, 4: 0.131, 16: 0.148, 64: 0.294}
@@ -104,3 +111,49 @@ def test_budget_options():
     assert budget_options(16) == [0, 1, 2, 4, 8, 16]
     assert budget_options(6) == [0, 1, 2, 4, 6]
     assert budget_options(0) == [0]
+
+
+def run_gate(gate: SpeculationGate, num_sequences: int, steps: int, spec_tokens_per_s: float,
+             plain_tokens_per_s: float) -> list[bool]:
+    """Decisions of `steps` steps, each observed at the arm's goodput (one-second steps)."""
+    decisions = []
+    for _ in range(steps):
+        is_speculating = gate.should_speculate(num_sequences)
+        rate = spec_tokens_per_s if is_speculating else plain_tokens_per_s
+        gate.observe(num_sequences, is_speculating, round(rate), 1.0)
+        decisions.append(is_speculating)
+    return decisions
+
+
+def test_gate_tries_both_arms_then_keeps_the_faster_and_explores_the_other():
+    gate = SpeculationGate(min_steps=2, explore_interval=8)
+    decisions = run_gate(gate, 1, 24, spec_tokens_per_s=20, plain_tokens_per_s=10)
+    assert decisions[:4] == [True, False, True, False]
+    assert decisions[4:] == [i % 8 != 0 for i in range(5, 25)]  # decision k (1-based) explores when k % 8 == 0
+
+
+def test_gate_switches_speculation_off_where_it_measures_slower_per_batch_size():
+    gate = SpeculationGate(min_steps=2, explore_interval=8)
+    at_sixteen = run_gate(gate, 16, 40, spec_tokens_per_s=100, plain_tokens_per_s=130)
+    assert sum(at_sixteen[8:]) == 4  # only the exploring steps speculate: 16, 24, 32, 40
+    at_one = run_gate(gate, 1, 20, spec_tokens_per_s=20, plain_tokens_per_s=10)
+    assert sum(at_one[4:]) == 14  # the bucket of one sequence is measured apart
+    assert SpeculationGate.bucket(12) == SpeculationGate.bucket(16) == 16 != SpeculationGate.bucket(17)
+
+
+def test_gate_follows_a_change_of_workload():
+    gate = SpeculationGate(min_steps=2, explore_interval=4)
+    run_gate(gate, 4, 40, spec_tokens_per_s=10, plain_tokens_per_s=30)
+    later = run_gate(gate, 4, 80, spec_tokens_per_s=60, plain_tokens_per_s=30)
+    assert all(later[-20:][i] for i in range(20) if (i + 101) % 4 != 0)
+
+
+def test_a_policy_whose_model_says_speculate_stops_when_the_stack_measured_otherwise():
+    policy = policy_with(0.9, GPU_LIKE_COSTS)
+    assert policy.choose({"code": 1}, 1, 255)["code"] > 0
+    for is_speculating, tokens in [(True, 3), (False, 10)] * 4:  # whole steps: speculating is 3x slower
+        policy.observe_cycle(1, is_speculating, tokens, 1.0)
+    assert [policy.choose({"code": 1}, 1, 255)["code"] for _ in range(15)].count(0) == 14
+    fixed = SpecPolicy(8, is_adaptive=False)
+    fixed.observe_cycle(1, True, 1, 10.0)
+    assert fixed.choose({"code": 1}, 1, 100) == {"code": 8}
