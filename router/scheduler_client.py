@@ -73,6 +73,7 @@ class GenerateParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     num_top_logprobs: int = 0
+    watermark: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -115,7 +116,7 @@ def to_pb(request_id: str, prompt_token_ids: list[int], params: GenerateParams) 
         do_sample=params.do_sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         typical_p=params.typical_p, repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
-        num_top_logprobs=params.num_top_logprobs,
+        num_top_logprobs=params.num_top_logprobs, watermark=params.watermark,
     )
     if params.seed is not None:
         sampling.seed = params.seed

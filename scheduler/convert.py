@@ -52,7 +52,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int) -> Sampling
         do_sample=pb.do_sample, temperature=pb.temperature, top_k=pb.top_k, top_p=pb.top_p,
         typical_p=pb.typical_p, repetition_penalty=pb.repetition_penalty,
         frequency_penalty=pb.frequency_penalty, presence_penalty=pb.presence_penalty,
-        seed=pb.seed if pb.HasField("seed") else None, num_top_logprobs=pb.num_top_logprobs)
+        seed=pb.seed if pb.HasField("seed") else None, num_top_logprobs=pb.num_top_logprobs,
+        watermark=pb.watermark)
 
 
 def generate_args_from_pb(pb: scheduler_pb2.GenerateRequest, info: WorkerInfo) -> GenerateArgs:

@@ -36,6 +36,8 @@ class SamplingParams:
     """Seed of the request's own generator; None = random."""
     num_top_logprobs: int = 0
     """Top log-probabilities returned with every token; 0 = none."""
+    watermark: bool = False
+    """Bias sampling toward the green list (worker/watermark.py)."""
 
 
 @dataclass(frozen=True)

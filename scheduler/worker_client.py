@@ -60,7 +60,7 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         do_sample=params.do_sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         typical_p=params.typical_p, repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
-        seed=params.seed, num_top_logprobs=params.num_top_logprobs)
+        seed=params.seed, num_top_logprobs=params.num_top_logprobs, watermark=params.watermark)
 
 
 def step_request_to_pb(output: SchedulerOutput) -> worker_pb2.StepRequest:

@@ -4,6 +4,7 @@
     segserve worker|scheduler|router|drafter   one service, as the launcher or a pod runs it
     segserve corpus build FILE...  build per-segment drafter corpora from text files
     segserve prepare-model         convert the default model into the cache once
+    segserve watermark detect      test text for segserve's green-list watermark
     segserve bench throughput      the throughput benchmark (JSON + PNG)
     segserve bench spec            speculative decoding vs generate() and prompt lookup (JSON + PNG)
 """
@@ -92,6 +93,25 @@ def _corpus_build_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watermark_detect_command(args: argparse.Namespace) -> int:
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from worker.checkpoint import resolve_model
+    from worker.watermark import detect
+
+    if args.text is not None:
+        text = args.text
+    else:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    model_dir = resolve_model(args.model)
+    token_ids = AutoTokenizer.from_pretrained(model_dir).encode(text, add_special_tokens=False)
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    print(json.dumps(detect(token_ids, config, args.z_threshold)))
+    return 0
+
+
 def _stop_on_sigterm() -> None:
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -152,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default model if unset)")
     build.add_argument("--segments-config", default=None, help="segments TOML (the shipped default if unset)")
     build.set_defaults(func=_corpus_build_command)
+
+    watermark = commands.add_parser("watermark", help="green-list watermark")
+    watermark_commands = watermark.add_subparsers(dest="watermark", required=True)
+    detect = watermark_commands.add_parser("detect", help="print the green-token z-score of a text as JSON")
+    detect.add_argument("file", nargs="?", default="-", help="UTF-8 text file, - for stdin (default)")
+    detect.add_argument("--text", default=None, help="the text itself, instead of a file")
+    detect.add_argument("--model", default=None, help="model directory of the tokenizer (default model if unset)")
+    detect.add_argument("--z-threshold", type=float, default=4.0, help="z-score above which text is watermarked")
+    detect.set_defaults(func=_watermark_detect_command)
 
     prepare = commands.add_parser("prepare-model", help="convert the default model into the cache")
     prepare.set_defaults(func=_prepare_model_command)

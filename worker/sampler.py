@@ -9,7 +9,8 @@ Processing follows transformers' logits processors, in transformers' order, so t
 reference: repetition penalty (prompt + output), then OpenAI frequency / presence penalties (output
 only); greedy rows take the argmax of the penalized logits; sampling rows go on through
 temperature, top_k, top_p and typical_p and draw one token by inverse CDF with one uniform from
-their own generator, so a seeded row draws the same token whatever else is in the batch.
+their own generator, so a seeded row draws the same token whatever else is in the batch. A row
+that asks for a watermark gets its green-list bias last (worker/watermark.py), greedy or not.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Sequence
 import torch
 
 from protos.segserve.v1 import common_pb2
+from worker.watermark import apply_watermark
 
 _TOP_P_CANDIDATES = 1024
 """top_p first looks at this many most likely tokens per row, then 16x as many, and sorts the whole
@@ -42,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     num_top_logprobs: int = 0
+    watermark: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature > 0 or math.isinf(self.temperature):
@@ -75,6 +78,7 @@ class SamplingParams:
             presence_penalty=pb.presence_penalty,
             seed=pb.seed if pb.HasField("seed") else None,
             num_top_logprobs=pb.num_top_logprobs,
+            watermark=pb.watermark,
         )
 
 
@@ -129,7 +133,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
     greedy_rows = [i for i, p in enumerate(params) if not p.do_sample]
     sampling_rows = [i for i, p in enumerate(params) if p.do_sample]
     if greedy_rows:
-        greedy = _take_rows(scores, greedy_rows)  # [G, V]
+        greedy = _watermarked(_take_rows(scores, greedy_rows), [rows[i] for i in greedy_rows])  # [G, V]
         index = torch.tensor(greedy_rows, device=device)
         greedy_ids = greedy.argmax(dim=-1)  # [G]
         token_ids[index] = greedy_ids
@@ -139,6 +143,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
         sampling = _take_rows(scores, sampling_rows)  # [S, V]; warped in place, so never the input
         sampling = sampling.clone() if sampling is logits else sampling
         warped = warp(sampling, [params[i] for i in sampling_rows])  # [S, V]
+        warped = _watermarked(warped, [rows[i] for i in sampling_rows])
         probs = torch.softmax(warped, dim=-1)  # [S, V]
         log_norm = _log_normalizer(warped, probs)  # [S, 1]
         drawn = draw(probs, [rows[i].generator for i in sampling_rows])  # [S]
@@ -209,6 +214,17 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> t
     # Strictly below the total, so the first cdf entry above it exists and has probability > 0.
     target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _watermarked(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """scores [R, V] with the watermark rows biased; a copy when any row is (never the input)."""
+    marked = [j for j, row in enumerate(rows) if row.params.watermark]
+    if not marked:
+        return scores
+    scores = scores.clone()
+    index = torch.tensor(marked, device=scores.device)
+    scores[index] = apply_watermark(scores[index], [rows[j].token_ids for j in marked])
+    return scores
 
 
 def _has_penalty(p: SamplingParams) -> bool:

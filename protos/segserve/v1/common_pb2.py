@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/segserve/v1/common.proto\x12\x0bsegserve.v1\"\xf0\x01\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10num_top_logprobs\x18\n \x01(\rB\x07\n\x05_seed\"V\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/segserve/v1/common.proto\x12\x0bsegserve.v1\"\x83\x02\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10num_top_logprobs\x18\n \x01(\r\x12\x11\n\twatermark\x18\x0b \x01(\x08\x42\x07\n\x05_seed\"V\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.segserve.v1.common_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=49
-  _globals['_SAMPLINGPARAMS']._serialized_end=289
-  _globals['_STOPPINGCRITERIA']._serialized_start=291
-  _globals['_STOPPINGCRITERIA']._serialized_end=377
-  _globals['_TOPLOGPROBS']._serialized_start=379
-  _globals['_TOPLOGPROBS']._serialized_end=429
+  _globals['_SAMPLINGPARAMS']._serialized_end=308
+  _globals['_STOPPINGCRITERIA']._serialized_start=310
+  _globals['_STOPPINGCRITERIA']._serialized_end=396
+  _globals['_TOPLOGPROBS']._serialized_start=398
+  _globals['_TOPLOGPROBS']._serialized_end=448
 # @@protoc_insertion_point(module_scope)
