@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: validate, tokenize, call the scheduler, stream text back.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`),
-GET /v1/models, GET /v1/models/{model}, GET /health. A request's life: the
+GET /v1/models, GET /v1/models/{model}, GET /health, and the MindIE-style
+/v2/models/{model}/generate[_stream] routes (v2.py). A request's life: the
 pydantic body is checked, the prompt tokenized (prompts.py), the budget fixed,
 and `generate_deltas` drives the gRPC stream; a renderer (responses.py) shapes
 the output. A client that goes away, streamed or not, cancels the gRPC call.
@@ -31,6 +32,7 @@ from router.prompts import chat_prompt_ids, completion_prompt_ids, max_new_token
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import ChatRenderer, CompletionRenderer
 from router.scheduler_client import GenerateFailure, ModelInfo, SchedulerClient
+from router.v2 import install_v2_routes
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -75,7 +77,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def sse_events(first, events: AsyncIterator, renderer, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: the renderer's chunks, keep-alive comments, an error event if any, then [DONE]."""
+    """The SSE body: the renderer's chunks, keep-alive comments, an error event if any, then its end marker."""
     async with contextlib.aclosing(events):
         for chunk in renderer.start():
             yield sse_data(chunk)
@@ -95,7 +97,8 @@ async def sse_events(first, events: AsyncIterator, renderer, include_usage: bool
                         yield sse_data(renderer.usage_chunk(event.usage))
                     break
             event = await anext(events, None)
-        yield "data: [DONE]\n\n"
+        if renderer.stream_done is not None:
+            yield f"data: {renderer.stream_done}\n\n"
 
 
 async def collect(events: AsyncIterator) -> list[Delta]:
@@ -128,6 +131,25 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
         if model is not None and model != served_name:
             raise model_not_found(model)
 
+    async def respond(request: Request, job: GenerationJob, renderer, stream: bool, include_usage: bool) -> Response:
+        """Run `job`, answering in `renderer`'s shapes: one JSON body, or SSE when `stream`."""
+        detokenizer = IncrementalDetokenizer(tokenizer, job.prompt_token_ids)
+        try:
+            if not stream:
+                deltas = await until_disconnected(request, collect(generate_deltas(client, job, detokenizer)))
+                return JSONResponse(renderer.response(deltas).model_dump())
+            events = generate_deltas(client, job, detokenizer, config.keepalive_interval_s)
+            # Wait for the first event before answering, so that a request refused
+            # at once (overloaded, invalid) gets a real HTTP status, not an SSE error.
+            first = await until_disconnected(request, anext(events))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if isinstance(first, GenerateFailure):
+            raise from_failure(first)
+        # The background close covers a client that left before the body started.
+        return StreamingResponse(sse_events(first, events, renderer, include_usage), headers=SSE_HEADERS,
+                                 background=BackgroundTask(events.aclose))
+
     async def serve(request: Request, body, prompt_ids: list[int], kind: str) -> Response:
         is_chat = kind == "chat"
         budget = max_new_tokens(
@@ -146,22 +168,7 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
         renderer = (ChatRenderer if is_chat else CompletionRenderer)(
             request_id, int(time.time()), served_name, token_texts, body.num_top_logprobs is not None
         )
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
-        try:
-            if not body.stream:
-                deltas = await until_disconnected(request, collect(generate_deltas(client, job, detokenizer)))
-                return JSONResponse(renderer.response(deltas).model_dump())
-            events = generate_deltas(client, job, detokenizer, config.keepalive_interval_s)
-            # Wait for the first event before answering, so that a request refused
-            # at once (overloaded, invalid) gets a real HTTP status, not an SSE error.
-            first = await until_disconnected(request, anext(events))
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if isinstance(first, GenerateFailure):
-            raise from_failure(first)
-        # The background close covers a client that left before the body started.
-        return StreamingResponse(sse_events(first, events, renderer, body.include_usage), headers=SSE_HEADERS,
-                                 background=BackgroundTask(events.aclose))
+        return await respond(request, job, renderer, body.stream, body.include_usage)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -174,6 +181,8 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
         check_model(body.model)
         prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())
         return await serve(request, body, prompt_ids, "chat")
+
+    install_v2_routes(app, config, model_info, served_name, tokenizer, respond)
 
     def model_card() -> dict:
         return {"id": served_name, "object": "model", "created": created, "owned_by": "segserve",

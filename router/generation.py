@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -72,6 +73,14 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    num_tokens: int = 0
+    """Tokens this delta covers (an EOS token counts, though its text is empty)."""
+    received_s: float = field(default_factory=time.monotonic)
+    """When the router read these tokens off the scheduler's stream (time.monotonic)."""
+    complete: GenerateComplete | None = None
+    """On the last delta: the scheduler's own account (raw finish reason, timings, batch size)."""
+    index: int = 0
+    """Which of the request's n choices this delta belongs to (choices.py sets it)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,7 @@ def to_logprobs(chunk: TokenChunk, num_top: int) -> list[TokenLogprob]:
 
 def finish_delta(done: GenerateComplete, job: GenerationJob, text: str) -> Delta:
     usage = Usage(done.num_prompt_tokens or len(job.prompt_token_ids), done.num_generated_tokens)
-    return Delta(text=text, finish_reason=_OPENAI_FINISH[done.finish_reason], usage=usage)
+    return Delta(text=text, finish_reason=_OPENAI_FINISH[done.finish_reason], usage=usage, complete=done)
 
 
 async def generate_deltas(
@@ -123,7 +132,7 @@ async def generate_deltas(
             if isinstance(event, TokenChunk):
                 text_ids = [t for t in event.token_ids if t not in job.eos_token_ids]
                 logprobs = [] if job.num_top_logprobs is None else to_logprobs(event, job.num_top_logprobs)
-                yield Delta(text=detokenizer.add(text_ids), logprobs=logprobs)
+                yield Delta(text=detokenizer.add(text_ids), logprobs=logprobs, num_tokens=len(event.token_ids))
             elif isinstance(event, GenerateComplete):
                 yield finish_delta(event, job, detokenizer.flush())
                 return

@@ -1,7 +1,10 @@
 """OpenAI response bodies (pydantic) and the renderers that build them from `Delta`s.
 
 A renderer knows one endpoint's shapes: the streamed chunks (one per delta, the
-usage chunk) and the whole non-streamed response. Logprobs come out in OpenAI's
+usage chunk) and the whole non-streamed response. Deltas carry their choice's
+index (of n); a stream interleaves choices and the non-streamed response lists
+them in index order, each with its own finish_reason; the usage is the last
+delta's (choices.py sums it over the choices). Logprobs come out in OpenAI's
 two shapes: the legacy completions one (tokens / token_logprobs / top_logprobs /
 text_offset) and the chat one (content: [{token, logprob, bytes, top_logprobs}]).
 """
@@ -116,13 +119,30 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+def by_choice(deltas: list[Delta]) -> list[list[Delta]]:
+    """The deltas of each choice, in index order."""
+    choices: dict[int, list[Delta]] = {}
+    for delta in deltas:
+        choices.setdefault(delta.index, []).append(delta)
+    return [choices[index] for index in sorted(choices)]
+
+
+def _finish_reason(deltas: list[Delta]) -> str | None:
+    return next((d.finish_reason for d in deltas if d.finish_reason is not None), None)
+
+
 class _Renderer:
-    def __init__(self, response_id: str, created: int, model: str, token_texts: TokenTexts, want_logprobs: bool):
+    stream_done: str | None = "[DONE]"
+    """The data of the SSE event that ends a stream (None = no end event)."""
+
+    def __init__(self, response_id: str, created: int, model: str, token_texts: TokenTexts, want_logprobs: bool,
+                 num_choices: int = 1):
         self.response_id = response_id
         self.created = created
         self.model = model
         self.token_texts = token_texts
         self.want_logprobs = want_logprobs
+        self.num_choices = num_choices
 
     def start(self) -> list[BaseModel]:
         """Chunks sent before the first delta."""
@@ -137,9 +157,9 @@ class CompletionRenderer(_Renderer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._text_offset = 0
+        self._text_offsets = [0] * self.num_choices  # per choice: where its next token's text starts
 
-    def _logprobs(self, logprobs: list[TokenLogprob]) -> CompletionLogprobs | None:
+    def _logprobs(self, logprobs: list[TokenLogprob], index: int) -> CompletionLogprobs | None:
         if not self.want_logprobs:
             return None
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
@@ -148,8 +168,8 @@ class CompletionRenderer(_Renderer):
             out.tokens.append(token)
             out.token_logprobs.append(_clean(lp.logprob))
             out.top_logprobs.append({self.token_texts.get(t)[0]: _clean(v) for t, v in lp.top})
-            out.text_offset.append(self._text_offset)
-            self._text_offset += len(token)
+            out.text_offset.append(self._text_offsets[index])
+            self._text_offsets[index] += len(token)
         return out
 
     def _body(self, choices: list[CompletionChoice], usage: UsageCounts | None = None) -> CompletionResponse:
@@ -159,7 +179,8 @@ class CompletionRenderer(_Renderer):
     def chunk(self, delta: Delta) -> CompletionResponse | None:
         if not self._has_content(delta):
             return None
-        choice = CompletionChoice(text=delta.text, logprobs=self._logprobs(delta.logprobs),
+        choice = CompletionChoice(index=delta.index, text=delta.text,
+                                  logprobs=self._logprobs(delta.logprobs, delta.index),
                                   finish_reason=delta.finish_reason)
         return self._body([choice])
 
@@ -167,11 +188,13 @@ class CompletionRenderer(_Renderer):
         return self._body([], usage)
 
     def response(self, deltas: list[Delta]) -> CompletionResponse:
-        last = deltas[-1]
-        logprobs = self._logprobs([lp for d in deltas for lp in d.logprobs])
-        choice = CompletionChoice(text="".join(d.text for d in deltas), logprobs=logprobs,
-                                  finish_reason=last.finish_reason)
-        return self._body([choice], last.usage)
+        choices = [
+            CompletionChoice(index=ds[0].index, text="".join(d.text for d in ds),
+                             logprobs=self._logprobs([lp for d in ds for lp in d.logprobs], ds[0].index),
+                             finish_reason=_finish_reason(ds))
+            for ds in by_choice(deltas)
+        ]
+        return self._body(choices, deltas[-1].usage)
 
 
 class ChatRenderer(_Renderer):
@@ -193,13 +216,14 @@ class ChatRenderer(_Renderer):
                                    usage=Usage.of(usage) if usage else None)
 
     def start(self) -> list[BaseModel]:
-        return [self._chunk([ChatStreamChoice(delta=ChatDelta(role="assistant", content=""))])]
+        return [self._chunk([ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+                for index in range(self.num_choices)]
 
     def chunk(self, delta: Delta) -> ChatCompletionChunk | None:
         if not self._has_content(delta):
             return None
         content = ChatDelta(content=delta.text) if delta.text or not delta.finish_reason else ChatDelta()
-        choice = ChatStreamChoice(delta=content, logprobs=self._logprobs(delta.logprobs),
+        choice = ChatStreamChoice(index=delta.index, delta=content, logprobs=self._logprobs(delta.logprobs),
                                   finish_reason=delta.finish_reason)
         return self._chunk([choice])
 
@@ -207,9 +231,12 @@ class ChatRenderer(_Renderer):
         return self._chunk([], usage)
 
     def response(self, deltas: list[Delta]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(index=ds[0].index, message=ChatMessageOut(content="".join(d.text for d in ds)),
+                       logprobs=self._logprobs([lp for d in ds for lp in d.logprobs]),
+                       finish_reason=_finish_reason(ds))
+            for ds in by_choice(deltas)
+        ]
         last = deltas[-1]
-        message = ChatMessageOut(content="".join(d.text for d in deltas))
-        choice = ChatChoice(message=message, logprobs=self._logprobs([lp for d in deltas for lp in d.logprobs]),
-                            finish_reason=last.finish_reason)
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=[choice], usage=Usage.of(last.usage) if last.usage else None)
+                                      choices=choices, usage=Usage.of(last.usage) if last.usage else None)

@@ -3,7 +3,7 @@
 It answers every Generate with the same deterministic tokens (a fixed text
 encoded by the given tokenizer, two tokens per chunk) and records what it was
 sent and which calls were cancelled. Words in the prompt pick a behaviour:
-SLOW (a long stream, 50 ms per chunk), WAIT (1 s before the first token),
+SLOW (a long stream, 50 ms per chunk), WAIT (1 s queued before the first token),
 FAIL_MID (an error event after the first chunks), OVERLOAD (RESOURCE_EXHAUSTED
 at once), REJECT (an invalid_request error event at once).
 """
@@ -50,6 +50,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if "REJECT" in prompt:
             yield _error("invalid_request", "prompt rejected by the scheduler")
             return
+        arrived_s = time.monotonic()
         state = {"is_finished": False}
         context.add_callback(lambda: self._on_end(request.request_id, state))
         budget = request.stopping.max_new_tokens
@@ -60,11 +61,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             tokens, finish = self.expected_ids(budget)
         if "WAIT" in prompt:
             time.sleep(1.0)
+        scheduled_s = first_token_s = time.monotonic()
         for start in range(0, len(tokens), 2):
             if "SLOW" in prompt:
                 time.sleep(0.05)
             if not context.is_active():
                 return
+            if start == 0:
+                first_token_s = time.monotonic()
             yield self._chunk(tokens[start:start + 2], request.sampling)
             if "FAIL_MID" in prompt and start >= 2:
                 state["is_finished"] = True
@@ -73,7 +77,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         state["is_finished"] = True
         yield scheduler_pb2.GenerateResponse(complete=scheduler_pb2.GenerateComplete(
             finish_reason=finish, num_prompt_tokens=len(request.prompt_token_ids),
-            num_generated_tokens=len(tokens)))
+            num_generated_tokens=len(tokens), queue_wait_us=_us(arrived_s, scheduled_s),
+            first_token_us=_us(arrived_s, first_token_s), decode_us=_us(first_token_s, time.monotonic()),
+            max_batch_size=1))  # each request runs alone
 
     def _on_end(self, request_id: str, state: dict) -> None:
         with self._lock:
@@ -109,6 +115,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 return found
             time.sleep(0.02)
         return []
+
+
+def _us(start_s: float, end_s: float) -> int:
+    return round((end_s - start_s) * 1e6)
 
 
 def _error(code: str, message: str) -> scheduler_pb2.GenerateResponse:
