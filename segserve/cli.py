@@ -4,6 +4,8 @@
     segserve worker|scheduler|router|drafter   one service, as the launcher or a pod runs it
     segserve corpus build FILE...  build per-segment drafter corpora from text files
     segserve prepare-model         convert the default model into the cache once
+    segserve reflow consume        drain the data-reflow queue into per-session inference logs
+    segserve reflow export         inference logs as OpenAI fine-tuning chat JSONL or Parquet
     segserve watermark detect      test text for segserve's green-list watermark
     segserve bench throughput      the throughput benchmark (JSON + PNG)
     segserve bench spec            speculative decoding vs generate() and prompt lookup (JSON + PNG)
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from drafter.config import DrafterConfig
 from router.config import RouterConfig
+from router.reflow.config import ConsumerConfig
 from scheduler.config import SchedulerConfig
 from segserve.flags import add_dataclass_args, from_args
 from worker.config import WorkerConfig
@@ -30,6 +33,7 @@ _SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port"}
 _SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address"})
 _SERVE_DRAFTER_RENAME = {"host": "drafter_host", "port": "drafter_port"}
 _SERVE_DRAFTER_SKIP = frozenset({"tokenizer"})
+_CONSUME_RENAME = {"is_drain": "drain"}
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -90,6 +94,22 @@ def _corpus_build_command(args: argparse.Namespace) -> int:
     counts = build_corpus(args.files, args.tokenizer, args.segments_config, args.out)
     for segment, num_entries in sorted(counts.items()):
         print(f"{segment}: {num_entries} corpus nodes")
+    return 0
+
+
+def _reflow_consume_command(args: argparse.Namespace) -> int:
+    from router.reflow.consumer import consume
+
+    _stop_on_sigterm()
+    consumer = consume(from_args(ConsumerConfig, args, _CONSUME_RENAME))
+    print(f"{consumer.num_records_written} records written")
+    return 0
+
+
+def _reflow_export_command(args: argparse.Namespace) -> int:
+    from router.reflow.export import export
+
+    print(f"{export(args.logs, args.out, args.format)} {args.format} rows written to {args.out}")
     return 0
 
 
@@ -172,6 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default model if unset)")
     build.add_argument("--segments-config", default=None, help="segments TOML (the shipped default if unset)")
     build.set_defaults(func=_corpus_build_command)
+
+    reflow = commands.add_parser("reflow", help="data reflow: recorded traffic as inference logs")
+    reflow_commands = reflow.add_subparsers(dest="reflow", required=True)
+    consume = reflow_commands.add_parser("consume", help="drain the reflow queue into per-session logs")
+    add_dataclass_args(consume, ConsumerConfig, rename=_CONSUME_RENAME)
+    consume.set_defaults(func=_reflow_consume_command)
+    export = reflow_commands.add_parser("export", help="inference logs to a training / analysis format")
+    export.add_argument("--logs", default=ConsumerConfig.sink_dir, help="the consumer's sink directory")
+    export.add_argument("--format", choices=("openai-chat", "parquet"), default="openai-chat",
+                        help="openai-chat: fine-tuning chat JSONL; parquet: one row per turn")
+    export.add_argument("--out", required=True, help="output file")
+    export.set_defaults(func=_reflow_export_command)
 
     watermark = commands.add_parser("watermark", help="green-list watermark")
     watermark_commands = watermark.add_subparsers(dest="watermark", required=True)

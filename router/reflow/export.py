@@ -1,0 +1,82 @@
+"""Export of inference logs to the formats people train and analyse with.
+
+In: a sink directory of session logs (JSONL or Parquet, as the consumer wrote
+them). Out: one file.
+- openai-chat: OpenAI fine-tuning chat JSONL, one {"messages": [...]} per line,
+  roles system/user/assistant with string content. Each completed turn whose
+  conversation a later turn of the same session does not extend gives one example
+  (a follow-up repeats its history, so only the last turn of each branch is new):
+  its messages plus the assistant's reply. A completion prompt becomes a user
+  message. Turns with other roles (tools) or non-text content are skipped.
+- parquet: one row per turn, request/usage as JSON text, for analysis.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from router.reflow.sink import JsonlSink, ParquetSink, SessionSink, write_parquet
+
+EXPORT_FORMATS = ("openai-chat", "parquet")
+_ROLE_MAP = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def export(sink_dir: str | Path, out: str | Path, export_format: str) -> int:
+    """Write the export; returns the number of examples (openai-chat) or rows (parquet)."""
+    if export_format not in EXPORT_FORMATS:
+        raise ValueError(f"export format must be one of {EXPORT_FORMATS}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    sessions = [turns for sink in _sinks(sink_dir) for turns in sink.sessions()]
+    if export_format == "parquet":
+        write_parquet(out, [turn for turns in sessions for turn in turns])
+        return sum(map(len, sessions))
+    num_examples = 0
+    with open(out, "w", encoding="utf-8") as f:
+        for turns in sessions:
+            for example in chat_examples(turns):
+                f.write(json.dumps({"messages": example}, ensure_ascii=False) + "\n")
+                num_examples += 1
+    return num_examples
+
+
+def chat_examples(turns: list[dict[str, Any]]) -> Iterator[list[dict[str, str]]]:
+    """Fine-tuning conversations of one session (rules in the module docstring)."""
+    conversations = [c for c in map(_conversation, turns) if c is not None]
+    for index, messages in enumerate(conversations):
+        if not any(other[: len(messages)] == messages for other in conversations[index + 1 :]):
+            yield messages
+
+
+def _conversation(turn: dict[str, Any]) -> list[dict[str, str]] | None:
+    if turn["finish"] != "complete" or not turn["response_text"]:
+        return None
+    request = turn["request"]
+    if isinstance(request.get("messages"), list):
+        messages = []
+        for message in request["messages"]:
+            role, content = _ROLE_MAP.get(message.get("role")), _text(message.get("content"))
+            if role is None or content is None:
+                return None
+            messages.append({"role": role, "content": content})
+    elif isinstance(request.get("prompt"), str):
+        messages = [{"role": "user", "content": request["prompt"]}]
+    else:
+        return None
+    return messages + [{"role": "assistant", "content": turn["response_text"]}]
+
+
+def _text(content: Any) -> str | None:
+    """String content, or the text parts of a content list; None when there is anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(p.get("text", "") for p in content)
+    return None
+
+
+def _sinks(sink_dir: str | Path) -> list[SessionSink]:
+    if not Path(sink_dir).is_dir():
+        raise FileNotFoundError(f"no reflow logs at {sink_dir}")
+    return [sink(sink_dir) for sink in (JsonlSink, ParquetSink)]

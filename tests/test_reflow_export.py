@@ -1,0 +1,55 @@
+"""Exports: OpenAI fine-tuning chat JSONL and Parquet, through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+
+from router.reflow.config import ConsumerConfig, RecorderConfig
+from router.reflow.consumer import consume
+from router.reflow.export import chat_examples
+from router.reflow.queue import open_queue
+from router.reflow.recorder import Recorder
+from segserve.cli import main
+from tests.reflow_helpers import record_chats
+
+
+def _logs(tmp_path, sink_format="jsonl"):
+    url = f"sqlite:///{tmp_path}/queue.db"
+    recorder = Recorder(open_queue(url), RecorderConfig(spill_dir=str(tmp_path / "spill"))).start()
+    expected = record_chats(recorder, num_sessions=3, num_turns=2)
+    recorder.close()
+    consume(ConsumerConfig(queue_url=url, sink_dir=str(tmp_path / "logs"), sink_format=sink_format, is_drain=True))
+    return expected
+
+
+def test_openai_chat_export_is_valid_fine_tuning_jsonl(tmp_path):
+    _logs(tmp_path)
+    out = tmp_path / "train.jsonl"
+    assert main(["reflow", "export", "--logs", str(tmp_path / "logs"), "--format", "openai-chat",
+                 "--out", str(out)]) == 0
+    examples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(examples) == 3  # one per conversation: its last turn holds the whole history
+    for example in examples:
+        assert set(example) == {"messages"}
+        roles = [m["role"] for m in example["messages"]]
+        assert roles == ["system", "user", "assistant", "user", "assistant"]
+        assert all(isinstance(m["content"], str) and m["content"] for m in example["messages"])
+
+
+def test_parquet_sink_and_export_read_back(tmp_path):
+    expected = _logs(tmp_path, sink_format="parquet")
+    out = tmp_path / "turns.parquet"
+    assert main(["reflow", "export", "--logs", str(tmp_path / "logs"), "--format", "parquet", "--out", str(out)]) == 0
+    rows = pq.read_table(out).to_pylist()
+    assert sorted(r["request_id"] for r in rows) == sorted(i for ids in expected.values() for i in ids)
+    assert all(json.loads(r["request"])["messages"] and r["finish"] == "complete" for r in rows)
+
+
+def test_unfinished_and_tool_turns_are_not_training_examples():
+    base = {"finish": "complete", "response_text": "ok"}
+    turns = [{**base, "finish": "cancelled", "request": {"messages": [{"role": "user", "content": "a"}]}},
+             {**base, "request": {"messages": [{"role": "tool", "content": "b"}]}},
+             {**base, "request": {"prompt": "c"}}]
+    assert list(chat_examples(turns)) == [[{"role": "user", "content": "c"}, {"role": "assistant", "content": "ok"}]]
