@@ -1,8 +1,12 @@
-"""Offline corpus building (`segserve corpus build`): text files in, saved corpora out.
+"""Offline corpus building (`segserve corpus build`): text files or reflow logs in, saved corpora out.
 
-Each file is tokenized and split by the SegmentTracker: every closed segment goes
+Each text is tokenized and split by the SegmentTracker: every closed segment goes
 to its kind's corpus, and each run of tokens outside every segment to the default
-corpus. Existing corpora in out_dir are extended, not replaced.
+corpus. Existing corpora in out_dir are extended, not replaced. From reflow
+logs (router/reflow), the texts are what the model wrote: each completed turn's
+completion prompt plus its response (the prompt may open the segment the
+response continues), or a chat turn's response alone (the chat template's turn
+markers are not in the log, so a chat reply counts as text outside a turn).
 """
 
 from __future__ import annotations
@@ -36,14 +40,20 @@ def split_segments(token_ids: Sequence[int], segments: SegmentsConfig) -> list[t
 
 
 def build_corpus(
-    files: Iterable[str | Path], tokenizer_dir: str | None, segments_config: str | None, out_dir: str | Path
+    files: Iterable[str | Path], tokenizer_dir: str | None, segments_config: str | None, out_dir: str | Path,
+    reflow_dirs: Iterable[str | Path] = (),
 ) -> dict[str, int]:
-    """Add the files' segments to the corpora in out_dir; returns the node count per segment."""
+    """Add the segments of the files and of the reflow logs' turns to the corpora in out_dir;
+    returns the node count per segment."""
+    from router.reflow.export import generated_texts
+
     tokenizer = load_tokenizer(tokenizer_dir)
     segments = load_segments(segments_config, tokenizer)
     planner = DraftPlanner(segments, load_corpora(segments, out_dir))
-    for path in files:
-        token_ids = tokenizer.encode(Path(path).read_text(encoding="utf-8"), add_special_tokens=False)
+    texts = [Path(path).read_text(encoding="utf-8") for path in files]
+    texts += [text for sink_dir in reflow_dirs for text in generated_texts(sink_dir)]
+    for text in texts:
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
         for name, tokens in split_segments(token_ids, segments):
             planner.learn(name, tokens)
     save_corpora(planner.corpora, out_dir)

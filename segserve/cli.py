@@ -2,7 +2,7 @@
 
     segserve serve                 the whole stack on localhost:8000 (default model)
     segserve worker|scheduler|router|drafter   one service, as the launcher or a pod runs it
-    segserve corpus build FILE...  build per-segment drafter corpora from text files
+    segserve corpus build FILE...  build per-segment drafter corpora from text files (or --from-reflow logs)
     segserve prepare-model         convert the default model into the cache once
     segserve reflow consume        drain the data-reflow queue into per-session inference logs
     segserve reflow export         inference logs as OpenAI fine-tuning chat JSONL or Parquet
@@ -91,7 +91,9 @@ def _drafter_command(args: argparse.Namespace) -> int:
 def _corpus_build_command(args: argparse.Namespace) -> int:
     from drafter.build import build_corpus
 
-    counts = build_corpus(args.files, args.tokenizer, args.segments_config, args.out)
+    if not args.files and not args.from_reflow:
+        raise SystemExit("corpus build needs text files or --from-reflow DIR")
+    counts = build_corpus(args.files, args.tokenizer, args.segments_config, args.out, args.from_reflow)
     for segment, num_entries in sorted(counts.items()):
         print(f"{segment}: {num_entries} corpus nodes")
     return 0
@@ -187,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     corpus = commands.add_parser("corpus", help="drafter corpora")
     corpus_commands = corpus.add_subparsers(dest="corpus", required=True)
     build = corpus_commands.add_parser("build", help="add the segments of text files to per-segment corpora")
-    build.add_argument("files", nargs="+", help="UTF-8 text files")
+    build.add_argument("files", nargs="*", help="UTF-8 text files")
+    build.add_argument("--from-reflow", action="append", default=[], metavar="DIR",
+                       help="a reflow consumer's log directory (repeatable): learn what the model wrote")
     build.add_argument("--out", required=True, help="corpus directory (existing corpora there are extended)")
     build.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default model if unset)")
     build.add_argument("--segments-config", default=None, help="segments TOML (the shipped default if unset)")

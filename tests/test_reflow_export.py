@@ -53,3 +53,40 @@ def test_unfinished_and_tool_turns_are_not_training_examples():
              {**base, "request": {"messages": [{"role": "tool", "content": "b"}]}},
              {**base, "request": {"prompt": "c"}}]
     assert list(chat_examples(turns)) == [[{"role": "user", "content": "c"}, {"role": "assistant", "content": "ok"}]]
+
+
+def test_corpus_build_from_reflow_learns_what_the_model_wrote(tiny_gemma3_dir, tmp_path):
+    """A recorded completion whose reply holds a code block feeds the drafter's code corpus."""
+    from transformers import AutoTokenizer
+
+    from drafter.corpus import LookupCorpus
+    from drafter.server import corpus_path
+    from router.reflow.chunks import FinishState
+    from tests.test_cli import _TINY_SEGMENTS
+
+    url = f"sqlite:///{tmp_path}/queue.db"
+    recorder = Recorder(open_queue(url), RecorderConfig(spill_dir=str(tmp_path / "spill"))).start()
+    reply = "Sure:\n```\nfor i in range(10):\n    print(i)\n```\nDone."
+    body = json.dumps({"model": "m", "prompt": "Print the digits."}).encode()
+    recording = recorder.start_request("cmpl-1", "client-a", "m", body)
+    for index, piece in enumerate(reply.split(" ")):
+        recording.delta(piece if index == 0 else " " + piece, [index])
+    recording.finish(FinishState.COMPLETE)
+    unfinished = recorder.start_request("cmpl-2", "client-a", "m", json.dumps({"prompt": "x"}).encode())
+    unfinished.delta("```\nnever learned\n```", [0])
+    unfinished.finish(FinishState.CANCELLED)
+    recorder.close()
+    consume(ConsumerConfig(queue_url=url, sink_dir=str(tmp_path / "logs"), is_drain=True))
+
+    segments = tmp_path / "segments.toml"
+    segments.write_text(_TINY_SEGMENTS)
+    out = tmp_path / "corpora"
+    assert main(["corpus", "build", "--from-reflow", str(tmp_path / "logs"), "--out", str(out),
+                 "--tokenizer", str(tiny_gemma3_dir), "--segments-config", str(segments)]) == 0
+    code = LookupCorpus.load(corpus_path(out, "code"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gemma3_dir)
+    fenced = tokenizer.encode("```\nfor i in range(10):\n    print(i)\n```", add_special_tokens=False)
+    best = code.propose(fenced[:5], max_len=4, max_candidates=4)[0]
+    assert list(best.token_ids) == fenced[5:9]
+    never = tokenizer.encode("```\nnever learned", add_special_tokens=False)
+    assert all(list(c.token_ids[:1]) != never[3:4] for c in code.propose(never[:3], max_len=2, max_candidates=8))

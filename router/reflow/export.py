@@ -41,6 +41,18 @@ def export(sink_dir: str | Path, out: str | Path, export_format: str) -> int:
     return num_examples
 
 
+def generated_texts(sink_dir: str | Path) -> Iterator[str]:
+    """Per completed turn, the text the model continued: a completion's prompt + response,
+    or a chat turn's response (for drafter corpora, drafter/build.py)."""
+    for sink in _sinks(sink_dir):
+        for turns in sink.sessions():
+            for turn in turns:
+                if turn["finish"] != "complete" or not turn["response_text"]:
+                    continue
+                prompt = turn["request"].get("prompt")
+                yield (prompt if isinstance(prompt, str) else "") + turn["response_text"]
+
+
 def chat_examples(turns: list[dict[str, Any]]) -> Iterator[list[dict[str, str]]]:
     """Fine-tuning conversations of one session (rules in the module docstring)."""
     conversations = [c for c in map(_conversation, turns) if c is not None]
