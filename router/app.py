@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP app: validate, tokenize, call the scheduler, stream text back.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`),
-GET /v1/models, GET /v1/models/{model}, GET /health, and the MindIE-style
-/v2/models/{model}/generate[_stream] routes (v2.py). A request's life: the
+GET /v1/models, GET /v1/models/{model}, the MindIE-style
+/v2/models/{model}/generate[_stream] routes (v2.py), and GET /health, /ready,
+/metrics with API keys and the body limit (ops.py). A request's life: the
 pydantic body is checked, the prompt tokenized (prompts.py), the budget fixed,
-and `generate_deltas` drives the gRPC stream; a renderer (responses.py) shapes
+and `generate_deltas` drives the gRPC stream (one per choice when n > 1, merged
+by choices.py; stop strings cut by stop.py); a renderer (responses.py) shapes
 the output. A client that goes away, streamed or not, cancels the gRPC call.
 """
 
@@ -12,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -24,14 +27,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from router.choices import merge_choices
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer, TokenTexts
 from router.errors import bad_request, from_failure, install_error_handlers, model_not_found
 from router.generation import KEEPALIVE, Delta, GenerationJob, KeepAlive, generate_deltas
+from router.ops import install_ops
 from router.prompts import chat_prompt_ids, completion_prompt_ids, max_new_tokens
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import ChatRenderer, CompletionRenderer
 from router.scheduler_client import GenerateFailure, ModelInfo, SchedulerClient
+from router.stop import stop_at_strings
 from router.v2 import install_v2_routes
 
 SSE_HEADERS = {
@@ -92,10 +98,9 @@ async def sse_events(first, events: AsyncIterator, renderer, include_usage: bool
                 chunk = renderer.chunk(event)
                 if chunk is not None:
                     yield sse_data(chunk)
-                if event.finish_reason is not None:
-                    if include_usage and event.usage is not None:
-                        yield sse_data(renderer.usage_chunk(event.usage))
-                    break
+                # With n choices, each ends with a finish_reason; the last one carries the usage.
+                if event.finish_reason is not None and include_usage and event.usage is not None:
+                    yield sse_data(renderer.usage_chunk(event.usage))
             event = await anext(events, None)
         if renderer.stream_done is not None:
             yield f"data: {renderer.stream_done}\n\n"
@@ -126,19 +131,27 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
 
     app = FastAPI(title="segserve router", lifespan=lifespan)
     install_error_handlers(app)
+    client = install_ops(app, config, client, served_name)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_name:
             raise model_not_found(model)
 
+    def job_events(job: GenerationJob, keepalive_s: float | None) -> AsyncIterator:
+        return generate_deltas(client, job, IncrementalDetokenizer(tokenizer, job.prompt_token_ids), keepalive_s)
+
     async def respond(request: Request, job: GenerationJob, renderer, stream: bool, include_usage: bool) -> Response:
         """Run `job`, answering in `renderer`'s shapes: one JSON body, or SSE when `stream`."""
-        detokenizer = IncrementalDetokenizer(tokenizer, job.prompt_token_ids)
+        return await respond_events(request, functools.partial(job_events, job), renderer, stream, include_usage)
+
+    async def respond_events(request: Request, open_events: Callable[[float | None], AsyncIterator], renderer,
+                             stream: bool, include_usage: bool) -> Response:
+        """Like `respond`, for any event stream: `open_events(keepalive_s)` starts the generation."""
         try:
             if not stream:
-                deltas = await until_disconnected(request, collect(generate_deltas(client, job, detokenizer)))
+                deltas = await until_disconnected(request, collect(open_events(None)))
                 return JSONResponse(renderer.response(deltas).model_dump())
-            events = generate_deltas(client, job, detokenizer, config.keepalive_interval_s)
+            events = open_events(config.keepalive_interval_s)
             # Wait for the first event before answering, so that a request refused
             # at once (overloaded, invalid) gets a real HTTP status, not an SSE error.
             first = await until_disconnected(request, anext(events))
@@ -160,15 +173,30 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
         if body.top_k is not None and body.top_k >= model_info.vocab_size:
             raise bad_request(f"top_k must be below the vocabulary size {model_info.vocab_size}", "top_k")
         request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-        job = GenerationJob(
-            request_id=request_id, prompt_token_ids=prompt_ids, params=body.to_params(budget),
-            eos_token_ids=eos_token_ids, num_top_logprobs=body.num_top_logprobs,
-            timeout_s=config.request_timeout_s or None,
-        )
+        num_choices, stops = body.num_choices, body.stop_strings
+        jobs = [
+            GenerationJob(
+                # With one choice the scheduler's request id is the response id.
+                request_id=request_id if num_choices == 1 else f"{request_id}-{index}", prompt_token_ids=prompt_ids,
+                params=body.to_params(budget, index), eos_token_ids=eos_token_ids,
+                num_top_logprobs=body.num_top_logprobs, timeout_s=config.request_timeout_s or None,
+            )
+            for index in range(num_choices)
+        ]
         renderer = (ChatRenderer if is_chat else CompletionRenderer)(
-            request_id, int(time.time()), served_name, token_texts, body.num_top_logprobs is not None
+            request_id, int(time.time()), served_name, token_texts, body.num_top_logprobs is not None, num_choices
         )
-        return await respond(request, job, renderer, body.stream, body.include_usage)
+
+        def choice_events(job: GenerationJob, keepalive_s: float | None) -> AsyncIterator:
+            events = job_events(job, keepalive_s)
+            return stop_at_strings(events, stops, len(prompt_ids)) if stops else events
+
+        def open_events(keepalive_s: float | None) -> AsyncIterator:
+            if num_choices == 1:
+                return choice_events(jobs[0], keepalive_s)
+            return merge_choices([choice_events(job, None) for job in jobs], keepalive_s)
+
+        return await respond_events(request, open_events, renderer, body.stream, body.include_usage)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -196,13 +224,6 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
     async def retrieve_model(model: str) -> dict:
         check_model(model)
         return model_card()
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        is_ready, detail = await client.health()
-        if is_ready:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
 
     return app
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -25,6 +25,10 @@ class RouterConfig:
     """Deadline of one request from arrival; past it the stream ends with an error event. 0 = none."""
     scheduler_wait_s: float = 300.0
     """How long start-up waits for the scheduler to answer GetInfo before giving up."""
+    api_keys: list[str] = field(default_factory=list)
+    """Keys clients must send as `Authorization: Bearer <key>` on /v1 and /v2 routes; none = no auth."""
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    """Largest request body accepted; a larger one gets 413 before it is parsed."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -37,3 +41,6 @@ class RouterConfig:
             raise ValueError("request_timeout_s must be >= 0 (0 = no deadline)")
         if self.scheduler_wait_s <= 0:
             raise ValueError("scheduler_wait_s must be > 0")
+        self.api_keys = [key for key in self.api_keys if key]
+        if self.max_request_body_bytes <= 0:
+            raise ValueError("max_request_body_bytes must be > 0")

@@ -3,9 +3,12 @@
 Validation here is about one field at a time (ranges, types, unsupported
 features) and names the field; limits that need the model (prompt length,
 vocabulary size) are checked by the app. Unknown fields are ignored, as OpenAI
-clients send extras. `to_params` is the single place the HTTP fields become the
-scheduler's `GenerateParams`. top_k, typical_p, repetition_penalty and
-ignore_eos are extensions, as in vLLM.
+clients send extras, and null is accepted wherever OpenAI's default would do
+(clients send `"n": 1, "logprobs": null, "stop": null, ...` explicitly).
+`to_params` is the single place the HTTP fields become the scheduler's
+`GenerateParams`. top_k, typical_p, repetition_penalty and ignore_eos are
+extensions, as in vLLM. Stop strings are applied by the router (stop.py), the n
+choices are n scheduler requests (choices.py).
 """
 
 from __future__ import annotations
@@ -14,17 +17,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from router.choices import MAX_CHOICES
 from router.scheduler_client import GenerateParams
 
 # Temperatures below this are greedy decoding (as in vLLM).
 GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+MAX_STOP_STRINGS = 4
+SEED_RANGE = 2**64  # seeds are uint64 on the wire; negative (int64) seeds wrap around
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: bool | None = False
     """Send a last chunk with token usage before [DONE]."""
 
 
@@ -43,27 +50,41 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
-    stream: bool = False
+    seed: int | None = Field(default=None, ge=-(SEED_RANGE // 2), lt=SEED_RANGE)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Independent choices of the same prompt (greedy ones are identical)."""
     stop: str | list[str] | None = None
+    """Up to 4 strings; the output ends before the first one, which is not returned."""
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     user: str | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported for now")
-        return n
-
     @field_validator("stop")
     @classmethod
-    def _no_stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if stop:
-            raise ValueError("stop sequences are not supported yet")
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(stops)})")
+        if not all(stops):
+            raise ValueError("stop strings must not be empty")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        if logit_bias:
+            raise ValueError("`logit_bias` is not supported")
+        return logit_bias
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -78,7 +99,9 @@ class _SamplingRequest(BaseModel):
         """Alternatives per token to return; None = no logprobs at all."""
         raise NotImplementedError
 
-    def to_params(self, max_new_tokens: int) -> GenerateParams:
+    def to_params(self, max_new_tokens: int, choice_index: int = 0) -> GenerateParams:
+        """The scheduler's parameters for choice `choice_index`: its seed is `seed` + the index, so
+        each choice samples differently and a request with a seed is reproducible choice by choice."""
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default samples
         do_sample = temperature >= GREEDY_TEMPERATURE
         num_top = self.num_top_logprobs
@@ -92,7 +115,7 @@ class _SamplingRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
-            seed=self.seed,
+            seed=None if self.seed is None else (self.seed + choice_index) % SEED_RANGE,
             # The chosen token's own logprob comes from the top list (under greedy
             # decoding the score is a logit), so ask for at least one.
             num_top_logprobs=0 if num_top is None else max(num_top, 1),
@@ -104,10 +127,11 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+    """Only best_of = n (the default): ranking extra generations is not implemented."""
 
     @field_validator("prompt")
     @classmethod
@@ -122,12 +146,22 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("the prompt must not be empty")
         return prompt
 
-    @field_validator("echo", "suffix", "best_of")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, value, info: ValidationInfo):
-        if value and not (info.field_name == "best_of" and value == 1):
+        if value:
             raise ValueError(f"`{info.field_name}` is not supported yet")
         return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if best_of is not None and best_of < n:
+            raise ValueError(f"`best_of` must be at least n ({n}), got {best_of}")
+        if best_of is not None and best_of > n:
+            raise ValueError(f"`best_of` > n is not supported yet (got best_of={best_of}, n={n})")
+        return best_of
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -165,7 +199,7 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("top_logprobs")

@@ -111,6 +111,30 @@ class GenerateFailure:
 GenerateEvent = TokenChunk | GenerateComplete | GenerateFailure
 
 
+@dataclass(frozen=True)
+class SpecTotals:
+    """Speculative decoding since the scheduler started (all segment kinds together)."""
+
+    num_drafts: int
+    """Sequence-steps that verified a non-empty candidate tree."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_by_position: tuple[int, ...]
+    """[p]: drafts whose accepted path reached depth p + 1."""
+
+
+@dataclass(frozen=True)
+class SchedulerLoad:
+    """The scheduler's GetStats: current load, and counters since it started."""
+
+    num_running: int
+    num_waiting: int
+    num_used_kv_blocks: int
+    num_total_kv_blocks: int
+    num_preemptions: int
+    spec: SpecTotals
+
+
 def to_pb(request_id: str, prompt_token_ids: list[int], params: GenerateParams) -> scheduler_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
         do_sample=params.do_sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
@@ -145,6 +169,13 @@ def from_pb(response: scheduler_pb2.GenerateResponse) -> GenerateEvent:
     if kind == "error":
         return GenerateFailure(code=response.error.code or "internal", message=response.error.message)
     return GenerateFailure(code="internal", message="the scheduler sent an empty event")
+
+
+def load_from_pb(stats: scheduler_pb2.SchedulerStats) -> SchedulerLoad:
+    spec = SpecTotals(stats.spec.num_verified, stats.spec.num_draft_tokens, stats.spec.num_accepted_tokens,
+                      tuple(stats.spec.num_accepted_by_depth))
+    return SchedulerLoad(stats.num_running, stats.num_waiting, stats.num_used_kv_blocks, stats.num_total_kv_blocks,
+                         stats.num_preemptions, spec)
 
 
 def info_from_pb(worker: worker_pb2.WorkerInfo) -> ModelInfo:
@@ -197,6 +228,10 @@ class SchedulerClient:
         """The served model's facts; raises grpc.aio.AioRpcError when the scheduler does not answer."""
         info = await self._get_stub().GetInfo(scheduler_pb2.SchedulerInfoRequest(), timeout=timeout_s)
         return info_from_pb(info.worker)
+
+    async def get_stats(self, timeout_s: float = 2.0) -> SchedulerLoad:
+        """Current load and counters; raises grpc.aio.AioRpcError when the scheduler does not answer."""
+        return load_from_pb(await self._get_stub().GetStats(scheduler_pb2.StatsRequest(), timeout=timeout_s))
 
     async def health(self, timeout_s: float = 2.0) -> tuple[bool, str]:
         """(ready, detail); an unreachable scheduler is simply not ready."""

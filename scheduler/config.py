@@ -19,6 +19,9 @@ class SchedulerConfig:
     """gRPC port (0 = any free port)."""
     max_num_waiting: int = 1024
     """Most requests queued but not running; more are refused (RESOURCE_EXHAUSTED, HTTP 429)."""
+    max_num_waiting_tokens: int = 262144
+    """Most prompt tokens queued but not running; a request that would pass it is refused like a full queue
+    (an empty queue admits any request that fits the model)."""
     worker_step_timeout_s: float = 120.0
     """Deadline of one worker step; a step past it fails the requests it carried."""
     drafter_addresses: list[str] = field(default_factory=list)
@@ -41,6 +44,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be > 0")
         if self.max_num_waiting <= 0:
             raise ValueError("max_num_waiting must be > 0")
+        if self.max_num_waiting_tokens <= 0:
+            raise ValueError("max_num_waiting_tokens must be > 0")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in 0..65535")
         if self.worker_step_timeout_s <= 0:

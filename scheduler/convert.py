@@ -111,4 +111,5 @@ def stats_to_pb(stats: EngineStats) -> scheduler_pb2.SchedulerStats:
 def _spec_to_pb(segment: str, stats: SegmentStats) -> scheduler_pb2.SpecStats:
     return scheduler_pb2.SpecStats(
         segment=segment, num_verified=stats.num_verified, num_draft_tokens=stats.num_draft_tokens,
-        num_accepted_tokens=stats.num_accepted_tokens, acceptance_rate_by_depth=stats.acceptance_rate_by_depth)
+        num_accepted_tokens=stats.num_accepted_tokens, acceptance_rate_by_depth=stats.acceptance_rate_by_depth,
+        num_accepted_by_depth=stats.num_accepted_by_depth)

@@ -35,10 +35,6 @@ class EngineNotReady(RuntimeError):
     """The worker has not answered GetInfo yet, so no request can be admitted."""
 
 
-class EngineOverloaded(RuntimeError):
-    """The waiting queue is full (config.max_num_waiting); the client should retry later."""
-
-
 class Worker(Protocol):
     """What the engine needs from a worker (WorkerClient, or a fake in tests)."""
 
@@ -121,11 +117,9 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: Iterable[int], sampling: SamplingParams,
                     stopping: StoppingCriteria) -> RequestStream:
-        """Queue a request; raises EngineNotReady, EngineOverloaded, or RequestRejected when it can never run."""
+        """Queue a request; raises EngineNotReady, QueueFull (retry later), or RequestRejected (never runs)."""
         if self.scheduler is None:
             raise EngineNotReady(f"the worker at {self.config.worker_address} has not answered yet")
-        if len(self.scheduler.waiting) >= self.config.max_num_waiting:
-            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already waiting; retry later")
         self.scheduler.add(Sequence(request_id, list(prompt_token_ids), sampling, stopping))
         stream = self._streams[request_id] = RequestStream(request_id)
         self._wakeup.set()
@@ -203,7 +197,8 @@ class Engine:
         self.scheduler = Scheduler(
             num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
             eos_token_ids=info.eos_token_ids, max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens)
+            max_num_batched_tokens=self.config.max_num_batched_tokens, max_num_waiting=self.config.max_num_waiting,
+            max_num_waiting_tokens=self.config.max_num_waiting_tokens)
         if self.drafter is not None and self.config.max_draft_nodes > 0:
             policy = SpecPolicy(self.config.max_draft_nodes, self.config.spec_probe_interval,
                                 self.config.is_spec_adaptive, acceptance=self.scheduler.acceptance)

@@ -34,6 +34,10 @@ class RequestRejected(ValueError):
     """A request that can never run (too long for the model or the KV cache) or clashes with a live one."""
 
 
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound in requests or prompt tokens; the client should retry later."""
+
+
 class Scheduler:
     """Owns the waiting queue (FIFO), the running list and the KV-block allocation.
 
@@ -50,6 +54,8 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_num_waiting: int = 1024,
+        max_num_waiting_tokens: int = 262144,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.block_manager = BlockManager(num_kv_blocks, block_size)
@@ -59,6 +65,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Back-pressure: a queue longer than this only adds latency, so add() refuses at once.
+        self.max_num_waiting = max_num_waiting
+        self.max_num_waiting_tokens = max_num_waiting_tokens
         self.clock = clock
         self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
@@ -77,8 +86,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting sequences still have to compute (a preempted one recomputes all of its own)."""
+        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+
     def add(self, seq: Sequence) -> None:
-        """Queue a new request (FIFO), or raise RequestRejected if it can never run."""
+        """Queue a new request (FIFO).
+
+        Raises RequestRejected if it can never run, QueueFull if the waiting
+        queue is at max_num_waiting requests or would pass max_num_waiting_tokens
+        (an empty queue takes any request that fits, so a long prompt is not refused forever).
+        """
         if seq.request_id in self.requests:
             raise RequestRejected(f"request_id {seq.request_id!r} is already live")
         if seq.num_prompt_tokens == 0:
@@ -89,6 +108,12 @@ class Scheduler:
             raise RequestRejected(
                 f"prompt_token_ids has {seq.num_prompt_tokens} tokens; at most {self.max_len - 1} fit "
                 f"(max_model_len and KV-cache capacity leave room for one generated token)")
+        if len(self.waiting) >= self.max_num_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
+        num_waiting_tokens = self.num_waiting_tokens
+        if self.waiting and num_waiting_tokens + seq.num_prompt_tokens > self.max_num_waiting_tokens:
+            raise QueueFull(f"{num_waiting_tokens} prompt tokens are already waiting (at most "
+                            f"{self.max_num_waiting_tokens}); retry later")
         for finished in (self._finished_seq_ids, self.finished_draft_ids):
             if seq.request_id in finished:
                 # Its first step restarts the worker's (drafter's) state; a release after it would drop the new one.

@@ -14,8 +14,8 @@ from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from scheduler.config import SchedulerConfig
 from scheduler.convert import InvalidRequest, event_to_pb, generate_args_from_pb, stats_to_pb
 from scheduler.drafter_client import DrafterClient
-from scheduler.engine import Engine, EngineNotReady, EngineOverloaded
-from scheduler.scheduler import RequestRejected
+from scheduler.engine import Engine, EngineNotReady
+from scheduler.scheduler import QueueFull, RequestRejected
 from scheduler.worker_client import WorkerClient, info_to_pb
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineNotReady as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except EngineOverloaded as exc:
+        except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:
             async for event in stream:

@@ -206,8 +206,11 @@ def test_models_and_unknown_model(client, router_url):
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": 12}, "prompt"),
-    ("completions", {"model": MODEL, "prompt": "x", "n": 2}, "n"),
-    ("completions", {"model": MODEL, "prompt": "x", "stop": ["\n"]}, "stop"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 17}, "n"),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": ["a", ""]}, "stop"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p"),
     ("completions", {"model": MODEL, "prompt": "x", "top_k": 100000}, "top_k"),
     ("completions", {"model": MODEL, "prompt": [1, 99999]}, "prompt"),
@@ -236,8 +239,8 @@ def test_garbage_bodies_get_400(router_url, content):
 
 def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
-    assert "n=1" in exc.value.body["message"]
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)
+    assert exc.value.body["param"] == "n" and "16" in exc.value.body["message"]
 
 
 def _sse(router_url: str, prompt: str, **extra) -> httpx.Response:

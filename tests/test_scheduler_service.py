@@ -292,7 +292,7 @@ async def test_without_a_worker_health_is_not_ready_and_generate_is_unavailable(
 
 async def test_a_full_waiting_queue_refuses_with_resource_exhausted(service):
     stub, fake, engine = service
-    engine.config.max_num_waiting = 1
+    engine.scheduler.max_num_waiting = 1
     engine.scheduler.max_num_seqs = 1
     fake.step_delay_s = 0.02
     for request_id in ("running", "queued"):

@@ -115,15 +115,17 @@ class SchedulerStats(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., spec_segments: _Optional[_Iterable[_Union[SpecStats, _Mapping]]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth")
+    __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth", "num_accepted_by_depth")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_BY_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_BY_DEPTH_FIELD_NUMBER: _ClassVar[int]
     segment: str
     num_verified: int
     num_draft_tokens: int
     num_accepted_tokens: int
     acceptance_rate_by_depth: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, segment: _Optional[str] = ..., num_verified: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate_by_depth: _Optional[_Iterable[float]] = ...) -> None: ...
+    num_accepted_by_depth: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment: _Optional[str] = ..., num_verified: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate_by_depth: _Optional[_Iterable[float]] = ..., num_accepted_by_depth: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,71 @@
+"""n choices of one request: n independent generations merged into one event stream.
+
+In: one event stream per choice (generate_deltas', possibly through
+stop_at_strings), each without keep-alives. Out: their Deltas interleaved as
+they arrive, each tagged with its choice's `index`; every choice's last Delta
+keeps its finish_reason, and the last one to finish carries the usage of all
+(prompt tokens once, completion tokens summed), so a renderer sends per-choice
+endings and one usage at the end. A failure of any choice ends the whole
+stream (the other generations are cancelled), as does closing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from router.generation import KEEPALIVE, Delta, KeepAlive, Usage
+from router.scheduler_client import GenerateFailure
+
+logger = logging.getLogger(__name__)
+
+MAX_CHOICES = 16
+
+
+async def merge_choices(
+    streams: Sequence[AsyncIterator], keepalive_s: float | None = None
+) -> AsyncIterator[Delta | GenerateFailure | KeepAlive]:
+    """Interleave `streams` (choice i = streams[i]); KEEPALIVE when none sent anything for keepalive_s."""
+    queue: asyncio.Queue[tuple[int, Delta | GenerateFailure]] = asyncio.Queue()
+    pumps = [asyncio.create_task(_pump(index, stream, queue)) for index, stream in enumerate(streams)]
+    num_running = len(streams)
+    num_prompt_tokens = num_completion_tokens = 0
+    try:
+        while num_running:
+            try:
+                index, event = await asyncio.wait_for(queue.get(), keepalive_s)
+            except TimeoutError:
+                yield KEEPALIVE
+                continue
+            if isinstance(event, GenerateFailure):
+                yield event
+                return
+            usage = None
+            if event.finish_reason is not None:
+                num_running -= 1
+                num_prompt_tokens = event.usage.prompt_tokens
+                num_completion_tokens += event.usage.completion_tokens
+                if not num_running:
+                    usage = Usage(num_prompt_tokens, num_completion_tokens)
+            yield dataclasses.replace(event, index=index, usage=usage)
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _pump(index: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+    """Move one choice's events to the shared queue; cancelling this closes the stream (and its gRPC call)."""
+    try:
+        async with contextlib.aclosing(stream):
+            async for event in stream:
+                if not isinstance(event, KeepAlive):
+                    queue.put_nowait((index, event))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug, not a scheduler answer: still end the merged stream
+        logger.exception("choice %d failed", index)
+        queue.put_nowait((index, GenerateFailure("internal", f"router: {type(exc).__name__}: {exc}")))

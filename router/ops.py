@@ -1,0 +1,284 @@
+"""The router's operations surface: liveness, readiness, Prometheus metrics, API keys, body size.
+
+In: the app, its config and its scheduler client. Out, from `install_ops`:
+- GET /health: liveness, 200 while this process serves.
+- GET /ready: 200 once the scheduler reports its worker loaded and warmed up by a
+  real forward (the worker's Health), else 503 with the reason.
+- GET /metrics: Prometheus text under vLLM's names, so existing dashboards work.
+  Request histograms and counters are observed where the router reads the
+  scheduler's stream (`MeteredClient`, under every endpoint); load gauges and
+  speculation counters come from the scheduler's GetStats at scrape time.
+- `RequestGuard`, in front of every route: 401 on /v1 and /v2 without one of
+  `config.api_keys`, 413 for a body over `config.max_request_body_bytes`, both
+  answered before the body is parsed or any work starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.config import RouterConfig
+from router.errors import INVALID_REQUEST, error_body
+from router.scheduler_client import (
+    FinishReason,
+    GenerateComplete,
+    GenerateEvent,
+    GenerateParams,
+    SchedulerClient,
+    SchedulerLoad,
+    TokenChunk,
+)
+
+# vLLM's buckets, so percentiles line up with its dashboards.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's `finished_reason` label values; "abort" is a request whose client went away.
+_FINISHED_REASON = {
+    FinishReason.EOS_TOKEN: "stop",
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CONTEXT_LENGTH: "length",
+    FinishReason.UNSPECIFIED: "stop",
+}
+
+
+class SchedulerStatsCollector:
+    """Exposes the scheduler's latest GetStats; `load` is refreshed by the /metrics route before each scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.load: SchedulerLoad | None = None
+        """None when the scheduler did not answer: its series are left out rather than shown stale."""
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("segserve:scheduler_up", "1 if the scheduler answered GetStats at this scrape.",
+                               labels=["model_name"])
+        up.add_metric([self.model_name], float(self.load is not None))
+        yield up
+        if self.load is None:
+            return
+        load, spec = self.load, self.load.spec
+        usage = load.num_used_kv_blocks / load.num_total_kv_blocks if load.num_total_kv_blocks else 0.0
+        yield self._family(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.",
+                           load.num_running)
+        yield self._family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                           load.num_waiting)
+        yield self._family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                           usage)
+        yield self._family(CounterMetricFamily, "vllm:num_preemptions", "Requests preempted (KV freed, recomputed).",
+                           load.num_preemptions)
+        yield self._family(CounterMetricFamily, "vllm:spec_decode_num_drafts", "Candidate trees verified.",
+                           spec.num_drafts)
+        yield self._family(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                           spec.num_draft_tokens)
+        yield self._family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                           spec.num_accepted_tokens)
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Drafts whose accepted path reached depth position + 1.",
+                                           labels=["model_name", "position"])
+        for position, count in enumerate(spec.num_accepted_by_position):
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
+
+    def _family(self, kind: type, name: str, documentation: str, value: float) -> Metric:
+        family = kind(name, documentation, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+
+class RouterMetrics:
+    """One app's registry (not the global one, so tests can build many apps): request metrics + scheduler stats."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]):
+            return Histogram(name, documentation, ["model_name"], registry=self.registry,
+                             buckets=buckets).labels(model_name)
+
+        def counter(name: str, documentation: str):
+            return Counter(name, documentation, ["model_name"], registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "From sending a request to the scheduler to its first token.",
+            _TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Between two consecutive token chunks of one request.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "From sending a request to the scheduler to its end.",
+            _REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Time a request waited in the scheduler's queue.", _REQUEST_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated by finished requests.")
+        self.request_success = Counter("vllm:request_success", "Requests ended, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.request_failure = Counter("segserve:request_failure", "Requests failed, by failure code.",
+                                       ["model_name", "code"], registry=self.registry)
+        self.model_name = model_name
+        self.scheduler = SchedulerStatsCollector(model_name)
+        self.registry.register(self.scheduler)
+
+    async def render(self, client: SchedulerClient) -> bytes:
+        """The exposition text, with the scheduler's stats read now."""
+        try:
+            self.scheduler.load = await client.get_stats()
+        except grpc.aio.AioRpcError:
+            self.scheduler.load = None
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """One request's timeline as the router reads it off the scheduler's stream."""
+
+    def __init__(self, metrics: RouterMetrics, started_s: float) -> None:
+        self.metrics = metrics
+        self.started_s = started_s
+        self.last_chunk_s: float | None = None
+        self.is_ended = False
+
+    def observe(self, event: GenerateEvent, now_s: float) -> None:
+        m = self.metrics
+        if isinstance(event, TokenChunk):
+            if self.last_chunk_s is None:
+                m.time_to_first_token.observe(now_s - self.started_s)
+            else:
+                m.inter_token_latency.observe(now_s - self.last_chunk_s)
+            self.last_chunk_s = now_s
+            return
+        self.is_ended = True
+        if isinstance(event, GenerateComplete):
+            m.e2e_request_latency.observe(now_s - self.started_s)
+            m.request_queue_time.observe(event.queue_wait_us / 1e6)
+            m.prompt_tokens.inc(event.num_prompt_tokens)
+            m.generation_tokens.inc(event.num_generated_tokens)
+            m.request_success.labels(m.model_name, _FINISHED_REASON[event.finish_reason]).inc()
+        else:
+            m.request_failure.labels(m.model_name, event.code).inc()
+
+    def close(self) -> None:
+        if not self.is_ended:  # the stream was closed early: the client went away
+            self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
+
+
+class MeteredClient:
+    """The scheduler client the routes use: every generate() stream feeds the request metrics on its way."""
+
+    def __init__(self, client: SchedulerClient, metrics: RouterMetrics) -> None:
+        self.client = client
+        self.metrics = metrics
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: GenerateParams, timeout_s: float | None = None
+    ) -> AsyncIterator[GenerateEvent]:
+        tracker = RequestTracker(self.metrics, time.monotonic())
+        try:
+            async with contextlib.aclosing(self.client.generate(request_id, prompt_token_ids, params,
+                                                                timeout_s)) as events:
+                async for event in events:
+                    tracker.observe(event, time.monotonic())
+                    yield event
+        finally:
+            tracker.close()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class RequestGuard:
+    """ASGI middleware: API keys on /v1 and /v2 and the body-size limit, checked before any route runs."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int) -> None:
+        self.app = app
+        self.api_keys = [key.encode() for key in api_keys]
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {name.decode("latin-1").lower(): value for name, value in scope["headers"]}
+        if self.api_keys and _is_api_path(scope["path"]) and not self._is_authorized(headers):
+            error = JSONResponse(
+                error_body("Missing or invalid API key: send `Authorization: Bearer <key>`.", INVALID_REQUEST,
+                           code="invalid_api_key"),
+                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            await error(scope, receive, send)
+            return
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_body_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            await self.app(scope, receive, send)  # the server holds the body to its declared length
+            return
+        # No declared length (chunked): read the body here, bounded, then replay it to the app.
+        messages: list[Message] = []
+        num_bytes = 0
+        while not messages or messages[-1].get("more_body", False):
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left mid-body
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.max_body_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            messages.append(message)
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _is_authorized(self, headers: dict[str, bytes]) -> bool:
+        scheme, _, key = headers.get("authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and any(hmac.compare_digest(key.strip(), k) for k in self.api_keys)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = JSONResponse(
+            error_body(f"The request body is larger than {self.max_body_bytes} bytes.", INVALID_REQUEST,
+                       code="request_too_large"),
+            status_code=413)
+        await error(scope, receive, send)
+
+
+def _is_api_path(path: str) -> bool:
+    return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/v2")
+
+
+def install_ops(app: FastAPI, config: RouterConfig, client: SchedulerClient, model_name: str) -> MeteredClient:
+    """Add /health, /ready, /metrics and the request guard; returns the client the routes should generate with."""
+    metrics = RouterMetrics(model_name)
+    metered = MeteredClient(client, metrics)
+    app.add_middleware(RequestGuard, api_keys=config.api_keys, max_body_bytes=config.max_request_body_bytes)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        is_ready, detail = await client.health()
+        if is_ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not_ready", "reason": detail or "the worker is not ready"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(await metrics.render(client), media_type=CONTENT_TYPE_LATEST)
+
+    return metered
