@@ -33,6 +33,8 @@ from router.detokenizer import IncrementalDetokenizer, TokenTexts
 from router.errors import bad_request, from_failure, install_error_handlers, model_not_found
 from router.generation import KEEPALIVE, Delta, GenerationJob, KeepAlive, generate_deltas
 from router.ops import install_ops
+from router.reflow import RecorderConfig, open_recorder
+from router.reflow.gateway import STATE_KEY, ReflowCollector, ReflowMiddleware, record_deltas
 from router.prompts import chat_prompt_ids, completion_prompt_ids, max_new_tokens
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import ChatRenderer, CompletionRenderer
@@ -124,14 +126,24 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
     token_texts = TokenTexts(tokenizer)
     eos_token_ids = frozenset(model_info.eos_token_ids)
 
+    recorder = None
+    if config.reflow_queue_url:
+        recorder = open_recorder(RecorderConfig(queue_url=config.reflow_queue_url, spill_dir=config.reflow_spill_dir))
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         await client.close()
+        if recorder is not None:
+            recorder.close()  # flushes what is still in memory
 
     app = FastAPI(title="segserve router", lifespan=lifespan)
     install_error_handlers(app)
+    if recorder is not None:  # added before the guard, so it runs inside it
+        app.add_middleware(ReflowMiddleware, recorder=recorder, service_id=served_name)
     client = install_ops(app, config, client, served_name)
+    if recorder is not None:
+        app.state.metrics_registry.register(ReflowCollector(recorder))
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_name:
@@ -147,11 +159,12 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
     async def respond_events(request: Request, open_events: Callable[[float | None], AsyncIterator], renderer,
                              stream: bool, include_usage: bool) -> Response:
         """Like `respond`, for any event stream: `open_events(keepalive_s)` starts the generation."""
+        recording = getattr(request.state, STATE_KEY, None)
         try:
             if not stream:
-                deltas = await until_disconnected(request, collect(open_events(None)))
+                deltas = await until_disconnected(request, collect(record_deltas(open_events(None), recording)))
                 return JSONResponse(renderer.response(deltas).model_dump())
-            events = open_events(config.keepalive_interval_s)
+            events = record_deltas(open_events(config.keepalive_interval_s), recording)
             # Wait for the first event before answering, so that a request refused
             # at once (overloaded, invalid) gets a real HTTP status, not an SSE error.
             first = await until_disconnected(request, anext(events))

@@ -29,6 +29,11 @@ class RouterConfig:
     """Keys clients must send as `Authorization: Bearer <key>` on /v1 and /v2 routes; none = no auth."""
     max_request_body_bytes: int = 4 * 1024 * 1024
     """Largest request body accepted; a larger one gets 413 before it is parsed."""
+    reflow_queue_url: str = ""
+    """Record every inference request for data reflow into this queue (sqlite:///PATH or
+    redis://HOST:PORT/DB[#STREAM]; `segserve reflow consume` drains it); empty = no recording."""
+    reflow_spill_dir: str = "reflow/spill"
+    """Where the recorder spills chunks while the reflow queue refuses writes."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -264,6 +264,7 @@ def install_ops(app: FastAPI, config: RouterConfig, client: SchedulerClient, mod
     """Add /health, /ready, /metrics and the request guard; returns the client the routes should generate with."""
     metrics = RouterMetrics(model_name)
     metered = MeteredClient(client, metrics)
+    app.state.metrics_registry = metrics.registry  # for other collectors (data reflow)
     app.add_middleware(RequestGuard, api_keys=config.api_keys, max_body_bytes=config.max_request_body_bytes)
 
     @app.get("/health")

@@ -1,0 +1,138 @@
+"""Recording at the router: every inference request on every exit path becomes exactly one
+record, with the finish state of how it ended and the text the client received.
+
+A real router (uvicorn) records into a SQLite queue in front of the fake scheduler;
+after it shuts down, `consume` drains the queue and the logs are read back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.config import RouterConfig
+from router.reflow import ConsumerConfig
+from router.reflow.consumer import consume
+from router.reflow.gateway import client_id, state_for_status
+from router.reflow.chunks import FinishState
+from router.server import build_app, make_server
+from tests.fake_scheduler import OUTPUT_TEXT, start_fake_scheduler
+from tests.reflow_helpers import read_logs
+from tests.test_router import MODEL, _free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def router(tiny_gemma3_dir, tmp_path):
+    """(base URL, stop()) of a recording router; stop() shuts it down, which flushes the recorder."""
+    from transformers import AutoTokenizer
+
+    server_grpc, _, grpc_port = start_fake_scheduler(AutoTokenizer.from_pretrained(str(tiny_gemma3_dir)),
+                                                     model_name=MODEL)
+    config = RouterConfig(model=str(tiny_gemma3_dir), scheduler_address=f"127.0.0.1:{grpc_port}",
+                          port=_free_port(), scheduler_wait_s=10, request_timeout_s=1.0,
+                          reflow_queue_url=f"sqlite:///{tmp_path}/queue.db", reflow_spill_dir=str(tmp_path / "spill"))
+    holder: dict = {}
+
+    async def main() -> None:
+        holder["server"] = server = make_server(config, await build_app(config), log_level="warning")
+        await server.serve()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (holder.get("server") and holder["server"].started):
+        assert thread.is_alive() and time.monotonic() < deadline, "router did not start"
+        time.sleep(0.05)
+
+    def stop() -> None:
+        holder["server"].should_exit = True
+        thread.join(timeout=20)
+
+    yield f"http://127.0.0.1:{config.port}", stop
+    stop()
+    server_grpc.stop(grace=None)
+
+
+def _records(tmp_path) -> dict[str, list[dict]]:
+    consume(ConsumerConfig(queue_url=f"sqlite:///{tmp_path}/queue.db", sink_dir=str(tmp_path / "logs"),
+                           is_drain=True))
+    by_id: dict[str, list[dict]] = {}
+    for session in read_logs(tmp_path / "logs"):
+        for record in session:
+            by_id.setdefault(record["request_id"], []).append(record)
+    return by_id
+
+
+def _stream_text(response: httpx.Response) -> str:
+    text = ""
+    for line in response.iter_lines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            text += "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in event.get("choices", []))
+    return text
+
+
+def test_every_exit_path_yields_exactly_one_record(router, tmp_path):
+    url, stop = router
+    completion = {"model": MODEL, "prompt": "The answer:", "max_tokens": 64, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json={**completion, "stream": True},
+                         headers={"X-Request-Id": "streamed", "Authorization": "Bearer secret-key"}) as response:
+            streamed_text = _stream_text(response)
+        chat = http.post("/v1/chat/completions", headers={"X-Request-Id": "chat", "X-Session-Id": "s-1"},
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64})
+        assert chat.status_code == 200
+        invalid = http.post("/v1/completions", json={**completion, "max_tokens": -1}, headers={"X-Request-Id": "bad"})
+        assert invalid.status_code == 400
+        overloaded = http.post("/v1/completions", json={**completion, "prompt": "OVERLOAD"},
+                               headers={"X-Request-Id": "overloaded"})
+        assert overloaded.status_code == 429
+        with http.stream("POST", "/v1/completions", json={**completion, "prompt": "FAIL_MID", "stream": True},
+                         headers={"X-Request-Id": "failed"}) as response:
+            assert "error" in response.read().decode()
+        with http.stream("POST", "/v1/completions", json={**completion, "prompt": "SLOW", "stream": True,
+                                                          "max_tokens": 200},
+                         headers={"X-Request-Id": "deadline"}) as response:
+            assert "timeout" in response.read().decode()
+        with http.stream("POST", "/v1/completions", json={**completion, "prompt": "SLOW", "stream": True,
+                                                          "max_tokens": 200},
+                         headers={"X-Request-Id": "gone"}) as response:
+            next(response.iter_lines())  # the client leaves after the first event
+        v2 = http.post(f"/v2/models/{MODEL}/generate", json={"text_input": "Hi", "parameters": {"max_new_tokens": 64}},
+                       headers={"X-Request-Id": "v2"})
+        assert v2.status_code == 200
+        metrics = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    assert "segserve:reflow_queue_depth" in metrics and "segserve:reflow_chunks_dropped" in metrics
+    time.sleep(0.5)  # the disconnected stream's cancellation reaches the router
+    stop()
+
+    records = _records(tmp_path)
+    expected = {"streamed": "complete", "chat": "complete", "bad": "rejected", "overloaded": "rejected",
+                "failed": "error", "deadline": "deadline", "gone": "cancelled", "v2": "complete"}
+    assert {rid: [r["finish"] for r in records.get(rid, [])] for rid in expected} == {
+        rid: [state] for rid, state in expected.items()}
+    assert records["streamed"][0]["response_text"] == streamed_text == OUTPUT_TEXT
+    assert records["streamed"][0]["client_id"] == client_id({"authorization": "Bearer secret-key"})
+    assert "secret-key" not in json.dumps(records)
+    assert records["chat"][0]["session_id"] == "s-1"
+    assert records["chat"][0]["response_text"] == chat.json()["choices"][0]["message"]["content"]
+    assert records["v2"][0]["response_text"] == v2.json()["text_output"]
+    assert records["streamed"][0]["usage"]["completion_tokens"] > 0
+    assert records["bad"][0]["request"]["max_tokens"] == -1  # the request as sent
+
+
+def test_status_and_client_id_rules():
+    assert [state_for_status(s) for s in (200, 400, 404, 429, 499, 500, 504, None)] == [
+        FinishState.COMPLETE, FinishState.REJECTED, FinishState.REJECTED, FinishState.REJECTED,
+        FinishState.CANCELLED, FinishState.ERROR, FinishState.DEADLINE, FinishState.CANCELLED]
+    assert client_id({"x-client-id": "team-a", "authorization": "Bearer k"}) == "team-a"
+    assert client_id({}) == "anonymous"
+    assert client_id({"authorization": "Bearer k1"}) != client_id({"authorization": "Bearer k2"})
