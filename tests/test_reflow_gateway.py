@@ -136,3 +136,81 @@ def test_status_and_client_id_rules():
     assert client_id({"x-client-id": "team-a", "authorization": "Bearer k"}) == "team-a"
     assert client_id({}) == "anonymous"
     assert client_id({"authorization": "Bearer k1"}) != client_id({"authorization": "Bearer k2"})
+
+
+def test_kill_9_of_the_router_loses_no_finished_stream(tiny_gemma3_dir, tmp_path):
+    """Streams that finished before a SIGKILL are recorded complete, once; those in flight, incomplete.
+
+    "Before" leaves the recorder's flush interval (20 ms) plus a margin: chunks still in
+    the router's memory when it dies are the one window recording does not cover.
+    """
+    import signal
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    server_grpc, _, grpc_port = start_fake_scheduler(AutoTokenizer.from_pretrained(str(tiny_gemma3_dir)),
+                                                     model_name=MODEL)
+    port = _free_port()
+    command = [sys.executable, "-m", "segserve.cli", "router", "--model", str(tiny_gemma3_dir),
+               "--scheduler-address", f"127.0.0.1:{grpc_port}", "--port", str(port),
+               "--reflow-queue-url", f"sqlite:///{tmp_path}/queue.db", "--reflow-spill-dir", str(tmp_path / "spill")]
+
+    def start_router() -> subprocess.Popen:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return process
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "router did not start"
+            time.sleep(0.2)
+
+    received: dict[str, str] = {}
+    first_event = {f"slow-{i}": threading.Event() for i in range(4)}
+
+    def stream(request_id: str, prompt: str, max_tokens: int) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        text = ""
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30,
+                              headers={"X-Request-Id": request_id}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        text += "".join(c.get("text") or "" for c in json.loads(line[6:])["choices"])
+                        if request_id in first_event:
+                            first_event[request_id].set()
+        except httpx.HTTPError:
+            return  # an in-flight stream when the router died
+        received[request_id] = text
+
+    router_process = start_router()
+    try:
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            for request_id in first_event:
+                pool.submit(stream, request_id, "SLOW", 200)  # 5 s of tokens: in flight at the kill
+            finished = [pool.submit(stream, f"done-{i}", f"The answer {i}:", 64) for i in range(8)]
+            for future in finished:
+                future.result()
+            assert all(event.wait(10) for event in first_event.values())
+            time.sleep(0.3)
+            router_process.send_signal(signal.SIGKILL)
+            router_process.wait()
+        router_process = start_router()  # the restarted router shares the queue
+    finally:
+        router_process.terminate()
+        router_process.wait(timeout=20)
+        server_grpc.stop(grace=None)
+
+    records = _records(tmp_path)
+    done = [f"done-{i}" for i in range(8)]
+    assert all(rid in received for rid in done), sorted(received)
+    for rid in done:
+        assert [(r["finish"], r["response_text"]) for r in records.get(rid, [])] == [("complete", received[rid])]
+    for rid in first_event:
+        assert [r["finish"] for r in records.get(rid, [])] == ["incomplete"]
+        assert records[rid][0]["response_text"]
