@@ -30,7 +30,7 @@ from starlette.background import BackgroundTask
 from router.choices import merge_choices
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer, TokenTexts
-from router.errors import bad_request, from_failure, install_error_handlers, model_not_found
+from router.errors import ERROR_RESPONSES, bad_request, from_failure, install_error_handlers, model_not_found
 from router.generation import KEEPALIVE, Delta, GenerationJob, KeepAlive, generate_deltas
 from router.ops import install_ops
 from router.reflow import RecorderConfig, open_recorder
@@ -48,6 +48,9 @@ SSE_HEADERS = {
     "Connection": "keep-alive",
     "X-Accel-Buffering": "no",
 }
+# OpenAPI: a 200 is either a JSON body or, with `stream`, SSE events.
+STREAM_OR_JSON = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {
+    "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it
 
 T = TypeVar("T")
@@ -137,7 +140,7 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
         if recorder is not None:
             recorder.close()  # flushes what is still in memory
 
-    app = FastAPI(title="segserve router", lifespan=lifespan)
+    app = FastAPI(title="segserve router", lifespan=lifespan, responses=ERROR_RESPONSES)
     install_error_handlers(app)
     if recorder is not None:  # added before the guard, so it runs inside it
         app.add_middleware(ReflowMiddleware, recorder=recorder, service_id=served_name)
@@ -211,13 +214,13 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
 
         return await respond_events(request, open_events, renderer, body.stream, body.include_usage)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=STREAM_OR_JSON)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompt_ids = completion_prompt_ids(tokenizer, body.prompt, model_info.vocab_size)
         return await serve(request, body, prompt_ids, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=STREAM_OR_JSON)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompt_ids = chat_prompt_ids(tokenizer, body.template_messages())

@@ -13,6 +13,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.scheduler_client import GenerateFailure
@@ -32,6 +33,28 @@ _FAILURE_STATUS = {
     "timeout": (504, SERVER_ERROR),
 }
 RETRY_AFTER_S = 1
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer's body (`error_body`)."""
+
+    error: ErrorDetail
+
+
+# The OpenAPI description of the errors any route may answer (FastAPI's `responses`).
+ERROR_RESPONSES: dict[int | str, dict] = {
+    "4XX": {"model": ErrorBody, "description": "Invalid request (400 naming the field), unknown model or path "
+                                               "(404), missing API key (401), body too large (413), overloaded "
+                                               "(429, with Retry-After)"},
+    "5XX": {"model": ErrorBody, "description": "The scheduler is unavailable (503) or past the deadline (504)"},
+}
 
 
 class APIError(Exception):

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -271,14 +271,16 @@ def install_ops(app: FastAPI, config: RouterConfig, client: SchedulerClient, mod
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "Not ready yet", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"const": "not_ready"}, "reason": {"type": "string"}},
+        "required": ["status", "reason"]}}}}})
     async def ready() -> JSONResponse:
         is_ready, detail = await client.health()
         if is_ready:
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not_ready", "reason": detail or "the worker is not ready"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_text() -> Response:
         return Response(await metrics.render(client), media_type=CONTENT_TYPE_LATEST)
 

@@ -4,7 +4,8 @@ Validation here is about one field at a time (ranges, types, unsupported
 features) and names the field; limits that need the model (prompt length,
 vocabulary size) are checked by the app. Unknown fields are ignored, as OpenAI
 clients send extras, and null is accepted wherever OpenAI's default would do
-(clients send `"n": 1, "logprobs": null, "stop": null, ...` explicitly).
+(clients send `"n": 1, "logprobs": null, "stop": null, ...` explicitly). Types
+are strict, as OpenAI's: `true` is not 1, `"5"` not 5, `5.0` not an integer.
 `to_params` is the single place the HTTP fields become the scheduler's
 `GenerateParams`. top_k, typical_p, repetition_penalty and ignore_eos are
 extensions, as in vLLM. Stop strings are applied by the router (stop.py), the n
@@ -29,7 +30,7 @@ SEED_RANGE = 2**64  # seeds are uint64 on the wire; negative (int64) seeds wrap 
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool | None = False
     """Send a last chunk with token usage before [DONE]."""
@@ -38,7 +39,7 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -169,7 +170,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: str = ""
@@ -183,7 +184,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

@@ -39,7 +39,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from router.config import RouterConfig
-from router.errors import bad_request, describe_validation_errors, model_not_found
+from router.errors import ErrorBody, bad_request, describe_validation_errors, model_not_found
 from router.generation import Delta, GenerationJob
 from router.prompts import max_new_tokens
 from router.scheduler_client import FinishReason, GenerateComplete, GenerateParams, ModelInfo
@@ -230,6 +230,42 @@ def parse_body(raw: bytes) -> GenerateRequest:
         raise bad_request(message, ".".join(str(part) for part in loc) or None) from None
 
 
+def _inline_refs(node: Any, defs: dict) -> Any:
+    """`node` with every `{"$ref": "#/$defs/X"}` replaced by X itself (OpenAPI has no place for `$defs`)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {key: _inline_refs(value, defs) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(value, defs) for value in node]
+    return node
+
+
+def _json_schema(model: type[BaseModel]) -> dict:
+    schema = model.model_json_schema()
+    return _inline_refs(schema, schema.pop("$defs", {}))
+
+
+def _openapi(served_name: str, stream: bool, is_versioned: bool) -> dict:
+    """The route's OpenAPI description: FastAPI cannot infer it, as `parse_body` reads the body by hand."""
+    body_schema, response_schema = _json_schema(GenerateRequest), _json_schema(GenerateResponse)
+    path_params = [{"name": "model", "in": "path", "required": True,
+                    "schema": {"type": "string", "enum": [served_name]}}]
+    if is_versioned:
+        path_params.append({"name": "version", "in": "path", "required": True, "schema": {"type": "string"}})
+    # A stream's `schema` describes each SSE event: its data is a body, or the error that ended the stream.
+    event_data = {"type": "string", "contentMediaType": "application/json",
+                  "contentSchema": {"anyOf": [response_schema, _json_schema(ErrorBody)]}}
+    ok = ({"text/event-stream": {"schema": {"type": "object", "properties": {"data": event_data},
+                                            "required": ["data"]}}} if stream
+          else {"application/json": {"schema": response_schema}})
+    return {
+        "parameters": path_params,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body_schema}}},
+        "responses": {"200": {"description": "The generated text", "content": ok}},
+    }
+
+
 def install_v2_routes(app: FastAPI, config: RouterConfig, model_info: ModelInfo, served_name: str, tokenizer,
                       respond: Respond) -> None:
     """Add the four /v2 generate routes to `app`; `respond` runs a job as the OpenAI routes do."""
@@ -264,6 +300,7 @@ def install_v2_routes(app: FastAPI, config: RouterConfig, model_info: ModelInfo,
     for suffix, stream in (("generate", False), ("generate_stream", True)):
         # The versioned path first: `{model:path}` would otherwise take "m/versions/1" as a model name.
         app.add_api_route(f"/v2/models/{{model:path}}/versions/{{version}}/{suffix}", endpoint(stream),
-                          methods=["POST"], name=f"v2_{suffix}_version")
+                          methods=["POST"], name=f"v2_{suffix}_version",
+                          openapi_extra=_openapi(served_name, stream, is_versioned=True))
         app.add_api_route(f"/v2/models/{{model:path}}/{suffix}", endpoint(stream), methods=["POST"],
-                          name=f"v2_{suffix}")
+                          name=f"v2_{suffix}", openapi_extra=_openapi(served_name, stream, is_versioned=False))

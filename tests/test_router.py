@@ -216,6 +216,12 @@ def test_models_and_unknown_model(client, router_url):
     ("completions", {"model": MODEL, "prompt": [1, 99999]}, "prompt"),
     ("completions", {"model": MODEL, "prompt": "word " * 300}, "prompt"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    # Strict types, found by tests/test_fuzz_http.py: these were quietly read as 0, 1 and 5.
+    ("completions", {"model": MODEL, "prompt": [[False]]}, "prompt"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": True}, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 5.0}, "max_tokens"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                          "top_logprobs": True}, "top_logprobs"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
     ("chat/completions", {"model": MODEL, "messages": []}, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

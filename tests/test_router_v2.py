@@ -183,6 +183,21 @@ def test_garbage_bodies_get_400(router_url, content):
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_openapi_describes_bodies_and_errors(router_url):
+    """Found by tests/test_fuzz_http.py: the hand-parsed /v2 bodies and the 400s were undocumented."""
+    doc = httpx.get(f"{router_url}/openapi.json").json()
+    for path in ("/v2/models/{model}/generate", "/v2/models/{model}/versions/{version}/generate_stream"):
+        operation = doc["paths"][path]["post"]
+        body = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert body["required"] == ["text_input"] and "top_k" in body["properties"]["parameters"]["properties"]
+        assert {p["name"] for p in operation["parameters"]} <= {"model", "version"}
+        assert set(operation["responses"]) == {"200", "4XX", "5XX"}
+    stream = doc["paths"]["/v2/models/{model}/generate_stream"]["post"]["responses"]["200"]["content"]
+    assert "text/event-stream" in stream
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert set(doc["paths"][path]["post"]["responses"]) == {"200", "4XX", "5XX"}, "400, not FastAPI's 422"
+
+
 def test_scheduler_failures(router_url):
     events = _post(router_url, {"text_input": "FAIL_MID"}, "generate_stream").text.split("\n\n")
     assert events[-1] == "" and json.loads(events[-2].removeprefix("data: "))["error"]["message"] == "worker crashed"
