@@ -17,8 +17,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
+# The local stack records all traffic for data reflow under ./reflow (drain it with
+# `segserve reflow consume --queue-url $(REFLOW_QUEUE)`).
+REFLOW_QUEUE ?= sqlite:///reflow/queue.db
+
 serve: install
-	$(BIN)/segserve serve $(ARGS)
+	$(BIN)/segserve serve --reflow-queue-url $(REFLOW_QUEUE) --reflow-spill-dir reflow/spill $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
