@@ -81,6 +81,10 @@ class Delta:
     """On the last delta: the scheduler's own account (raw finish reason, timings, batch size)."""
     index: int = 0
     """Which of the request's n choices this delta belongs to (choices.py sets it)."""
+    batch_size: int = 0
+    """The largest batch the request has run in so far, per the scheduler (0 = not reported)."""
+    queue_wait_us: int = 0
+    """Arrival to first scheduling, per the scheduler."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,8 @@ async def generate_deltas(
             if isinstance(event, TokenChunk):
                 text_ids = [t for t in event.token_ids if t not in job.eos_token_ids]
                 logprobs = [] if job.num_top_logprobs is None else to_logprobs(event, job.num_top_logprobs)
-                yield Delta(text=detokenizer.add(text_ids), logprobs=logprobs, num_tokens=len(event.token_ids))
+                yield Delta(text=detokenizer.add(text_ids), logprobs=logprobs, num_tokens=len(event.token_ids),
+                            batch_size=event.batch_size, queue_wait_us=event.queue_wait_us)
             elif isinstance(event, GenerateComplete):
                 yield finish_delta(event, job, detokenizer.flush())
                 return

@@ -85,6 +85,10 @@ class TokenChunk:
     token_ids: list[int]
     scores: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    batch_size: int = 0
+    """The largest batch the request has run in so far (0 = not reported)."""
+    queue_wait_us: int = 0
+    """Arrival to first scheduling, as the scheduler measured it."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ def from_pb(response: scheduler_pb2.GenerateResponse) -> GenerateEvent:
     if kind == "chunk":
         chunk = response.chunk
         top = [list(zip(t.token_ids, t.logprobs)) for t in chunk.top_logprobs]
-        return TokenChunk(token_ids=list(chunk.token_ids), scores=list(chunk.scores), top_logprobs=top)
+        return TokenChunk(token_ids=list(chunk.token_ids), scores=list(chunk.scores), top_logprobs=top,
+                          batch_size=chunk.batch_size, queue_wait_us=chunk.queue_wait_us)
     if kind == "complete":
         done = response.complete
         return GenerateComplete(

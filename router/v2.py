@@ -21,8 +21,8 @@ Where `details` come from:
   read, i.e. what the client waits (tokenization and the gRPC hop included).
 - decode_cost (ms), router clock: the first token to the newest one.
 - batch_size (the largest batch the request ran in) and queue_wait_time (us, arrival
-  at the scheduler to first scheduling): the scheduler's measurements. It sends them
-  with the end of the request, so stream events before the last leave them out.
+  at the scheduler to first scheduling): the scheduler's measurements, sent with
+  every token chunk (so every stream event carries them, as of its newest token).
 `perf_stat: true` adds the router's per-token latencies and the scheduler's own
 first-token and decode times (its clock: no HTTP, tokenization or gRPC in them).
 """
@@ -162,6 +162,8 @@ class V2Renderer:
         self.is_details = is_details
         self.is_perf_stat = is_perf_stat
         self._num_tokens = 0
+        self._batch_size: int | None = None  # the scheduler's figures, from its latest chunk
+        self._queue_wait_us: int | None = None
         self._first_token_s: float | None = None
         self._last_token_s = arrived_s
         self._pending_latencies_ms: list[float] = []  # tokens read but not yet sent in a body
@@ -169,6 +171,8 @@ class V2Renderer:
     def _read(self, delta: Delta) -> None:
         if not delta.num_tokens:
             return
+        if delta.batch_size:
+            self._batch_size, self._queue_wait_us = delta.batch_size, delta.queue_wait_us
         if self._first_token_s is None:
             self._first_token_s = delta.received_s
         step_ms = _ms(self._last_token_s, delta.received_s)
@@ -180,7 +184,8 @@ class V2Renderer:
         first_s = self._last_token_s if self._first_token_s is None else self._first_token_s
         if done is None:
             return Details(generated_tokens=self._num_tokens, first_token_cost=_ms(self.arrived_s, first_s),
-                           decode_cost=_ms(first_s, self._last_token_s))
+                           decode_cost=_ms(first_s, self._last_token_s), batch_size=self._batch_size,
+                           queue_wait_time=self._queue_wait_us)
         return Details(
             finish_reason=_FINISH.get(done.finish_reason, done.finish_reason.value),
             generated_tokens=done.num_generated_tokens, first_token_cost=_ms(self.arrived_s, first_s),

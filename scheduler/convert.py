@@ -85,7 +85,9 @@ def event_to_pb(event: RequestOutput | RequestError) -> list[scheduler_pb2.Gener
         chunk = scheduler_pb2.TokenChunk(
             token_ids=event.token_ids, scores=event.scores,
             top_logprobs=[common_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
-                          for t in event.top_logprobs])
+                          for t in event.top_logprobs],
+            batch_size=event.metrics.max_batch_size if event.metrics else 0,
+            queue_wait_us=event.metrics.queue_wait_us if event.metrics else 0)
         messages.append(scheduler_pb2.GenerateResponse(chunk=chunk))
     if event.finish_status is not None:
         metrics = event.metrics

@@ -132,7 +132,7 @@ class RequestOutput:
     num_generated_tokens: int = 0
     """Output tokens so far, these included."""
     metrics: RequestMetrics | None = None
-    """Set on the request's last output."""
+    """The request's timeline so far (final on its last output)."""
 
     @property
     def is_finished(self) -> bool:

@@ -45,7 +45,7 @@ def append_sampled(seq: Sequence, sample: SampledTokens, now: float, eos_token_i
         num_prompt_tokens=seq.num_prompt_tokens,
         num_generated_tokens=seq.num_output_tokens,
     )
+    result.metrics = RequestMetrics.of(seq)
     if status is not None:
         result.finish_status = status
-        result.metrics = RequestMetrics.of(seq)
     return result

@@ -69,7 +69,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 return
             if start == 0:
                 first_token_s = time.monotonic()
-            yield self._chunk(tokens[start:start + 2], request.sampling)
+            yield self._chunk(tokens[start:start + 2], request.sampling, _us(arrived_s, scheduled_s))
             if "FAIL_MID" in prompt and start >= 2:
                 state["is_finished"] = True
                 yield _error("internal", "worker crashed")
@@ -85,7 +85,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         with self._lock:
             (self.completed if state["is_finished"] else self.cancelled).append(request_id)
 
-    def _chunk(self, token_ids: list[int], sampling) -> scheduler_pb2.GenerateResponse:
+    def _chunk(self, token_ids: list[int], sampling, queue_wait_us: int = 0) -> scheduler_pb2.GenerateResponse:
         vocab = len(self.tokenizer)
         scores = [TOP_LOGPROB if sampling.do_sample else GREEDY_LOGIT] * len(token_ids)
         top = []
@@ -95,7 +95,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 top.append(common_pb2.TopLogprobs(
                     token_ids=ids, logprobs=[TOP_LOGPROB - k for k in range(len(ids))]))
         return scheduler_pb2.GenerateResponse(chunk=scheduler_pb2.TokenChunk(
-            token_ids=token_ids, scores=scores, top_logprobs=top))
+            token_ids=token_ids, scores=scores, top_logprobs=top, batch_size=1, queue_wait_us=queue_wait_us))
 
     def GetInfo(self, request, context):
         return scheduler_pb2.SchedulerInfo(worker=worker_pb2.WorkerInfo(

@@ -96,6 +96,7 @@ def test_stream_events(router_url, scheduler):
     counts = [d["generated_tokens"] for d in middle] + [last["generated_tokens"]]
     assert counts == sorted(counts) and counts[0] > 0 and counts[-1] == 8
     assert all(d["first_token_cost"] > 0 and d["decode_cost"] >= 0 for d in middle)
+    assert all(set(d) == DETAIL_KEYS and d["batch_size"] == 1 and d["queue_wait_time"] > 0 for d in middle)
     assert last["decode_cost"] > 0 and last["batch_size"] == 1 and last["queue_wait_time"] > 0
 
 
