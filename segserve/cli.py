@@ -9,6 +9,7 @@
     segserve watermark detect      test text for segserve's green-list watermark
     segserve bench throughput      the throughput benchmark (JSON + PNG)
     segserve bench spec            speculative decoding vs generate() and prompt lookup (JSON + PNG)
+    segserve bench reflow          router latency with data reflow on vs off, consumer chunks/s (JSON + PNG)
 """
 
 from __future__ import annotations
@@ -162,6 +163,13 @@ def _bench_spec_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_reflow_command(args: argparse.Namespace) -> int:
+    from segserve.bench.reflow import run_reflow
+
+    run_reflow(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="segserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -239,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_spec_args:
         add_spec_args(spec)
     spec.set_defaults(func=_bench_spec_command)
+    reflow_bench = benches.add_parser("reflow", help="router latency with data reflow on vs off, consumer chunks/s")
+    from segserve.bench.reflow import add_reflow_args
+
+    add_reflow_args(reflow_bench)
+    reflow_bench.set_defaults(func=_bench_reflow_command)
     return parser
 
 

@@ -18,8 +18,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from segserve.bench import loadgen, peers, report, throughput
+from segserve.bench import grpc_direct, loadgen, peers, report, throughput
 from segserve.bench.loadgen import LoadSpec, RequestRecord
+from tests.fake_scheduler import start_fake_scheduler
 
 
 class FakeOpenAI:
@@ -131,6 +132,21 @@ def test_summary_counts_usage_tokens_not_events():
     assert summary["itl_ms_p50"] == pytest.approx(100.0)
 
 
+def test_router_overhead_is_router_minus_direct_per_level():
+    # Through the router: TTFT 300 ms, 100 ms per token; direct: TTFT 250 ms, 90 ms per token.
+    http = {"levels": [report.level_result(1, [_record(0.0, [0.3, 0.4, 0.5])], 0.0, 0.5)]}
+    direct = {"levels": [report.level_result(1, [_record(0.0, [0.25, 0.34, 0.43])], 0.0, 0.43),
+                         report.level_result(4, [_record(0.0, [0.1, 0.2])], 0.0, 0.2)]}  # fmt: skip
+    assert http["levels"][0]["summary"]["tpot_ms_mean"] == pytest.approx(100.0)
+    (level,) = report.router_overhead(http, direct)  # only the levels both ran
+    assert level["concurrency"] == 1 and level["grpc"]["tpot_ms_mean"] == pytest.approx(90.0)
+    assert level["overhead_ms_per_token"] == pytest.approx(10.0)
+    assert level["ttft_ms_p50_difference"] == pytest.approx(50.0)
+    table = "\n".join(report.overhead_table([level]))
+    assert "| 1 | 300 / 250 | 300 / 250 | 100 / 90 | 100 / 90 | 100.0 / 90.0 | 10.00 | 50.0 |" in table
+    assert report.overhead_table([]) == []
+
+
 def test_summarize_wall_defaults_to_first_start_to_last_finish():
     records = [_record(1.0, [1.5, 2.0]), _record(1.2, [2.5, 3.0])]
     assert report.summarize(records)["wall_s"] == pytest.approx(2.0)
@@ -235,6 +251,8 @@ def test_throughput_flags_build_a_validated_config():
     args = parser.parse_args(["--concurrency", "16,1,4", "--max-tokens", "32", "--peer", "batched-generate"])
     config = throughput.config_from_args(args)
     assert config.concurrency == (1, 4, 16) and config.max_tokens == 32 and config.peer == "batched-generate"
+    assert config.router_overhead is True
+    assert throughput.config_from_args(parser.parse_args(["--no-router-overhead"])).router_overhead is False
     assert parser.parse_args([]).out == "bench-results"
     with pytest.raises(ValueError):
         throughput.ThroughputConfig(concurrency=(0, 4))
@@ -282,6 +300,7 @@ def test_run_throughput_writes_json_png_and_table(tiny_gemma3_dir, fake_server, 
     assert saved["config"]["concurrency"] == [1, 2] and saved["command"]
     assert saved["machine"]["cpu_count"] >= 1 and saved["baseline"]["tokens_per_s"] > 0
     assert set(saved["systems"]) == {"segserve", "peer"} and saved["systems"]["peer"]["kind"] == "batched-generate"
+    assert "router_overhead" not in saved and "no scheduler" in saved["systems"]["segserve"]["notes"][0]
     ours = saved["systems"]["segserve"]["levels"]
     assert [level["summary"]["total_tokens"] for level in ours] == [4, 8]
     assert all(len(r["event_times"]) == 4 for level in ours for r in level["records"])
@@ -289,6 +308,36 @@ def test_run_throughput_writes_json_png_and_table(tiny_gemma3_dir, fake_server, 
     assert (tmp_path / "out" / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "| segserve | 1 |" in table and "| batched generate() | 2 |" in table and "plain generate()" in table
+
+
+def test_router_overhead_against_the_schedulers_grpc(tiny_gemma3_dir, fake_server):
+    # The fake HTTP server stands in for the router, the fake scheduler for the stack's scheduler.
+    from transformers import AutoTokenizer
+
+    _, url = fake_server
+    server, scheduler, port = start_fake_scheduler(AutoTokenizer.from_pretrained(tiny_gemma3_dir))
+    try:
+        config = throughput.ThroughputConfig(concurrency=(1, 3), max_tokens=10, requests_per_stream=2)
+        systems = throughput.bench_router_and_scheduler(config, tiny_gemma3_dir, url, f"127.0.0.1:{port}")
+    finally:
+        server.stop(grace=None)
+    direct = systems["segserve_grpc"]
+    assert direct["kind"] == "grpc-direct" and [level["concurrency"] for level in direct["levels"]] == [1, 3]
+    measured = [request for request in scheduler.requests if request.stopping.max_new_tokens == 10]
+    assert len(measured) == 2 * (1 + 3)  # the warm-up asks for 4 and 8 tokens
+    prompt_ids = grpc_direct.tokenize_prompts(tiny_gemma3_dir, throughput.PROMPTS)
+    assert {tuple(r.prompt_token_ids) for r in measured} <= {tuple(ids) for ids in prompt_ids}
+    assert all(r.stopping.ignore_eos and not r.sampling.do_sample for r in measured)
+    for level in direct["levels"]:  # the fake sends two tokens per chunk
+        assert level["summary"]["num_errors"] == 0 and level["summary"]["total_tokens"] == 10 * level["concurrency"] * 2
+        assert all(len(r["event_times"]) == 5 and r["finish_reason"] == "length" for r in level["records"])
+    overhead = report.router_overhead(systems["segserve"], direct)
+    assert [level["concurrency"] for level in overhead] == [1, 3]
+    for level in overhead:
+        for side in ("router", "grpc"):
+            assert all(level[side][key] > 0 for key in report.OVERHEAD_KEYS)
+        # The fake router sleeps 10 ms per token; the fake scheduler does not sleep at all.
+        assert level["overhead_ms_per_token"] > 5 and level["ttft_ms_p50_difference"] > 5
 
 
 @pytest.mark.e2e

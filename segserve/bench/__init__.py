@@ -19,9 +19,16 @@ answer, repeated JSON records, open-ended text):
 
 Modules: `spec_workloads` (prompts), `spec_systems` (HF and segserve adapters),
 `spec_report` (numbers, goals, table, plot), `spec` (orchestration).
-Throughput modules: `loadgen` (async OpenAI-SSE load generator, loopback only), `peers`
+Throughput modules: `loadgen` (async OpenAI-SSE load generator, loopback only), `grpc_direct`
+(the same closed loop straight to the scheduler's gRPC, for the router's overhead), `peers`
 (`transformers serve`, plain and batched `generate()`), `report` (statistics,
 goals, JSON, plot, table) and `throughput` (the orchestration the CLI calls).
+
+`segserve bench reflow` measures what data reflow's recording adds to the
+router's TTFT and ITL (reflow on vs off, alternating rounds) and the consumer's
+chunks/s: `reflow` (orchestration), `paced_scheduler` (the fixture: a model-free
+Scheduler gRPC service streaming at a fixed pace), `reflow_report` (table, plot);
+out: `reflow.json`, `reflow.png`.
 """
 
 from segserve.bench.spec import add_spec_args, run_spec

@@ -7,6 +7,8 @@ carrying text arrived, how many tokens it produced and how it ended. A level is
 bounded in requests and in time; only loopback servers are accepted (this is a
 local benchmark, not a load-testing tool for other people's hosts).
 
+The closed loop itself (`run_closed_loop`) is transport-free: `grpc_direct`
+drives the scheduler's gRPC through it into the same `RequestRecord`s.
 Timings are `time.perf_counter()` seconds; statistics live in `report`.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
@@ -88,6 +91,10 @@ class LoadRun:
     finished_at: float
 
 
+SendRequest = Callable[[int, RequestRecord], Awaitable[None]]
+"""send(prompt_number, record): one request of a closed loop (HTTP here, gRPC in `grpc_direct`), filling record."""
+
+
 def check_loopback(base_url: str) -> None:
     """Refuse any server that is not on this machine's loopback interface."""
     host = urlsplit(base_url).hostname
@@ -157,9 +164,10 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, record: Re
         record.num_tokens = len(record.event_times)
 
 
-async def _timed_request(client, url: str, body: dict, record: RequestRecord, timeout_s: float) -> RequestRecord:
+async def timed_request(request: Awaitable[None], record: RequestRecord, timeout_s: float) -> RequestRecord:
+    """Await one request that fills `record`; a timeout or transport error becomes `record.error`."""
     try:
-        await asyncio.wait_for(stream_one(client, url, body, record), timeout=max(timeout_s, 0.001))
+        await asyncio.wait_for(request, timeout=max(timeout_s, 0.001))
     except asyncio.TimeoutError:
         record.error = "time limit"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -177,27 +185,43 @@ def make_client(concurrency: int, request_timeout_s: float) -> httpx.AsyncClient
     )
 
 
-async def run_load(spec: LoadSpec) -> LoadRun:
-    """Run one level: `concurrency` closed-loop streams, bounded by `time_limit_s`."""
-    url = completions_url(spec.base_url)
+async def run_closed_loop(
+    concurrency: int, requests_per_stream: int, request_timeout_s: float, time_limit_s: float, send: SendRequest
+) -> LoadRun:
+    """`concurrency` streams, each sending `requests_per_stream` requests back to back, bounded by `time_limit_s`.
+
+    Request r of stream i sends prompt number i + r * concurrency (callers take it modulo their prompts).
+    """
     started_at = time.perf_counter()
-    deadline = started_at + spec.time_limit_s
+    deadline = started_at + time_limit_s
     records: list[RequestRecord] = []
 
-    async def stream(index: int, client: httpx.AsyncClient) -> None:
-        for round_index in range(spec.requests_per_stream):
+    async def stream(index: int) -> None:
+        for round_index in range(requests_per_stream):
             now = time.perf_counter()
             if now >= deadline:
                 return
-            prompt = spec.prompts[(index + round_index * spec.concurrency) % len(spec.prompts)]
             record = RequestRecord(stream_index=index, started_at=now)
             records.append(record)
-            timeout_s = min(spec.request_timeout_s, deadline - now)
-            await _timed_request(client, url, request_body(spec, prompt), record, timeout_s)
+            request = send(index + round_index * concurrency, record)
+            await timed_request(request, record, min(request_timeout_s, deadline - now))
 
-    async with make_client(spec.concurrency, spec.request_timeout_s) as client:
-        await asyncio.gather(*(stream(i, client) for i in range(spec.concurrency)))
+    await asyncio.gather(*(stream(i) for i in range(concurrency)))
     return LoadRun(records=records, started_at=started_at, finished_at=time.perf_counter())
+
+
+async def run_load(spec: LoadSpec) -> LoadRun:
+    """Run one level: `concurrency` closed-loop SSE streams, bounded by `time_limit_s`."""
+    url = completions_url(spec.base_url)
+    async with make_client(spec.concurrency, spec.request_timeout_s) as client:
+
+        def send(prompt_number: int, record: RequestRecord) -> Awaitable[None]:
+            body = request_body(spec, spec.prompts[prompt_number % len(spec.prompts)])
+            return stream_one(client, url, body, record)
+
+        return await run_closed_loop(
+            spec.concurrency, spec.requests_per_stream, spec.request_timeout_s, spec.time_limit_s, send
+        )
 
 
 async def probe(spec: LoadSpec, max_tokens: int = 4) -> RequestRecord:
@@ -206,7 +230,7 @@ async def probe(spec: LoadSpec, max_tokens: int = 4) -> RequestRecord:
     record = RequestRecord(stream_index=0, started_at=time.perf_counter())
     async with make_client(1, spec.request_timeout_s) as client:
         body = request_body(spec, spec.prompts[0], max_tokens=max_tokens)
-        return await _timed_request(client, url, body, record, spec.request_timeout_s)
+        return await timed_request(stream_one(client, url, body, record), record, spec.request_timeout_s)
 
 
 async def fetch_model_name(base_url: str, timeout_s: float = 10.0) -> str | None:

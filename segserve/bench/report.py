@@ -10,6 +10,11 @@ throughput in generated tokens per second.
 - Aggregate tokens/s: completion tokens of every successful request / the
   level's wall time (first request sent -> last request finished).
 - Decode tokens/s of one request: (tokens - 1) / (last event - first event).
+- Time per output token (TPOT) of one request: the inverse, in ms; the mean
+  over a level's requests is what the router overhead compares.
+- Router overhead per token: segserve's TPOT through the router (HTTP/SSE) minus
+  its TPOT calling the scheduler's gRPC directly in the same run; the TTFT
+  difference is reported beside it (the per-request part of the overhead).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def summarize(records: list[RequestRecord], wall_s: float | None = None) -> dict
     ttfts = [r.event_times[0] - r.started_at for r in ok]
     gaps = [gap for r in ok for gap in inter_token_gaps(r.event_times)]
     decode_rates = [rate for r in ok if (rate := decode_tokens_per_s(r)) is not None]
+    tpots = [1000.0 / rate for rate in decode_rates]
     total_tokens = sum(r.num_tokens for r in ok)
     return {
         "num_requests": len(records),
@@ -73,6 +79,7 @@ def summarize(records: list[RequestRecord], wall_s: float | None = None) -> dict
         "itl_ms_p50": _ms(percentile(gaps, 50)),
         "itl_ms_p99": _ms(percentile(gaps, 99)),
         "decode_tokens_per_s_median": median(decode_rates) if decode_rates else None,
+        "tpot_ms_mean": sum(tpots) / len(tpots) if tpots else None,
     }
 
 
@@ -112,6 +119,30 @@ def evaluate_goals(baseline: dict | None, ours: dict | None, peer: dict | None, 
     return goals
 
 
+OVERHEAD_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_mean")
+
+
+def router_overhead(http: dict, grpc: dict) -> list[dict]:
+    """Per concurrency level both systems ran: their latencies side by side, and the router's overhead."""
+    levels = []
+    for level in http.get("levels", []):
+        direct = _level(grpc, level["concurrency"])
+        if direct is None:
+            continue
+        via_router = {key: level["summary"][key] for key in OVERHEAD_KEYS}
+        direct = {key: direct[key] for key in OVERHEAD_KEYS}
+        levels.append({
+            "concurrency": level["concurrency"], "router": via_router, "grpc": direct,
+            "overhead_ms_per_token": _difference(via_router["tpot_ms_mean"], direct["tpot_ms_mean"]),
+            "ttft_ms_p50_difference": _difference(via_router["ttft_ms_p50"], direct["ttft_ms_p50"]),
+        })  # fmt: skip
+    return levels
+
+
+def _difference(minuend: float | None, subtrahend: float | None) -> float | None:
+    return None if minuend is None or subtrahend is None else minuend - subtrahend
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator and denominator else None
 
@@ -148,12 +179,30 @@ def markdown_table(results: dict) -> str:
             f"| plain generate() | 1 | {_fmt(baseline['tokens_per_s'])} | {_fmt(baseline['ttft_ms'], 0)} | | "
             f"{_fmt(baseline['itl_ms_p50'], 0)} | {_fmt(baseline['itl_ms_p99'], 0)} | |"
         )
+    lines += overhead_table(results.get("router_overhead") or [])
     lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
     for goal in results.get("goals", []):
         verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
         measured = "n/a" if goal["measured"] is None else f"{goal['measured']:.2f}x"
         lines.append(f"| {goal['name']} | {goal['target']} | {measured} | {verdict} |")
     return "\n".join(lines)
+
+
+def overhead_table(levels: list[dict]) -> list[str]:
+    """Markdown lines: router (HTTP/SSE) vs the scheduler's gRPC, "router / gRPC" per cell; [] if not measured."""
+    if not levels:
+        return []
+    header = " | ".join(f"{name} router / gRPC" for name in ("TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                                                            "ITL p99 ms", "ms/token"))  # fmt: skip
+    lines = ["", f"| streams | {header} | router overhead ms/token | TTFT p50 diff ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for level in levels:
+        pairs = " | ".join(f"{_fmt(level['router'][key], 1 if key == 'tpot_ms_mean' else 0)} / "
+                           f"{_fmt(level['grpc'][key], 1 if key == 'tpot_ms_mean' else 0)}"
+                           for key in OVERHEAD_KEYS)  # fmt: skip
+        lines.append(f"| {level['concurrency']} | {pairs} | {_fmt(level['overhead_ms_per_token'], 2)} "
+                     f"| {_fmt(level['ttft_ms_p50_difference'])} |")  # fmt: skip
+    return lines
 
 
 def write_json(path: Path, results: dict) -> Path:

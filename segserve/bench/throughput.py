@@ -2,7 +2,9 @@
 
 Order (nothing else of ours runs while a system is measured): plain `generate()`
 baseline in this process -> segserve (launched with `segserve.launcher.Stack`,
-or an already running one via --segserve-url) -> the peer (`transformers serve
+or an already running one via --segserve-url) -> the launched stack's scheduler
+called directly over gRPC (`grpc_direct`, for the router's own overhead; skipped
+with --no-router-overhead or --segserve-url) -> the peer (`transformers serve
 --continuous-batching`, or batched `generate()` when that cannot start). Each
 server is warmed up first (a short request, then a short batched round).
 Outputs go to --out: throughput.json, throughput.png, the peer's log; the
@@ -21,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from segserve.bench import loadgen, peers, report
+from segserve.bench import grpc_direct, loadgen, peers, report
 
 # Open-ended prompts of similar length: a base model continues them for long
 # stretches, and requests additionally ask the server to ignore EOS.
@@ -56,6 +58,8 @@ class ThroughputConfig:
     """Measure an already running segserve at this loopback URL instead of launching one."""
     skip_segserve: bool = False
     """Measure only the baseline and the peer."""
+    router_overhead: bool = True
+    """Also drive the launched stack's scheduler over gRPC directly, for the router's overhead per token."""
     baseline_runs: int = 2
     """Measured runs of plain generate() (after one warm-up); the median is reported."""
     level_time_limit_s: float = 600.0
@@ -103,6 +107,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-args", default=defaults.peer_args, help="extra `transformers serve` flags")
     parser.add_argument("--segserve-url", default=None, help="bench a running segserve instead of launching one")
     parser.add_argument("--skip-segserve", action="store_true")
+    parser.add_argument("--router-overhead", action=argparse.BooleanOptionalAction, default=defaults.router_overhead,
+                        help="also call the scheduler's gRPC directly to measure the router's overhead")  # fmt: skip
     parser.add_argument("--baseline-runs", type=int, default=defaults.baseline_runs)
     parser.add_argument("--level-time-limit-s", type=float, default=defaults.level_time_limit_s)
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
@@ -166,11 +172,15 @@ def _progress(name: str, level: dict) -> None:
           f"{summary['num_errors']}/{summary['num_requests']} errors", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict:
+def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict[str, dict]:
+    """{"segserve": through the router} and, when measured, {"segserve_grpc": its scheduler called directly}."""
     extra_body = {"ignore_eos": True}
     if config.segserve_url:
         model = asyncio.run(loadgen.fetch_model_name(config.segserve_url))
-        return bench_http("segserve", config.segserve_url, model, extra_body, config)
+        system = bench_http("segserve", config.segserve_url, model, extra_body, config)
+        if config.router_overhead:
+            system.setdefault("notes", []).append("router overhead not measured: --segserve-url names no scheduler")
+        return {"segserve": system}
     try:
         from router.config import RouterConfig
         from scheduler.config import SchedulerConfig
@@ -185,10 +195,25 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
             log_dir=str(out / "segserve-logs"),
         )
         with Stack(stack_config) as stack:
-            model = asyncio.run(loadgen.fetch_model_name(stack.base_url))
-            return bench_http("segserve", stack.base_url, model, extra_body, config)
+            return bench_router_and_scheduler(config, model_dir, stack.base_url, stack.config.router.scheduler_address)
     except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
-        return {"name": "segserve", "error": f"{type(exc).__name__}: {exc}", "levels": []}
+        return {"segserve": {"name": "segserve", "error": f"{type(exc).__name__}: {exc}", "levels": []}}
+
+
+def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_url: str, scheduler_address: str):
+    """One running stack: every level through the router, then (router_overhead) straight to its scheduler."""
+    model = asyncio.run(loadgen.fetch_model_name(base_url))
+    systems = {"segserve": bench_http("segserve", base_url, model, {"ignore_eos": True}, config)}
+    if config.router_overhead:
+        try:
+            prompt_token_ids = grpc_direct.tokenize_prompts(model_dir, PROMPTS)
+            direct = grpc_direct.bench_grpc(scheduler_address, prompt_token_ids, config)
+        except Exception as exc:  # keep the router's numbers when the direct run fails
+            direct = {"name": "segserve scheduler gRPC (direct)", "error": f"{type(exc).__name__}: {exc}", "levels": []}
+        for level in direct["levels"]:
+            _progress(direct["name"], level)
+        systems["segserve_grpc"] = direct
+    return systems
 
 
 def bench_peer(config: ThroughputConfig, model_dir: Path, out: Path) -> dict | None:
@@ -254,10 +279,13 @@ def run_throughput(args: argparse.Namespace) -> dict:
                                                        config.baseline_runs)  # fmt: skip
     del model, tokenizer
     if not config.skip_segserve:
-        results["systems"]["segserve"] = bench_segserve(config, model_dir, out)
+        results["systems"].update(bench_segserve(config, model_dir, out))
     peer = bench_peer(config, model_dir, out)
     if peer is not None:
         results["systems"]["peer"] = peer
+    systems = results["systems"]
+    if "segserve_grpc" in systems:
+        results["router_overhead"] = report.router_overhead(systems["segserve"], systems["segserve_grpc"])
     low, high = config.concurrency[0], config.concurrency[-1]
     results["goals"] = report.evaluate_goals(results["baseline"], results["systems"].get("segserve"), peer, low, high)
     results["machine"]["loadavg_end"] = list(os.getloadavg())

@@ -1,0 +1,112 @@
+"""A benchmark fixture: a Scheduler gRPC service that streams tokens at a fixed pace, no model.
+
+`segserve bench reflow` puts the real router in front of it to measure what the
+router itself adds (recording on vs off) without a model's ~100 ms of noisy
+compute per token drowning a 1 ms effect. It is not a test double of the
+scheduler's behaviour: every Generate, whatever its sampling, answers
+`max_new_tokens` tokens of a fixed English text (EOS ignored, one token per
+chunk, as plain decoding sends them), the first after one interval (a "prefill")
+and each next one on an absolute schedule (start + k * interval), so that a slow
+reader never shifts the pace. GetInfo/Health/GetStats answer what the router
+needs to start and serve /metrics.
+
+In: the tokenizer's model directory, a port, the interval. Out: a grpc.aio
+server. Run alone (the bench starts it as its own process, so that the load
+generator never shares its GIL):
+
+    python -m segserve.bench.paced_scheduler --model DIR --port 50090 --token-interval-ms 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import grpc
+from tokenizers import Tokenizer
+
+from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+
+TEXT = ("The river runs past the old mill and under the stone bridge, where the town keeps its market "
+        "on every second Saturday of the month, and people come from the villages in the hills to sell "
+        "apples, cheese, wool and bread. ")
+MODEL_NAME = "paced"
+_EOS_TOKENS = ("<eos>", "</s>", "<|endoftext|>")
+
+
+class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Streams a fixed text's tokens, one every `token_interval_s`, to every caller at once."""
+
+    def __init__(self, tokenizer: Tokenizer, token_interval_s: float, max_model_len: int = 8192) -> None:
+        if token_interval_s <= 0:
+            raise ValueError("token_interval_s must be > 0")
+        self.token_interval_s = token_interval_s
+        self.max_model_len = max_model_len
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        eos_ids = [tokenizer.token_to_id(token) for token in _EOS_TOKENS]
+        self.eos_token_id = next((i for i in eos_ids if i is not None), 0)
+        self.text_ids: list[int] = tokenizer.encode(TEXT, add_special_tokens=False).ids
+        self.num_running = 0
+        self.num_steps = 0
+
+    async def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        num_tokens = request.stopping.max_new_tokens
+        started_s = time.monotonic()
+        self.num_running += 1
+        try:
+            for k in range(num_tokens):
+                await asyncio.sleep(max(0.0, started_s + (k + 1) * self.token_interval_s - time.monotonic()))
+                token_id = self.text_ids[k % len(self.text_ids)]
+                self.num_steps += 1
+                yield scheduler_pb2.GenerateResponse(chunk=scheduler_pb2.TokenChunk(token_ids=[token_id], scores=[0.0]))
+        finally:
+            self.num_running -= 1
+        elapsed_us = round((time.monotonic() - started_s) * 1e6)
+        yield scheduler_pb2.GenerateResponse(complete=scheduler_pb2.GenerateComplete(
+            finish_reason=scheduler_pb2.FINISH_REASON_LENGTH, num_prompt_tokens=len(request.prompt_token_ids),
+            num_generated_tokens=num_tokens, first_token_us=round(self.token_interval_s * 1e6),
+            decode_us=elapsed_us, max_batch_size=self.num_running + 1))
+
+    async def GetInfo(self, request, context):
+        return scheduler_pb2.SchedulerInfo(worker=worker_pb2.WorkerInfo(
+            model_name=MODEL_NAME, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            eos_token_ids=[self.eos_token_id], block_size=16, num_kv_blocks=1024, device="none", dtype="none"))
+
+    async def GetStats(self, request, context):
+        return scheduler_pb2.SchedulerStats(num_running=self.num_running, num_steps=self.num_steps,
+                                            num_total_kv_blocks=1024)
+
+    async def Health(self, request, context):
+        return worker_pb2.HealthResponse(ready=True)
+
+
+def load_tokenizer(model: str | None) -> Tokenizer:
+    """The model directory's tokenizer.json, read with `tokenizers` alone (no torch import: starts in a second)."""
+    from worker.checkpoint import resolve_model
+
+    return Tokenizer.from_file(str(resolve_model(model) / "tokenizer.json"))
+
+
+async def serve(model: str | None, port: int, token_interval_s: float, host: str = "127.0.0.1") -> None:
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(PacedScheduler(load_tokenizer(model), token_interval_s), server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory of the tokenizer (default model if unset)")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--token-interval-ms", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(serve(args.model, args.port, args.token_interval_ms / 1000.0))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
