@@ -147,8 +147,11 @@ class Engine:
                 if not self.scheduler.has_work:
                     if self.speculator is not None:
                         await self.speculator.flush_finished(self.scheduler)
+                    # Clear, then look again: a request added during the flush (an await) has set
+                    # the event already, and clearing after it without looking would sleep on it.
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    if not self.scheduler.has_work:
+                        await self._wakeup.wait()
                     continue
                 await self._step()
         except asyncio.CancelledError:

@@ -167,3 +167,17 @@ async def test_a_drafter_answering_for_other_requests_is_ignored():
         drafter.is_garbage = True
         assert await generate_all(stub) == expected()
         assert engine.stats().spec.num_verified == 0 and worker.problems == []
+
+
+async def test_a_request_arriving_while_finished_ids_are_flushed_is_not_forgotten():
+    """The engine tells the drafter about ended requests when it goes idle (an await); a request
+    added during that call must still run (it used to wait forever: a lost wake-up)."""
+    async with spec_stack(draft_timeout_ms=2000, is_spec_adaptive=False) as (stub, worker, drafter, _, engine):
+        first, last = await collect(stub, generate_request("first", PROMPTS["q0"], max_new_tokens=6))
+        assert last.HasField("complete")
+        drafter.delay_s = 0.5  # the idle flush of "first" now takes a while
+        await wait_until(lambda: not engine.scheduler.has_work)
+        await asyncio.sleep(0.1)  # the flush is under way
+        tokens, last = await asyncio.wait_for(
+            collect(stub, generate_request("second", PROMPTS["q1"], max_new_tokens=6)), timeout=10)
+        assert last.HasField("complete") and tokens == reference(PROMPTS["q1"], 6)
