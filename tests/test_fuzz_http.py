@@ -22,8 +22,6 @@ pytest-timeout stops any one operation at OPERATION_TIMEOUT_S whatever happens.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import httpx
@@ -36,9 +34,9 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from router.app import create_app
 from router.config import RouterConfig
 from router.scheduler_client import ModelInfo
-from router.server import build_app, make_server
 
 # The fake scheduler (serving MODEL) and the tokenizer of test_router.py.
+from tests.router_server import serve_router
 from tests.test_router import MODEL, _free_port, scheduler, tokenizer  # noqa: F401
 
 MAX_EXAMPLES = 25
@@ -51,21 +49,8 @@ def fuzz_router_url(scheduler, tokenizer):  # noqa: F811
     _, grpc_port = scheduler
     config = RouterConfig(scheduler_address=f"127.0.0.1:{grpc_port}", port=_free_port(),
                           keepalive_interval_s=3 * CALL_TIMEOUT_S, scheduler_wait_s=10)
-    holder: dict = {}
-
-    async def main() -> None:
-        holder["server"] = server = make_server(config, await build_app(config, tokenizer), log_level="error")
-        await server.serve()
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not (holder.get("server") and holder["server"].started):
-        assert thread.is_alive() and time.monotonic() < deadline, "router did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{config.port}"
-    holder["server"].should_exit = True
-    thread.join(timeout=10)
+    with serve_router(config, tokenizer, log_level="error") as url:
+        yield url
 
 
 def _openapi_document() -> dict:

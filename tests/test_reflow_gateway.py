@@ -7,7 +7,7 @@ after it shuts down, `consume` drains the queue and the logs are read back.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -21,9 +21,9 @@ from router.reflow import ConsumerConfig
 from router.reflow.consumer import consume
 from router.reflow.gateway import client_id, state_for_status
 from router.reflow.chunks import FinishState
-from router.server import build_app, make_server
 from tests.fake_scheduler import OUTPUT_TEXT, start_fake_scheduler
 from tests.reflow_helpers import read_logs
+from tests.router_server import serve_router
 from tests.test_router import MODEL, _free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,25 +39,9 @@ def router(tiny_gemma3_dir, tmp_path):
     config = RouterConfig(model=str(tiny_gemma3_dir), scheduler_address=f"127.0.0.1:{grpc_port}",
                           port=_free_port(), scheduler_wait_s=10, request_timeout_s=1.0,
                           reflow_queue_url=f"sqlite:///{tmp_path}/queue.db", reflow_spill_dir=str(tmp_path / "spill"))
-    holder: dict = {}
-
-    async def main() -> None:
-        holder["server"] = server = make_server(config, await build_app(config), log_level="warning")
-        await server.serve()
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not (holder.get("server") and holder["server"].started):
-        assert thread.is_alive() and time.monotonic() < deadline, "router did not start"
-        time.sleep(0.05)
-
-    def stop() -> None:
-        holder["server"].should_exit = True
-        thread.join(timeout=20)
-
-    yield f"http://127.0.0.1:{config.port}", stop
-    stop()
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(serve_router(config))
+        yield url, stack.close  # closing shuts the router down, which flushes the recorder
     server_grpc.stop(grace=None)
 
 

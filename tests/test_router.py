@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -15,16 +12,12 @@ from transformers import AutoTokenizer
 
 from router.config import RouterConfig
 from router.scheduler_client import GenerateFailure, GenerateParams, SchedulerClient, TokenChunk
-from router.server import build_app, make_server
+from router.server import build_app
 from tests.fake_scheduler import GREEDY_LOGIT, OUTPUT_TEXT, TOP_LOGPROB, start_fake_scheduler
+from tests.router_server import free_port as _free_port
+from tests.router_server import serve_router
 
 MODEL = "tiny-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +37,8 @@ def router_url(scheduler, tiny_gemma3_dir):
     _, grpc_port = scheduler
     config = RouterConfig(model=str(tiny_gemma3_dir), scheduler_address=f"127.0.0.1:{grpc_port}",
                           port=_free_port(), keepalive_interval_s=0.25, scheduler_wait_s=10)
-    holder: dict = {}
-
-    async def main() -> None:
-        holder["server"] = server = make_server(config, await build_app(config), log_level="warning")
-        await server.serve()
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not (holder.get("server") and holder["server"].started):
-        assert thread.is_alive() and time.monotonic() < deadline, "router did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{config.port}"
-    holder["server"].should_exit = True
-    thread.join(timeout=10)
+    with serve_router(config) as url:
+        yield url
 
 
 @pytest.fixture

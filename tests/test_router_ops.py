@@ -7,10 +7,7 @@ the fake scheduler, extended here with a settable Health and GetStats.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -24,9 +21,9 @@ from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from router.app import create_app
 from router.config import RouterConfig
 from router.scheduler_client import ModelInfo, SchedulerClient
-from router.server import build_app, make_server
 from segserve.flags import add_dataclass_args, from_args
 from tests.fake_scheduler import FakeScheduler
+from tests.router_server import serve_router
 from tests.test_router import _free_port
 
 MODEL = "tiny-test"
@@ -76,21 +73,8 @@ def router_url(scheduler, tiny_gemma3_dir):
     config = RouterConfig(model=str(tiny_gemma3_dir), scheduler_address=f"127.0.0.1:{grpc_port}",
                           port=_free_port(), scheduler_wait_s=10, api_keys=[KEY, "sk-other"],
                           max_request_body_bytes=MAX_BODY)
-    holder: dict = {}
-
-    async def main() -> None:
-        holder["server"] = server = make_server(config, await build_app(config), log_level="warning")
-        await server.serve()
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not (holder.get("server") and holder["server"].started):
-        assert thread.is_alive() and time.monotonic() < deadline, "router did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{config.port}"
-    holder["server"].should_exit = True
-    thread.join(timeout=10)
+    with serve_router(config) as url:
+        yield url
 
 
 @contextlib.contextmanager
