@@ -112,13 +112,13 @@ class ReflowMiddleware:
         recording.finish(FinishState.CANCELLED if is_disconnected else state_for_status(status))
 
 
-async def record_deltas(events: AsyncIterator, recording: RequestRecording | None) -> AsyncIterator:
-    """Pass a generation's events through, recording its text and how it ended."""
-    if recording is None:
-        async with contextlib.aclosing(events):
-            async for event in events:
-                yield event
-        return
+def record_deltas(events: AsyncIterator, recording: RequestRecording | None) -> AsyncIterator:
+    """A generation's events, recording its text and how it ended; the events themselves when
+    the request is not recorded (no wrapper on the hot path)."""
+    return events if recording is None else _recorded(events, recording)
+
+
+async def _recorded(events: AsyncIterator, recording: RequestRecording) -> AsyncIterator:
     usage = None
     async with contextlib.aclosing(events):
         try:
