@@ -1,1 +1,11 @@
-"""Generated segserve.v1 stubs; edit the .proto files, then run `python -m protos.generate`."""
+"""segserve.v1: the wire contracts and, beside them, the one Python type of each.
+
+Generated stubs (`*_pb2.py`, `*_pb2.pyi`, `*_pb2_grpc.py`): edit the .proto files, then
+run `python -m protos.generate`. Contract types, torch-free, each with its proto
+conversion (`to_pb` / `from_pb`) next to it; every service imports them from here:
+- sampling.py: SamplingParams, StoppingCriteria, and validate(), the one owner of every range rule;
+- generate.py: the router <-> scheduler Generate request and its stream events;
+- step.py: the scheduler <-> worker Step request and result;
+- tree.py: CandidateTree, the one encoding of a draft tree;
+- info.py: WorkerInfo and Health.
+"""

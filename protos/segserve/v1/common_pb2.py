@@ -24,17 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/segserve/v1/common.proto\x12\x0bsegserve.v1\"\x83\x02\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10num_top_logprobs\x18\n \x01(\r\x12\x11\n\twatermark\x18\x0b \x01(\x08\x42\x07\n\x05_seed\"V\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/segserve/v1/common.proto\x12\x0bsegserve.v1\"\xaf\x03\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10num_top_logprobs\x18\n \x01(\r\x12\x11\n\twatermark\x18\x0b \x01(\x08\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.segserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13num_prompt_logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x16\n\x14_num_prompt_logprobs\"R\n\x10StoppingCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"a\n\x0ePromptLogprobs\x12\r\n\x05start\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.segserve.v1.TopLogprobs\"3\n\rCandidateTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"\x13\n\x11WorkerInfoRequest\"\xac\x01\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.segserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=49
-  _globals['_SAMPLINGPARAMS']._serialized_end=308
-  _globals['_STOPPINGCRITERIA']._serialized_start=310
-  _globals['_STOPPINGCRITERIA']._serialized_end=396
-  _globals['_TOPLOGPROBS']._serialized_start=398
-  _globals['_TOPLOGPROBS']._serialized_end=448
+  _globals['_SAMPLINGPARAMS']._serialized_end=480
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=399
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=447
+  _globals['_STOPPINGCRITERIA']._serialized_start=482
+  _globals['_STOPPINGCRITERIA']._serialized_end=564
+  _globals['_TOPLOGPROBS']._serialized_start=566
+  _globals['_TOPLOGPROBS']._serialized_end=616
+  _globals['_PROMPTLOGPROBS']._serialized_start=618
+  _globals['_PROMPTLOGPROBS']._serialized_end=715
+  _globals['_CANDIDATETREE']._serialized_start=717
+  _globals['_CANDIDATETREE']._serialized_end=768
+  _globals['_WORKERINFOREQUEST']._serialized_start=770
+  _globals['_WORKERINFOREQUEST']._serialized_end=789
+  _globals['_WORKERINFO']._serialized_start=792
+  _globals['_WORKERINFO']._serialized_end=964
+  _globals['_HEALTHREQUEST']._serialized_start=966
+  _globals['_HEALTHREQUEST']._serialized_end=981
+  _globals['_HEALTHRESPONSE']._serialized_start=983
+  _globals['_HEALTHRESPONSE']._serialized_end=1030
 # @@protoc_insertion_point(module_scope)

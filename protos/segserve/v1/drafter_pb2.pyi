@@ -1,4 +1,4 @@
-from protos.segserve.v1 import worker_pb2 as _worker_pb2
+from protos.segserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -29,22 +29,20 @@ class DraftRequest(_message.Message):
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, queries: _Optional[_Iterable[_Union[DraftQuery, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class DraftTree(_message.Message):
-    __slots__ = ("request_id", "token_ids", "parents", "segment", "needs_resync")
+class DraftReply(_message.Message):
+    __slots__ = ("request_id", "tree", "segment", "needs_resync")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NEEDS_RESYNC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    parents: _containers.RepeatedScalarFieldContainer[int]
+    tree: _common_pb2.CandidateTree
     segment: str
     needs_resync: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., segment: _Optional[str] = ..., needs_resync: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., segment: _Optional[str] = ..., needs_resync: _Optional[bool] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("trees",)
-    TREES_FIELD_NUMBER: _ClassVar[int]
-    trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
-    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[DraftReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[DraftReply, _Mapping]]] = ...) -> None: ...

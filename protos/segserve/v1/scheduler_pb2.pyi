@@ -1,5 +1,4 @@
 from protos.segserve.v1 import common_pb2 as _common_pb2
-from protos.segserve.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -16,11 +15,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_CONTEXT_LENGTH: FinishReason
+FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping")
@@ -35,21 +36,23 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingCriteria, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "scores", "top_logprobs", "batch_size", "queue_wait_us")
+    __slots__ = ("token_ids", "scores", "top_logprobs", "batch_size", "queue_wait_us", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     batch_size: int
     queue_wait_us: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., batch_size: _Optional[int] = ..., queue_wait_us: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., batch_size: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = ("finish_reason", "num_prompt_tokens", "num_generated_tokens", "queue_wait_us", "first_token_us", "decode_us", "max_batch_size")
+    __slots__ = ("finish_reason", "num_prompt_tokens", "num_generated_tokens", "queue_wait_us", "first_token_us", "decode_us", "max_batch_size", "error_message")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +60,7 @@ class GenerateComplete(_message.Message):
     FIRST_TOKEN_US_FIELD_NUMBER: _ClassVar[int]
     DECODE_US_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     num_prompt_tokens: int
     num_generated_tokens: int
@@ -64,7 +68,8 @@ class GenerateComplete(_message.Message):
     first_token_us: int
     decode_us: int
     max_batch_size: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., first_token_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    error_message: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., first_token_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class GenerateError(_message.Message):
     __slots__ = ("code", "message")
@@ -91,8 +96,8 @@ class SchedulerInfoRequest(_message.Message):
 class SchedulerInfo(_message.Message):
     __slots__ = ("worker",)
     WORKER_FIELD_NUMBER: _ClassVar[int]
-    worker: _worker_pb2.WorkerInfo
-    def __init__(self, worker: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+    worker: _common_pb2.WorkerInfo
+    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
+from protos.segserve.v1 import common_pb2 as protos_dot_segserve_dot_v1_dot_common__pb2
 from protos.segserve.v1 import scheduler_pb2 as protos_dot_segserve_dot_v1_dot_scheduler__pb2
-from protos.segserve.v1 import worker_pb2 as protos_dot_segserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -52,8 +52,8 @@ class SchedulerStub:
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/segserve.v1.Scheduler/Health',
-                request_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.HealthResponse.FromString,
+                request_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -110,8 +110,8 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,8 +220,8 @@ class Scheduler:
             request,
             target,
             '/segserve.v1.Scheduler/Health',
-            protos_dot_segserve_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
-            protos_dot_segserve_dot_v1_dot_worker__pb2.HealthResponse.FromString,
+            protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
+            protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

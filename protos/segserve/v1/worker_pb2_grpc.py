@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.segserve.v1 import common_pb2 as protos_dot_segserve_dot_v1_dot_common__pb2
 from protos.segserve.v1 import worker_pb2 as protos_dot_segserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -36,8 +37,8 @@ class WorkerStub:
         """
         self.GetInfo = channel.unary_unary(
                 '/segserve.v1.Worker/GetInfo',
-                request_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.WorkerInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                request_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.WorkerInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_segserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
                 _registered_method=True)
         self.Step = channel.unary_unary(
                 '/segserve.v1.Worker/Step',
@@ -46,8 +47,8 @@ class WorkerStub:
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/segserve.v1.Worker/Health',
-                request_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.HealthResponse.FromString,
+                request_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -82,8 +83,8 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.WorkerInfoRequest.FromString,
-                    response_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+                    request_deserializer=protos_dot_segserve_dot_v1_dot_common__pb2.WorkerInfoRequest.FromString,
+                    response_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.WorkerInfo.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
@@ -92,8 +93,8 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -121,8 +122,8 @@ class Worker:
             request,
             target,
             '/segserve.v1.Worker/GetInfo',
-            protos_dot_segserve_dot_v1_dot_worker__pb2.WorkerInfoRequest.SerializeToString,
-            protos_dot_segserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            protos_dot_segserve_dot_v1_dot_common__pb2.WorkerInfoRequest.SerializeToString,
+            protos_dot_segserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +176,8 @@ class Worker:
             request,
             target,
             '/segserve.v1.Worker/Health',
-            protos_dot_segserve_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
-            protos_dot_segserve_dot_v1_dot_worker__pb2.HealthResponse.FromString,
+            protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
+            protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,167 @@
+"""The generation contract between the router and the scheduler (scheduler.proto's Generate). Torch-free.
+
+In: a `GenerateRequest` (prompt token ids, sampling, stopping). Out: a stream of
+`TokenChunk`s ending with a `GenerateComplete` or a `GenerateError`.
+`validate_request()` is the one admission check: the router runs it before
+calling, the scheduler runs it again on what arrives over gRPC (a caller may skip
+the router), so both refuse the same things with the same message.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protos.segserve.v1 import scheduler_pb2
+from protos.segserve.v1.info import WorkerInfo
+from protos.segserve.v1.sampling import InvalidParameter, SamplingParams, StoppingCriteria, validate
+from protos.segserve.v1.step import PromptLogprobs, TopLogprobs
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to generate from."""
+
+    request_id: str
+    """Unique among live requests."""
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingCriteria = field(default_factory=StoppingCriteria)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+
+    def to_pb(self) -> scheduler_pb2.GenerateRequest:
+        return scheduler_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                                             sampling=self.sampling.to_pb(), stopping=self.stopping.to_pb())
+
+    @classmethod
+    def from_pb(cls, pb: scheduler_pb2.GenerateRequest) -> GenerateRequest:
+        """Convert as sent (an absent `sampling` is greedy with every default); validate before use."""
+        sampling = SamplingParams.from_pb(pb.sampling) if pb.HasField("sampling") else SamplingParams()
+        return cls(pb.request_id, tuple(pb.prompt_token_ids), sampling, StoppingCriteria.from_pb(pb.stopping))
+
+
+def validate_request(request: GenerateRequest, info: WorkerInfo) -> None:
+    """Raise InvalidParameter unless `request` can run on the model `info` describes."""
+    if not request.request_id:
+        raise InvalidParameter("request_id", "must not be empty")
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise InvalidParameter("prompt_token_ids", "must not be empty")
+    if len(prompt) >= info.max_model_len:
+        raise InvalidParameter("prompt_token_ids", f"has {len(prompt)} tokens; it must be shorter than the "
+                                                   f"model's context of {info.max_model_len}")
+    if not all(0 <= token_id < info.vocab_size for token_id in prompt):
+        bad = next(t for t in prompt if not 0 <= t < info.vocab_size)
+        raise InvalidParameter("prompt_token_ids", f"holds id {bad}, outside the vocabulary of {info.vocab_size}")
+    validate(request.sampling, request.stopping, vocab_size=info.vocab_size)
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped (MindIE's names where it has them)."""
+
+    UNSPECIFIED = "unspecified"
+    EOS_TOKEN = "eos_token"
+    LENGTH = "length"
+    STOP_TOKEN = "stop_token"
+    CONTEXT_LENGTH = "context_length"
+    ERROR = "error"
+    """This request alone failed; GenerateComplete.error_message says why."""
+
+
+_FINISH_TO_PB = {
+    FinishReason.UNSPECIFIED: scheduler_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.EOS_TOKEN: scheduler_pb2.FINISH_REASON_EOS_TOKEN,
+    FinishReason.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_TOKEN: scheduler_pb2.FINISH_REASON_STOP_TOKEN,
+    FinishReason.CONTEXT_LENGTH: scheduler_pb2.FINISH_REASON_CONTEXT_LENGTH,
+    FinishReason.ERROR: scheduler_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PB = {pb: reason for reason, pb in _FINISH_TO_PB.items()}
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Newly accepted tokens (one or more per step)."""
+
+    token_ids: tuple[int, ...]
+    scores: tuple[float, ...]
+    """Per token: the logit (greedy) or the log-probability (sampling)."""
+    top_logprobs: tuple[TopLogprobs, ...] = ()
+    """Per token, when num_top_logprobs > 0."""
+    batch_size: int = 0
+    """The largest batch the request has run in so far (0 = not reported)."""
+    queue_wait_us: int = 0
+    """Arrival to first scheduling."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Prompt tokens' log-probabilities computed this step, when asked for."""
+
+    def __post_init__(self) -> None:
+        for name in ("token_ids", "scores", "top_logprobs"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def to_pb(self) -> scheduler_pb2.GenerateResponse:
+        chunk = scheduler_pb2.TokenChunk(
+            token_ids=self.token_ids, scores=self.scores, top_logprobs=[t.to_pb() for t in self.top_logprobs],
+            batch_size=self.batch_size, queue_wait_us=self.queue_wait_us,
+            prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.to_pb())
+        return scheduler_pb2.GenerateResponse(chunk=chunk)
+
+
+@dataclass(frozen=True)
+class GenerateComplete:
+    """The successful end of a stream (or FinishReason.ERROR: this request alone failed)."""
+
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    queue_wait_us: int = 0
+    """Arrival to first scheduling."""
+    first_token_us: int = 0
+    """Arrival to the first token."""
+    decode_us: int = 0
+    """First token to the last."""
+    max_batch_size: int = 0
+    error_message: str = ""
+    """Why, with FinishReason.ERROR."""
+
+    def to_pb(self) -> scheduler_pb2.GenerateResponse:
+        complete = scheduler_pb2.GenerateComplete(
+            finish_reason=_FINISH_TO_PB[self.finish_reason], num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens, queue_wait_us=self.queue_wait_us,
+            first_token_us=self.first_token_us, decode_us=self.decode_us, max_batch_size=self.max_batch_size,
+            error_message=self.error_message)
+        return scheduler_pb2.GenerateResponse(complete=complete)
+
+
+@dataclass(frozen=True)
+class GenerateError:
+    """The failed end of a stream. `code`: invalid_request, overloaded, unavailable, timeout, cancelled,
+    internal."""
+
+    code: str
+    message: str
+
+    def to_pb(self) -> scheduler_pb2.GenerateResponse:
+        return scheduler_pb2.GenerateResponse(error=scheduler_pb2.GenerateError(code=self.code, message=self.message))
+
+
+GenerateEvent = TokenChunk | GenerateComplete | GenerateError
+
+
+def event_from_pb(pb: scheduler_pb2.GenerateResponse) -> GenerateEvent:
+    kind = pb.WhichOneof("event")
+    if kind == "chunk":
+        c = pb.chunk
+        prompt = PromptLogprobs.from_pb(c.prompt_logprobs) if c.HasField("prompt_logprobs") else None
+        return TokenChunk(tuple(c.token_ids), tuple(c.scores), tuple(TopLogprobs.from_pb(t) for t in c.top_logprobs),
+                          c.batch_size, c.queue_wait_us, prompt)
+    if kind == "complete":
+        d = pb.complete
+        return GenerateComplete(_FINISH_FROM_PB.get(d.finish_reason, FinishReason.UNSPECIFIED), d.num_prompt_tokens,
+                                d.num_generated_tokens, d.queue_wait_us, d.first_token_us, d.decode_us,
+                                d.max_batch_size, d.error_message)
+    if kind == "error":
+        return GenerateError(pb.error.code or "internal", pb.error.message)
+    return GenerateError("internal", "the scheduler sent an empty event")

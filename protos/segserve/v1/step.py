@@ -1,0 +1,219 @@
+"""The step contract between the scheduler and the worker (worker.proto's Step). Torch-free.
+
+The scheduler builds a `StepRequest` (new sequences, each sequence's work, ended
+sequences); the worker answers with a `StepResult` (one `SequenceOutput` per
+sampled sequence). `output_problem()` is the one check that an answer fits the
+work it answers. Protobuf is converted here, at either side's edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos.segserve.v1 import common_pb2, worker_pb2
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.tree import CandidateTree
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """A sequence the worker has not seen: sent once, before its first work.
+
+    A preempted sequence is not re-announced: it comes back with num_computed_tokens = 0.
+    """
+
+    seq_id: str
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    """Penalties that look at "the output" start here."""
+
+    def to_pb(self) -> worker_pb2.NewSequence:
+        return worker_pb2.NewSequence(seq_id=self.seq_id, sampling=self.sampling.to_pb(),
+                                      num_prompt_tokens=self.num_prompt_tokens)
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.NewSequence) -> NewSequence:
+        return cls(pb.seq_id, SamplingParams.from_pb(pb.sampling), pb.num_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's work in one step."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    """Tokens to compute (a prefill chunk or the last sampled token), from position num_computed_tokens."""
+    num_computed_tokens: int
+    """Tokens already in the KV cache (0 = start over, e.g. after a preemption)."""
+    block_table: tuple[int, ...]
+    """Covers num_computed_tokens + len(token_ids) + len(draft) positions."""
+    sample_indices: tuple[int, ...] = ()
+    """Indices into token_ids whose next token is sampled; empty for a prefill chunk short of the end
+    and for a tree step."""
+    draft: CandidateTree | None = None
+    """A candidate tree to verify after token_ids (then exactly one token, the root)."""
+
+    def __post_init__(self) -> None:
+        for name in ("token_ids", "block_table", "sample_indices"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def is_sampled(self) -> bool:
+        """Whether the worker returns tokens for this work (a sampled position or a tree)."""
+        return bool(self.sample_indices or self.draft)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return 0 if self.draft is None else len(self.draft)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the KV cache once this step has run (draft nodes included)."""
+        return self.num_computed_tokens + len(self.token_ids) + self.num_draft_tokens
+
+    def to_pb(self) -> worker_pb2.ScheduledSequence:
+        return worker_pb2.ScheduledSequence(
+            seq_id=self.seq_id, token_ids=self.token_ids, num_computed_tokens=self.num_computed_tokens,
+            block_table=self.block_table, sample_indices=self.sample_indices,
+            draft=None if self.draft is None else self.draft.to_pb())
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.ScheduledSequence) -> ScheduledSequence:
+        draft = CandidateTree.from_pb(pb.draft) if pb.HasField("draft") and pb.draft.token_ids else None
+        return cls(pb.seq_id, tuple(pb.token_ids), pb.num_computed_tokens, tuple(pb.block_table),
+                   tuple(pb.sample_indices), draft)
+
+
+@dataclass
+class StepRequest:
+    """Everything the worker does in one step."""
+
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)
+    """Sequences that ended: the worker drops their sampling state."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) + s.num_draft_tokens for s in self.sequences)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_draft_tokens for s in self.sequences)
+
+    def to_pb(self) -> worker_pb2.StepRequest:
+        return worker_pb2.StepRequest(new_sequences=[n.to_pb() for n in self.new_sequences],
+                                      sequences=[s.to_pb() for s in self.sequences],
+                                      finished_seq_ids=self.finished_seq_ids)
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.StepRequest) -> StepRequest:
+        return cls([ScheduledSequence.from_pb(s) for s in pb.sequences],
+                   [NewSequence.from_pb(n) for n in pb.new_sequences], list(pb.finished_seq_ids))
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely alternatives at one position, most likely first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "logprobs", tuple(self.logprobs))
+
+    def to_pb(self) -> common_pb2.TopLogprobs:
+        return common_pb2.TopLogprobs(token_ids=self.token_ids, logprobs=self.logprobs)
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.TopLogprobs) -> TopLogprobs:
+        return cls(tuple(pb.token_ids), tuple(pb.logprobs))
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens start, start + 1, ... under the raw model distribution."""
+
+    start: int
+    """Index in the prompt of the first token covered (>= 1: the first prompt token has none)."""
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[TopLogprobs, ...] = ()
+    """Per covered token, when num_prompt_logprobs > 0."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "logprobs", tuple(self.logprobs))
+        object.__setattr__(self, "top_logprobs", tuple(self.top_logprobs))
+
+    def to_pb(self) -> common_pb2.PromptLogprobs:
+        return common_pb2.PromptLogprobs(start=self.start, logprobs=self.logprobs,
+                                         top_logprobs=[t.to_pb() for t in self.top_logprobs])
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.PromptLogprobs) -> PromptLogprobs:
+        return cls(pb.start, tuple(pb.logprobs), tuple(TopLogprobs.from_pb(t) for t in pb.top_logprobs))
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    """What was sampled for one sequence in one step: one token per sample index, or for a tree the
+    accepted drafts followed by the target's own token. `error` set = this sequence alone failed."""
+
+    seq_id: str
+    token_ids: tuple[int, ...] = ()
+    scores: tuple[float, ...] = ()
+    """Per token: the logit (greedy) or the log-probability (sampling)."""
+    top_logprobs: tuple[TopLogprobs, ...] = ()
+    """Per token, when the sequence asked for num_top_logprobs > 0."""
+    prompt_logprobs: PromptLogprobs | None = None
+    error: str = ""
+    """Why this sequence failed (non-finite logits, a sampler failure, an invalid tree); no tokens then."""
+
+    def __post_init__(self) -> None:
+        for name in ("token_ids", "scores", "top_logprobs"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def to_pb(self) -> worker_pb2.SequenceOutput:
+        return worker_pb2.SequenceOutput(
+            seq_id=self.seq_id, token_ids=self.token_ids, scores=self.scores,
+            top_logprobs=[t.to_pb() for t in self.top_logprobs],
+            prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.to_pb(), error=self.error)
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.SequenceOutput) -> SequenceOutput:
+        prompt = PromptLogprobs.from_pb(pb.prompt_logprobs) if pb.HasField("prompt_logprobs") else None
+        return cls(pb.seq_id, tuple(pb.token_ids), tuple(pb.scores),
+                   tuple(TopLogprobs.from_pb(t) for t in pb.top_logprobs), prompt, pb.error)
+
+
+@dataclass
+class StepResult:
+    """The worker's answer to one StepRequest."""
+
+    outputs: list[SequenceOutput] = field(default_factory=list)
+    compute_us: int = 0
+    """Wall time of the forward and sampling."""
+
+    def to_pb(self) -> worker_pb2.StepResponse:
+        return worker_pb2.StepResponse(outputs=[o.to_pb() for o in self.outputs], compute_us=self.compute_us)
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.StepResponse) -> StepResult:
+        return cls([SequenceOutput.from_pb(o) for o in pb.outputs], pb.compute_us)
+
+
+def output_problem(work: ScheduledSequence, output: SequenceOutput | None) -> str | None:
+    """Why `output` does not answer `work` (None when it does). An error output always does."""
+    if output is None:
+        return f"no output for sequence {work.seq_id!r}" if work.is_sampled else None
+    if output.error:
+        return None
+    if len(output.scores) != len(output.token_ids):
+        return f"{len(output.token_ids)} tokens but {len(output.scores)} scores for sequence {work.seq_id!r}"
+    if work.draft is not None:
+        if not 1 <= len(output.token_ids) <= work.draft.max_depth + 1 or not work.draft.is_path(output.token_ids):
+            return f"{list(output.token_ids)} for sequence {work.seq_id!r} is not a path of its tree plus one token"
+    elif len(output.token_ids) != len(work.sample_indices):
+        return (f"{len(output.token_ids)} tokens for sequence {work.seq_id!r}, "
+                f"expected {len(work.sample_indices)}")
+    return None

@@ -1,0 +1,263 @@
+"""The contract types beside the protos: each round-trips through its proto form, and validate() owns the ranges.
+
+Property tests (hypothesis): any value of a contract type survives to_pb -> wire
+bytes -> from_pb unchanged; validate() accepts exactly the values inside RANGES
+and refuses non-finite numbers, naming the field.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protos.segserve.v1 import common_pb2, scheduler_pb2, worker_pb2
+from protos.segserve.v1.generate import (
+    FinishReason,
+    GenerateComplete,
+    GenerateError,
+    GenerateRequest,
+    TokenChunk,
+    event_from_pb,
+    validate_request,
+)
+from protos.segserve.v1.info import Health, WorkerInfo
+from protos.segserve.v1.sampling import (
+    FLOAT32_MAX,
+    RANGES,
+    InvalidParameter,
+    SamplingParams,
+    StoppingCriteria,
+    validate,
+)
+from protos.segserve.v1.step import (
+    NewSequence,
+    PromptLogprobs,
+    ScheduledSequence,
+    SequenceOutput,
+    StepRequest,
+    StepResult,
+    TopLogprobs,
+    output_problem,
+)
+from protos.segserve.v1.tree import ROOT, CandidateTree
+
+uint32 = st.integers(0, 2**32 - 1)
+uint64 = st.integers(0, 2**64 - 1)
+token_ids = st.lists(uint32, max_size=8).map(tuple)
+doubles = st.floats(allow_nan=False, allow_infinity=True)
+# Values the wire carries as float (logprobs, scores) must be float32-exact to round-trip.
+float32s = st.floats(width=32, allow_nan=False)
+
+
+@st.composite
+def trees(draw, max_size: int = 8) -> CandidateTree:
+    size = draw(st.integers(0, max_size))
+    parents = [draw(st.integers(ROOT, index - 1)) for index in range(size)]
+    return CandidateTree(tuple(draw(st.lists(uint32, min_size=size, max_size=size))), tuple(parents))
+
+
+sampling_params = st.builds(
+    SamplingParams, do_sample=st.booleans(), temperature=doubles, top_k=uint32, top_p=doubles, typical_p=doubles,
+    repetition_penalty=doubles, frequency_penalty=doubles, presence_penalty=doubles, seed=st.none() | uint64,
+    num_top_logprobs=uint32, num_prompt_logprobs=st.none() | uint32, watermark=st.booleans(),
+    logit_bias=st.dictionaries(uint32, doubles, max_size=4))
+stopping = st.builds(StoppingCriteria, max_tokens=uint32, stop_token_ids=token_ids, ignore_eos=st.booleans())
+top_logprobs = st.integers(0, 4).flatmap(lambda n: st.builds(
+    TopLogprobs, st.lists(uint32, min_size=n, max_size=n), st.lists(float32s, min_size=n, max_size=n)))
+prompt_logprobs = st.builds(PromptLogprobs, uint32, st.lists(float32s, max_size=4),
+                            st.lists(top_logprobs, max_size=3))
+worker_infos = st.builds(WorkerInfo, st.text(), uint32, uint32, uint32, uint32, token_ids, st.text(), st.text())
+
+
+def wire(message):
+    """Through bytes, as a peer would receive it."""
+    return type(message).FromString(message.SerializeToString())
+
+
+@given(sampling_params)
+def test_sampling_params_round_trip(params):
+    assert SamplingParams.from_pb(wire(params.to_pb())) == params
+
+
+@given(stopping)
+def test_stopping_round_trip(criteria):
+    assert StoppingCriteria.from_pb(wire(criteria.to_pb())) == criteria
+
+
+@given(st.text(), token_ids, sampling_params, stopping)
+def test_generate_request_round_trip(request_id, prompt, params, criteria):
+    request = GenerateRequest(request_id, prompt, params, criteria)
+    assert GenerateRequest.from_pb(wire(request.to_pb())) == request
+
+
+def test_generate_request_without_sampling_is_greedy_defaults():
+    pb = scheduler_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1], stopping=common_pb2.StoppingCriteria(
+        max_tokens=3))
+    assert GenerateRequest.from_pb(pb).sampling == SamplingParams()
+
+
+@given(st.one_of(
+    st.builds(TokenChunk, token_ids, st.lists(float32s, max_size=8), st.lists(top_logprobs, max_size=3), uint32,
+              uint64, st.none() | prompt_logprobs),
+    st.builds(GenerateComplete, st.sampled_from(FinishReason), uint32, uint32, uint64, uint64, uint64, uint32,
+              st.text()),
+    st.builds(GenerateError, st.text(min_size=1), st.text())))
+def test_generate_events_round_trip(event):
+    assert event_from_pb(wire(event.to_pb())) == event
+
+
+@given(trees())
+def test_candidate_tree_round_trip(tree):
+    assert CandidateTree.from_pb(wire(tree.to_pb())) == tree
+    assert tree.problem() is None
+
+
+@settings(max_examples=50)
+@given(st.lists(st.builds(ScheduledSequence, st.text(), token_ids, uint32, token_ids, token_ids,
+                          st.none() | trees().filter(len)), max_size=3),
+       st.lists(st.builds(NewSequence, st.text(), sampling_params, uint32), max_size=3),
+       st.lists(st.text(), max_size=3))
+def test_step_request_round_trip(sequences, new_sequences, finished):
+    request = StepRequest(sequences, new_sequences, finished)
+    assert StepRequest.from_pb(wire(request.to_pb())) == request
+
+
+@given(st.lists(st.builds(SequenceOutput, st.text(), token_ids, st.lists(float32s, max_size=8),
+                          st.lists(top_logprobs, max_size=3), st.none() | prompt_logprobs, st.text()), max_size=3),
+       uint64)
+def test_step_result_round_trip(outputs, compute_us):
+    result = StepResult(outputs, compute_us)
+    assert StepResult.from_pb(wire(result.to_pb())) == result
+
+
+@given(worker_infos, st.booleans(), st.text())
+def test_info_and_health_round_trip(info, is_ready, detail):
+    assert WorkerInfo.from_pb(wire(info.to_pb())) == info
+    assert Health.from_pb(wire(Health(is_ready, detail).to_pb())) == Health(is_ready, detail)
+
+
+FLOAT_FIELDS = ["temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty"]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 1e39, -1e39])
+def test_validate_refuses_non_finite_numbers_naming_the_field(field, value):
+    with pytest.raises(InvalidParameter) as caught:
+        validate(SamplingParams(**{field: value}))
+    assert caught.value.field == field
+    assert field in str(caught.value)
+
+
+@given(st.sampled_from(FLOAT_FIELDS), st.floats(allow_nan=True, allow_infinity=True))
+def test_validate_accepts_exactly_the_documented_range(field, value):
+    is_inside = math.isfinite(value) and abs(value) <= FLOAT32_MAX and RANGES[field].contains(value)
+    try:
+        validate(SamplingParams(**{field: value}))
+    except InvalidParameter as exc:
+        assert not is_inside, f"{field}={value!r} is inside {RANGES[field].describe()} but was refused: {exc}"
+        assert exc.field == field
+    else:
+        assert is_inside, f"{field}={value!r} is outside {RANGES[field].describe()} but was accepted"
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(top_k=100), "top_k"),
+    (SamplingParams(logit_bias={100: 1.0}), "logit_bias"),
+    (SamplingParams(logit_bias={3: 101.0}), "logit_bias"),
+    (SamplingParams(logit_bias={3: math.nan}), "logit_bias"),
+    (SamplingParams(seed=2**64), "seed"),
+    (SamplingParams(seed=-1), "seed"),
+    (SamplingParams(num_top_logprobs=21), "num_top_logprobs"),
+    (SamplingParams(num_prompt_logprobs=21), "num_prompt_logprobs"),
+    (SamplingParams(do_sample=1), "do_sample"),
+    (SamplingParams(top_k=2.0), "top_k"),
+    (SamplingParams(temperature="1"), "temperature"),
+])
+def test_validate_refuses_out_of_range_values(params, field):
+    with pytest.raises(InvalidParameter) as caught:
+        validate(params, vocab_size=100)
+    assert caught.value.field == field
+
+
+def test_validate_request_checks_the_prompt_and_stopping_against_the_model():
+    info = WorkerInfo("m", 8, 16, 32, 100, (0,))
+    good = GenerateRequest("r", (1, 2, 3), SamplingParams(), StoppingCriteria(max_tokens=4))
+    validate_request(good, info)
+    for request, field in [
+        (GenerateRequest("", (1,)), "request_id"),
+        (GenerateRequest("r", ()), "prompt_token_ids"),
+        (GenerateRequest("r", (100,)), "prompt_token_ids"),
+        (GenerateRequest("r", tuple(range(32))), "prompt_token_ids"),
+        (GenerateRequest("r", (1,), stopping=StoppingCriteria(max_tokens=0)), "max_tokens"),
+        (GenerateRequest("r", (1,), stopping=StoppingCriteria(stop_token_ids=(100,))), "stop_token_ids"),
+        (GenerateRequest("r", (1,), SamplingParams(temperature=math.inf)), "temperature"),
+    ]:
+        with pytest.raises(InvalidParameter) as caught:
+            validate_request(request, info)
+        assert caught.value.field == field
+
+
+def test_tree_problem_prune_and_path():
+    tree = CandidateTree((5, 6, 7, 8), (ROOT, 0, 1, ROOT))
+    assert tree.depths == (1, 2, 3, 1) and tree.max_depth == 3
+    assert CandidateTree((5, 6), (ROOT, 1)).problem() is not None  # a parent must come first
+    assert CandidateTree((5,), (ROOT, ROOT)).problem() is not None
+    assert CandidateTree((500,), (ROOT,)).problem(vocab_size=100) is not None
+    assert tree.problem(max_nodes=3) is not None
+    assert tree.prune(max_nodes=3, max_depth=2) == CandidateTree((5, 6, 8), (ROOT, 0, ROOT))
+    assert tree.is_path([5, 6, 7, 1]) and tree.is_path([8, 1]) and tree.is_path([2])
+    assert not tree.is_path([6, 1])
+
+
+def test_output_problem_checks_an_answer_against_its_work():
+    plain = ScheduledSequence("a", (1,), 4, (0,), sample_indices=(0,))
+    assert output_problem(plain, SequenceOutput("a", (3,), (0.5,))) is None
+    assert output_problem(plain, None) is not None
+    assert output_problem(plain, SequenceOutput("a", (3, 4), (0.5, 0.1))) is not None
+    assert output_problem(plain, SequenceOutput("a", error="nan logits")) is None
+    tree = ScheduledSequence("b", (1,), 4, (0,), draft=CandidateTree((5, 6), (ROOT, 0)))
+    assert output_problem(tree, SequenceOutput("b", (5, 6, 9), (0.0,) * 3)) is None
+    assert output_problem(tree, SequenceOutput("b", (6, 9), (0.0,) * 2)) is not None
+    assert output_problem(ScheduledSequence("c", (1, 2), 0, (0,)), None) is None  # a prefill chunk: no answer due
+    assert isinstance(worker_pb2.ScheduledSequence().draft, common_pb2.CandidateTree)
+
+
+CONTRACT_CLASSES = {
+    "SamplingParams", "StoppingCriteria", "GenerateRequest", "TokenChunk", "GenerateComplete", "GenerateError",
+    "FinishReason", "NewSequence", "ScheduledSequence", "StepRequest", "SequenceOutput", "StepResult",
+    "TopLogprobs", "PromptLogprobs", "CandidateTree", "WorkerInfo", "Health",
+    # Former duplicates, under their old names: none may come back.
+    "GenerateParams", "ModelInfo", "SampledTokens", "DraftTree", "WorkerHealth", "GenerateFailure",
+}
+ROOT_DIR = Path(__file__).resolve().parent.parent
+
+
+def class_definitions(root: Path, packages: list[str]) -> dict[str, list[str]]:
+    """Every `class X` among CONTRACT_CLASSES defined in the packages' sources, as name -> [file:line]."""
+    found: dict[str, list[str]] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef) and node.name in CONTRACT_CLASSES:
+                    found.setdefault(node.name, []).append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_each_contract_type_is_defined_once_beside_the_protos():
+    found = class_definitions(ROOT_DIR, ["protos", "router", "scheduler", "worker", "drafter", "segserve"])
+    duplicates = {name: places for name, places in found.items()
+                  if len(places) > 1 or not places[0].startswith("protos/")}
+    assert not duplicates, f"contract types defined outside protos/segserve/v1 or twice: {duplicates}"
+
+
+def test_the_definition_check_finds_a_copy(tmp_path: Path):
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "params.py").write_text("class SamplingParams:\n    pass\n")
+    assert class_definitions(tmp_path, ["router"]) == {"SamplingParams": ["router/params.py:1"]}
