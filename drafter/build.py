@@ -1,12 +1,10 @@
-"""Offline corpus building (`segserve corpus build`): text files or reflow logs in, saved corpora out.
+"""Offline corpus building (`segserve corpus build`): texts (or token sequences) in, saved corpora out.
 
 Each text is tokenized and split by the SegmentTracker: every closed segment goes
 to its kind's corpus, and each run of tokens outside every segment to the default
-corpus. Existing corpora in out_dir are extended, not replaced. From reflow
-logs (router/reflow), the texts are what the model wrote: each completed turn's
-completion prompt plus its response (the prompt may open the segment the
-response continues), or a chat turn's response alone (the chat template's turn
-markers are not in the log, so a chat reply counts as text outside a turn).
+corpus. Existing corpora in out_dir are extended, not replaced. The texts are
+text files' contents and whatever texts the caller passes; reading them from
+data-reflow logs is segserve's job (segserve/corpus_build.py), not the drafter's.
 """
 
 from __future__ import annotations
@@ -39,22 +37,24 @@ def split_segments(token_ids: Sequence[int], segments: SegmentsConfig) -> list[t
     return pieces
 
 
+def learn_token_ids(planner: DraftPlanner, segments: SegmentsConfig, token_ids: Sequence[int]) -> None:
+    """Teach the planner's corpora the segments of one token sequence."""
+    for name, tokens in split_segments(token_ids, segments):
+        planner.learn(name, tokens)
+
+
 def build_corpus(
     files: Iterable[str | Path], tokenizer_dir: str | None, segments_config: str | None, out_dir: str | Path,
-    reflow_dirs: Iterable[str | Path] = (),
+    texts: Iterable[str] = (),
 ) -> dict[str, int]:
-    """Add the segments of the files and of the reflow logs' turns to the corpora in out_dir;
-    returns the node count per segment."""
-    from router.reflow.export import generated_texts
-
+    """Add the segments of the text files and of `texts` (after the files') to the corpora in
+    out_dir; returns the node count per segment. learn_token_ids() takes token sequences."""
     tokenizer = load_tokenizer(tokenizer_dir)
     segments = load_segments(segments_config, tokenizer)
     planner = DraftPlanner(segments, load_corpora(segments, out_dir))
-    texts = [Path(path).read_text(encoding="utf-8") for path in files]
-    texts += [text for sink_dir in reflow_dirs for text in generated_texts(sink_dir)]
-    for text in texts:
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
-        for name, tokens in split_segments(token_ids, segments):
-            planner.learn(name, tokens)
+    all_texts = [Path(path).read_text(encoding="utf-8") for path in files]
+    all_texts += list(texts)
+    for text in all_texts:
+        learn_token_ids(planner, segments, tokenizer.encode(text, add_special_tokens=False))
     save_corpora(planner.corpora, out_dir)
     return {name: corpus.num_entries for name, corpus in planner.corpora.items()}

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from drafter.config import DrafterConfig
 from router.config import RouterConfig
-from router.reflow.config import ConsumerConfig
 from scheduler.config import SchedulerConfig
 from segserve.flags import add_dataclass_args, from_args
+from segserve.reflow.config import ConsumerConfig
 from worker.config import WorkerConfig
 
 # `serve` takes every service's flags; the names that clash get a service prefix.
@@ -90,7 +90,7 @@ def _drafter_command(args: argparse.Namespace) -> int:
 
 
 def _corpus_build_command(args: argparse.Namespace) -> int:
-    from drafter.build import build_corpus
+    from segserve.corpus_build import build_corpus
 
     if not args.files and not args.from_reflow:
         raise SystemExit("corpus build needs text files or --from-reflow DIR")
@@ -101,7 +101,7 @@ def _corpus_build_command(args: argparse.Namespace) -> int:
 
 
 def _reflow_consume_command(args: argparse.Namespace) -> int:
-    from router.reflow.consumer import consume
+    from segserve.reflow.consumer import consume
 
     _stop_on_sigterm()
     consumer = consume(from_args(ConsumerConfig, args, _CONSUME_RENAME))
@@ -110,7 +110,7 @@ def _reflow_consume_command(args: argparse.Namespace) -> int:
 
 
 def _reflow_export_command(args: argparse.Namespace) -> int:
-    from router.reflow.export import export
+    from segserve.reflow.export import export
 
     print(f"{export(args.logs, args.out, args.format)} {args.format} rows written to {args.out}")
     return 0
@@ -121,7 +121,7 @@ def _watermark_detect_command(args: argparse.Namespace) -> int:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from worker.checkpoint import resolve_model
+    from segserve.checkpoint import resolve_model
     from worker.watermark import detect
 
     if args.text is not None:
@@ -143,7 +143,7 @@ def _stop_on_sigterm() -> None:
 
 
 def _prepare_model_command(args: argparse.Namespace) -> int:
-    from worker.checkpoint import prepare_default_model
+    from segserve.checkpoint import prepare_default_model
 
     print(prepare_default_model())
     return 0

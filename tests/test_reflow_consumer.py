@@ -14,11 +14,12 @@ import time
 import pytest
 
 from router.reflow.chunks import FinishState
-from router.reflow.config import ConsumerConfig, RecorderConfig
-from router.reflow.consumer import Consumer
+from router.reflow.config import RecorderConfig
 from router.reflow.queue import SqliteQueue, open_queue
 from router.reflow.recorder import Recorder
-from router.reflow.sink import JsonlSink
+from segserve.reflow.config import ConsumerConfig
+from segserve.reflow.consumer import Consumer
+from segserve.reflow.sink import JsonlSink
 from tests.reflow_helpers import read_logs, record_chats, redis_server
 
 

@@ -6,12 +6,13 @@ import json
 
 import pyarrow.parquet as pq
 
-from router.reflow.config import ConsumerConfig, RecorderConfig
-from router.reflow.consumer import consume
-from router.reflow.export import chat_examples
+from router.reflow.config import RecorderConfig
 from router.reflow.queue import open_queue
 from router.reflow.recorder import Recorder
 from segserve.cli import main
+from segserve.reflow.config import ConsumerConfig
+from segserve.reflow.consumer import consume
+from segserve.reflow.export import chat_examples
 from tests.reflow_helpers import record_chats
 
 

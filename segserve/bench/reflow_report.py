@@ -59,7 +59,7 @@ def markdown_table(results: dict) -> str:
     drain = results["consumer"]
     lines += ["", "| consumer drain | chunks | records | seconds | chunks/s | records/s |",
               "|---|---:|---:|---:|---:|---:|",
-              f"| `router.reflow.consumer`, SQLite -> JSONL | {drain['num_chunks']} | {drain['num_records']} "
+              f"| `segserve.reflow.consumer`, SQLite -> JSONL | {drain['num_chunks']} | {drain['num_records']} "
               f"| {_fmt(drain['seconds'])} | {_fmt(drain['chunks_per_s'], 0)} | {_fmt(drain['records_per_s'], 0)} |"]
     lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
     for goal in results["goals"]:

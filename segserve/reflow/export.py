@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from router.reflow.sink import JsonlSink, ParquetSink, SessionSink, write_parquet
+from segserve.reflow.sink import JsonlSink, ParquetSink, SessionSink, write_parquet
 
 EXPORT_FORMATS = ("openai-chat", "parquet")
 _ROLE_MAP = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -43,7 +43,7 @@ def export(sink_dir: str | Path, out: str | Path, export_format: str) -> int:
 
 def generated_texts(sink_dir: str | Path) -> Iterator[str]:
     """Per completed turn, the text the model continued: a completion's prompt + response,
-    or a chat turn's response (for drafter corpora, drafter/build.py)."""
+    or a chat turn's response (for drafter corpora, segserve/corpus_build.py)."""
     for sink in _sinks(sink_dir):
         for turns in sink.sessions():
             for turn in turns:

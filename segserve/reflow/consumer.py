@@ -17,12 +17,12 @@ import logging
 import threading
 import time
 
-from router.reflow.assembly import Assembler
 from router.reflow.chunks import Chunk
-from router.reflow.config import ConsumerConfig
 from router.reflow.queue import ChunkQueue, open_queue
-from router.reflow.redact import redact_record
-from router.reflow.sink import SessionSink, open_sink
+from segserve.reflow.assembly import Assembler
+from segserve.reflow.config import ConsumerConfig
+from segserve.reflow.redact import redact_record
+from segserve.reflow.sink import SessionSink, open_sink
 
 log = logging.getLogger(__name__)
 
