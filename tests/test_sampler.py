@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -16,8 +17,9 @@ from transformers.generation.logits_process import (
 )
 
 import worker.sampler as sampler
-from protos.segserve.v1 import common_pb2
-from worker.sampler import SampleRow, SamplingParams, apply_penalties, draw, make_generator, sample, warp
+import worker.warpers as warpers
+from protos.segserve.v1.sampling import SamplingParams
+from worker.sampler import SampleRow, apply_logit_bias, apply_penalties, draw, make_generator, sample, warp
 
 VOCAB = 64
 
@@ -27,10 +29,13 @@ def row(history=(), num_prompt=0, generator=None, **params) -> SampleRow:
 
 
 def reference(logits: torch.Tensor, r: SampleRow, warped: bool) -> torch.Tensor:
-    """One row, processed as transformers does; frequency / presence by the OpenAI formula. [V] -> [V]."""
+    """One row, processed as transformers does; logit bias, frequency / presence by the OpenAI formulas.
+    [V] -> [V]."""
     p = r.params
     scores = logits.float()[None].clone()  # [1, V]
     ids = torch.tensor([list(r.token_ids)], dtype=torch.long)  # [1, L]
+    for token, bias in p.logit_bias.items():  # added to the raw logits, before anything else
+        scores[0, token] += bias
     if p.repetition_penalty != 1.0:
         scores = RepetitionPenaltyLogitsProcessor(float(p.repetition_penalty))(ids, scores)
     for token, count in collections.Counter(r.token_ids[r.num_prompt_tokens :]).items():
@@ -66,12 +71,15 @@ MIXED_ROWS = [  # one batch, every row its own parameters and history
     row([1, 2, 3], 0, do_sample=True, temperature=0.9, top_k=20, top_p=0.8, typical_p=0.9, presence_penalty=2.0),
     row(do_sample=True, top_k=VOCAB + 10),
     row(do_sample=True, top_k=VOCAB - 1),
+    row([4, 4, 9], 1, logit_bias={4: 3.5, 9: -2.0, 17: 0.25}, repetition_penalty=1.4, frequency_penalty=0.3),
+    row([6], 0, do_sample=True, top_k=10, temperature=0.7, logit_bias={6: 5.0, 60: -100.0}),
 ]
 
 
 def test_mixed_batch_matches_transformers_row_by_row():
     logits = torch.randn(len(MIXED_ROWS), VOCAB, generator=torch.Generator().manual_seed(0)) * 3  # [N, V]
     penalized = logits.clone()
+    apply_logit_bias(penalized, [r.params for r in MIXED_ROWS])
     apply_penalties(penalized, MIXED_ROWS)
     for i, r in enumerate(MIXED_ROWS):
         assert_same_scores(penalized[i], reference(logits[i], r, warped=False))
@@ -99,7 +107,7 @@ def test_prompt_tokens_are_not_counted_by_frequency_or_presence():
 
 @pytest.mark.parametrize("num_candidates", [1, 3, 1024])
 def test_top_p_candidate_path_and_full_sort_match_transformers(monkeypatch, num_candidates):
-    monkeypatch.setattr(sampler, "_TOP_P_CANDIDATES", num_candidates)
+    monkeypatch.setattr(warpers, "_TOP_P_CANDIDATES", num_candidates)
     gen = torch.Generator().manual_seed(1)
     scales = torch.tensor([0.3, 1.0, 4.0, 12.0, 1.0, 1.0])[:, None]  # flat rows need the full sort
     logits = torch.randn(6, VOCAB, generator=gen) * scales  # [6, V]
@@ -242,29 +250,36 @@ def test_shape_mismatch_raises():
         sample(torch.zeros(2, VOCAB), [row()])
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        dict(temperature=0.0), dict(temperature=-1.0), dict(temperature=math.nan), dict(top_k=-1),
-        dict(top_p=0.0), dict(top_p=1.5), dict(typical_p=0.0), dict(typical_p=1.01),
-        dict(repetition_penalty=0.0), dict(frequency_penalty=math.inf), dict(presence_penalty=math.nan),
-        dict(seed=-1), dict(seed=2**64), dict(num_top_logprobs=-1),
-    ],
-)
-def test_invalid_params_raise(bad):
-    with pytest.raises(ValueError):
-        SamplingParams(**bad)
+def test_logit_bias_matches_transformers_sequence_bias():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(10))  # [3, V]
+    biases = [{3: 2.5, 40: -7.0}, {}, {0: 100.0, 63: -100.0, 5: 0.5}]
+    biased = logits.clone()
+    apply_logit_bias(biased, [SamplingParams(logit_bias=b) for b in biases])
+    for i, bias in enumerate(biases):
+        expected = logits[i:i + 1].clone()
+        if bias:
+            processor = SequenceBiasLogitsProcessor(sequence_bias=[[[t], b] for t, b in bias.items()])
+            expected = processor(torch.tensor([[1, 2]]), expected)
+        torch.testing.assert_close(biased[i], expected[0], rtol=0, atol=1e-6)
 
 
-def test_from_pb():
-    pb = common_pb2.SamplingParams(do_sample=True, temperature=0.5, top_k=3, top_p=0.9, typical_p=1.0, repetition_penalty=1.1, frequency_penalty=0.25, presence_penalty=-0.5, num_top_logprobs=2)
-    params = SamplingParams.from_pb(pb)
-    assert params.seed is None and params.do_sample and params.top_k == 3 and params.num_top_logprobs == 2
-    assert params.temperature == pytest.approx(0.5) and params.presence_penalty == pytest.approx(-0.5)
-    pb.seed = 0
-    assert SamplingParams.from_pb(pb).seed == 0
-    with pytest.raises(ValueError):
-        SamplingParams.from_pb(common_pb2.SamplingParams())  # temperature / top_p left at 0
+def test_logit_bias_comes_before_penalties_and_moves_greedy_choice():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 4.0
+    rows = [row(), row([9], 0, logit_bias={9: 6.0, 7: -1.0}, repetition_penalty=2.0)]
+    out = sample(logits, rows)
+    # row 1: token 9 is biased to 6, then penalized to 3 (it is in the history); token 7 is at 3 too
+    # and comes first, so greedy takes 7 with score 3.0, not 9.
+    assert out.token_ids == [7, 7] and out.scores == pytest.approx([4.0, 3.0])
+    strong = sample(logits[:1], [row(logit_bias={42: 100.0})])
+    assert strong.token_ids == [42] and strong.scores == pytest.approx([100.0])
+    assert torch.equal(logits, torch.zeros(2, VOCAB).index_fill_(1, torch.tensor([7]), 4.0))  # input untouched
+
+
+def test_logit_bias_ignores_ids_outside_the_vocabulary():
+    logits = torch.zeros(1, 8)
+    apply_logit_bias(logits, [SamplingParams(logit_bias={3: 1.0, 8: 5.0, 1000: 5.0})])
+    assert logits[0].tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
 
 
 def test_ids_outside_the_vocabulary_are_ignored():

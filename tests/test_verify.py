@@ -1,7 +1,7 @@
 """Tree verification in the worker: lossless greedy decoding, packed vs naive verification, the wire.
 
-Trees are `DraftTree`s (drafter/types.py: parent -1 = the root); `spec_decode` turns them into
-draft_parents steps (parent index into token_ids, 0 = the root) the way the scheduler does.
+Trees are `CandidateTree`s (protos/segserve/v1/tree.py: parent -1 = the root); `tree_step` sends one
+after its root the way the scheduler does.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import grpc
 import pytest
 import torch
 
-from drafter.types import DraftTree
-from protos.segserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
+from protos.segserve.v1.tree import CandidateTree
 from tests.test_worker_runner import PROMPT, make_runner, reference_greedy, stock_attention
-from worker.messages import InvalidRequest, NewSequence, ScheduledSequence, StepRequest
-from worker.sampler import SamplingParams
 from worker.server import WorkerServicer, start_server
-from worker.verify import TreeLayout, TreeWalk, kv_moves
+from worker.verify import TreeWalk, kv_moves
+from worker.work import expand
 
 NUM_NEW = 24  # prompt (11) + 24 tokens: far past tiny Gemma3's sliding window of 8
 
@@ -38,9 +39,9 @@ def runner(request):
     return request.getfixturevalue(f"{request.param}_runner")
 
 
-def tree_step(seq_id: str, root: int, tree: DraftTree, num_computed: int, blocks: list[int]) -> ScheduledSequence:
-    return ScheduledSequence(seq_id, [root] + tree.token_ids, num_computed, blocks,
-                             draft_parents=[p + 1 for p in tree.parents])
+def tree_step(seq_id: str, root: int, tree: CandidateTree, num_computed: int, blocks: list[int]
+              ) -> ScheduledSequence:
+    return ScheduledSequence(seq_id, (root,), num_computed, tuple(blocks), draft=tree)
 
 
 def spec_decode(runner, prompt: list[int], num_new: int, propose, params: SamplingParams = SamplingParams(),
@@ -52,7 +53,7 @@ def spec_decode(runner, prompt: list[int], num_new: int, propose, params: Sampli
     output, num_computed, root, num_steps = [], len(prompt) - 1, prompt[-1], 0
     while len(output) < num_new:
         (out,) = runner.step(StepRequest([tree_step(seq_id, root, propose(prompt + output), num_computed, blocks)]))
-        assert len(out.token_ids) == len(out.scores) >= 1
+        assert not out.error and len(out.token_ids) == len(out.scores) >= 1
         output += out.token_ids
         num_computed += len(out.token_ids)
         root, num_steps = output[-1], num_steps + 1
@@ -60,22 +61,22 @@ def spec_decode(runner, prompt: list[int], num_new: int, propose, params: Sampli
     return output[:num_new], num_steps
 
 
-def random_tree(rng: random.Random, vocab_size: int, size: int = 8) -> DraftTree:
+def random_tree(rng: random.Random, vocab_size: int, size: int = 8) -> CandidateTree:
     tokens = [rng.randrange(vocab_size) for _ in range(size)]
-    return DraftTree(tokens, [rng.randrange(-1, i) for i in range(size)])
+    return CandidateTree(tokens, [rng.randrange(-1, i) for i in range(size)])
 
 
-def oracle_tree(true_next: list[int], vocab_size: int) -> DraftTree:
+def oracle_tree(true_next: list[int], vocab_size: int) -> CandidateTree:
     """The true continuation as a chain, each level placed after a wrong sibling that has a wrong child,
     so accepted nodes sit at indices far from their depths (their KV must move)."""
-    tree, parent = DraftTree(), -1
+    token_ids, parents, parent = [], [], -1
     for depth, token in enumerate(true_next):
         wrong = (token + 1 + depth) % vocab_size
-        tree.token_ids += [wrong, (wrong * 7 + 3) % vocab_size, token]
-        n = len(tree.parents)
-        tree.parents += [parent, n, parent]
+        token_ids += [wrong, (wrong * 7 + 3) % vocab_size, token]
+        n = len(parents)
+        parents += [parent, n, parent]
         parent = n + 2
-    return tree
+    return CandidateTree(token_ids, parents)
 
 
 def test_greedy_with_random_trees_is_lossless(runner):
@@ -93,6 +94,19 @@ def test_greedy_with_oracle_trees_is_lossless_and_accepts_several(runner):
     assert num_steps <= NUM_NEW // 4  # 5 tokens per step with 4-deep oracle chains (ceil(24 / 5) = 5)
 
 
+def test_logit_bias_and_penalties_apply_at_every_tree_node(gemma3_runner):
+    """Verification runs the same per-row processing as plain decoding: the outputs are identical."""
+    from tests.test_worker_runner import Decoder, run_together
+
+    runner, vocab = gemma3_runner, gemma3_runner.info().vocab_size
+    params = SamplingParams(logit_bias={17: 6.0, 250: 4.0, 99: -3.0}, repetition_penalty=1.3)
+    plain = run_together(runner, [Decoder("p", PROMPT, list(range(3, 19)), params=params)], NUM_NEW + 4)["p"]
+    assert 17 in plain or 250 in plain  # the bias matters here
+    propose = lambda context: oracle_tree(plain[len(context) - len(PROMPT):][:3], vocab)
+    got, num_steps = spec_decode(runner, PROMPT, NUM_NEW, propose, params)
+    assert got == plain[:NUM_NEW] and num_steps <= NUM_NEW // 3
+
+
 @pytest.mark.real_model
 def test_real_model_greedy_with_oracle_trees_is_lossless(default_model_dir):
     from transformers import AutoTokenizer
@@ -106,7 +120,7 @@ def test_real_model_greedy_with_oracle_trees_is_lossless(default_model_dir):
     assert got == reference[:6] and num_steps == 2
 
 
-def naive_verify(model, context: list[int], tree: DraftTree) -> list[int]:
+def naive_verify(model, context: list[int], tree: CandidateTree) -> list[int]:
     """The naive form: every prefix of every root-to-leaf candidate appended to the context and run
     as its own input; keep the longest prefix the target's argmax agrees with, plus its next token."""
     paths = [[]]
@@ -133,26 +147,26 @@ def test_packed_verification_matches_naive(gemma3_runner):
     greedy = reference_greedy(runner.model, context, 6)
     total_accepted = 0
     for trial in range(6):
-        tree = DraftTree()
+        tree = CandidateTree()
         for i in range(7):
             parent = rng.randrange(-1, i)
             depth = 1 if parent < 0 else tree.depths[parent] + 1
             on_greedy_path = all(tree.token_ids[a] == greedy[tree.depths[a] - 1] for a in _ancestors(tree, parent))
             is_true = on_greedy_path and rng.random() < 0.7
-            tree.token_ids.append(greedy[depth - 1] if is_true else rng.randrange(400))
-            tree.parents.append(parent)
+            token = greedy[depth - 1] if is_true else rng.randrange(400)
+            tree = CandidateTree(tree.token_ids + (token,), tree.parents + (parent,))
         seq_id = f"n{trial}"
         runner.step(StepRequest([ScheduledSequence(seq_id, context[:-1], 0, list(range(20, 26)))],
                                 [NewSequence(seq_id, SamplingParams(), len(context))]))
         (out,) = runner.step(StepRequest([tree_step(seq_id, context[-1], tree, len(context) - 1,
                                                     list(range(20, 26)))], finished_seq_ids=[]))
         runner.step(StepRequest(finished_seq_ids=[seq_id]))
-        assert out.token_ids == naive_verify(runner.model, context, tree)
+        assert list(out.token_ids) == naive_verify(runner.model, context, tree)
         total_accepted += len(out.token_ids) - 1
     assert total_accepted >= 3  # the comparison covered accepted paths, not only rejections
 
 
-def _ancestors(tree: DraftTree, node: int) -> list[int]:
+def _ancestors(tree: CandidateTree, node: int) -> list[int]:
     chain = []
     while node >= 0:
         chain.append(node)
@@ -161,35 +175,37 @@ def _ancestors(tree: DraftTree, node: int) -> list[int]:
 
 
 def test_walk_descends_on_agreement_and_moves_kv_to_depth():
-    # root 0 -> {1: 'a'=10, 2: 'b'=11}; 2 -> {3: 'c'=12}; 3 -> {4: 'd'=13}
-    layout = TreeLayout.from_draft_parents([0, 0, 2, 3])
-    assert layout.depths == [0, 1, 1, 2, 3]
-    assert layout.mask()[4].tolist() == [True, False, True, True, True]
-    walk = TreeWalk([9, 10, 11, 12, 13], layout)
+    # root 9 -> {node 1: 10, node 2: 11}; 2 -> {3: 12}; 3 -> {4: 13}
+    work = expand(ScheduledSequence("w", (9,), 5, (0, 1, 2), draft=CandidateTree((10, 11, 12, 13), (-1, -1, 1, 2))))
+    assert work.node_depths == (0, 1, 1, 2, 3) and work.positions == (5, 6, 6, 7, 8)
+    assert work.attention_mask()[4].tolist() == [True, False, True, True, True]
+    assert work.sample_indices == (0, 1, 2, 3, 4) and work.visible_tokens(4) == [9, 11, 12, 13]
+    walk = TreeWalk(work)
     for token in (11, 12, 50):
         walk.offer(token)
     assert walk.is_done and walk.accepted_nodes == [2, 3]
-    assert kv_moves(walk.accepted_nodes, layout.depths) == [(2, 1), (3, 2)]
+    assert kv_moves(walk.accepted_nodes, work.node_depths) == [(2, 1), (3, 2)]
     # Duplicate siblings: the walk follows the one that has the matching child.
-    duplicates = TreeLayout.from_draft_parents([0, 0, 2])
-    walk = TreeWalk([9, 10, 10, 12], duplicates)
+    duplicates = expand(ScheduledSequence("w", (9,), 0, (0,), draft=CandidateTree((10, 10, 12), (-1, -1, 1))))
+    walk = TreeWalk(duplicates)
     walk.offer(10)
     walk.offer(12)
     assert walk.accepted_nodes == [1, 3] and not walk.is_done
 
 
-@pytest.mark.parametrize("parents, extra, message", [
-    ([0, 2], {}, "draft_parents"),
-    ([0], {}, "draft_parents for 2 drafts"),
-    ([0, 1], {"sample_indices": [0]}, "takes no"),
+@pytest.mark.parametrize("tree, extra, message", [
+    (CandidateTree((2, 3), (-1, 2)), {}, "draft 1 has parent 2"),
+    (CandidateTree((2, 3), (-1,)), {}, "2 draft tokens but 1 parents"),
+    (CandidateTree((2, 3), (-1, 0)), {"sample_indices": (0,)}, "no sample_indices"),
 ])
-def test_bad_trees_are_rejected(gemma3_runner, parents, extra, message):
-    seq = ScheduledSequence("bad", [1, 2, 3], 0, [0], draft_parents=parents, **extra)
-    with pytest.raises(InvalidRequest, match=message):
-        gemma3_runner.step(StepRequest([seq], [NewSequence("bad", SamplingParams(), 1)]))
+def test_bad_trees_fail_their_sequence(gemma3_runner, tree, extra, message):
+    seq = ScheduledSequence("bad", (1,), 0, (0,), draft=tree, **extra)
+    (out,) = gemma3_runner.step(StepRequest([seq], [NewSequence("bad", SamplingParams(), 1)]))
+    gemma3_runner.step(StepRequest(finished_seq_ids=["bad"]))
+    assert message in out.error and out.token_ids == ()
 
 
-async def test_grpc_accepts_a_draft_parents_step(gemma3_runner):
+async def test_grpc_accepts_a_tree_step(gemma3_runner):
     servicer = WorkerServicer(gemma3_runner)
     server, port = await start_server(servicer, "127.0.0.1", 0)
     context = PROMPT
@@ -197,15 +213,13 @@ async def test_grpc_accepts_a_draft_parents_step(gemma3_runner):
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
-            new = worker_pb2.NewSequence(seq_id="g", num_prompt_tokens=len(context), sampling=common_pb2.SamplingParams(
-                temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0))
-            prefill = worker_pb2.ScheduledSequence(seq_id="g", token_ids=context[:-1], block_table=[40, 41, 42, 43])
-            await stub.Step(worker_pb2.StepRequest(new_sequences=[new], sequences=[prefill]))
-            # root, a wrong child, the true next two tokens under the root
-            tree = worker_pb2.ScheduledSequence(
-                seq_id="g", token_ids=[context[-1], (reference[0] + 1) % 400, reference[0], reference[1]],
-                num_computed_tokens=len(context) - 1, block_table=[40, 41, 42, 43], draft_parents=[0, 0, 2])
-            reply = await stub.Step(worker_pb2.StepRequest(sequences=[tree], finished_seq_ids=[]))
+            new = NewSequence("g", SamplingParams(), len(context))
+            prefill = ScheduledSequence("g", context[:-1], 0, (40, 41, 42, 43))
+            await stub.Step(StepRequest([prefill], [new]).to_pb())
+            # a wrong child of the root, then the true next two tokens under the root
+            tree = CandidateTree(((reference[0] + 1) % 400, reference[0], reference[1]), (-1, -1, 1))
+            work = tree_step("g", context[-1], tree, len(context) - 1, [40, 41, 42, 43])
+            reply = StepResult.from_pb(await stub.Step(StepRequest([work]).to_pb()))
             await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["g"]))
     finally:
         await server.stop(grace=None)

@@ -18,13 +18,14 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from drafter.types import DraftTree
 from tests.test_verify import spec_decode, tree_step
 from tests.test_worker_runner import PROMPT, Decoder, make_runner, run_together, stock_attention
 from tests.tiny_models import build_small_vocab_llama
-from worker.messages import NewSequence, ScheduledSequence, StepRequest
-from worker.sampler import SamplingParams
-from worker.verify import TreeLayout, TreeWalk
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+from protos.segserve.v1.tree import CandidateTree
+from worker.verify import TreeWalk
+from worker.work import expand
 
 N = 2000
 """Draws per configuration of the worker test (each draw is a sequence decoded with trees)."""
@@ -51,14 +52,14 @@ def synthetic_target(prefix: tuple[int, ...], vocab: int = 5) -> np.ndarray:
     return np.exp(logits) / np.exp(logits).sum()
 
 
-SYNTHETIC_TREE = DraftTree([0, 1, 2, 3, 4, 0], [-1, -1, 0, 0, 1, 2])  # wide at the root, deep on 0
+SYNTHETIC_TREE = CandidateTree([0, 1, 2, 3, 4, 0], [-1, -1, 0, 0, 1, 2])  # wide at the root, deep on 0
 
 
 def draw_first_two(rng: np.random.Generator, biased: bool) -> int:
     """One speculative draw of (t1, t2) as index t1 * 5 + t2, via TreeWalk (or a biased rule)."""
-    tokens = [9] + SYNTHETIC_TREE.token_ids  # the root 9 is the context's last token
-    layout = TreeLayout.from_draft_parents([p + 1 for p in SYNTHETIC_TREE.parents])
-    children, walk, out = layout.children(tokens), TreeWalk(tokens, layout), []
+    # the root 9 is the context's last token
+    work = expand(ScheduledSequence("s", (9,), 0, (0,), draft=SYNTHETIC_TREE))
+    children, walk, out = work.children(), TreeWalk(work), []
     while len(out) < 2:
         p = synthetic_target(tuple(out))
         liked = [] if walk.is_done else [t for t in children[walk.node] if p[t] >= 0.3]
@@ -103,35 +104,36 @@ def exact_tables(model, penalty: float) -> list[torch.Tensor]:
     return tables
 
 
-def likely_tree(tables: list[torch.Tensor], generated: list[int], shape: str) -> DraftTree:
+def likely_tree(tables: list[torch.Tensor], generated: list[int], shape: str) -> CandidateTree:
     """Drafts from the exact tables (likely tokens, so paths are often accepted); token 0 past them."""
     def top(prefix: list[int], k: int) -> list[int]:
         if len(prefix) >= len(tables):
             return list(range(k))
         return tables[len(prefix)][tuple(prefix)].topk(k).indices.tolist()
 
-    def chain(tree: DraftTree, parent: int, prefix: list[int], depth: int) -> None:
+    token_ids, parents = [], []
+
+    def chain(parent: int, prefix: list[int], depth: int) -> None:
         for _ in range(depth):
             token = top(prefix, 1)[0]
-            tree.token_ids.append(token)
-            tree.parents.append(parent)
-            parent, prefix = len(tree.parents) - 1, prefix + [token]
+            token_ids.append(token)
+            parents.append(parent)
+            parent, prefix = len(parents) - 1, prefix + [token]
 
-    tree = DraftTree()
     if shape == "chain":
-        chain(tree, -1, generated, 3)
+        chain(-1, generated, 3)
     elif shape == "wide":
         for token in top(generated, 4):
-            tree.token_ids.append(token)
-            tree.parents.append(-1)
-            chain(tree, len(tree.parents) - 1, generated + [token], 1)
+            token_ids.append(token)
+            parents.append(-1)
+            chain(len(parents) - 1, generated + [token], 1)
     else:  # deep: a 5-long chain and the runner-up first token with its own 2-long chain
-        chain(tree, -1, generated, 5)
+        chain(-1, generated, 5)
         second = top(generated, 2)[1]
-        tree.token_ids.append(second)
-        tree.parents.append(-1)
-        chain(tree, len(tree.parents) - 1, generated + [second], 2)
-    return tree
+        token_ids.append(second)
+        parents.append(-1)
+        chain(len(parents) - 1, generated + [second], 2)
+    return CandidateTree(token_ids, parents)
 
 
 def speculative_samples(runner, tables, shape: str, params: SamplingParams, first_seed: int
@@ -178,9 +180,9 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_trees(tiny_gemma
     params = SamplingParams(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.3, seed=7)
     plain = run_together(runner, [Decoder("p", PROMPT, list(range(30, 46)), params=params)], 16)["p"]
 
-    def tree_of(context: list[int]) -> DraftTree:  # the plain output's next 3 tokens after a wrong sibling
+    def tree_of(context: list[int]) -> CandidateTree:  # the plain output's next 3 tokens after a wrong sibling
         upcoming = plain[len(context) - len(PROMPT):][:3]
-        return DraftTree([(upcoming[0] + 1) % 400] + upcoming, [-1, -1, 1, 2][: len(upcoming) + 1])
+        return CandidateTree([(upcoming[0] + 1) % 400] + upcoming, [-1, -1, 1, 2][: len(upcoming) + 1])
 
     speculative, num_steps = spec_decode(runner, PROMPT, 16, tree_of, params)
     assert speculative == plain and num_steps <= 16 // 3

@@ -8,8 +8,9 @@ import json
 import torch
 from transformers import PretrainedConfig, WatermarkLogitsProcessor
 
+from protos.segserve.v1.sampling import SamplingParams
 from tests.test_worker_runner import gemma3_runner  # noqa: F401 (fixture)
-from worker.sampler import SampleRow, SamplingParams, make_generator, sample, warp
+from worker.sampler import SampleRow, make_generator, sample, warp
 from worker.watermark import WATERMARKING, detect
 
 VOCAB = 1000

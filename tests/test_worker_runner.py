@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import pytest
 import torch
 
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+from protos.segserve.v1.tree import CandidateTree
 from worker.config import WorkerConfig
-from worker.messages import InvalidRequest, NewSequence, ScheduledSequence, StepRequest
 from worker.model_runner import ModelRunner
-from worker.sampler import SamplingParams
+from worker.sampler import sample
+from worker.validation import InvalidRequest
 
 BLOCK_SIZE = 4
 PROMPT = [1, 50, 60, 70, 80, 90, 100, 33, 21, 7, 140]
@@ -102,7 +104,7 @@ def run_together(runner: ModelRunner, decoders: list[Decoder], num_new: int) -> 
     while any(len(d.output) < num_new for d in decoders):
         active = [d for d in decoders if len(d.output) < num_new]
         works = [d.work() for d in active]
-        outputs = {o.seq_id: o.token_ids for o in runner.step(StepRequest(works, new))}
+        outputs = {o.seq_id: list(o.token_ids) for o in runner.step(StepRequest(works, new))}
         new = []
         for d, w in zip(active, works):
             d.advance(w, outputs.get(d.seq_id, []))
@@ -165,35 +167,31 @@ def test_block_tables_scattered_and_reused(runner):
     torch.testing.assert_close(reused, fresh, atol=1e-5, rtol=0)
 
 
-# A candidate tree: parent of each node (node 0 is the root, the last sampled token).
-TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 6]
-TREE_TOKENS = [77, 12, 250, 31, 99, 140, 5, 64]
+# A candidate tree after the root 77: parent of each draft (-1 = the root).
+ROOT_TOKEN = 77
+TREE = CandidateTree((12, 250, 31, 99, 140, 5, 64), (-1, -1, 0, 0, 1, 2, 5))
 
 
-def tree_layout(parents: list[int]) -> tuple[np.ndarray, list[int], list[list[int]]]:
-    """Mask [n, n] (each node sees its ancestors and itself), depths, and each node's root path."""
-    paths = []
-    for node, parent in enumerate(parents):
-        paths.append((paths[parent] if parent >= 0 else []) + [node])
-    mask = np.zeros((len(parents), len(parents)), dtype=bool)
-    for node, path in enumerate(paths):
-        mask[node, path] = True
-    return mask, [len(p) - 1 for p in paths], paths
+def node_paths(tree: CandidateTree) -> list[list[int]]:
+    """Each node's tokens from the root: node 0 is the root, node i + 1 is draft i."""
+    paths = [[ROOT_TOKEN]]
+    for token, parent in zip(tree.token_ids, tree.parents):
+        paths.append(paths[parent + 1] + [token])
+    return paths
 
 
 def test_tree_forward_matches_naive(runner):
-    """One packed tree forward (mask + depth positions) equals each root-to-node path run from scratch."""
+    """One packed tree forward (tree mask + depth positions) equals each root-to-node path run from scratch."""
     context = PROMPT + [200, 201, 202, 203]  # 15 tokens: the tree's keys cross the sliding window of 8
-    mask, depths, paths = tree_layout(TREE_PARENTS)
-    blocks = [20, 3, 44, 9, 30, 1]
+    blocks = (20, 3, 44, 9, 30, 1)
     prefill = ScheduledSequence("t", context, 0, blocks)
     runner.step(StepRequest([prefill], [NewSequence("t", SamplingParams(), len(context))]))
-    tree = ScheduledSequence("t", TREE_TOKENS, len(context), blocks, position_ids=[len(context) + d for d in depths],
-                             attention_mask=mask, sample_indices=list(range(len(TREE_TOKENS))))
+    tree = ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks, draft=TREE)
     packed = runner.compute_logits(StepRequest([tree]))
     runner.step(StepRequest(finished_seq_ids=["t"]))
-    for node, path in enumerate(paths):
-        naive = reference_last_logits(runner.model, context + [TREE_TOKENS[i] for i in path])
+    assert packed.shape[0] == len(TREE) + 1
+    for node, path in enumerate(node_paths(TREE)):
+        naive = reference_last_logits(runner.model, context + path)
         torch.testing.assert_close(packed[node], naive.to(packed.device), atol=1e-4, rtol=0)
         assert packed[node].argmax() == naive.argmax()
 
@@ -203,54 +201,74 @@ def test_tree_sampling_sees_each_nodes_path(runner):
     # Top log-probabilities are normalized over the whole penalized row, so any history difference shows.
     params = SamplingParams(repetition_penalty=3.0, frequency_penalty=2.0, num_top_logprobs=3)
     context = PROMPT[:6]
-    mask, depths, paths = tree_layout(TREE_PARENTS)
-    tree = ScheduledSequence("t", TREE_TOKENS, len(context), list(range(10, 14)),
-                             position_ids=[len(context) + d for d in depths], attention_mask=mask,
-                             sample_indices=list(range(len(TREE_TOKENS))))
-    runner.step(StepRequest([ScheduledSequence("t", context, 0, list(range(10, 14)))],
-                            [NewSequence("t", params, 3)]))
-    (tree_out,) = runner.step(StepRequest([tree], finished_seq_ids=[]))
+    blocks = tuple(range(10, 14))
+    runner.step(StepRequest([ScheduledSequence("t", context, 0, blocks)], [NewSequence("t", params, 3)]))
+    plan = runner.update_states(StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
+                                                                draft=TREE)]))
+    logits = runner.execute(plan)  # [nodes, V]
+    (work,) = plan.works
+    tree_out = sample(logits, [runner.sample_row(work, node) for node in range(len(TREE) + 1)])
     runner.step(StepRequest(finished_seq_ids=["t"]))
-    for node, path in enumerate(paths):
-        tokens = context + [TREE_TOKENS[i] for i in path]
-        plain = ScheduledSequence("p", tokens, 0, list(range(20, 24)), sample_indices=[len(tokens) - 1])
+    for node, path in enumerate(node_paths(TREE)):
+        tokens = context + path
+        plain = ScheduledSequence("p", tokens, 0, tuple(range(20, 24)), sample_indices=[len(tokens) - 1])
         (out,) = runner.step(StepRequest([plain], [NewSequence("p", params, 3)], finished_seq_ids=["p"]))
         assert tree_out.token_ids[node] == out.token_ids[0]
         assert tree_out.scores[node] == pytest.approx(out.scores[0], abs=1e-4)
-        assert tree_out.top_logprobs[node][0] == out.top_logprobs[0][0]
-        assert tree_out.top_logprobs[node][1] == pytest.approx(out.top_logprobs[0][1], abs=1e-4)
+        assert tree_out.top_logprobs[node][0] == list(out.top_logprobs[0].token_ids)
+        assert tree_out.top_logprobs[node][1] == pytest.approx(out.top_logprobs[0].logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("bad, message", [
     (dict(seq_id="nobody"), "unknown seq_id"),
-    (dict(block_table=[]), "block_table"),
-    (dict(token_ids=[1, 2, 400]), "token_ids"),
+    (dict(block_table=()), "block_table"),
+    (dict(block_table=(64,)), "block ids"),
+    (dict(token_ids=(1, 2, 400)), "token_ids"),
     (dict(num_computed_tokens=7), "knows only"),
-    (dict(attention_mask=np.zeros((3, 3), dtype=bool)), "attend to itself"),
-    (dict(sample_indices=[3]), "sample_indices"),
-    (dict(position_ids=[0, 1]), "position_ids"),
+    (dict(sample_indices=(3,)), "sample_indices"),
+    (dict(token_ids=(1,), sample_indices=(), draft=CandidateTree((5, 6), (-1, 3))), "invalid draft tree"),
+    (dict(token_ids=(1,), sample_indices=(), draft=CandidateTree((5, 6), (-1,))), "invalid draft tree"),
+    (dict(token_ids=(1,), sample_indices=(), draft=CandidateTree((5, 999), (-1, 0))), "vocabulary"),
+    (dict(token_ids=(1, 2), sample_indices=(), draft=CandidateTree((5,), (-1,))), "exactly one token"),
+    (dict(token_ids=(1,), sample_indices=(), draft=CandidateTree((5,) * 8, (-1,) * 8)), "block_table"),
 ])
-def test_invalid_requests_are_rejected_without_side_effects(gemma3_runner, bad, message):
+def test_invalid_sequences_get_an_error_and_no_side_effects(gemma3_runner, bad, message):
     runner = gemma3_runner
-    good = dict(seq_id="v", token_ids=[1, 2, 3], num_computed_tokens=0, block_table=[0, 1], sample_indices=[2])
+    good = dict(seq_id="v", token_ids=(1, 2, 3), num_computed_tokens=0, block_table=(0, 1), sample_indices=(2,))
     runner.step(StepRequest(new_sequences=[NewSequence("v", SamplingParams(), 3)], finished_seq_ids=["v"]))
-    with pytest.raises(InvalidRequest, match=message):
-        runner.step(StepRequest([ScheduledSequence(**{**good, **bad})]))
-    # The rejected step changed nothing: the sequence still starts from scratch.
+    (failed,) = runner.step(StepRequest([ScheduledSequence(**{**good, **bad})]))
+    assert failed.seq_id == bad.get("seq_id", "v") and message in failed.error and failed.token_ids == ()
+    # The failed step changed nothing: the sequence still starts from scratch.
     (first,) = runner.step(StepRequest([ScheduledSequence(**good)]))
     (again,) = runner.step(StepRequest([ScheduledSequence(**good)], [NewSequence("v", SamplingParams(), 3)]))
-    assert first.token_ids == again.token_ids
+    assert not first.error and first.token_ids == again.token_ids
 
 
-def test_overlapping_slots_and_finished_sequences_are_rejected(gemma3_runner):
+def test_overlapping_slots_and_duplicates_reject_the_step(gemma3_runner):
     runner = gemma3_runner
     new = [NewSequence("x", SamplingParams(), 2), NewSequence("y", SamplingParams(), 2)]
-    clash = [ScheduledSequence("x", [1, 2], 0, [5]), ScheduledSequence("y", [3, 4], 0, [5])]
+    clash = [ScheduledSequence("x", (1, 2), 0, (5,)), ScheduledSequence("y", (3, 4), 0, (5,))]
     with pytest.raises(InvalidRequest, match="same KV-cache slot"):
         runner.step(StepRequest(clash, new))
+    twice = [ScheduledSequence("x", (1, 2), 0, (5,)), ScheduledSequence("x", (1, 2), 0, (6,))]
+    with pytest.raises(InvalidRequest, match="scheduled twice"):
+        runner.step(StepRequest(twice, new))
+    runner.step(StepRequest(new_sequences=new, finished_seq_ids=[]))
     runner.step(StepRequest(finished_seq_ids=["x"]))
-    with pytest.raises(InvalidRequest, match="unknown seq_id"):
-        runner.step(StepRequest([ScheduledSequence("x", [1], 0, [5])]))
+    (out,) = runner.step(StepRequest([ScheduledSequence("x", (1,), 0, (5,), sample_indices=(0,))]))
+    assert "unknown seq_id" in out.error
+    runner.step(StepRequest(finished_seq_ids=["y"]))
+
+
+def test_logit_bias_moves_greedy_choice_at_every_step(gemma3_runner):
+    """A strong bias on one token makes greedy decoding pick it; a strong negative one bans the favourite."""
+    plain = run_together(gemma3_runner, [Decoder("b", PROMPT, list(range(40, 48)))], 4)["b"]
+    forced = SamplingParams(logit_bias={123: 100.0})
+    got = run_together(gemma3_runner, [Decoder("b", PROMPT, list(range(40, 48)), params=forced)], 4)["b"]
+    assert plain != [123] * 4 and got == [123] * 4
+    banned = SamplingParams(logit_bias={plain[0]: -100.0})
+    got = run_together(gemma3_runner, [Decoder("b", PROMPT, list(range(40, 48)), params=banned)], 1)["b"]
+    assert got[0] != plain[0]
 
 
 def test_info_describes_model_and_cache(gemma3_runner):

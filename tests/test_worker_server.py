@@ -1,4 +1,5 @@
-"""The worker's gRPC tier, in process: GetInfo, Health, Steps, and bad requests as INVALID_ARGUMENT."""
+"""The worker's gRPC tier, in process: GetInfo, Health, Steps, bad steps as INVALID_ARGUMENT and bad
+sequences as error outputs."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import contextlib
 import socket
 
 import grpc
-import numpy as np
 import pytest
 
 from protos.segserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.segserve.v1.info import Health, WorkerInfo
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
+from protos.segserve.v1.tree import CandidateTree
 from worker.config import WorkerConfig
-from worker.messages import InvalidRequest, ScheduledSequence, pack_mask, unpack_mask
 from worker.model_runner import ModelRunner
 from worker.server import WorkerServicer, serve, start_server
 
@@ -43,17 +46,16 @@ def _new(seq_id: str, num_prompt: int, sampling=GREEDY) -> worker_pb2.NewSequenc
 
 async def test_health_and_info_follow_loading(served, runner):
     servicer, stub = served
-    health = await stub.Health(worker_pb2.HealthRequest())
-    assert not health.ready and "loading" in health.detail
+    health = Health.from_pb(await stub.Health(common_pb2.HealthRequest()))
+    assert not health.is_ready and "loading" in health.detail
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.GetInfo(worker_pb2.WorkerInfoRequest())
+        await stub.GetInfo(common_pb2.WorkerInfoRequest())
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     servicer.attach(runner)
-    assert (await stub.Health(worker_pb2.HealthRequest())).ready
-    info = await stub.GetInfo(worker_pb2.WorkerInfoRequest())
-    assert (info.num_kv_blocks, info.block_size, info.vocab_size, info.model_name) == (32, 4, 400,
-                                                                                        runner.info().model_name)
-    assert list(info.eos_token_ids) == list(runner.info().eos_token_ids)
+    assert Health.from_pb(await stub.Health(common_pb2.HealthRequest())).is_ready
+    info = WorkerInfo.from_pb(await stub.GetInfo(common_pb2.WorkerInfoRequest()))
+    assert info == runner.info()
+    assert (info.num_kv_blocks, info.block_size, info.vocab_size) == (32, 4, 400)
 
 
 async def test_steps_decode_and_match_in_process_runner(served, runner):
@@ -64,57 +66,70 @@ async def test_steps_decode_and_match_in_process_runner(served, runner):
         new_sequences=[_new("a", len(prompt))],
         sequences=[worker_pb2.ScheduledSequence(seq_id="a", token_ids=prompt, block_table=[3, 7], sample_indices=[5])],
     )
-    reply = await stub.Step(first)
+    reply = StepResult.from_pb(await stub.Step(first))
     assert [o.seq_id for o in reply.outputs] == ["a"] and reply.compute_us > 0
     tokens = list(reply.outputs[0].token_ids)
     for _ in range(3):
-        step = worker_pb2.ScheduledSequence(seq_id="a", token_ids=[tokens[-1]], num_computed_tokens=len(prompt) +
-                                            len(tokens) - 1, block_table=[3, 7, 9], sample_indices=[0])
-        tokens += (await stub.Step(worker_pb2.StepRequest(sequences=[step]))).outputs[0].token_ids
+        step = ScheduledSequence("a", (tokens[-1],), len(prompt) + len(tokens) - 1, (3, 7, 9), sample_indices=(0,))
+        tokens += StepResult.from_pb(await stub.Step(StepRequest([step]).to_pb())).outputs[0].token_ids
     await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["a"]))
-    # A tree step over the wire: root plus two children, all sampled.
-    mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)
-    tree = worker_pb2.ScheduledSequence(seq_id="b", token_ids=[5, 6, 7], block_table=[0], position_ids=[0, 1, 1],
-                                        attention_mask=pack_mask(mask), sample_indices=[0, 1, 2])
-    reply = await stub.Step(worker_pb2.StepRequest(new_sequences=[_new("b", 1)], sequences=[tree]))
-    assert len(reply.outputs[0].token_ids) == 3 and len(reply.outputs[0].scores) == 3
+    # A tree step over the wire: the root and two drafts under it; the answer is a path plus one token.
+    tree = CandidateTree((6, 7), (-1, -1))
+    work = ScheduledSequence("b", (5,), 0, (0,), draft=tree)
+    reply = StepResult.from_pb(await stub.Step(StepRequest([work], [NewSequence("b", SamplingParams(), 1)]).to_pb()))
+    (out,) = reply.outputs
+    assert not out.error and tree.is_path(out.token_ids) and len(out.scores) == len(out.token_ids)
+    await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["b"]))
     # Greedy decoding over gRPC equals the runner driven in process (stale state was dropped above).
     expected = _decode_in_process(runner, prompt, 4)
     assert tokens == expected
 
 
 def _decode_in_process(runner: ModelRunner, prompt: list[int], num_new: int) -> list[int]:
-    from worker.messages import NewSequence, StepRequest
-    from worker.sampler import SamplingParams
-
-    work = ScheduledSequence("c", prompt, 0, [20, 21, 22], sample_indices=[len(prompt) - 1])
-    tokens = runner.step(StepRequest([work], [NewSequence("c", SamplingParams(), len(prompt))]))[0].token_ids
+    work = ScheduledSequence("c", prompt, 0, (20, 21, 22), sample_indices=(len(prompt) - 1,))
+    tokens = list(runner.step(StepRequest([work], [NewSequence("c", SamplingParams(), len(prompt))]))[0].token_ids)
     while len(tokens) < num_new:
-        work = ScheduledSequence("c", [tokens[-1]], len(prompt) + len(tokens) - 1, [20, 21, 22], sample_indices=[0])
+        work = ScheduledSequence("c", (tokens[-1],), len(prompt) + len(tokens) - 1, (20, 21, 22), sample_indices=(0,))
         tokens += runner.step(StepRequest([work]))[0].token_ids
     runner.step(StepRequest(finished_seq_ids=["c"]))
     return tokens
 
 
 @pytest.mark.parametrize("request_pb", [
-    worker_pb2.StepRequest(sequences=[worker_pb2.ScheduledSequence(seq_id="ghost", token_ids=[1], block_table=[0])]),
+    worker_pb2.StepRequest(new_sequences=[_new("s", 2), _new("t", 2)],
+                           sequences=[worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2], block_table=[0]),
+                                      worker_pb2.ScheduledSequence(seq_id="t", token_ids=[3, 4], block_table=[0])]),
     worker_pb2.StepRequest(new_sequences=[_new("s", 2)],
-                           sequences=[worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2, 3, 4, 5],
-                                                                   block_table=[0])]),
-    worker_pb2.StepRequest(new_sequences=[_new("s", 2)],
-                           sequences=[worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 9999], block_table=[0])]),
-    worker_pb2.StepRequest(new_sequences=[_new("s", 2)],
-                           sequences=[worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2], block_table=[0],
-                                                                   attention_mask=b"\x01\x02\x03")]),
-    worker_pb2.StepRequest(new_sequences=[_new("s", 2, common_pb2.SamplingParams(temperature=0.0))]),
-], ids=["unknown-seq", "short-block-table", "out-of-vocab", "bad-mask-size", "bad-sampling"])
-async def test_bad_requests_are_invalid_argument(served, runner, request_pb):
+                           sequences=[worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2], block_table=[0]),
+                                      worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2], block_table=[1])]),
+], ids=["shared-kv-slot", "scheduled-twice"])
+async def test_malformed_steps_are_invalid_argument(served, runner, request_pb):
     servicer, stub = served
     servicer.attach(runner)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Step(request_pb)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (await stub.Health(worker_pb2.HealthRequest())).ready
+    assert (await stub.Health(common_pb2.HealthRequest())).ready
+
+
+@pytest.mark.parametrize("work, message", [
+    (worker_pb2.ScheduledSequence(seq_id="ghost", token_ids=[1], block_table=[0], sample_indices=[0]), "unknown"),
+    (worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2, 3, 4, 5], block_table=[0]), "block_table"),
+    (worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 9999], block_table=[0]), "token_ids"),
+    (worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1], block_table=[0],
+                                  draft=common_pb2.CandidateTree(token_ids=[2, 3], parents=[-1, 7])), "tree"),
+], ids=["unknown-seq", "short-block-table", "out-of-vocab", "bad-tree"])
+async def test_bad_sequences_fail_alone(served, runner, work, message):
+    servicer, stub = served
+    servicer.attach(runner)
+    good = worker_pb2.ScheduledSequence(seq_id="ok", token_ids=[1, 2, 3], block_table=[5], sample_indices=[2])
+    request = worker_pb2.StepRequest(new_sequences=[_new("s", 2), _new("ok", 3)], sequences=[work, good],
+                                     finished_seq_ids=[])
+    reply = StepResult.from_pb(await stub.Step(request))
+    bad, ok = reply.outputs
+    assert (bad.seq_id, ok.seq_id) == (work.seq_id, "ok")
+    assert message in bad.error and bad.token_ids == () and not ok.error and len(ok.token_ids) == 1
+    await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["s", "ok", work.seq_id]))
 
 
 async def test_serve_binds_loads_and_becomes_ready(tiny_gemma3_dir):
@@ -127,36 +142,12 @@ async def test_serve_binds_loads_and_becomes_ready(tiny_gemma3_dir):
         stub = worker_pb2_grpc.WorkerStub(channel)
         for _ in range(300):
             with contextlib.suppress(grpc.aio.AioRpcError):
-                if (await stub.Health(worker_pb2.HealthRequest(), timeout=1)).ready:
+                if (await stub.Health(common_pb2.HealthRequest(), timeout=1)).ready:
                     break
             assert not task.done(), task.exception()
             await asyncio.sleep(0.1)
-        info = await stub.GetInfo(worker_pb2.WorkerInfoRequest())
+        info = await stub.GetInfo(common_pb2.WorkerInfoRequest())
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert (info.num_kv_blocks, info.block_size) == (8, 4)
-
-
-def test_mask_packing_round_trips_and_checks_size():
-    rng = np.random.default_rng(0)
-    for n in (1, 3, 8, 11):
-        mask = rng.random((n, n)) < 0.5
-        packed = pack_mask(mask)
-        assert len(packed) == (n * n + 7) // 8
-        np.testing.assert_array_equal(unpack_mask(packed, n), mask)
-    # bit [i][j] is bit (i * n + j), little-endian within each byte
-    assert pack_mask(np.array([[True, False], [True, True]])) == bytes([0b1101])
-    with pytest.raises(InvalidRequest):
-        unpack_mask(b"\x00", 3)
-
-
-def test_scheduled_sequence_survives_the_wire():
-    tree_mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)
-    seq = ScheduledSequence("t", [4, 5, 6], 10, [2, 3], position_ids=[10, 11, 11], attention_mask=tree_mask,
-                            sample_indices=[1, 2])
-    back = ScheduledSequence.from_pb(worker_pb2.ScheduledSequence.FromString(seq.to_pb().SerializeToString()))
-    assert (back.seq_id, back.token_ids, back.num_computed_tokens, back.block_table, back.position_ids,
-            back.sample_indices) == ("t", [4, 5, 6], 10, [2, 3], [10, 11, 11], [1, 2])
-    np.testing.assert_array_equal(back.attention_mask, seq.attention_mask)
-    assert back.visible_tokens(2) == [4, 6]

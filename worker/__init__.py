@@ -1,28 +1,34 @@
 """The worker: hosts the target model and runs one batched forward per scheduler step.
 
-In (gRPC `segserve.v1.Worker`, see protos/segserve/v1/worker.proto):
+In (gRPC `segserve.v1.Worker`, see protos/segserve/v1/worker.proto; the Python types are the
+contract modules protos/segserve/v1/step.py and info.py):
   - StepRequest: new sequences (sampling parameters, prompt length), the scheduled work
-    (token ids from num_computed_tokens on, block table, optional rotary positions and
-    n x n attention mask for candidate trees, sample indices, or draft_parents for a
-    speculative tree the worker verifies itself), finished sequence ids.
+    (token ids from num_computed_tokens on, block table, sample indices, or a CandidateTree the
+    worker verifies after its root), finished sequence ids.
 Out:
-  - StepResponse: per sequence, one sampled token (+ score, optional top log-probabilities)
-    per sample index (for a verified tree: the accepted drafts + the target's own token),
-    and the compute time.
+  - StepResult: per sequence, one sampled token (+ score, optional top log-probabilities) per
+    sample index (for a verified tree: the accepted drafts + the target's own token), optional
+    prompt log-probabilities, or an `error` when that sequence alone failed; the compute time.
   - WorkerInfo: KV-cache blocks and block size, context limit, vocabulary, EOS ids.
   - Health: ready once a real warm-up forward has run.
 
 Modules:
-  config        WorkerConfig, the typed configuration.
-  checkpoint    resolve_model(): the served checkpoint directory (default gemma-3-270m).
-  messages      dataclasses the runner works on, converted from/to protobuf at the edge.
-  validation    InvalidRequest checks run before any state changes.
-  kv_cache      PagedKVCache: per-layer [num_blocks, block_size, kv_heads, head_dim] K and V.
-  attention     the "segserve_paged" attention function under the stock transformers model.
-  model_runner  ModelRunner: sequence state, the packed forward, sampling.
-  verify        tree verification: layout from draft_parents, acceptance walk, KV compaction moves.
-  sampler       batched logits processing and sampling.
-  server        the grpc.aio servicer and serve(config).
+  config           WorkerConfig, the typed configuration.
+  validation       per-sequence checks (a failing sequence gets an error output) and InvalidRequest.
+  planning         sequence state; a StepRequest becomes a StepPlan of Works.
+  work             Work: one sequence's tokens as the forward runs them (trees expanded to nodes).
+  kv_cache         PagedKVCache: per-layer [num_blocks, block_size, kv_heads, head_dim] K and V.
+  attention        the "segserve_paged" attention function under the stock transformers model.
+  packed_linear    CPU linears on weights packed once for oneDNN.
+  model_runner     ModelRunner: the packed forward, then sampling and the outputs.
+  faults           non-finite logits and sampler failures, isolated to their sequence.
+  verify           sampling level by level with the tree acceptance walk; KV compaction moves.
+  sampler          batched logits processing (logit bias, penalties) and sampling.
+  warpers          temperature, top_k, top_p, typical_p.
+  watermark        green-list watermarking and its detector.
+  prompt_logprobs  prompt tokens' log-probabilities under the raw model, across prefill chunks.
+  server           the grpc.aio servicer and serve(config).
 
-The worker owns KV memory; the scheduler owns its allocation (block tables).
+The worker owns KV memory; the scheduler owns its allocation (block tables). Model checkpoints
+are resolved by segserve.checkpoint.
 """

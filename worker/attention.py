@@ -13,7 +13,7 @@ and run one masked SDPA. Each query sees every cached position of its sequence
 plus the new tokens its mask allows (causal, or a candidate tree); sliding-window
 layers also hide keys whose rotary position is `window` or more behind. A cached
 key's rotary position is its storage index (the scheduler only counts tokens as
-computed when they sit at their own position); a new key's is its position_id.
+computed when they sit at their own position); a new key's is its Work position.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from transformers import AttentionInterface
 
 from worker.kv_cache import PagedKVCache, slot_ids
-from worker.messages import ScheduledSequence
+from worker.work import Work
 
 ATTN_IMPLEMENTATION = "segserve_paged"
 
@@ -76,22 +76,18 @@ def _bucket(num_queries: int) -> int:
     return 1 << (num_queries - 1).bit_length()
 
 
-def build_attention_batch(
-    sequences: list[ScheduledSequence], kv_cache: PagedKVCache, device: torch.device
-) -> AttentionBatch:
-    """Lay out one step: sequences are packed in order into the [1, T] row."""
+def build_attention_batch(works: list[Work], kv_cache: PagedKVCache, device: torch.device) -> AttentionBatch:
+    """Lay out one step: the works' tokens are packed in order into the [1, T] row."""
     block_size = kv_cache.block_size
     new_slots, per_seq, offset = [], [], 0
-    for seq in sequences:
-        n, start = len(seq.token_ids), seq.num_computed_tokens
-        table = torch.tensor(seq.block_table, dtype=torch.long)
+    for work in works:
+        n, start = len(work.token_ids), work.num_computed_tokens
+        table = torch.tensor(work.block_table, dtype=torch.long)
         key_slots = slot_ids(table, 0, start + n, block_size)  # [L]
-        positions = torch.tensor(seq.positions(), dtype=torch.long)  # [n]
+        positions = torch.tensor(work.positions, dtype=torch.long)  # [n]
         key_pos = torch.cat([torch.arange(start), positions])  # [L]
         mask = torch.ones(n, start + n, dtype=torch.bool)
-        new_mask = torch.ones(n, n, dtype=torch.bool).tril() if seq.attention_mask is None else (
-            torch.from_numpy(seq.attention_mask))
-        mask[:, start:] = new_mask
+        mask[:, start:] = work.attention_mask()  # [n, n]: causal, or the tree's paths
         new_slots.append(key_slots[start:])
         per_seq.append((offset, key_slots, positions, key_pos, mask))
         offset += n

@@ -1,61 +1,52 @@
 """The model runner: one batched forward per step over the paged KV cache, then sampling.
 
-In: a `StepRequest` (new sequences, the scheduled work, finished sequence ids).
-Out: one `SequenceOutput` per scheduled sequence that had sample indices.
+In: a `StepRequest` (protos/segserve/v1/step.py: new sequences, the scheduled work, finished ids).
+Out: one `SequenceOutput` per scheduled sequence that sampled, asked for prompt log-probabilities
+of prompt tokens it computed, or failed, in request order.
 
-Per-sequence sampling state lives here: the sampling parameters, the number of
-prompt tokens, a random generator, and the token history, which after every step
-is `history[:num_computed_tokens] + token_ids` (so a recompute after preemption
-simply overwrites it). KV slots and history are only meaningful up to the
-scheduler's next `num_computed_tokens`: tree nodes that were not accepted are
-overwritten by later steps. Invariant the scheduler keeps: the first
-num_computed_tokens storage positions hold the sequence's real tokens at their
-own rotary positions. A verified tree (`draft_parents`, worker/verify.py) keeps
-it too: after acceptance the runner moves the accepted nodes' KV to their
-sequential slots and sets the history to history[:num_computed] + root +
-accepted drafts.
+Fault isolation: whatever is tied to ONE sequence fails that sequence alone, with an error output
+and no tokens, and every other sequence gets exactly the output it would have had: a failed
+check (worker/validation.py: it is left out of the forward, its state untouched), non-finite
+logits at any of its rows, a sampler exception at its row (worker/faults.py). Only a failure of
+the whole step (the batched forward itself, out of memory) raises.
+
+Sequence state lives in worker/planning.py. KV slots and history are only meaningful up to the
+scheduler's next `num_computed_tokens`: tree nodes that were not accepted are overwritten by
+later steps. Invariant the scheduler keeps: the first num_computed_tokens storage positions hold
+the sequence's real tokens at their own rotary positions. A verified tree (worker/verify.py)
+keeps it too: after acceptance the runner moves the accepted nodes' KV to their sequential slots
+and sets the history to history[:num_computed] + root + accepted drafts.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
-from worker.checkpoint import resolve_model
+from segserve.checkpoint import resolve_model
+from protos.segserve.v1.info import WorkerInfo
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import (
+    NewSequence, PromptLogprobs, ScheduledSequence, SequenceOutput, StepRequest, TopLogprobs,
+)
 from worker.config import WorkerConfig
+from worker.faults import non_finite_rows
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.packed_linear import pack_linears
-from worker.messages import (
-    InvalidRequest,
-    NewSequence,
-    ScheduledSequence,
-    SequenceOutput,
-    StepRequest,
-    WorkerInfo,
-)
-from worker.sampler import SampleRow, SamplingParams, make_generator
-from worker.validation import StepLimits, validate_disjoint_slots, validate_sequence
-from worker.verify import TreeLayout, expand_tree, kv_moves, sample_with_trees
+from worker.planning import SequenceState, StepPlan, plan_step
+from worker.prompt_logprobs import compute as compute_prompt_logprobs
+from worker.sampler import SampleRow
+from worker.validation import InvalidRequest, StepLimits
+from worker.verify import Sampled, kv_moves, sample_works
+from worker.work import Work
 
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WARMUP_SEQ_ID = "__segserve_warmup__"
-
-
-@dataclass
-class SequenceState:
-    """What the worker remembers about a live sequence between steps."""
-
-    params: SamplingParams
-    num_prompt_tokens: int
-    generator: torch.Generator | None
-    history: list[int]
-    """Every token of the sequence up to the end of its last step (prompt, output, step tokens)."""
 
 
 def resolve_device_dtype(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
@@ -116,99 +107,132 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run one real step (forward and sampling) on block 0; the runner is ready after it."""
         num_tokens = min(4, self.limits.max_model_len)
-        blocks = list(range(-(-num_tokens // self.kv_cache.block_size)))
-        seq = ScheduledSequence(_WARMUP_SEQ_ID, [0] * num_tokens, 0, blocks, sample_indices=[num_tokens - 1])
-        self.step(StepRequest([seq], [NewSequence(_WARMUP_SEQ_ID, SamplingParams(), num_tokens)], []))
+        blocks = tuple(range(-(-num_tokens // self.kv_cache.block_size)))
+        seq = ScheduledSequence(_WARMUP_SEQ_ID, (0,) * num_tokens, 0, blocks, sample_indices=(num_tokens - 1,))
+        (output,) = self.step(StepRequest([seq], [NewSequence(_WARMUP_SEQ_ID, SamplingParams(), num_tokens)]))
         self._states.pop(_WARMUP_SEQ_ID, None)
+        if output.error:
+            raise RuntimeError(f"the warm-up step failed: {output.error}")
         self.is_ready = True
 
     def step(self, request: StepRequest) -> list[SequenceOutput]:
-        """Update sequence state, run the batched forward, sample at every sample index (verify trees)."""
-        sequences = self.update_states(request)
-        logits = self.execute(sequences)
-        return self.sample(sequences, logits)
+        """Update sequence state, run the batched forward, sample (verify trees), answer every sequence."""
+        plan = self.update_states(request)
+        try:
+            logits = self.execute(plan)
+        except torch.OutOfMemoryError:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # give the failed step's activations back before the retry
+            raise
+        return self.postprocess(plan, logits)
 
     def compute_logits(self, request: StepRequest) -> torch.Tensor:
         """Like step() without sampling: float32 logits [N, V], one row per sample index (every node
-        of a tree) in request order."""
-        return self.execute(self.update_states(request))
+        of a tree) in request order. Raises InvalidRequest when a sequence fails its checks."""
+        plan = self.update_states(request)
+        if plan.rejected:
+            raise InvalidRequest("; ".join(plan.rejected.values()))
+        return self.execute(plan)[:plan.num_sample_rows]
 
-    def update_states(self, request: StepRequest) -> list[ScheduledSequence]:
-        """Forget finished sequences, register new ones, validate the batch, then record its tokens.
+    def update_states(self, request: StepRequest) -> StepPlan:
+        """Apply the request to the sequence states and return what to run (worker/planning.py).
 
-        Nothing changes when the request is invalid. Returns the work to execute, with tree steps
-        expanded to their mask, depth positions and one sample index per node.
-        """
-        states = dict(self._states)
-        for seq_id in request.finished_seq_ids:
-            states.pop(seq_id, None)
-        for new in request.new_sequences:
-            generator = make_generator(new.sampling.seed, self.device)
-            states[new.seq_id] = SequenceState(new.sampling, new.num_prompt_tokens, generator, [])
-        seen: set[str] = set()
-        for seq in request.sequences:
-            state = states.get(seq.seq_id)
-            if state is None:
-                raise InvalidRequest(f"unknown seq_id {seq.seq_id!r}: send a NewSequence first")
-            if seq.seq_id in seen:
-                raise InvalidRequest(f"sequence {seq.seq_id!r} is scheduled twice in one step")
-            seen.add(seq.seq_id)
-            validate_sequence(seq, len(state.history), self.limits)
-        validate_disjoint_slots(request.sequences, self.limits.block_size)
-        self._states = states
-        for seq in request.sequences:
-            history = states[seq.seq_id].history
-            del history[seq.num_computed_tokens:]
-            history.extend(seq.token_ids)
-        return [expand_tree(seq) if seq.draft_parents is not None else seq for seq in request.sequences]
+        Nothing changes when the request as a whole is invalid (InvalidRequest)."""
+        self._states, plan = plan_step(request, self._states, self.limits, self.device)
+        return plan
 
     @torch.inference_mode()
-    def execute(self, sequences: list[ScheduledSequence]) -> torch.Tensor:
-        """One forward over every scheduled token; float32 logits [N, V] at the sample indices."""
-        if not sequences:
-            return torch.empty(0, self._info.vocab_size)
-        batch = build_attention_batch(sequences, self.kv_cache, self.device)
-        token_ids, positions, keep, offset = [], [], [], 0
-        for seq in sequences:
-            token_ids += seq.token_ids
-            positions += seq.positions()
-            keep += [offset + i for i in seq.sample_indices]
-            offset += len(seq.token_ids)
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """One forward over every scheduled token. Returns float32 logits [N + R, V]: first the N
+        sample indices, then the R rows kept for prompt log-probabilities, each in work order."""
+        works = plan.works
+        if not works:
+            return torch.empty(0, self._info.vocab_size, device=self.device)
+        batch = build_attention_batch(works, self.kv_cache, self.device)
+        token_ids, positions, offsets, offset = [], [], [], 0
+        for work in works:
+            token_ids += work.token_ids
+            positions += work.positions
+            offsets.append(offset)
+            offset += len(work.token_ids)
+        keep = [start + i for start, work in zip(offsets, works) for i in work.sample_indices]
+        keep += [start + i for start, work in zip(offsets, works) for i in work.prompt_offsets]
         output = self.model(
             input_ids=torch.tensor([token_ids], device=self.device),  # [1, T]
             position_ids=torch.tensor([positions], device=self.device),  # [1, T]
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),  # [N]
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),  # [N + R]
             segserve_batch=batch,
         )
-        return output.logits[0].float()  # [N, V]
+        return output.logits[0].float()  # [N + R, V]
 
     @torch.inference_mode()
-    def sample(self, sequences: list[ScheduledSequence], logits: torch.Tensor) -> list[SequenceOutput]:
-        """Sample one token per sample index, each with its own history; walk and compact trees."""
-        outputs, accepted = sample_with_trees(sequences, logits, self._sample_row)
-        for seq in sequences:
-            if seq.seq_id in accepted:
-                self._keep_accepted(seq, accepted[seq.seq_id])
+    def postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[SequenceOutput]:
+        """Check the logits, sample, score prompt tokens, keep accepted tree KV; one output per
+        sequence that has something to say, in request order. logits: [N + R, V] from execute()."""
+        works, num_sample_rows = plan.works, plan.num_sample_rows
+        owners = [i for i, w in enumerate(works) for _ in w.sample_indices]
+        owners += [i for i, w in enumerate(works) for _ in w.prompt_offsets]
+        # work index -> why it failed; sample_works adds the sampler's failures
+        failed = {owners[row]: "non-finite logits (NaN or infinity)"
+                  for row, is_bad in enumerate(non_finite_rows(logits)) if is_bad}
+        sampled = sample_works(works, logits[:num_sample_rows], failed, self.sample_row)
+        prompt = self._prompt_logprobs(plan, logits[num_sample_rows:], failed)
+        for i, out in sampled.items():
+            if out.accepted_nodes is not None:
+                self._keep_accepted(works[i], out.accepted_nodes)
+        by_id = {work.seq_id: i for i, work in enumerate(works)}
+        outputs = []
+        for seq_id in plan.seq_ids:
+            i = by_id.get(seq_id)
+            if seq_id in plan.rejected:
+                outputs.append(SequenceOutput(seq_id, error=plan.rejected[seq_id]))
+            elif i in failed:
+                outputs.append(SequenceOutput(seq_id, error=f"sequence {seq_id!r}: {failed[i]}"))
+            elif i in sampled or i in prompt:
+                outputs.append(self._output(seq_id, sampled.get(i), prompt.get(i)))
         return outputs
 
-    def _sample_row(self, seq: ScheduledSequence, index: int) -> SampleRow:
-        """Token `index` of `seq`, seeing the sequence's computed tokens and its own path or prefix."""
-        state = self._states[seq.seq_id]
-        context = state.history[: seq.num_computed_tokens]
-        return SampleRow(state.params, context + seq.visible_tokens(index), state.num_prompt_tokens, state.generator)
+    def _output(self, seq_id: str, sampled: Sampled | None, prompt: PromptLogprobs | None) -> SequenceOutput:
+        if sampled is None:
+            return SequenceOutput(seq_id, prompt_logprobs=prompt)
+        tops = ()
+        if self._states[seq_id].params.num_top_logprobs > 0:
+            tops = tuple(TopLogprobs(*top) for top in sampled.top_logprobs)
+        return SequenceOutput(seq_id, tuple(sampled.token_ids), tuple(sampled.scores), tops, prompt)
 
-    def _keep_accepted(self, seq: ScheduledSequence, accepted_nodes: list[int]) -> None:
+    def _prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor, failed: dict[int, str]
+                         ) -> dict[int, PromptLogprobs]:
+        """Work index -> PromptLogprobs for every work that scores prompt tokens and did not fail.
+        logits: [R, V], the prompt rows of every work in turn."""
+        items, indices, row = [], [], 0
+        for i, (work, prompt_plan) in enumerate(zip(plan.works, plan.prompt_plans)):
+            kept = logits[row:row + len(work.prompt_offsets)]  # [K, V]
+            row += len(work.prompt_offsets)
+            if prompt_plan is not None and i not in failed:
+                state = self._states[work.seq_id]
+                items.append((prompt_plan, state.prompt, state.history, kept))
+                indices.append(i)
+        return dict(zip(indices, compute_prompt_logprobs(items))) if items else {}
+
+    def sample_row(self, work: Work, index: int) -> SampleRow:
+        """Token `index` of `work`, seeing the sequence's computed tokens and its own path or prefix."""
+        state = self._states[work.seq_id]
+        context = state.history[: work.num_computed_tokens]
+        return SampleRow(state.params, context + work.visible_tokens(index), state.num_prompt_tokens,
+                         state.generator)
+
+    def _keep_accepted(self, work: Work, accepted_nodes: list[int]) -> None:
         """Move the accepted nodes' KV to sequential slots; history = computed + root + accepted drafts."""
-        moves = kv_moves(accepted_nodes, TreeLayout.from_draft_parents(seq.draft_parents).depths)
+        moves = kv_moves(accepted_nodes, work.node_depths)
         if moves:
-            block_size, start = self.kv_cache.block_size, seq.num_computed_tokens
-            slots = [[seq.block_table[p // block_size] * block_size + p % block_size for p in (start + a, start + b)]
-                     for a, b in moves]
+            block_size, start = self.kv_cache.block_size, work.num_computed_tokens
+            slots = [[work.block_table[p // block_size] * block_size + p % block_size
+                      for p in (start + a, start + b)] for a, b in moves]
             src, dst = torch.tensor(slots, dtype=torch.long, device=self.device).unbind(1)  # [M] each
             self.kv_cache.move(src, dst)
-        history = self._states[seq.seq_id].history
-        history[seq.num_computed_tokens + 1:] = [seq.token_ids[node] for node in accepted_nodes]
+        history = self._states[work.seq_id].history
+        history[work.num_computed_tokens + 1:] = [work.token_ids[node] for node in accepted_nodes]
 
 
 def _output_vocab_size(model) -> int:

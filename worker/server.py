@@ -1,9 +1,12 @@
 """The worker's gRPC service: GetInfo, Step and Health over a ModelRunner.
 
-Protobuf is converted here and nowhere else. The forward runs in a thread so the
-event loop keeps answering Health while a step computes; steps are serialized
-(the runner and its KV cache are single-threaded). Exceptions become gRPC status
-codes in one place, `_status_errors`.
+Protobuf is converted here and nowhere else, with the contract types' from_pb / to_pb
+(protos/segserve/v1/step.py, info.py). The forward runs in a thread so the event loop keeps
+answering Health while a step computes; steps are serialized (the runner and its KV cache are
+single-threaded). A failure of one sequence is an error in its SequenceOutput, not a status;
+exceptions (a failure of the whole step) become gRPC status codes in one place, `_status_errors`:
+a malformed step is INVALID_ARGUMENT, out of memory RESOURCE_EXHAUSTED (the scheduler preempts and
+retries with a smaller batch), anything else INTERNAL.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import logging
 import time
 
 import grpc
+import torch
 
-from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.segserve.v1 import worker_pb2_grpc
+from protos.segserve.v1.info import Health
+from protos.segserve.v1.step import StepRequest, StepResult
 from worker.config import WorkerConfig
-from worker.messages import InvalidRequest, StepRequest
 from worker.model_runner import ModelRunner
+from worker.validation import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,9 @@ def _status_errors(method):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NotReady as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except torch.OutOfMemoryError as exc:
+            logger.warning("worker %s ran out of memory: %s", method.__name__, exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {exc}")
         except Exception as exc:
             logger.exception("worker %s failed", method.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -81,13 +90,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             start = time.perf_counter_ns()
             outputs = await asyncio.to_thread(runner.step, step)
             compute_us = (time.perf_counter_ns() - start) // 1000
-        return worker_pb2.StepResponse(outputs=[o.to_pb() for o in outputs], compute_us=compute_us)
+        return StepResult(outputs, compute_us).to_pb()
 
     @_status_errors
     async def Health(self, request, context):
         if self._runner is None:
-            return worker_pb2.HealthResponse(ready=False, detail=self._detail)
-        return worker_pb2.HealthResponse(ready=True)
+            return Health(is_ready=False, detail=self._detail).to_pb()
+        return Health(is_ready=True).to_pb()
 
 
 async def start_server(servicer: WorkerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:

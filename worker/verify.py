@@ -1,94 +1,42 @@
-"""Speculative tree verification: tree layout, acceptance walk, and where the accepted KV goes.
+"""Sampling after the forward: plain rows, and speculative trees verified by an acceptance walk.
 
-In: a `ScheduledSequence` with `draft_parents` (token_ids[0] = the root, the last sampled token;
-token_ids[i + 1] a draft node whose parent is token_ids[draft_parents[i]]), and the target's
-logits at every node after the packed forward.
-Out: per tree sequence, the accepted draft tokens followed by the target's own token (each with
-its score and top log-probabilities, as plain sampling gives them), the accepted node indices, and
-the (from, to) storage moves that make the accepted path's KV sequential.
+In: the step's `Work`s (worker/work.py; a tree's node 0 is the root, the last sampled token),
+the target's logits at every sample index (every node of a tree), and the works that already
+failed (non-finite logits). Out: per work, its tokens, scores and top log-probabilities (for a
+tree the accepted drafts followed by the target's own token), per tree the accepted node
+indices, and per work that failed here the reason; `kv_moves` says where accepted KV goes.
 
 Acceptance keeps the target's distribution exactly (SPEC section 2 step 5): the walk starts at the
 root; at each visited node one token is chosen from the target's processed distribution at that
 node, with the node's own prefix (greedy: the argmax; sampling: one draw from the sequence's
 generator); if a child carries that token the walk descends, else the token is emitted and the
 walk stops. Only visited nodes are sampled, one sampler call per tree level for the whole batch,
-so a seeded sequence consumes one uniform per output token, as plain decoding does.
+so a seeded sequence consumes one uniform per output token, as plain decoding does. A sampler
+failure fails only the sequence whose row raised (worker/faults.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from worker.messages import ScheduledSequence, SequenceOutput
-from worker.sampler import SampleRow, sample
-
-
-@dataclass(frozen=True)
-class TreeLayout:
-    """Shape of one candidate tree; node 0 is the root."""
-
-    parents: list[int]
-    """Parent of every node; -1 for the root, else a smaller index."""
-    depths: list[int]
-    """Root depth 0, its children 1, ..."""
-
-    @classmethod
-    def from_draft_parents(cls, draft_parents: Sequence[int]) -> TreeLayout:
-        """draft_parents[i] is the parent of node i + 1; callers validate 0 <= parent <= i first."""
-        parents, depths = [-1], [0]
-        for parent in draft_parents:
-            parents.append(parent)
-            depths.append(depths[parent] + 1)
-        return cls(parents, depths)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.parents)
-
-    def mask(self) -> np.ndarray:
-        """[n, n] bool: node i sees its ancestors and itself."""
-        n = self.num_nodes
-        mask = np.zeros((n, n), dtype=bool)
-        for node, parent in enumerate(self.parents):
-            if parent >= 0:
-                mask[node] = mask[parent]  # parents come first, so their rows are complete
-            mask[node, node] = True
-        return mask
-
-    def children(self, token_ids: Sequence[int]) -> list[dict[int, list[int]]]:
-        """Per node: child token -> the children carrying it (siblings may share a token)."""
-        children: list[dict[int, list[int]]] = [{} for _ in self.parents]
-        for node in range(1, self.num_nodes):
-            children[self.parents[node]].setdefault(token_ids[node], []).append(node)
-        return children
-
-
-def expand_tree(seq: ScheduledSequence) -> ScheduledSequence:
-    """The tree step as a plain masked step: depth positions, tree mask, every node sampled."""
-    layout = TreeLayout.from_draft_parents(seq.draft_parents)
-    return dataclasses.replace(
-        seq,
-        position_ids=[seq.num_computed_tokens + d for d in layout.depths],
-        attention_mask=layout.mask(),
-        sample_indices=list(range(layout.num_nodes)),
-    )
+from worker.faults import sample_isolated
+from worker.sampler import SampleRow
+from worker.work import Work
 
 
 class TreeWalk:
-    """The acceptance walk over one tree: `node` is where the next token is chosen.
+    """The acceptance walk over one tree step: `node` is where the next token is chosen.
 
     Siblings carrying the same token have the same prefix, hence the same logits and KV: the walk
     stands on all of them at once and descends into whichever has a matching child, so the
     accepted path is the longest one the target agrees with even when a drafter sends duplicates.
     """
 
-    def __init__(self, token_ids: Sequence[int], layout: TreeLayout):
-        self._children = layout.children(token_ids)
+    def __init__(self, work: Work):
+        self._children = work.children()
         self._nodes = [0]
         self.accepted_nodes: list[int] = []
         """Draft nodes accepted so far, root excluded, in path order."""
@@ -117,49 +65,70 @@ def kv_moves(accepted_nodes: Sequence[int], depths: Sequence[int]) -> list[tuple
     return [(node, depths[node]) for node in accepted_nodes if node != depths[node]]
 
 
-RowMaker = Callable[[ScheduledSequence, int], SampleRow]
-"""Builds the SampleRow of token `index` of a sequence (with that token's own prefix)."""
+RowMaker = Callable[[Work, int], SampleRow]
+"""Builds the SampleRow of token `index` of a work (with that token's own prefix)."""
 
 
-def sample_with_trees(
-    sequences: Sequence[ScheduledSequence], logits: torch.Tensor, make_row: RowMaker
-) -> tuple[list[SequenceOutput], dict[str, list[int]]]:
+@dataclass
+class Sampled:
+    """What one work sampled this step, token by token."""
+
+    token_ids: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
+    accepted_nodes: list[int] | None = None
+    """Tree steps: the accepted draft nodes (root excluded)."""
+
+
+def sample_works(works: Sequence[Work], logits: torch.Tensor, failed: dict[int, str], make_row: RowMaker
+                 ) -> dict[int, Sampled]:
     """Sample plain rows, and walk every tree level by level, one batched sampler call per level.
 
-    logits: [N, V], one row per sample index in sequence order (a tree has one per node).
-    Returns the outputs (one per sequence that sampled anything, in order) and, per tree
-    sequence, its accepted draft node indices.
+    logits: [N, V], one row per sample index in work order (a tree has one per node).
+    failed: work index -> why it failed; works in it are skipped, and sampler failures are added.
+    Returns, per work index that sampled and did not fail, what it sampled.
     """
-    collected: list[tuple[list[int], list[float], list]] = [([], [], []) for _ in sequences]
+    sampled: dict[int, Sampled] = {}
     walks: dict[int, TreeWalk] = {}
-    offsets, row_index, jobs = [], 0, []  # jobs: (sequence index, logits row, SampleRow)
-    for i, seq in enumerate(sequences):
+    offsets, row_index, jobs = [], 0, []  # jobs: (work index, logits row, SampleRow)
+    for i, work in enumerate(works):
         offsets.append(row_index)
-        if seq.draft_parents is not None:
-            walks[i] = TreeWalk(seq.token_ids, TreeLayout.from_draft_parents(seq.draft_parents))
-            jobs.append((i, row_index, make_row(seq, 0)))
+        row_index += len(work.sample_indices)
+        if i in failed or not work.sample_indices:
+            continue
+        sampled[i] = Sampled()
+        if work.is_tree:
+            walks[i] = TreeWalk(work)
+            jobs.append((i, offsets[i], make_row(work, 0)))
         else:
-            jobs += [(i, row_index + k, make_row(seq, index)) for k, index in enumerate(seq.sample_indices)]
-        row_index += len(seq.sample_indices)
+            jobs += [(i, offsets[i] + k, make_row(work, index)) for k, index in enumerate(work.sample_indices)]
     while jobs:
-        rows = [row for _, row, _ in jobs]
-        if rows != list(range(logits.shape[0])):  # a plain batch samples every row in order: no copy
-            chosen = logits.index_select(0, torch.tensor(rows, device=logits.device))  # [J, V]
-        else:
-            chosen = logits  # sample() never modifies its input, so later levels still read it
-        result = sample(chosen, [job for _, _, job in jobs])  # J tokens
+        results = sample_isolated(_rows_of(logits, [row for _, row, _ in jobs]), [job for _, _, job in jobs])
         next_jobs = []
-        for j, (i, _, _) in enumerate(jobs):
-            tokens, scores, tops = collected[i]
-            tokens.append(result.token_ids[j])
-            scores.append(result.scores[j])
-            tops.append(result.top_logprobs[j])
+        for (i, _, _), result in zip(jobs, results):
+            if i in failed:
+                continue
+            if isinstance(result, str):
+                failed[i] = result
+                continue
+            out = sampled[i]
+            out.token_ids.append(result[0])
+            out.scores.append(result[1])
+            out.top_logprobs.append(result[2])
             walk = walks.get(i)
             if walk is not None:
-                walk.offer(result.token_ids[j])
+                walk.offer(result[0])
                 if not walk.is_done:
-                    next_jobs.append((i, offsets[i] + walk.node, make_row(sequences[i], walk.node)))
-        jobs = next_jobs
-    outputs = [SequenceOutput(seq.seq_id, *collected[i]) for i, seq in enumerate(sequences) if collected[i][0]]
-    accepted = {sequences[i].seq_id: walk.accepted_nodes for i, walk in walks.items()}
-    return outputs, accepted
+                    next_jobs.append((i, offsets[i] + walk.node, make_row(works[i], walk.node)))
+        jobs = [job for job in next_jobs if job[0] not in failed]
+    for i, walk in walks.items():
+        sampled[i].accepted_nodes = walk.accepted_nodes
+    return {i: out for i, out in sampled.items() if i not in failed}
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]; the tensor itself when a plain batch samples every row in order (no copy).
+    sample() never modifies its input, so later tree levels still read the original."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(rows, device=logits.device))  # [J, V]

@@ -1,0 +1,211 @@
+"""Fault isolation: a fault tied to one sequence fails that sequence alone, in the same step.
+
+Eight sequences decode together on the tiny Gemma3; at one step one of them is broken (non-finite
+logits at its row, a sampler exception at its row, an invalid tree, an out-of-vocabulary token).
+It gets an error output and no tokens, and the seven others produce exactly the tokens they
+produce decoding alone. A failure of the whole step (out of memory in the forward) is a gRPC
+status instead, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+import worker.faults
+from protos.segserve.v1 import common_pb2, worker_pb2_grpc
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
+from protos.segserve.v1.tree import CandidateTree
+from tests.test_worker_runner import make_runner
+from worker.server import WorkerServicer, start_server
+
+SEQ_IDS = [f"s{i}" for i in range(8)]
+PROMPTS = {s: [1, 10 + 7 * i, 20 + 3 * i, 30 + i, 40 + 5 * i, 50 + i, 60 + 2 * i] for i, s in enumerate(SEQ_IDS)}
+BLOCKS = {s: tuple(range(5 * i, 5 * i + 5)) for i, s in enumerate(SEQ_IDS)}
+NUM_STEPS = 6
+FAULT_STEP = 2
+FAULTY = "s3"
+GREEDY = {s: SamplingParams() for s in SEQ_IDS}
+SEEDED = {s: SamplingParams(do_sample=True, temperature=0.9, top_p=0.95, seed=100 + i) for i, s in enumerate(SEQ_IDS)}
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_gemma3_dir):
+    return make_runner(tiny_gemma3_dir)
+
+
+def no_fault(step: int, works: list[ScheduledSequence]):
+    return works, contextlib.nullcontext()
+
+
+def drive(runner, seq_ids: list[str], params: dict[str, SamplingParams], fault=no_fault
+          ) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Decode seq_ids together for NUM_STEPS steps (prefill, then one token per step); a sequence that
+    fails is finished in the next step. fault(step, works) -> (works, context to run the step in)."""
+    tokens, errors = {s: [] for s in seq_ids}, {}
+    new = [NewSequence(s, params[s], len(PROMPTS[s])) for s in seq_ids]
+    for step in range(NUM_STEPS):
+        works = [_work(s, tokens[s]) for s in seq_ids if s not in errors]
+        works, context = fault(step, works)
+        with context:
+            outputs = runner.step(StepRequest(works, new, finished_seq_ids=list(errors)))
+        new = []
+        assert [o.seq_id for o in outputs] == [w.seq_id for w in works]
+        for out in outputs:
+            if out.error:
+                assert out.token_ids == () and out.scores == ()
+                errors[out.seq_id] = out.error
+            else:
+                tokens[out.seq_id] += out.token_ids
+    runner.step(StepRequest(finished_seq_ids=seq_ids))
+    return tokens, errors
+
+
+def _work(seq_id: str, tokens: list[int]) -> ScheduledSequence:
+    prompt = PROMPTS[seq_id]
+    if not tokens:
+        return ScheduledSequence(seq_id, prompt, 0, BLOCKS[seq_id], sample_indices=(len(prompt) - 1,))
+    return ScheduledSequence(seq_id, (tokens[-1],), len(prompt) + len(tokens) - 1, BLOCKS[seq_id],
+                             sample_indices=(0,))
+
+
+@contextlib.contextmanager
+def forward_hook(model, hook):
+    handle = model.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def non_finite_logits(runner, value: float):
+    """At FAULT_STEP, one entry of the faulty sequence's logits row becomes `value` (NaN or inf)."""
+    def fault(step, works):
+        if step != FAULT_STEP:
+            return works, contextlib.nullcontext()
+        row = [w.seq_id for w in works].index(FAULTY)  # one sampled row per sequence in a decode step
+
+        def hook(module, args, output):
+            output.logits[0, row, 5] = value  # [1, N, V]
+
+        return works, forward_hook(runner.model, hook)
+    return fault
+
+
+def broken_work(change):
+    """At FAULT_STEP, the faulty sequence's work is sent changed."""
+    def fault(step, works):
+        if step == FAULT_STEP:
+            works = [change(w) if w.seq_id == FAULTY else w for w in works]
+        return works, contextlib.nullcontext()
+    return fault
+
+
+def failing_sampler(monkeypatch):
+    """From FAULT_STEP on, the sampler raises whenever the faulty sequence's row is in its batch, after
+    it has drawn (so the other rows' generators have already moved)."""
+    real = worker.faults.sample
+    prompt = PROMPTS[FAULTY]
+
+    def flaky(logits, rows):
+        out = real(logits, rows)
+        if any(list(r.token_ids[:len(prompt)]) == prompt and len(r.token_ids) >= len(prompt) + FAULT_STEP
+               for r in rows):
+            raise RuntimeError("injected sampler failure")
+        return out
+
+    monkeypatch.setattr(worker.faults, "sample", flaky)
+    return no_fault
+
+
+@pytest.fixture(scope="module")
+def solo(runner):
+    """Each sequence decoded alone: greedy and seeded sampling."""
+    return {name: {s: drive(runner, [s], params)[0][s] for s in SEQ_IDS}
+            for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
+
+
+FAULTS = {
+    "nan-logits": (lambda runner, mp: non_finite_logits(runner, float("nan")), "non-finite logits"),
+    "inf-logits": (lambda runner, mp: non_finite_logits(runner, float("inf")), "non-finite logits"),
+    "sampler-exception": (lambda runner, mp: failing_sampler(mp), "injected sampler failure"),
+    "invalid-tree": (lambda runner, mp: broken_work(lambda w: dataclasses.replace(
+        w, sample_indices=(), draft=CandidateTree((1, 2), (-1, 5)))), "invalid draft tree"),
+    "out-of-vocab-token": (lambda runner, mp: broken_work(lambda w: dataclasses.replace(
+        w, token_ids=(100_000,))), "token_ids"),
+}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_a_faulty_sequence_fails_alone(runner, solo, monkeypatch, kind, sampling):
+    if sampling == "seeded" and kind not in ("nan-logits", "sampler-exception"):
+        pytest.skip("the other faults never reach the sampler")
+    make_fault, message = FAULTS[kind]
+    params = GREEDY if sampling == "greedy" else SEEDED
+    tokens, errors = drive(runner, SEQ_IDS, params, make_fault(runner, monkeypatch))
+    assert list(errors) == [FAULTY] and message in errors[FAULTY] and repr(FAULTY) in errors[FAULTY]
+    assert tokens[FAULTY] == solo[sampling][FAULTY][:FAULT_STEP]
+    for seq_id in SEQ_IDS:
+        if seq_id != FAULTY:
+            assert tokens[seq_id] == solo[sampling][seq_id], seq_id
+    # The worker is left consistent: the faulty sequence was finished, every sequence decodes afresh.
+    monkeypatch.undo()
+    assert drive(runner, SEQ_IDS, params) == (solo[sampling], {})
+
+
+def test_non_finite_rows_flags_nan_and_either_infinity():
+    logits = torch.randn(5, 300)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("-inf")
+    logits[3, 299] = float("inf")
+    logits[4, 1], logits[4, 2] = float("inf"), float("-inf")  # cancel in a sum, which then is NaN
+    assert worker.faults.non_finite_rows(logits) == [False, True, True, True, True]
+    assert worker.faults.non_finite_rows(torch.empty(0, 300)) == []
+
+
+def test_isolation_keeps_greedy_batch_on_its_fast_path(runner, monkeypatch):
+    """No fault: the sampler is called once per step for the whole batch (no row-by-row retries)."""
+    calls = []
+    real = worker.faults.sample
+    monkeypatch.setattr(worker.faults, "sample", lambda logits, rows: calls.append(len(rows)) or real(logits, rows))
+    drive(runner, SEQ_IDS, GREEDY)
+    assert calls == [len(SEQ_IDS)] * NUM_STEPS
+
+
+@pytest.fixture
+async def stub(runner):
+    server, port = await start_server(WorkerServicer(runner), "127.0.0.1", 0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield worker_pb2_grpc.WorkerStub(channel)
+    await server.stop(grace=None)
+
+
+@pytest.mark.parametrize("error, code", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)"),
+     grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RuntimeError("the forward broke (injected)"), grpc.StatusCode.INTERNAL),
+])
+async def test_a_failed_forward_fails_the_step_and_the_server_keeps_serving(runner, solo, stub, monkeypatch,
+                                                                            error, code):
+    seq_id = "s0"
+    request = StepRequest([_work(seq_id, [])], [NewSequence(seq_id, GREEDY[seq_id], len(PROMPTS[seq_id]))]).to_pb()
+
+    def broken_forward(plan):
+        raise error
+
+    monkeypatch.setattr(runner, "execute", broken_forward)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Step(request)
+    assert err.value.code() == code and "injected" in err.value.details()
+    monkeypatch.undo()
+    assert (await stub.Health(common_pb2.HealthRequest())).ready
+    # The scheduler retries the same work; the answer is what it would have been.
+    (out,) = StepResult.from_pb(await stub.Step(request)).outputs
+    assert not out.error and list(out.token_ids) == solo["greedy"][seq_id][:1]
+    await stub.Step(StepRequest(finished_seq_ids=[seq_id]).to_pb())

@@ -1,0 +1,90 @@
+"""From a StepRequest to the work of one forward: sequence state, validation, expansion.
+
+In: a `StepRequest` (protos/segserve/v1/step.py) and the worker's sequence states.
+Out: a `StepPlan` (the `Work`s to run, their prompt log-probability plans, the sequences left out
+with the reason) and the new states. A sequence that fails its checks is left out with its state
+untouched; a step malformed as a whole raises InvalidRequest and changes nothing.
+
+Per-sequence state: the sampling parameters, the number of prompt tokens, a random generator,
+and the token history, which after every step is `history[:num_computed_tokens] + token_ids`
+(so a recompute after preemption simply overwrites it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import StepRequest
+from worker.prompt_logprobs import PromptLogprobState, PromptPlan, plan
+from worker.sampler import make_generator
+from worker.validation import InvalidRequest, StepLimits, sequence_problem, validate_disjoint_slots
+from worker.work import Work, expand
+
+
+@dataclass
+class SequenceState:
+    """What the worker remembers about a live sequence between steps."""
+
+    params: SamplingParams
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    history: list[int] = field(default_factory=list)
+    """Every token of the sequence up to the end of its last step (prompt, output, step tokens)."""
+    prompt: PromptLogprobState | None = None
+    """Set when the sequence asked for prompt log-probabilities."""
+
+
+@dataclass
+class StepPlan:
+    """One step, validated: what runs, and what was left out."""
+
+    works: list[Work] = field(default_factory=list)
+    prompt_plans: list[PromptPlan | None] = field(default_factory=list)
+    """Per work: the prompt tokens it scores (None: it asked for none, or computes none)."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """seq_id -> why that sequence was left out of the forward."""
+    seq_ids: list[str] = field(default_factory=list)
+    """Every scheduled sequence, in request order (the order of the outputs)."""
+
+    @property
+    def num_sample_rows(self) -> int:
+        return sum(len(work.sample_indices) for work in self.works)
+
+
+def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: StepLimits, device: torch.device
+              ) -> tuple[dict[str, SequenceState], StepPlan]:
+    """Forget finished sequences, register new ones, check every sequence, then record the tokens
+    of those that run. Returns the new states (`states` itself is not modified) and the plan."""
+    states = dict(states)
+    for seq_id in request.finished_seq_ids:
+        states.pop(seq_id, None)
+    for new in request.new_sequences:
+        prompt = None if new.sampling.num_prompt_logprobs is None else PromptLogprobState(
+            new.sampling.num_prompt_logprobs)
+        states[new.seq_id] = SequenceState(new.sampling, new.num_prompt_tokens,
+                                           make_generator(new.sampling.seed, device), prompt=prompt)
+    seq_ids = [seq.seq_id for seq in request.sequences]
+    if len(set(seq_ids)) != len(seq_ids):
+        twice = next(s for s in seq_ids if seq_ids.count(s) > 1)
+        raise InvalidRequest(f"sequence {twice!r} is scheduled twice in one step")
+    step_plan = StepPlan(seq_ids=seq_ids)
+    runnable = []
+    for seq in request.sequences:
+        state = states.get(seq.seq_id)
+        problem = sequence_problem(seq, None if state is None else len(state.history), limits)
+        if problem is None:
+            runnable.append(seq)
+        else:
+            step_plan.rejected[seq.seq_id] = problem
+    validate_disjoint_slots(runnable, limits.block_size)
+    for seq in runnable:
+        state = states[seq.seq_id]
+        del state.history[seq.num_computed_tokens:]
+        state.history.extend(seq.token_ids)
+        prompt_plan = None if state.prompt is None else plan(seq, state.num_prompt_tokens, state.prompt)
+        step_plan.works.append(expand(seq, () if prompt_plan is None else prompt_plan.offsets))
+        step_plan.prompt_plans.append(prompt_plan)
+    return states, step_plan
