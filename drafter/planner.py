@@ -1,8 +1,9 @@
 """DraftPlanner: one request's state -> a candidate tree from its segment's sources and algorithm.
 
-In: a RequestState and the scheduler's node budget. Out: a DraftTree and the
-segment name. Sources per segment: its lookup corpus and the request's own
-history, plus its draft model ("combine"), or the draft model alone ("replace").
+In: a RequestState and the caller's node budget. Out: a CandidateTree
+(protos.segserve.v1.tree) and the segment name. Sources per segment: its lookup
+corpus and the request's own history, plus its draft model ("combine"), or the
+draft model alone ("replace").
 Each source's scores are normalized to sum to 1 before merging, so a corpus's raw
 frequencies and a draft model's probabilities weigh the same.
 """
@@ -15,7 +16,8 @@ from drafter.corpus import LookupCorpus
 from drafter.segments import SegmentKind, SegmentsConfig
 from drafter.state import RequestState
 from drafter.trees import build
-from drafter.types import Continuation, ContinuationSource, DraftTree, RequestAwareSource
+from drafter.types import Continuation, ContinuationSource, RequestAwareSource
+from protos.segserve.v1.tree import CandidateTree
 
 
 class DraftPlanner:
@@ -45,12 +47,12 @@ class DraftPlanner:
             if isinstance(model, RequestAwareSource):
                 model.release(request_id)
 
-    def draft(self, state: RequestState, max_nodes: int) -> tuple[DraftTree, str]:
+    def draft(self, state: RequestState, max_nodes: int) -> tuple[CandidateTree, str]:
         """The tree for one request within min(max_nodes, the segment's budget)."""
         kind = self.segments.kind(state.segment)
         budget = min(max_nodes, kind.max_nodes)
         if budget <= 0:
-            return DraftTree(), kind.name
+            return CandidateTree(), kind.name
         continuations: list[Continuation] = []
         for source in self._sources(kind, state):
             continuations.extend(_normalized(_propose(source, state, kind)))

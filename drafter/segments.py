@@ -100,7 +100,7 @@ class SegmentKind:
     """One kind of generation segment; the default segment has no markers."""
 
     name: str
-    """Unique name, used for corpora, metrics and the DraftTree.segment field."""
+    """Unique name, used for corpora, metrics and the DraftReply.segment field."""
     start: tuple[int, ...] = ()
     """Token ids whose appearance opens the segment (empty only for the default)."""
     end: tuple[int, ...] = ()

@@ -14,7 +14,6 @@ from typing import Any, Mapping
 import grpc
 
 from drafter.config import DrafterConfig
-from worker.checkpoint import resolve_model
 from drafter.corpus import LookupCorpus
 from drafter.history import HistorySource
 from drafter.planner import DraftPlanner
@@ -23,6 +22,7 @@ from drafter.service import DrafterServicer
 from drafter.state import RequestStates
 from drafter.types import ContinuationSource
 from protos.segserve.v1 import drafter_pb2_grpc
+from segserve.checkpoint import resolve_model
 
 logger = logging.getLogger(__name__)
 CORPUS_SUFFIX = ".corpus.npz"

@@ -1,9 +1,12 @@
 """The Drafter gRPC servicer: batched Draft (state updates + trees) and Health.
 
-Protobuf is converted here only: queries become `Query` tuples, trees leave as
-drafter_pb2.DraftTree. A batch runs in one worker thread (corpus lookups and any
-draft model are CPU work) so Health stays responsive; batches are serialized
-because corpora and request states are single-threaded.
+Protobuf is converted here only: queries become `Query`s, the planner's
+CandidateTrees leave as drafter_pb2.DraftReply (tree via CandidateTree.to_pb), and
+Health answers with protos.segserve.v1.info.Health. A tree that fails
+CandidateTree.problem() is never sent: the reply carries an empty tree. A batch
+runs in one worker thread (corpus lookups and any draft model are CPU work) so
+Health stays responsive; batches are serialized because corpora and request
+states are single-threaded.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import grpc
 
 from drafter.planner import DraftPlanner
 from drafter.state import RequestStates
-from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc, worker_pb2
+from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.segserve.v1.info import Health
+from protos.segserve.v1.tree import CandidateTree
 
 logger = logging.getLogger(__name__)
 
@@ -64,28 +69,28 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         queries = [Query.from_pb(q) for q in request.queries]
         finished = list(request.finished_request_ids)
         async with self._lock:
-            trees = await asyncio.to_thread(self.draft_batch, queries, finished)
-        return drafter_pb2.DraftResponse(trees=trees)
+            replies = await asyncio.to_thread(self.draft_batch, queries, finished)
+        return drafter_pb2.DraftResponse(replies=replies)
 
     @_status_errors
     async def Health(self, request, context):
-        return worker_pb2.HealthResponse(ready=True)
+        return Health(is_ready=True).to_pb()  # corpora and draft models load before the server starts
 
-    def draft_batch(self, queries: list[Query], finished: list[str]) -> list[drafter_pb2.DraftTree]:
-        """Drop finished requests, then update and draft each query in order."""
+    def draft_batch(self, queries: list[Query], finished: list[str]) -> list[drafter_pb2.DraftReply]:
+        """Drop finished requests, then update and draft each query in order: one reply per query."""
         for request_id in finished:
             self.states.drop(request_id)
             self.planner.release(request_id)
         return [self._draft_one(q) for q in queries]
 
-    def _draft_one(self, query: Query) -> drafter_pb2.DraftTree:
+    def _draft_one(self, query: Query) -> drafter_pb2.DraftReply:
+        """Update the request's state, then its tree (or needs_resync with no tree)."""
         state = self.states.update(query.request_id, query.new_token_ids, query.num_tokens, query.num_prompt_tokens)
         if state is None:
-            return drafter_pb2.DraftTree(request_id=query.request_id, needs_resync=True)
+            return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=True)
         tree, segment = self.planner.draft(state, query.max_nodes)
-        if not tree.is_valid():  # never send garbage; an empty tree just means no speculation
-            logger.error("dropping an invalid tree for %s", query.request_id)
-            tree.token_ids, tree.parents = [], []
-        return drafter_pb2.DraftTree(
-            request_id=query.request_id, token_ids=tree.token_ids, parents=tree.parents, segment=segment
-        )
+        problem = tree.problem(max_nodes=query.max_nodes)
+        if problem is not None:  # never send garbage; an empty tree just means no speculation
+            logger.error("dropping an invalid tree for %s: %s", query.request_id, problem)
+            tree = CandidateTree()
+        return drafter_pb2.DraftReply(request_id=query.request_id, tree=tree.to_pb(), segment=segment)

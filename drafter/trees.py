@@ -1,9 +1,10 @@
 """Tree builders: merge continuations into a trie, then pick nodes under a budget.
 
 In: `Continuation`s from any sources (scores comparable across the list). Out: a
-`DraftTree` in topological order with at most `max_nodes` nodes of depth at most
-`max_depth`. A trie node's weight is the sum of the scores of the continuations
-through it, so weight(node) / weight(all) estimates the probability of its path.
+CandidateTree (protos.segserve.v1.tree: parents -1 = root) in topological order,
+with at most `max_nodes` nodes of depth at most `max_depth`. A trie node's weight
+is the sum of the scores of the continuations through it, so
+weight(node) / weight(all) estimates the probability of its path.
 
 Builders live in `BUILDERS` (name -> function); a segment names one in its config.
 """
@@ -15,7 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from drafter.types import Continuation, DraftTree
+from drafter.types import Continuation
+from protos.segserve.v1.tree import ROOT, CandidateTree
 
 
 @dataclass
@@ -44,19 +46,27 @@ def merge(continuations: list[Continuation], max_depth: int) -> _TrieNode:
 
 
 class _Emitter:
-    """Collects nodes into a DraftTree, mapping trie nodes to their indices."""
+    """Collects trie nodes in emission order (parents first); tree() freezes them into a CandidateTree."""
 
     def __init__(self) -> None:
-        self.tree = DraftTree()
-        self._index: dict[int, int] = {}
+        self._token_ids: list[int] = []
+        self._parents: list[int] = []
+        self._index: dict[int, int] = {}  # id(trie node) -> its index in the tree
+
+    def __len__(self) -> int:
+        return len(self._token_ids)
 
     def emit(self, node: _TrieNode, parent: _TrieNode | None) -> None:
-        self._index[id(node)] = len(self.tree.token_ids)
-        self.tree.token_ids.append(node.token_id)
-        self.tree.parents.append(-1 if parent is None else self._index[id(parent)])
+        """Append node as a child of parent (None = the root); parent must be emitted already."""
+        self._index[id(node)] = len(self._token_ids)
+        self._token_ids.append(node.token_id)
+        self._parents.append(ROOT if parent is None else self._index[id(parent)])
+
+    def tree(self) -> CandidateTree:
+        return CandidateTree(tuple(self._token_ids), tuple(self._parents))
 
 
-def single_branch(continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+def single_branch(continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
     """One chain: the heaviest child at every level."""
     out = _Emitter()
     node, parent = merge(continuations, max_depth), None
@@ -66,17 +76,17 @@ def single_branch(continuations: list[Continuation], max_nodes: int, max_depth: 
         child = node.ranked_children()[0]
         out.emit(child, parent)
         node = parent = child
-    return out.tree
+    return out.tree()
 
 
-def multi_branch_dfs(continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+def multi_branch_dfs(continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
     """Depth-first, heaviest child first: the best chain in full, then its alternatives."""
     out = _Emitter()
     for node, parent in _preorder(merge(continuations, max_depth)):
-        if len(out.tree) >= max_nodes:
+        if len(out) >= max_nodes:
             break
         out.emit(node, parent)
-    return out.tree
+    return out.tree()
 
 
 def _preorder(root: _TrieNode) -> Iterator[tuple[_TrieNode, _TrieNode | None]]:
@@ -87,19 +97,19 @@ def _preorder(root: _TrieNode) -> Iterator[tuple[_TrieNode, _TrieNode | None]]:
         stack.extend((c, node) for c in reversed(node.ranked_children()))
 
 
-def multi_branch_bfs(continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+def multi_branch_bfs(continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
     """Breadth-first, heaviest child first: every alternative of depth d before depth d + 1."""
     out = _Emitter()
     root = merge(continuations, max_depth)
     queue = deque((c, None) for c in root.ranked_children())
-    while queue and len(out.tree) < max_nodes:
+    while queue and len(out) < max_nodes:
         node, parent = queue.popleft()
         out.emit(node, parent)
         queue.extend((c, node) for c in node.ranked_children())
-    return out.tree
+    return out.tree()
 
 
-def best_first(continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+def best_first(continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
     """Most probable paths first: the nodes with the largest weight, whatever their depth.
 
     A child never outweighs its parent, and a node enters the queue only after its
@@ -113,16 +123,16 @@ def best_first(continuations: list[Continuation], max_nodes: int, max_depth: int
         heap.append((-child.weight, counter, child, None))
         counter += 1
     heapq.heapify(heap)
-    while heap and len(out.tree) < max_nodes:
+    while heap and len(out) < max_nodes:
         _, _, node, parent = heapq.heappop(heap)
         out.emit(node, parent)
         for child in node.ranked_children():
             heapq.heappush(heap, (-child.weight, counter, child, node))
             counter += 1
-    return out.tree
+    return out.tree()
 
 
-TreeBuilder = Callable[[list[Continuation], int, int], DraftTree]
+TreeBuilder = Callable[[list[Continuation], int, int], CandidateTree]
 
 BUILDERS: dict[str, TreeBuilder] = {
     "single_branch": single_branch,
@@ -132,8 +142,8 @@ BUILDERS: dict[str, TreeBuilder] = {
 }
 
 
-def build(algorithm: str, continuations: list[Continuation], max_nodes: int, max_depth: int) -> DraftTree:
+def build(algorithm: str, continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
     """Build a tree with the named algorithm (a key of BUILDERS)."""
     if max_nodes <= 0 or max_depth <= 0 or not continuations:
-        return DraftTree()
+        return CandidateTree()
     return BUILDERS[algorithm](continuations, max_nodes, max_depth)

@@ -1,4 +1,7 @@
-"""The Drafter over in-process gRPC: trees, resync, finished ids, online learning; corpus files."""
+"""The Drafter over in-process gRPC: trees, resync, finished ids, online learning; corpus files.
+
+Replies carry the contract's CandidateTree (protos.segserve.v1.tree); Health the contract's Health.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,10 @@ from drafter.build import build_corpus
 from drafter.config import DrafterConfig
 from drafter.segments import load_segments, parse_segments
 from drafter.server import build_servicer, corpus_path, load_corpora, save_corpora, start_server
-from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc, worker_pb2
+from drafter.trees import BUILDERS
+from protos.segserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from protos.segserve.v1.info import Health
+from protos.segserve.v1.tree import CandidateTree
 
 RAW = {
     "default": {"algorithm": "best_first", "max_nodes": 6},
@@ -20,8 +26,17 @@ PROMPT = [10, 11, 12, 13, 14, 15, 10, 11]
 
 
 @pytest.fixture
-async def stub():
-    servicer = build_servicer(DrafterConfig(max_requests=16), parse_segments(RAW))
+def raw_segments():
+    return RAW
+
+
+@pytest.fixture
+def servicer(raw_segments):
+    return build_servicer(DrafterConfig(max_requests=16), parse_segments(raw_segments))
+
+
+@pytest.fixture
+async def stub(servicer):
     server, port = await start_server(servicer, "127.0.0.1", 0)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield drafter_pb2_grpc.DrafterStub(channel)
@@ -33,15 +48,17 @@ def _query(rid, new, num_tokens, num_prompt=0, max_nodes=8):
                                   num_prompt_tokens=num_prompt, max_nodes=max_nodes)
 
 
-def _assert_well_formed(tree):
-    assert len(tree.token_ids) == len(tree.parents)
-    assert all(-1 <= p < i for i, p in enumerate(tree.parents))
-    if tree.needs_resync:
-        assert not tree.token_ids
+def _tree(reply: drafter_pb2.DraftReply, max_nodes: int = 8) -> CandidateTree:
+    """The reply's tree off the wire, checked like its receiver checks it."""
+    tree = CandidateTree.from_pb(reply.tree)
+    assert tree.problem(max_nodes=max_nodes) is None
+    if reply.needs_resync:
+        assert len(tree) == 0
+    return tree
 
 
 async def test_health(stub):
-    assert (await stub.Health(worker_pb2.HealthRequest())).ready
+    assert Health.from_pb(await stub.Health(common_pb2.HealthRequest())) == Health(is_ready=True)
 
 
 async def test_trees_follow_the_requests_history(stub):
@@ -49,25 +66,23 @@ async def test_trees_follow_the_requests_history(stub):
         _query("a", PROMPT, len(PROMPT), len(PROMPT)),
         _query("b", [20, 21], 2, 2),
     ]))
-    a, b = response.trees
+    a, b = response.replies
     assert (a.request_id, b.request_id) == ("a", "b")
-    for tree in response.trees:
-        _assert_well_formed(tree)
-    assert list(a.token_ids[:4]) == [12, 13, 14, 15] and a.segment == "default"
-    assert not b.token_ids and not b.needs_resync  # nothing to propose yet
+    assert _tree(a).token_ids[:4] == (12, 13, 14, 15) and a.segment == "default"
+    assert len(_tree(b)) == 0 and not b.needs_resync  # nothing to propose yet
     response = await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [12, 1], 10)]))
-    assert response.trees[0].segment == "code"
+    assert response.replies[0].segment == "code"
 
 
 async def test_resync_and_finished_ids(stub):
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", PROMPT, 8, 8, max_nodes=0)]))
-    (tree,) = (await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [12], 10)]))).trees
-    assert tree.needs_resync and not tree.token_ids  # 8 + 1 != 10
-    (tree,) = (await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", PROMPT + [12], 9, 8)]))).trees
-    assert not tree.needs_resync and list(tree.token_ids[:2]) == [13, 14]
+    (reply,) = (await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [12], 10)]))).replies
+    assert reply.needs_resync and len(_tree(reply)) == 0  # 8 + 1 != 10
+    (reply,) = (await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", PROMPT + [12], 9, 8)]))).replies
+    assert not reply.needs_resync and _tree(reply).token_ids[:2] == (13, 14)
     request = drafter_pb2.DraftRequest(queries=[_query("a", [13], 10)], finished_request_ids=["a", "zz"])
-    (tree,) = (await stub.Draft(request)).trees  # dropped first, so the increment cannot apply
-    assert tree.needs_resync
+    (reply,) = (await stub.Draft(request)).replies  # dropped first, so the increment cannot apply
+    assert reply.needs_resync
 
 
 async def test_online_learning_over_grpc(stub):
@@ -75,9 +90,37 @@ async def test_online_learning_over_grpc(stub):
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [10], 1, 1, max_nodes=0)]))
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", block, 9, max_nodes=0)]))
     request = drafter_pb2.DraftRequest(queries=[_query("b", [20, 1, 30], 3, 1)], finished_request_ids=["a"])
-    (tree,) = (await stub.Draft(request)).trees
-    _assert_well_formed(tree)
-    assert tree.segment == "code" and list(tree.token_ids[:5]) == [31, 32, 33, 34, 35]
+    (reply,) = (await stub.Draft(request)).replies
+    assert reply.segment == "code" and _tree(reply).token_ids[:5] == (31, 32, 33, 34, 35)
+
+
+@pytest.mark.parametrize("raw_segments", [{"default": {"algorithm": name, "max_nodes": 6}}
+                                          for name in sorted(BUILDERS)])
+async def test_replies_round_trip_into_the_planners_trees(servicer, stub):
+    tokens = [10, 11, 12, 13, 10, 11, 14, 15, 10, 11, 12, 16, 10, 11]
+    request = drafter_pb2.DraftRequest(queries=[_query(rid, tokens, len(tokens), len(tokens), max_nodes=n)
+                                                for rid, n in (("a", 8), ("b", 3), ("c", 0))])
+    replies = (await stub.Draft(request)).replies
+    assert [r.request_id for r in replies] == ["a", "b", "c"]
+    for reply, max_nodes in zip(replies, (8, 3, 0)):
+        tree = _tree(reply, max_nodes)
+        expected, segment = servicer.planner.draft(servicer.states.update(reply.request_id, [], 14, 0), max_nodes)
+        assert tree == expected and reply.segment == segment and not reply.needs_resync
+        assert tree.to_pb() == reply.tree
+    assert len(_tree(replies[0])) > 0 and len(_tree(replies[2])) == 0
+
+
+@pytest.mark.parametrize("bad", [
+    CandidateTree((12, 13), (-1, 1)),  # a parent that is not earlier
+    CandidateTree((12, 13), (-1,)),  # fewer parents than tokens
+    CandidateTree((12,) * 9, (-1,) * 9),  # over the query's budget of 8
+])
+async def test_an_invalid_tree_from_the_planner_is_never_sent(servicer, stub, bad):
+    servicer.planner.draft = lambda state, max_nodes: (bad, "default")
+    request = drafter_pb2.DraftRequest(queries=[_query("a", PROMPT, len(PROMPT), len(PROMPT))])
+    (reply,) = (await stub.Draft(request)).replies
+    assert reply.request_id == "a" and reply.segment == "default" and not reply.needs_resync
+    assert reply.HasField("tree") and CandidateTree.from_pb(reply.tree) == CandidateTree()
 
 
 def test_corpora_save_and_load_by_segment(tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from drafter.planner import DraftPlanner
 from drafter.segments import parse_segments
 from drafter.state import RequestStates
-from drafter.types import Continuation, DraftTree
+from drafter.types import Continuation
+from protos.segserve.v1.tree import CandidateTree
 
 # 1 = code fence (opens and closes), 3 / 4 = turn markers; >= 10 text.
 RAW = {
@@ -44,7 +45,7 @@ def _accepted_per_step(planner, states, request_id, prompt, output) -> float:
     return len(output) / steps
 
 
-def _longest_matching_path(tree: DraftTree, target: list[int]) -> int:
+def _longest_matching_path(tree: CandidateTree, target: list[int]) -> int:
     depth_ok = {-1: 0}
     best = 0
     for i, (token_id, parent) in enumerate(zip(tree.token_ids, tree.parents)):
@@ -128,7 +129,7 @@ def test_draft_model_replace_and_combine():
     state = states.update("a", [10, 20, 21, 22, 3, 20, 21], 7, 7)
     tree, segment = planner.draft(state, max_nodes=8)
     assert segment == "turn"
-    assert tree.token_ids == [50, 51]  # replace: history's (20, 21) -> 22 is ignored
+    assert tree.token_ids == (50, 51)  # replace: history's (20, 21) -> 22 is ignored
     assert caching.calls == ["a"]  # the request-aware call, so its cache is reused
     state = states.update("a", [4, 1, 20, 21], 11, 0)
     tree, segment = planner.draft(state, max_nodes=8)

@@ -1,11 +1,15 @@
-"""Tree builders: budget, depth, topological order, valid parents, best chain first, prefix merging."""
+"""Tree builders: budget, depth, topological order, valid parents, best chain first, prefix merging.
+
+Builders return the contract type, protos.segserve.v1.tree.CandidateTree (parents -1 = root).
+"""
 
 from __future__ import annotations
 
 import pytest
 
 from drafter.trees import BUILDERS, build, merge
-from drafter.types import Continuation, DraftTree
+from drafter.types import Continuation
+from protos.segserve.v1.tree import ROOT, CandidateTree
 
 CONTINUATIONS = [
     Continuation((1, 2, 3, 4, 5, 6), 5.0),  # the best chain
@@ -17,7 +21,7 @@ CONTINUATIONS = [
 BEST_CHAIN = [1, 2, 3, 4, 5, 6]
 
 
-def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+def _paths(tree: CandidateTree) -> set[tuple[int, ...]]:
     """Every root-to-node path of the tree, as token tuples."""
     paths: list[tuple[int, ...]] = []
     for token_id, parent in zip(tree.token_ids, tree.parents):
@@ -29,10 +33,11 @@ def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
 @pytest.mark.parametrize("max_nodes,max_depth", [(1, 1), (3, 6), (6, 3), (8, 4), (40, 10)])
 def test_shape_properties(algorithm, max_nodes, max_depth):
     tree = build(algorithm, CONTINUATIONS, max_nodes, max_depth)
-    assert tree.is_valid()
+    assert isinstance(tree, CandidateTree)
+    assert tree.problem(max_nodes=max_nodes) is None
     assert 1 <= len(tree) <= max_nodes
-    assert max(tree.depths) <= max_depth
-    assert all(-1 <= p < i for i, p in enumerate(tree.parents))
+    assert tree.max_depth <= max_depth
+    assert all(ROOT <= p < i for i, p in enumerate(tree.parents))
     paths = _paths(tree)
     assert len(paths) == len(tree), "siblings never repeat a token (prefixes are merged)"
     prefixes = {c.token_ids[:d] for c in CONTINUATIONS for d in range(1, len(c.token_ids) + 1)}
@@ -43,25 +48,25 @@ def test_shape_properties(algorithm, max_nodes, max_depth):
 @pytest.mark.parametrize("algorithm", ["single_branch", "multi_branch_dfs"])
 def test_chain_builders_put_the_best_chain_first(algorithm):
     tree = build(algorithm, CONTINUATIONS, 8, 6)
-    assert tree.token_ids[:6] == BEST_CHAIN
-    assert tree.parents[:6] == [-1, 0, 1, 2, 3, 4]
+    assert list(tree.token_ids[:6]) == BEST_CHAIN
+    assert tree.parents[:6] == (-1, 0, 1, 2, 3, 4)
 
 
 def test_single_branch_is_one_chain():
     tree = build("single_branch", CONTINUATIONS, 40, 4)
-    assert tree.token_ids == BEST_CHAIN[:4]
-    assert tree.parents == [-1, 0, 1, 2]
+    assert tree == CandidateTree(tuple(BEST_CHAIN[:4]), (-1, 0, 1, 2))
+    assert tree.is_path(BEST_CHAIN[:5])
 
 
 def test_bfs_fills_levels_in_order():
     tree = build("multi_branch_bfs", CONTINUATIONS, 40, 10)
-    assert tree.depths == sorted(tree.depths)
-    assert tree.token_ids[:3] == [1, 9, 13]  # depth 1, heaviest first
+    assert list(tree.depths) == sorted(tree.depths)
+    assert tree.token_ids[:3] == (1, 9, 13)  # depth 1, heaviest first
 
 
 def test_dfs_explores_the_best_chain_then_its_alternatives():
     tree = build("multi_branch_dfs", CONTINUATIONS, 40, 10)
-    assert tree.token_ids[6:8] == [7, 8]  # the alternative under (1, 2) before other first tokens
+    assert tree.token_ids[6:8] == (7, 8)  # the alternative under (1, 2) before other first tokens
     assert len(tree) == len({p for c in CONTINUATIONS for p in [c.token_ids[:d] for d in range(1, len(c.token_ids) + 1)]})
 
 
@@ -82,14 +87,13 @@ def test_merge_sums_scores_over_shared_prefixes():
 
 def test_empty_inputs_give_empty_trees():
     for algorithm in BUILDERS:
-        assert len(build(algorithm, [], 8, 4)) == 0
-        assert len(build(algorithm, CONTINUATIONS, 0, 4)) == 0
-        assert len(build(algorithm, [Continuation((1, 2), 0.0)], 8, 4)) == 0
+        assert build(algorithm, [], 8, 4) == CandidateTree()
+        assert build(algorithm, CONTINUATIONS, 0, 4) == CandidateTree()
+        assert build(algorithm, CONTINUATIONS, 8, 0) == CandidateTree()
+        assert build(algorithm, [Continuation((1, 2), 0.0)], 8, 4) == CandidateTree()
 
 
-def test_depths_and_validity():
-    tree = DraftTree([5, 6, 7, 8], [-1, 0, -1, 1])
-    assert tree.depths == [1, 2, 1, 3]
-    assert tree.is_valid()
-    assert not DraftTree([5, 6], [-1, 1]).is_valid()
-    assert not DraftTree([5], [-1, 0]).is_valid()
+@pytest.mark.parametrize("algorithm", sorted(BUILDERS))
+def test_trees_survive_the_wire(algorithm):
+    tree = build(algorithm, CONTINUATIONS, 40, 10)
+    assert CandidateTree.from_pb(tree.to_pb()) == tree
