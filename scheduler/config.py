@@ -24,6 +24,9 @@ class SchedulerConfig:
     (an empty queue admits any request that fits the model)."""
     worker_step_timeout_s: float = 120.0
     """Deadline of one worker step; a step past it fails the requests it carried."""
+    max_failed_steps: int = 8
+    """Failed whole worker steps in a row (out of memory, an internal error, a malformed answer) a request may be
+    in before it ends with FINISH_REASON_ERROR; each failed step is retried by preemption at half the batch size."""
     drafter_addresses: list[str] = field(default_factory=list)
     """gRPC addresses of the drafter replicas (requests are hashed over them); empty = no speculation."""
     draft_timeout_ms: float = 20.0
@@ -50,6 +53,8 @@ class SchedulerConfig:
             raise ValueError("port must be in 0..65535")
         if self.worker_step_timeout_s <= 0:
             raise ValueError("worker_step_timeout_s must be > 0")
+        if self.max_failed_steps <= 0:
+            raise ValueError("max_failed_steps must be > 0")
         self.drafter_addresses = [a for a in self.drafter_addresses if a]
         if self.draft_timeout_ms <= 0:
             raise ValueError("draft_timeout_ms must be > 0")

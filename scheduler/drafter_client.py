@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
-from scheduler.outputs import DraftTree
+from protos.segserve.v1.tree import CandidateTree
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,25 @@ class DraftQuery:
     num_prompt_tokens: int
     max_nodes: int
 
+    def to_pb(self) -> drafter_pb2.DraftQuery:
+        return drafter_pb2.DraftQuery(request_id=self.request_id, new_token_ids=self.new_token_ids,
+                                      num_tokens=self.num_tokens, num_prompt_tokens=self.num_prompt_tokens,
+                                      max_nodes=self.max_nodes)
+
 
 @dataclass(frozen=True)
 class DraftReply:
-    """A replica's answer for one query: a tree, or a request to resend the whole sequence."""
+    """A replica's answer for one query (drafter.proto's DraftReply): a tree, or a request to resend
+    the whole sequence. The tree is unchecked: call tree.problem() before using it."""
 
-    tree: DraftTree
+    tree: CandidateTree
+    segment: str = ""
+    """The segment kind the request is in."""
     needs_resync: bool = False
+
+    @classmethod
+    def from_pb(cls, pb: drafter_pb2.DraftReply) -> DraftReply:
+        return cls(CandidateTree.from_pb(pb.tree), pb.segment, pb.needs_resync)
 
 
 def replica_of(request_id: str, num_replicas: int) -> int:
@@ -102,11 +114,7 @@ class DrafterClient:
 
     async def _call(self, replica: _Replica, queries: list[DraftQuery]) -> dict[str, DraftReply]:
         finished, replica.pending_finished = replica.pending_finished, []
-        request = drafter_pb2.DraftRequest(
-            queries=[drafter_pb2.DraftQuery(request_id=q.request_id, new_token_ids=q.new_token_ids,
-                                            num_tokens=q.num_tokens, num_prompt_tokens=q.num_prompt_tokens,
-                                            max_nodes=q.max_nodes) for q in queries],
-            finished_request_ids=finished)
+        request = drafter_pb2.DraftRequest(queries=[q.to_pb() for q in queries], finished_request_ids=finished)
         try:
             response = await replica.stub.Draft(request, timeout=self.timeout_s)
             replies = _replies_from_pb(response, queries)
@@ -134,12 +142,11 @@ class DrafterClient:
 
 def _replies_from_pb(response: drafter_pb2.DraftResponse, queries: list[DraftQuery]) -> dict[str, DraftReply]:
     """Replies by request id; ValueError when the response does not answer the queries one for one."""
-    if len(response.trees) != len(queries):
-        raise ValueError(f"drafter answered {len(response.trees)} trees for {len(queries)} queries")
+    if len(response.replies) != len(queries):
+        raise ValueError(f"drafter answered {len(response.replies)} replies for {len(queries)} queries")
     replies = {}
-    for query, tree in zip(queries, response.trees):
-        if tree.request_id != query.request_id:
-            raise ValueError(f"drafter answered request {tree.request_id!r} in the place of {query.request_id!r}")
-        replies[query.request_id] = DraftReply(
-            DraftTree(list(tree.token_ids), list(tree.parents), tree.segment), tree.needs_resync)
+    for query, reply in zip(queries, response.replies):
+        if reply.request_id != query.request_id:
+            raise ValueError(f"drafter answered request {reply.request_id!r} in the place of {query.request_id!r}")
+        replies[query.request_id] = DraftReply.from_pb(reply)
     return replies

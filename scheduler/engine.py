@@ -1,10 +1,12 @@
 """The asyncio step loop: schedule -> draft -> worker step (forward/verify) -> postprocess, then deliver.
 
 In: add_request() / abort() from the gRPC servicer. Out: per-request streams of
-RequestOutput (new tokens; the last one has finish_status and metrics) ending
-with either a finished output or a RequestError. The loop sleeps on an event
-when there is no work and never lets a failed step hang a stream. With a
-drafter, each step first asks it for candidate trees (speculator.py); a
+the contract's events (protos/segserve/v1/generate.py): TokenChunks, then a
+GenerateComplete or a GenerateError. The loop sleeps on an event when there is
+no work and never lets a failed step hang a stream: a step the worker fails is
+retried by preemption at a smaller batch size (Scheduler.fail_step), a step the
+worker does not answer (unreachable, past its deadline) fails its requests.
+With a drafter, each step first asks it for candidate trees (speculator.py); a
 drafter that fails only makes that step plain.
 """
 
@@ -18,13 +20,16 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk
+from protos.segserve.v1.info import Health, WorkerInfo
+from protos.segserve.v1.step import StepRequest, StepResult
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import RequestError, RequestOutput, SampledTokens, SchedulerOutput
+from scheduler.outputs import RequestEvent
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
+from scheduler.sequence import Sequence
 from scheduler.spec_policy import SegmentStats, SpecPolicy
 from scheduler.speculator import Drafter, Speculator
-from scheduler.worker_client import WorkerError, WorkerHealth, WorkerInfo
+from scheduler.worker_client import WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +41,16 @@ class EngineNotReady(RuntimeError):
 
 
 class Worker(Protocol):
-    """What the engine needs from a worker (WorkerClient, or a fake in tests)."""
+    """What the engine needs from a worker (WorkerClient, or tests/fakes.py's FakeWorker).
+
+    step() raises WorkerError when the step failed as a whole.
+    """
 
     async def get_info(self) -> WorkerInfo: ...
 
-    async def step(self, output: SchedulerOutput) -> dict[str, SampledTokens]: ...
+    async def step(self, request: StepRequest) -> StepResult: ...
 
-    async def health(self) -> WorkerHealth: ...
+    async def health(self) -> Health: ...
 
 
 @dataclass(frozen=True)
@@ -53,13 +61,16 @@ class EngineStats:
     num_total_kv_blocks: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_failed_steps: int = 0
+    """Whole worker steps that failed and were retried by preemption."""
     spec: SegmentStats = field(default_factory=SegmentStats)
     """Speculation over all segments: trees verified, draft and accepted tokens, acceptance per depth."""
     spec_segments: dict[str, SegmentStats] = field(default_factory=dict)
     """The same per segment kind ("" = not yet known)."""
 
 
-Event = RequestOutput | RequestError
+def is_terminal(event: GenerateEvent) -> bool:
+    return not isinstance(event, TokenChunk)
 
 
 class RequestStream:
@@ -67,20 +78,20 @@ class RequestStream:
 
     def __init__(self, request_id: str):
         self.request_id = request_id
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._queue: asyncio.Queue[GenerateEvent] = asyncio.Queue()
         self._is_done = False
 
-    def put(self, event: Event) -> None:
+    def put(self, event: GenerateEvent) -> None:
         self._queue.put_nowait(event)
 
-    def __aiter__(self) -> AsyncIterator[Event]:
+    def __aiter__(self) -> AsyncIterator[GenerateEvent]:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> GenerateEvent:
         if self._is_done:
             raise StopAsyncIteration
         event = await self._queue.get()
-        self._is_done = isinstance(event, RequestError) or event.is_finished
+        self._is_done = is_terminal(event)
         return event
 
 
@@ -110,18 +121,17 @@ class Engine:
             await asyncio.gather(self._task, return_exceptions=True)
         self._fail(list(self._streams), "unavailable", "the scheduler is shutting down")
 
-    async def health(self) -> WorkerHealth:
+    async def health(self) -> Health:
         if not self.is_connected:
-            return WorkerHealth(False, "not connected to the worker yet")
+            return Health(False, "not connected to the worker yet")
         return await self.worker.health()
 
-    def add_request(self, request_id: str, prompt_token_ids: Iterable[int], sampling: SamplingParams,
-                    stopping: StoppingCriteria) -> RequestStream:
-        """Queue a request; raises EngineNotReady, QueueFull (retry later), or RequestRejected (never runs)."""
+    def add_request(self, request: GenerateRequest) -> RequestStream:
+        """Queue a validated request; raises EngineNotReady, QueueFull (retry later), or RequestRejected."""
         if self.scheduler is None:
             raise EngineNotReady(f"the worker at {self.config.worker_address} has not answered yet")
-        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), sampling, stopping))
-        stream = self._streams[request_id] = RequestStream(request_id)
+        self.scheduler.add(Sequence.of(request))
+        stream = self._streams[request.request_id] = RequestStream(request.request_id)
         self._wakeup.set()
         return stream
 
@@ -129,16 +139,18 @@ class Engine:
         """Cancel a live request: its blocks are free at once; its stream ends with "cancelled"."""
         if self.scheduler is None or not self.scheduler.abort(request_id):
             return False
-        self._deliver(RequestError(request_id, "cancelled", "the request was cancelled"))
+        self._deliver(RequestEvent(request_id, GenerateError("cancelled", "the request was cancelled")))
         return True
 
     def stats(self) -> EngineStats:
         if self.scheduler is None:
             return EngineStats()
         s = self.scheduler
+        acceptance = self.speculator.acceptance if self.speculator is not None else None
         return EngineStats(len(s.running), len(s.waiting), s.block_manager.num_used_blocks,
-                           s.block_manager.num_total_blocks, s.num_preemptions, s.num_steps,
-                           copy.deepcopy(s.acceptance.total), copy.deepcopy(s.acceptance.segments))
+                           s.block_manager.num_total_blocks, s.num_preemptions, s.num_steps, s.num_failed_steps,
+                           copy.deepcopy(acceptance.total) if acceptance else SegmentStats(),
+                           copy.deepcopy(acceptance.segments) if acceptance else {})
 
     async def _run(self) -> None:
         try:
@@ -146,7 +158,7 @@ class Engine:
             while True:
                 if not self.scheduler.has_work:
                     if self.speculator is not None:
-                        await self.speculator.flush_finished(self.scheduler)
+                        await self.speculator.flush_ended()
                     # Clear, then look again: a request added during the flush (an await) has set
                     # the event already, and clearing after it without looking would sleep on it.
                     self._wakeup.clear()
@@ -162,29 +174,42 @@ class Engine:
             raise
 
     async def _step(self) -> None:
+        """schedule -> draft -> worker step -> apply outputs -> deliver."""
         cycle_start = time.perf_counter()
-        output = self.scheduler.schedule()
-        if output.is_empty:  # only right after a preemption left nothing runnable; retry next turn
+        request = self.scheduler.schedule()
+        if not request.sequences:  # only right after a preemption left nothing runnable; retry next turn
             await asyncio.sleep(0.001)
             return
         if self.speculator is not None:
-            await self.speculator.propose(self.scheduler, output)
-        try:
-            start = time.perf_counter()
-            sampled = await self.worker.step(output)
-            if self.speculator is not None:
-                self.speculator.observe_step(output.num_scheduled_tokens, time.perf_counter() - start)
-            results = self.scheduler.postprocess(output, sampled)
-        except Exception as exc:  # the worker failed (or answered nonsense): fail this step, serve the rest
-            if not isinstance(exc, WorkerError):
-                logger.exception("step failed")
-            message = str(exc) if isinstance(exc, WorkerError) else f"step failed: {type(exc).__name__}: {exc}"
-            self._fail(self.scheduler.discard(output), "internal", message)
-            return
-        for result in results:
-            self._deliver(result)
+            await self.speculator.propose(self.scheduler, request)
+        events = await self._run_step(request)
+        for event in events:
+            self._deliver(event)
         if self.speculator is not None:
-            self.speculator.observe_cycle(sum(len(r.token_ids) for r in results), time.perf_counter() - cycle_start)
+            self.speculator.observe_cycle(sum(e.num_tokens for e in events), time.perf_counter() - cycle_start)
+
+    async def _run_step(self, request: StepRequest) -> list[RequestEvent]:
+        """The worker's step with its outputs applied; a failed step is retried or fails its requests."""
+        start = time.perf_counter()
+        try:
+            result = await self.worker.step(request)
+        except WorkerError as exc:
+            return self._on_failed_step(request, exc)
+        except Exception as exc:  # a bug on this side of the wire: handled like a failed step
+            logger.exception("worker step failed")
+            return self._on_failed_step(request, WorkerError(f"step failed: {type(exc).__name__}: {exc}"))
+        if self.speculator is not None:
+            self.speculator.observe_step(request, result, time.perf_counter() - start)
+        return self.scheduler.postprocess(request, result)
+
+    def _on_failed_step(self, request: StepRequest, exc: WorkerError) -> list[RequestEvent]:
+        """An unreachable worker's state is unknown: the step's requests fail (GenerateError "internal").
+        Any other failure preempts the step's sequences for a retry at a smaller batch size."""
+        if exc.is_unreachable:
+            self._fail(self.scheduler.discard(request), "internal", str(exc))
+            return []
+        logger.warning("worker step of %d sequences failed; retrying smaller: %s", len(request.sequences), exc)
+        return self.scheduler.fail_step(request, str(exc))
 
     async def _connect(self) -> None:
         is_logged = False
@@ -197,15 +222,17 @@ class Engine:
                     logger.warning("waiting for the worker at %s: %s", self.config.worker_address, exc)
                     is_logged = True
                 await asyncio.sleep(_CONNECT_RETRY_S)
+        if self.drafter is not None and self.config.max_draft_nodes > 0:
+            policy = SpecPolicy(self.config.max_draft_nodes, self.config.spec_probe_interval,
+                                self.config.is_spec_adaptive)
+            self.speculator = Speculator(self.drafter, policy, info.vocab_size)
         self.scheduler = Scheduler(
             num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
             eos_token_ids=info.eos_token_ids, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens, max_num_waiting=self.config.max_num_waiting,
-            max_num_waiting_tokens=self.config.max_num_waiting_tokens)
-        if self.drafter is not None and self.config.max_draft_nodes > 0:
-            policy = SpecPolicy(self.config.max_draft_nodes, self.config.spec_probe_interval,
-                                self.config.is_spec_adaptive, acceptance=self.scheduler.acceptance)
-            self.speculator = Speculator(self.drafter, policy, info.vocab_size)
+            max_num_waiting_tokens=self.config.max_num_waiting_tokens,
+            max_failed_steps=self.config.max_failed_steps,
+            on_end=self.speculator.forget if self.speculator is not None else None)
         self.info = info
         logger.info("connected to worker %s: %s, %d KV blocks of %d tokens", self.config.worker_address,
                     info.model_name, info.num_kv_blocks, info.block_size)
@@ -214,10 +241,10 @@ class Engine:
         for request_id in request_ids:
             if self.scheduler is not None:
                 self.scheduler.abort(request_id)
-            self._deliver(RequestError(request_id, code, message))
+            self._deliver(RequestEvent(request_id, GenerateError(code, message)))
 
-    def _deliver(self, event: Event) -> None:
-        is_terminal = isinstance(event, RequestError) or event.is_finished
-        stream = self._streams.pop(event.request_id, None) if is_terminal else self._streams.get(event.request_id)
+    def _deliver(self, event: RequestEvent) -> None:
+        streams = self._streams
+        stream = streams.pop(event.request_id, None) if event.is_terminal else streams.get(event.request_id)
         if stream is not None:
-            stream.put(event)
+            stream.put(event.event)

@@ -1,37 +1,46 @@
 """Continuous batching as pure logic: which tokens of which sequences run each step.
 
-No model, no network, no asyncio: schedule() returns a SchedulerOutput,
-postprocess() takes what the worker sampled and returns per-request outputs.
-One code path serves prompt chunks and decode tokens alike (vLLM v1 style):
-each step computes up to `num_uncomputed_tokens` of every running sequence,
-within max_num_batched_tokens and max_num_seqs. Speculation plugs in between
-schedule() and the worker: draft_candidates() names the decode sequences,
-attach_drafts() turns them into candidate trees within the leftover budget.
+No model, no network, no asyncio: schedule() returns the step's StepRequest,
+postprocess() takes the worker's StepResult and returns events for the
+requests' streams. One code path serves prompt chunks and decode tokens alike
+(vLLM v1 style): each step computes up to `num_uncomputed_tokens` of every
+running sequence, within max_num_batched_tokens and max_num_seqs. Speculation
+plugs in between schedule() and the worker: draft_candidates() names the decode
+sequences, attach_drafts() turns them into candidate trees within the leftover
+budget.
+
+Faults: a SequenceOutput with `error` ends that request alone
+(FinishReason.ERROR). A whole step that fails (fail_step(), or an answer that
+does not fit the work) preempts all of its sequences for recomputation and
+halves the batch-size cap, which grows back by one per _CAP_GROWTH_STEPS
+successful steps; a sequence that fails again running alone, or fails
+max_failed_steps steps in a row, ends with FinishReason.ERROR.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
+from protos.segserve.v1.generate import FinishReason
+from protos.segserve.v1.sampling import InvalidParameter
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, SequenceOutput, StepRequest, StepResult, \
+    output_problem
+from protos.segserve.v1.tree import CandidateTree
 from scheduler.block_manager import BlockManager
-from scheduler.draft_trees import fit_tree, max_depth_of, worker_parents
-from scheduler.outputs import (
-    DraftTree,
-    NewSequence,
-    RequestOutput,
-    SampledTokens,
-    ScheduledSequence,
-    SchedulerOutput,
-)
+from scheduler.outputs import RequestEvent, completion, token_chunk
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.spec_policy import AcceptanceStats
-from scheduler.stopping import append_sampled
+from scheduler.stopping import append_tokens
+
+_CAP_GROWTH_STEPS = 16
+"""Successful steps per + 1 of a lowered batch-size cap (slow, so that a size that ran out of memory is
+not probed again at once)."""
 
 
-class RequestRejected(ValueError):
-    """A request that can never run (too long for the model or the KV cache) or clashes with a live one."""
+class RequestRejected(InvalidParameter):
+    """A request this scheduler can never run (too long for its KV cache) or whose id is live."""
 
 
 class QueueFull(RuntimeError):
@@ -41,8 +50,10 @@ class QueueFull(RuntimeError):
 class Scheduler:
     """Owns the waiting queue (FIFO), the running list and the KV-block allocation.
 
-    Call order per step: schedule() -> (worker) -> postprocess() or, if the
-    step failed, discard(). add() and abort() may be called at any time.
+    Call order per step: schedule() -> (worker) -> postprocess(), or fail_step()
+    / discard() when the step failed. add() and abort() may be called at any
+    time. `on_end(request_id)` is called for every request that leaves
+    (finished, failed or aborted), e.g. so that the speculator can tell the drafter.
     """
 
     def __init__(
@@ -56,7 +67,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_waiting: int = 1024,
         max_num_waiting_tokens: int = 262144,
+        max_failed_steps: int = 8,
         clock: Callable[[], float] = time.monotonic,
+        on_end: Callable[[str], None] | None = None,
     ):
         self.block_manager = BlockManager(num_kv_blocks, block_size)
         # Longest sequence (prompt + output) that can exist; reaching it ends generation.
@@ -68,17 +81,20 @@ class Scheduler:
         # Back-pressure: a queue longer than this only adds latency, so add() refuses at once.
         self.max_num_waiting = max_num_waiting
         self.max_num_waiting_tokens = max_num_waiting_tokens
+        self.max_failed_steps = max_failed_steps
         self.clock = clock
+        self._on_end = on_end
         self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         # In admission order: the last one is the first to be preempted.
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_failed_steps = 0
+        self.num_seqs_cap = max_num_seqs
+        """The batch-size cap after failed steps: halved by each, + 1 per _CAP_GROWTH_STEPS successful steps."""
+        self._num_ok_steps = 0  # successful steps since the last failed one
         self._finished_seq_ids: list[str] = []
-        self.finished_draft_ids: list[str] = []
-        """Ended sequences the drafter knew; the speculator drains it into its next Draft call."""
-        self.acceptance = AcceptanceStats()
         self._in_flight: dict[str, Sequence] = {}
         self._is_preempting = False  # whether the current schedule() has preempted anything
 
@@ -91,22 +107,23 @@ class Scheduler:
         """Tokens the waiting sequences still have to compute (a preempted one recomputes all of its own)."""
         return sum(seq.num_uncomputed_tokens for seq in self.waiting)
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request (FIFO).
+    @property
+    def num_seqs_limit(self) -> int:
+        """Most sequences in the next step: max_num_seqs, lowered while steps fail."""
+        return min(self.max_num_seqs, self.num_seqs_cap)
 
-        Raises RequestRejected if it can never run, QueueFull if the waiting
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (FIFO); it must have passed generate.validate_request().
+
+        Raises RequestRejected if it can never run here, QueueFull if the waiting
         queue is at max_num_waiting requests or would pass max_num_waiting_tokens
         (an empty queue takes any request that fits, so a long prompt is not refused forever).
         """
         if seq.request_id in self.requests:
-            raise RequestRejected(f"request_id {seq.request_id!r} is already live")
-        if seq.num_prompt_tokens == 0:
-            raise RequestRejected("prompt_token_ids must not be empty")
-        if seq.stopping.max_new_tokens <= 0:
-            raise RequestRejected("stopping.max_new_tokens must be > 0")
+            raise RequestRejected("request_id", f"{seq.request_id!r} is already live")
         if seq.num_prompt_tokens >= self.max_len:
             raise RequestRejected(
-                f"prompt_token_ids has {seq.num_prompt_tokens} tokens; at most {self.max_len - 1} fit "
+                "prompt_token_ids", f"has {seq.num_prompt_tokens} tokens; at most {self.max_len - 1} fit "
                 f"(max_model_len and KV-cache capacity leave room for one generated token)")
         if len(self.waiting) >= self.max_num_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
@@ -114,10 +131,9 @@ class Scheduler:
         if self.waiting and num_waiting_tokens + seq.num_prompt_tokens > self.max_num_waiting_tokens:
             raise QueueFull(f"{num_waiting_tokens} prompt tokens are already waiting (at most "
                             f"{self.max_num_waiting_tokens}); retry later")
-        for finished in (self._finished_seq_ids, self.finished_draft_ids):
-            if seq.request_id in finished:
-                # Its first step restarts the worker's (drafter's) state; a release after it would drop the new one.
-                finished.remove(seq.request_id)
+        if seq.request_id in self._finished_seq_ids:
+            # Its first step restarts the worker's state; a release after it would drop the new one.
+            self._finished_seq_ids.remove(seq.request_id)
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
@@ -127,16 +143,17 @@ class Scheduler:
         seq = self.requests.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._end(seq, SequenceStatus.ABORTED)
         return True
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepRequest:
         """Choose this step's work: running sequences first, then waiting ones in arrival order."""
         budget = self.max_num_batched_tokens
+        limit = self.num_seqs_limit
         chosen: list[tuple[Sequence, int]] = []
         self._is_preempting = False
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and index < limit and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)  # >= 1: the last sampled token at least
             if not self._allocate_or_preempt(seq, num_new):
@@ -145,7 +162,7 @@ class Scheduler:
             budget -= num_new
             index += 1
         # Admitting while short of blocks would only preempt again next step.
-        while self.waiting and not self._is_preempting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and not self._is_preempting and budget > 0 and len(self.running) < limit:
             seq = self.waiting[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):
@@ -156,69 +173,125 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, num_new))
             budget -= num_new
-        return self._build_output(chosen)
+        return self._build_request(chosen)
 
-    def draft_candidates(self, output: SchedulerOutput) -> list[Sequence]:
+    def draft_candidates(self, request: StepRequest) -> list[Sequence]:
         """This step's decode sequences: their only uncomputed token is the last sampled one."""
-        return [seq for work in output.scheduled
+        return [seq for work in request.sequences
                 if (seq := self._in_flight[work.seq_id]).num_uncomputed_tokens == 1 and work.sample_indices]
 
-    def attach_drafts(self, output: SchedulerOutput, trees: Mapping[str, DraftTree]) -> None:
+    def draft_room(self, request: StepRequest) -> int:
+        """Draft tokens that still fit in the step's token budget."""
+        return self.max_num_batched_tokens - request.num_scheduled_tokens
+
+    def attach_drafts(self, request: StepRequest, trees: Mapping[str, CandidateTree]) -> None:
         """Turn decode work into tree verification, within the step's token budget and free KV blocks.
 
         Trees shrink (or drop) to fit: the budget left after schedule(), the
-        stop conditions (no node past max_new_tokens or the context), and the
+        stop conditions (no node past max_tokens or the context), and the
         free blocks (drafts never preempt anything).
         """
-        room = self.max_num_batched_tokens - output.num_scheduled_tokens
-        for index, work in enumerate(output.scheduled):
+        room = self.draft_room(request)
+        for index, work in enumerate(request.sequences):
             tree = trees.get(work.seq_id)
             seq = self._in_flight.get(work.seq_id)
             if tree is None or seq is None or not work.sample_indices or seq.num_uncomputed_tokens != 1:
                 continue
             tree = fit_tree(tree, seq, room, self.max_len, self.block_manager)
-            if not tree.token_ids:
+            if not tree:
                 continue
-            self.block_manager.allocate(seq, 1 + len(tree.token_ids))
-            room -= len(tree.token_ids)
-            output.scheduled[index] = ScheduledSequence(
-                seq_id=work.seq_id, token_ids=work.token_ids + tree.token_ids,
-                num_computed_tokens=work.num_computed_tokens, block_table=list(seq.block_table),
-                sample_indices=[], draft_parents=worker_parents(tree))
+            self.block_manager.allocate(seq, 1 + len(tree))
+            room -= len(tree)
+            request.sequences[index] = dataclasses.replace(
+                work, block_table=tuple(seq.block_table), sample_indices=(), draft=tree)
 
-    def postprocess(self, output: SchedulerOutput, sampled: Mapping[str, SampledTokens]) -> list[RequestOutput]:
+    def postprocess(self, request: StepRequest, result: StepResult) -> list[RequestEvent]:
         """Account the step's computed tokens, append sampled ones, apply stop conditions.
 
-        `sampled` holds an entry for every sampled work (sample indices or a
-        tree). Sequences aborted while the step ran are skipped.
+        Returns the events for the requests' streams. An answer that does not
+        fit the work (step.output_problem) fails the whole step (fail_step).
+        Sequences aborted while the step ran are skipped.
         """
+        outputs = {output.seq_id: output for output in result.outputs}
+        for work in request.sequences:
+            problem = output_problem(work, outputs.get(work.seq_id))
+            if problem is not None:
+                return self.fail_step(request, f"the worker's answer does not fit the step: {problem}")
         now = self.clock()
-        results = []
         in_flight, self._in_flight = self._in_flight, {}
-        for work in output.scheduled:
+        events: list[RequestEvent] = []
+        for work in request.sequences:
+            seq = in_flight.get(work.seq_id)
+            if seq is not None and not seq.is_finished:
+                events += self._apply(seq, work, outputs.get(work.seq_id), now)
+        self._num_ok_steps += 1
+        if self._num_ok_steps % _CAP_GROWTH_STEPS == 0:
+            self.num_seqs_cap = min(self.max_num_seqs, self.num_seqs_cap + 1)
+        return events
+
+    def fail_step(self, request: StepRequest, message: str) -> list[RequestEvent]:
+        """A whole step failed (the worker ran out of memory, crashed, or answered nonsense).
+
+        Its live sequences are preempted (blocks freed, recomputed from 0, back at
+        the front of the queue in order) and the batch-size cap halves. One that
+        has failed before and now failed alone, or has failed max_failed_steps
+        steps in a row, ends with FinishReason.ERROR and `message`: returns those events.
+        """
+        in_flight, self._in_flight = self._in_flight, {}
+        self.num_failed_steps += 1
+        self._num_ok_steps = 0
+        self.num_seqs_cap = max(1, min(self.num_seqs_cap, len(request.sequences)) // 2)
+        # The worker may or may not have taken in this step's announcements and releases: repeat them.
+        self._finished_seq_ids += [seq_id for seq_id in request.finished_seq_ids
+                                   if seq_id not in self.requests and seq_id not in self._finished_seq_ids]
+        new_ids = {new.seq_id for new in request.new_sequences}
+        is_alone = len(request.sequences) == 1
+        events, retried = [], []
+        for work in request.sequences:
             seq = in_flight.get(work.seq_id)
             if seq is None or seq.is_finished:
                 continue
-            if work.draft_parents:  # root + accepted drafts are in KV; rejected nodes' blocks go back
-                num_returned = len(sampled[work.seq_id].token_ids)
-                seq.num_computed_tokens += num_returned
-                self.block_manager.trim(seq)
-                self.acceptance.record(seq.segment, max_depth_of(work.draft_parents), work.num_draft_tokens,
-                                       num_returned - 1)
-            else:
-                seq.num_computed_tokens += len(work.token_ids)
-            if work.is_sampled:
-                result = append_sampled(seq, sampled[work.seq_id], now, self.eos_token_ids, self.max_len)
-                if result.is_finished:
-                    self._finish(seq, result.finish_status)
-                results.append(result)
-        return results
+            seq.num_failed_steps += 1
+            if (is_alone and seq.num_failed_steps > 1) or seq.num_failed_steps >= self.max_failed_steps:
+                self._end(seq, SequenceStatus.FINISHED, FinishReason.ERROR, message)
+                events.append(RequestEvent(seq.request_id, completion(seq)))
+                continue
+            if seq.request_id in new_ids:
+                seq.is_known_to_worker = False
+            retried.append(seq)
+        for seq in reversed(retried):
+            self.running.remove(seq)
+            self._preempt(seq)
+        return events
 
-    def discard(self, output: SchedulerOutput) -> list[str]:
+    def discard(self, request: StepRequest) -> list[str]:
         """Forget a step that failed; returns the ids of its sequences still live (the caller aborts them)."""
         in_flight, self._in_flight = self._in_flight, {}
-        return [work.seq_id for work in output.scheduled
+        return [work.seq_id for work in request.sequences
                 if (seq := in_flight.get(work.seq_id)) is not None and not seq.is_finished]
+
+    def _apply(self, seq: Sequence, work: ScheduledSequence, output: SequenceOutput | None,
+               now: float) -> list[RequestEvent]:
+        """One sequence's share of a successful step: computed tokens, sampled tokens, stop, events."""
+        if output is not None and output.error:  # this sequence alone failed
+            self._end(seq, SequenceStatus.FINISHED, FinishReason.ERROR, output.error)
+            return [RequestEvent(seq.request_id, completion(seq))]
+        seq.num_failed_steps = 0  # failures count in a row
+        if work.draft is not None:  # root + accepted drafts are in KV; rejected nodes' blocks go back
+            seq.num_computed_tokens += len(output.token_ids)
+            self.block_manager.trim(seq)
+        else:
+            seq.num_computed_tokens += len(work.token_ids)
+        if output is None:
+            return []
+        num_kept, reason = (append_tokens(seq, output.token_ids, now, self.eos_token_ids, self.max_len)
+                            if work.is_sampled else (0, None))
+        chunk = token_chunk(seq, output, num_kept)
+        events = [] if chunk is None else [RequestEvent(seq.request_id, chunk)]
+        if reason is not None:
+            self._end(seq, SequenceStatus.FINISHED, reason)
+            events.append(RequestEvent(seq.request_id, completion(seq)))
+        return events
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int) -> bool:
         """Allocate blocks for seq, preempting the latest-admitted sequences while short.
@@ -244,41 +317,53 @@ class Scheduler:
         self.num_preemptions += 1
         self._is_preempting = True
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def _end(self, seq: Sequence, status: SequenceStatus, reason: FinishReason | None = None,
+             error_message: str = "") -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
-        seq.status = status
+        seq.status, seq.finish_reason, seq.error_message = status, reason, error_message
         del self.requests[seq.request_id]
         if seq.is_known_to_worker:
             self._finished_seq_ids.append(seq.request_id)
-        if seq.is_known_to_drafter:
-            self.finished_draft_ids.append(seq.request_id)
+        if self._on_end is not None:
+            self._on_end(seq.request_id)
 
-    def _build_output(self, chosen: list[tuple[Sequence, int]]) -> SchedulerOutput:
-        output = SchedulerOutput()
+    def _build_request(self, chosen: list[tuple[Sequence, int]]) -> StepRequest:
+        request = StepRequest()
         if not chosen:
-            return output  # finished ids wait for the next step that runs
+            return request  # finished ids wait for the next step that runs
         now = self.clock()
         for seq, num_new in chosen:
             start = seq.num_computed_tokens
             is_at_end = start + num_new == seq.num_tokens
-            output.scheduled.append(ScheduledSequence(
+            request.sequences.append(ScheduledSequence(
                 seq_id=seq.request_id,
-                token_ids=seq.token_ids[start:start + num_new],
+                token_ids=tuple(seq.token_ids[start:start + num_new]),
                 num_computed_tokens=start,
-                block_table=list(seq.block_table),
-                sample_indices=[num_new - 1] if is_at_end else [],
+                block_table=tuple(seq.block_table),
+                sample_indices=(num_new - 1,) if is_at_end else (),
             ))
             if not seq.is_known_to_worker:
-                output.new_sequences.append(NewSequence(seq.request_id, seq.sampling, seq.num_prompt_tokens))
+                request.new_sequences.append(NewSequence(seq.request_id, seq.sampling, seq.num_prompt_tokens))
                 seq.is_known_to_worker = True
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             seq.max_batch_size = max(seq.max_batch_size, len(chosen))
             self._in_flight[seq.request_id] = seq
-        output.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
+        request.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         self.num_steps += 1
-        return output
+        return request
+
+
+def fit_tree(tree: CandidateTree, seq: Sequence, room: int, max_len: int,
+             block_manager: BlockManager) -> CandidateTree:
+    """tree pruned to what seq can use this step: room draft tokens, free KV slots, and no node
+    that could only be accepted past max_tokens or max_len (the target adds one token more)."""
+    max_depth = min(seq.stopping.max_tokens - seq.num_output_tokens, max_len - seq.num_tokens) - 1
+    max_nodes = min(room, block_manager.num_free_slots(seq) - 1)  # the root takes one slot
+    if max_depth <= 0 or max_nodes <= 0:
+        return CandidateTree()
+    return tree.prune(max_nodes, max_depth)

@@ -3,6 +3,7 @@
 There is no prefill or decode phase: `token_ids` is prompt + output, and
 `num_computed_tokens` says how many of them are in the worker's KV cache. Each
 step computes some of the rest (a prefill chunk, or the one sampled token).
+Sampling and stopping are the contract's types (protos/segserve/v1/sampling.py).
 """
 
 from __future__ import annotations
@@ -11,64 +12,21 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen (the wire's SamplingParams, as plain Python)."""
-
-    do_sample: bool = False
-    """Sample from the distribution (True) or take the argmax (False)."""
-    temperature: float = 1.0
-    """Softmax temperature, > 0."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 = off."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1]; 1.0 = off."""
-    typical_p: float = 1.0
-    """Locally typical mass in (0, 1]; 1.0 = off."""
-    repetition_penalty: float = 1.0
-    """> 0; 1.0 = off."""
-    frequency_penalty: float = 0.0
-    """Subtract penalty * count of the token in the output; 0 = off."""
-    presence_penalty: float = 0.0
-    """Subtract penalty once per token present in the output; 0 = off."""
-    seed: int | None = None
-    """Seed of the request's own generator; None = random."""
-    num_top_logprobs: int = 0
-    """Top log-probabilities returned with every token; 0 = none."""
-    watermark: bool = False
-    """Bias sampling toward the green list (worker/watermark.py)."""
-
-
-@dataclass(frozen=True)
-class StoppingCriteria:
-    """When a request stops generating (besides the context limit)."""
-
-    max_new_tokens: int = 16
-    """Upper bound on generated tokens, > 0."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Extra token ids that end generation."""
-    ignore_eos: bool = False
-    """Keep generating past the model's EOS tokens."""
+from protos.segserve.v1.generate import FinishReason, GenerateRequest
+from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
 
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    FINISHED_EOS_TOKEN = enum.auto()
-    """The model produced one of its EOS tokens."""
-    FINISHED_STOP_TOKEN = enum.auto()
-    """One of stop_token_ids was produced."""
-    FINISHED_LENGTH = enum.auto()
-    """max_new_tokens reached."""
-    FINISHED_CONTEXT_LENGTH = enum.auto()
-    """The sequence filled the context (max_model_len or the whole KV cache)."""
-    FINISHED_ABORTED = enum.auto()
-    """Cancelled by the client, or failed by the engine."""
+    FINISHED = enum.auto()
+    """Ended on its own; `finish_reason` says why (FinishReason.ERROR: it failed in the worker)."""
+    ABORTED = enum.auto()
+    """Cancelled by the client, or failed by the engine with a GenerateError."""
 
     @property
     def is_finished(self) -> bool:
-        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+        return self in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
 
 
 @dataclass(eq=False)
@@ -89,14 +47,16 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    """Set when status is FINISHED."""
+    error_message: str = ""
+    """Why, with FinishReason.ERROR."""
     is_known_to_worker: bool = False
     """Set once the worker has been sent this sequence's NewSequence."""
-    num_drafter_tokens: int = 0
-    """Tokens the drafter holds for this sequence (0 = send the whole sequence next time)."""
-    is_known_to_drafter: bool = False
-    """Set once a Draft call carried this sequence: the drafter must be told when it ends."""
-    segment: str = ""
-    """The segment kind the drafter last reported for this sequence ("" = unknown)."""
+    num_failed_steps: int = 0
+    """Whole worker steps in a row that failed with this sequence in them (it was preempted and retried)."""
+    next_prompt_logprob_index: int = 1
+    """First prompt index whose log-probability has not been streamed (recomputation repeats them)."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -106,6 +66,12 @@ class Sequence:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def of(cls, request: GenerateRequest, arrival_time: float | None = None) -> Sequence:
+        """A new sequence for a validated GenerateRequest."""
+        return cls(request.request_id, list(request.prompt_token_ids), request.sampling, request.stopping,
+                   time.monotonic() if arrival_time is None else arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,7 +106,7 @@ class Sequence:
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """A finished request's timeline, in microseconds (0 where the event never happened)."""
+    """A request's timeline, in microseconds (0 where the event never happened)."""
 
     queue_wait_us: int
     """Arrival to first scheduling."""
@@ -151,7 +117,7 @@ class RequestMetrics:
     max_batch_size: int
 
     @classmethod
-    def of(cls, seq: Sequence) -> "RequestMetrics":
+    def of(cls, seq: Sequence) -> RequestMetrics:
         def us(start: float | None, end: float | None) -> int:
             return 0 if start is None or end is None else max(0, round((end - start) * 1e6))
 

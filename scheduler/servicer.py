@@ -1,7 +1,10 @@
 """The Scheduler gRPC service: thin methods that validate, delegate to the Engine and convert.
 
-Cancelling a Generate call (the client going away) cancels the handler; its
-`finally` aborts the request, which frees the slot and KV blocks at once.
+Requests arrive as GenerateRequest.from_pb and pass generate.validate_request (an
+InvalidParameter becomes INVALID_ARGUMENT with its message, naming the field);
+events leave as the contract events' to_pb(). Cancelling a Generate call (the
+client going away) cancels the handler; its `finally` aborts the request, which
+frees the slot and KV blocks at once.
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ import logging
 
 import grpc
 
-from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos.segserve.v1.generate import GenerateRequest, validate_request
+from protos.segserve.v1.sampling import InvalidParameter
 from scheduler.config import SchedulerConfig
-from scheduler.convert import InvalidRequest, event_to_pb, generate_args_from_pb, stats_to_pb
+from scheduler.convert import stats_to_pb
 from scheduler.drafter_client import DrafterClient
 from scheduler.engine import Engine, EngineNotReady
-from scheduler.scheduler import QueueFull, RequestRejected
-from scheduler.worker_client import WorkerClient, info_to_pb
+from scheduler.scheduler import QueueFull
+from scheduler.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +33,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.engine.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is not connected to its worker yet")
+        generate = GenerateRequest.from_pb(request)
         try:
-            args = generate_args_from_pb(request, self.engine.info)
-            stream = self.engine.add_request(args.request_id, args.prompt_token_ids, args.sampling, args.stopping)
-        except (InvalidRequest, RequestRejected) as exc:
+            validate_request(generate, self.engine.info)
+            stream = self.engine.add_request(generate)
+        except InvalidParameter as exc:  # RequestRejected included
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineNotReady as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -39,22 +45,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:
             async for event in stream:
-                for message in event_to_pb(event):
-                    yield message
+                yield event.to_pb()
         finally:  # normal end: a no-op; client cancelled: frees the request now
-            self.engine.abort(args.request_id)
+            self.engine.abort(generate.request_id)
 
     async def GetInfo(self, request: scheduler_pb2.SchedulerInfoRequest, context: grpc.aio.ServicerContext):
         if self.engine.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is not connected to its worker yet")
-        return scheduler_pb2.SchedulerInfo(worker=info_to_pb(self.engine.info))
+        return scheduler_pb2.SchedulerInfo(worker=self.engine.info.to_pb())
 
     async def GetStats(self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         return stats_to_pb(self.engine.stats())
 
-    async def Health(self, request: worker_pb2.HealthRequest, context: grpc.aio.ServicerContext):
-        health = await self.engine.health()
-        return worker_pb2.HealthResponse(ready=health.is_ready, detail=health.detail)
+    async def Health(self, request: common_pb2.HealthRequest, context: grpc.aio.ServicerContext):
+        return (await self.engine.health()).to_pb()
 
 
 async def start_server(config: SchedulerConfig, engine: Engine | None = None) -> tuple[grpc.aio.Server, Engine]:

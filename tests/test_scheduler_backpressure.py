@@ -65,8 +65,8 @@ def test_aborting_a_waiting_request_frees_its_tokens():
 def test_a_request_that_can_never_run_is_rejected_even_when_the_queue_is_full():
     scheduler = make_scheduler(max_num_waiting=1)
     fill(scheduler, [3])
-    with pytest.raises(RequestRejected):
-        scheduler.add(make_seq("empty", []))
+    with pytest.raises(RequestRejected, match="prompt_token_ids"):
+        scheduler.add(make_seq("too-long", [1] * 300))  # more than the whole KV cache
 
 
 def test_config_validates_the_token_bound():

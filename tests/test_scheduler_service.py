@@ -1,90 +1,52 @@
-"""In-process gRPC tier: the real Engine and Scheduler service in front of a fake Worker server.
+"""In-process gRPC tier: the real Engine and Scheduler service in front of tests/fakes.py's FakeWorker,
+served over gRPC (so the WorkerClient and every conversion run too).
 
 The fake worker's model is next token = (last token + 1) % VOCAB; it checks
 every StepRequest (known sequences, KV accounting, block-table sizes, no shared
-blocks) and refuses a bad one, so scheduler bugs surface as failed requests.
+blocks) and refuses a bad one, so scheduler bugs surface as failed requests
+and in `fake.problems`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 
 import grpc
 import pytest
 
-from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from protos.segserve.v1.generate import (
+    FinishReason,
+    GenerateComplete,
+    GenerateError,
+    GenerateEvent,
+    GenerateRequest,
+    TokenChunk,
+    event_from_pb,
+)
+from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
 from scheduler.config import SchedulerConfig
-from scheduler.sequence import SamplingParams, StoppingCriteria
 from scheduler.servicer import start_server, stop_server
 from segserve.launcher import free_port
+from tests.fakes import FakeWorker, FakeWorkerServicer, increment, serve
 
 VOCAB = 300
 EOS = 299
 
 
-class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int = 128):
-        self.info = worker_pb2.WorkerInfo(model_name="fake", num_kv_blocks=num_kv_blocks, block_size=block_size,
-                                          max_model_len=max_model_len, vocab_size=VOCAB, eos_token_ids=[EOS],
-                                          device="cpu", dtype="float32")
-        self.step_delay_s = 0.0
-        self.fail_steps: grpc.StatusCode | None = None
-        self.kv: dict[str, list[int]] = {}
-        self.released: list[str] = []
-        self.max_batch = 0
-        self.violations: list[str] = []
-
-    async def GetInfo(self, request, context):
-        return self.info
-
-    async def Health(self, request, context):
-        return worker_pb2.HealthResponse(ready=True)
-
-    async def Step(self, request: worker_pb2.StepRequest, context):
-        await asyncio.sleep(self.step_delay_s)
-        if self.fail_steps is not None:
-            await context.abort(self.fail_steps, "injected worker failure")
-        problem = self._apply(request)
-        if problem:
-            self.violations.append(problem)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        self.max_batch = max(self.max_batch, len(request.sequences))
-        return worker_pb2.StepResponse(outputs=[
-            worker_pb2.SequenceOutput(seq_id=s.seq_id, token_ids=[(s.token_ids[-1] + 1) % VOCAB], scores=[0.5])
-            for s in request.sequences if s.sample_indices])
-
-    def _apply(self, request: worker_pb2.StepRequest) -> str | None:
-        for seq_id in request.finished_seq_ids:
-            self.released.append(seq_id)
-            self.kv.pop(seq_id, None)
-        for new in request.new_sequences:
-            self.kv[new.seq_id] = []
-        used: set[int] = set()
-        for s in request.sequences:
-            if s.seq_id not in self.kv:
-                return f"unknown sequence {s.seq_id}"
-            cache = [] if s.num_computed_tokens == 0 else self.kv[s.seq_id]
-            if len(cache) != s.num_computed_tokens:
-                return f"{s.seq_id}: {len(cache)} cached, num_computed_tokens {s.num_computed_tokens}"
-            self.kv[s.seq_id] = cache + list(s.token_ids)
-            if len(s.block_table) * self.info.block_size < len(self.kv[s.seq_id]):
-                return f"{s.seq_id}: block table too short"
-            if used & set(s.block_table):
-                return f"{s.seq_id}: shares a KV block"
-            used |= set(s.block_table)
-        return None
+def make_fake(**kwargs) -> FakeWorker:
+    return FakeWorker(increment(VOCAB), VOCAB, [EOS], **kwargs)
 
 
 @contextlib.asynccontextmanager
-async def running_service(fake: FakeWorker):
+async def running_service(fake: FakeWorker, **config):
     """(scheduler stub, fake worker, engine), all on the running event loop."""
-    worker_server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(fake, worker_server)
-    worker_port = worker_server.add_insecure_port("127.0.0.1:0")
-    await worker_server.start()
-    config = SchedulerConfig(worker_address=f"127.0.0.1:{worker_port}", port=0, max_num_batched_tokens=32)
+    worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(fake))
+    config = SchedulerConfig(**{"worker_address": f"127.0.0.1:{worker_server.bound_port}", "port": 0,
+                                "max_num_batched_tokens": 32, **config})
     server, engine = await start_server(config)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
@@ -97,7 +59,7 @@ async def running_service(fake: FakeWorker):
 
 @pytest.fixture
 async def service():
-    async with running_service(FakeWorker()) as stack:
+    async with running_service(make_fake()) as stack:
         yield stack
 
 
@@ -113,58 +75,69 @@ async def _call(predicate):
     return await result if asyncio.iscoroutine(result) else result
 
 
-def generate_request(request_id: str, prompt: list[int], max_new_tokens: int = 5, **sampling) -> scheduler_pb2.GenerateRequest:
-    params = dict(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
-    params.update(sampling)
-    return scheduler_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                         sampling=common_pb2.SamplingParams(**params),
-                                         stopping=common_pb2.StoppingCriteria(max_new_tokens=max_new_tokens))
+def generate_request(request_id: str, prompt: list[int], max_tokens: int = 5,
+                     **sampling) -> scheduler_pb2.GenerateRequest:
+    return GenerateRequest(request_id, tuple(prompt), SamplingParams(**sampling),
+                           StoppingCriteria(max_tokens=max_tokens)).to_pb()
 
 
-async def collect(stub, request) -> tuple[list[int], scheduler_pb2.GenerateResponse]:
-    """All streamed token ids and the last message (complete or error)."""
+async def collect(stub, request) -> tuple[list[int], GenerateEvent]:
+    """All streamed token ids and the terminal event (GenerateComplete or GenerateError)."""
     tokens = []
     async for response in stub.Generate(request):
-        if response.HasField("chunk"):
-            tokens += response.chunk.token_ids
-        else:
-            return tokens, response
+        event = event_from_pb(response)
+        if not isinstance(event, TokenChunk):
+            return tokens, event
+        tokens += event.token_ids
     raise AssertionError("stream ended without complete or error")
+
+
+async def idle_stats(stub) -> tuple[int, int, int]:
+    stats = await stub.GetStats(scheduler_pb2.StatsRequest())
+    return stats.num_running, stats.num_waiting, stats.num_used_kv_blocks
 
 
 async def test_generate_streams_tokens_then_complete_with_metrics(service):
     stub, fake, _ = service
-    tokens, last = await collect(stub, generate_request("r1", [10, 11, 12], max_new_tokens=5))
+    tokens, last = await collect(stub, generate_request("r1", [10, 11, 12], max_tokens=5))
     assert tokens == [13, 14, 15, 16, 17]
-    complete = last.complete
-    assert complete.finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
-    assert (complete.num_prompt_tokens, complete.num_generated_tokens, complete.max_batch_size) == (3, 5, 1)
-    assert 0 < complete.first_token_us and 0 < complete.decode_us and complete.queue_wait_us <= complete.first_token_us
-    tokens, last = await collect(stub, generate_request("r2", [296], max_new_tokens=10))
-    assert (tokens, last.complete.finish_reason) == ([297, 298, EOS], scheduler_pb2.FINISH_REASON_EOS_TOKEN)
-    assert fake.violations == []
+    assert isinstance(last, GenerateComplete) and last.finish_reason is FinishReason.LENGTH
+    assert (last.num_prompt_tokens, last.num_generated_tokens, last.max_batch_size) == (3, 5, 1)
+    assert 0 < last.first_token_us and 0 < last.decode_us and last.queue_wait_us <= last.first_token_us
+    assert last.error_message == ""
+    tokens, last = await collect(stub, generate_request("r2", [296], max_tokens=10))
+    assert (tokens, last.finish_reason) == ([297, 298, EOS], FinishReason.EOS_TOKEN)
+    assert fake.problems == []
+
+
+async def test_an_absent_sampling_message_means_greedy_defaults(service):
+    stub, _, _ = service
+    request = scheduler_pb2.GenerateRequest(request_id="bare", prompt_token_ids=[4],
+                                            stopping=common_pb2.StoppingCriteria(max_tokens=2))
+    tokens, last = await collect(stub, request)
+    assert tokens == [5, 6] and last.finish_reason is FinishReason.LENGTH
 
 
 async def test_concurrent_requests_are_batched_and_each_gets_its_own_tokens(service):
-    stub, fake, engine = service
+    stub, fake, _ = service
     fake.step_delay_s = 0.005
     prompts = {f"c{i}": [20 * i + j for j in range(1 + i % 7)] for i in range(10)}
-    results = await asyncio.gather(*(collect(stub, generate_request(rid, p, max_new_tokens=6))
+    results = await asyncio.gather(*(collect(stub, generate_request(rid, p, max_tokens=6))
                                      for rid, p in prompts.items()))
     for (rid, prompt), (tokens, last) in zip(prompts.items(), results):
         assert tokens == [prompt[-1] + 1 + k for k in range(6)], rid
-        assert last.complete.finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
-    assert fake.max_batch > 1 and max(last.complete.max_batch_size for _, last in results) > 1
-    assert fake.violations == []
+        assert last.finish_reason is FinishReason.LENGTH
+    assert fake.max_batch > 1 and max(last.max_batch_size for _, last in results) > 1
+    assert fake.problems == []
+    assert await idle_stats(stub) == (0, 0, 0)
     stats = await stub.GetStats(scheduler_pb2.StatsRequest())
-    assert (stats.num_running, stats.num_waiting, stats.num_used_kv_blocks) == (0, 0, 0)
     assert stats.num_total_kv_blocks == 64 and stats.num_steps >= 6
 
 
 async def test_client_cancellation_frees_the_slot_and_releases_the_worker_state(service):
     stub, fake, _ = service
     fake.step_delay_s = 0.02
-    call = stub.Generate(generate_request("cancel-me", [1, 2, 3], max_new_tokens=100))
+    call = stub.Generate(generate_request("cancel-me", [1, 2, 3], max_tokens=100))
     num_chunks = 0
     async for response in call:
         num_chunks += response.HasField("chunk")
@@ -175,62 +148,170 @@ async def test_client_cancellation_frees_the_slot_and_releases_the_worker_state(
     call.cancel()
 
     async def is_idle():
-        stats = await stub.GetStats(scheduler_pb2.StatsRequest())
-        return (stats.num_running, stats.num_waiting, stats.num_used_kv_blocks) == (0, 0, 0)
+        return await idle_stats(stub) == (0, 0, 0)
 
     await wait_until(is_idle, timeout_s=2.0)
     # The worker is told to drop the sequence with the next step that runs.
-    await collect(stub, generate_request("next", [5], max_new_tokens=1))
+    await collect(stub, generate_request("next", [5], max_tokens=1))
     assert "cancel-me" in fake.released
 
 
-@pytest.mark.parametrize("request_kwargs, field", [
-    (dict(prompt=[]), "prompt_token_ids"),
-    (dict(prompt=[1] * 128), "prompt_token_ids"),
-    (dict(prompt=[1], max_new_tokens=0), "max_new_tokens"),
-    (dict(prompt=[VOCAB]), "prompt_token_ids"),
-    (dict(prompt=[1], temperature=0.0), "temperature"),
-    (dict(prompt=[1], top_p=1.5), "top_p"),
+@pytest.mark.parametrize("request_kwargs, message", [
+    (dict(prompt=[]), "prompt_token_ids: must not be empty"),
+    (dict(prompt=[1] * 128), "prompt_token_ids: has 128 tokens"),
+    (dict(prompt=[1], max_tokens=0), "max_tokens: must be in [1, "),
+    (dict(prompt=[VOCAB]), "prompt_token_ids: holds id 300"),
+    (dict(prompt=[1], temperature=0.0), "temperature: must be in (0, "),
+    (dict(prompt=[1], temperature=math.inf), "temperature: must be a finite number (got inf)"),
+    (dict(prompt=[1], temperature=math.nan), "temperature: must be a finite number (got nan)"),
+    (dict(prompt=[1], top_p=0.0), "top_p: must be in (0, 1] (got 0.0)"),
+    (dict(prompt=[1], top_p=1.5), "top_p: must be in (0, 1]"),
+    (dict(prompt=[1], top_k=VOCAB), f"top_k: must be below the vocabulary size {VOCAB} (got {VOCAB})"),
+    (dict(prompt=[1], top_k=10**6), "top_k: must be below the vocabulary size"),
+    (dict(prompt=[1], repetition_penalty=math.inf), "repetition_penalty: must be a finite number (got inf)"),
+    (dict(prompt=[1], logit_bias={5: 100.5}), "logit_bias: token 5: must be in [-100, 100]"),
+    (dict(prompt=[1], logit_bias={5: -math.inf}), "logit_bias: token 5: must be a finite number"),
+    (dict(prompt=[1], logit_bias={VOCAB: 1.0}), f"logit_bias: token ids must be integers in [0, {VOCAB})"),
 ])
-async def test_invalid_requests_get_invalid_argument_naming_the_field(service, request_kwargs, field):
-    stub, _, _ = service
+async def test_invalid_requests_get_invalid_argument_naming_the_field(service, request_kwargs, message):
+    stub, fake, engine = service
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(stub, generate_request("bad", **request_kwargs))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in info.value.details()
+    assert info.value.details().startswith(message), info.value.details()
+    assert fake.requests == [] and engine.stats().num_waiting == 0  # nothing reached a batch
 
 
 async def test_prompt_larger_than_the_kv_cache_is_rejected_and_one_that_fills_it_ends_at_context_length():
-    async with running_service(FakeWorker(num_kv_blocks=4, block_size=4)) as (stub, fake, engine):
+    async with running_service(make_fake(num_kv_blocks=4, block_size=4)) as (stub, fake, engine):
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await collect(stub, generate_request("huge", [1] * 17, max_new_tokens=1))  # 16 KV slots
+            await collect(stub, generate_request("huge", [1] * 17, max_tokens=1))  # 16 KV slots
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "prompt_token_ids" in info.value.details()
-        tokens, last = await collect(stub, generate_request("full", [1] * 16, max_new_tokens=5))
-        assert (tokens, last.complete.finish_reason) == ([2], scheduler_pb2.FINISH_REASON_CONTEXT_LENGTH)
-        assert engine.stats().num_waiting == 0 and fake.violations == []
+        assert info.value.details().startswith("prompt_token_ids: has 17 tokens")
+        tokens, last = await collect(stub, generate_request("full", [1] * 16, max_tokens=5))
+        assert (tokens, last.finish_reason) == ([2], FinishReason.CONTEXT_LENGTH)
+        assert engine.stats().num_waiting == 0 and fake.problems == []
 
 
-async def test_worker_failure_ends_the_stream_with_an_error_and_serving_continues(service):
+async def test_an_unreachable_worker_ends_the_step_with_an_error_and_serving_continues(service):
     stub, fake, _ = service
-    fake.fail_steps = grpc.StatusCode.UNAVAILABLE
-    tokens, last = await asyncio.wait_for(collect(stub, generate_request("doomed", [1, 2], max_new_tokens=5)), 5)
-    assert tokens == [] and last.HasField("error")
-    assert last.error.code == "internal"
-    assert "UNAVAILABLE" in last.error.message and "injected worker failure" in last.error.message
-    fake.fail_steps = None
-    tokens, last = await collect(stub, generate_request("fine", [7], max_new_tokens=2))
-    assert tokens == [8, 9] and last.HasField("complete")
+    fake.failing_code = "UNAVAILABLE"
+    tokens, last = await asyncio.wait_for(collect(stub, generate_request("doomed", [1, 2], max_tokens=5)), 5)
+    assert tokens == [] and isinstance(last, GenerateError) and last.code == "internal"
+    assert "UNAVAILABLE" in last.message and "injected worker failure" in last.message
+    fake.failing_code = None
+    tokens, last = await collect(stub, generate_request("fine", [7], max_tokens=2))
+    assert tokens == [8, 9] and isinstance(last, GenerateComplete)
     assert "doomed" in fake.released
-    stats = await stub.GetStats(scheduler_pb2.StatsRequest())
-    assert (stats.num_running, stats.num_used_kv_blocks) == (0, 0)
+    assert await idle_stats(stub) == (0, 0, 0)
+
+
+# Faults the scheduler retries or isolates (8 co-batched requests, greedy: every output is known).
+
+BATCH = {f"b{i}": [10 * i + 1, 10 * i + 2] for i in range(8)}
+
+
+async def generate_batch(stub, max_tokens: int = 8) -> dict[str, tuple[list[int], GenerateEvent]]:
+    results = await asyncio.wait_for(asyncio.gather(
+        *(collect(stub, generate_request(rid, prompt, max_tokens=max_tokens)) for rid, prompt in BATCH.items())), 20)
+    return dict(zip(BATCH, results))
+
+
+def plain(prompt: list[int], max_tokens: int = 8) -> list[int]:
+    return [prompt[-1] + 1 + k for k in range(max_tokens)]
+
+
+async def test_one_failing_sequence_ends_alone_with_finish_reason_error():
+    async with running_service(make_fake()) as (stub, fake, engine):
+        fake.step_delay_s = 0.002
+        fake.sequence_errors["b3"] = 3  # three tokens, then an error output
+        results = await generate_batch(stub)
+        for rid, prompt in BATCH.items():
+            tokens, last = results[rid]
+            if rid == "b3":
+                assert tokens == plain(prompt)[:3] and isinstance(last, GenerateComplete)
+                assert last.finish_reason is FinishReason.ERROR and last.num_generated_tokens == 3
+                assert last.error_message == "non-finite logits for b3"
+            else:
+                assert (tokens, last.finish_reason) == (plain(prompt), FinishReason.LENGTH), rid
+        assert fake.max_batch == 8 and engine.stats().num_failed_steps == 0
+        assert await idle_stats(stub) == (0, 0, 0) and fake.problems == []
+
+
+@pytest.mark.parametrize("code", ["RESOURCE_EXHAUSTED", "INTERNAL"])
+async def test_a_step_that_fails_once_is_retried_and_every_request_gets_identical_tokens(code):
+    async with running_service(make_fake()) as (stub, fake, engine):
+        fake.step_delay_s = 0.002
+        fake.fail_once_at_batch = (len(BATCH), code)
+        results = await generate_batch(stub)
+        for rid, prompt in BATCH.items():
+            assert (results[rid][0], results[rid][1].finish_reason) == (plain(prompt), FinishReason.LENGTH), rid
+        stats = engine.stats()
+        assert stats.num_failed_steps == 1 and stats.num_preemptions == len(BATCH)
+        assert await idle_stats(stub) == (0, 0, 0) and fake.problems == []
+
+
+async def test_a_malformed_worker_answer_is_retried_like_a_failed_step():
+    async with running_service(make_fake()) as (stub, fake, engine):
+        fake.step_delay_s = 0.002
+        fake.num_malformed_answers = 1
+        results = await generate_batch(stub)
+        assert {rid: tokens for rid, (tokens, _) in results.items()} == {r: plain(p) for r, p in BATCH.items()}
+        assert engine.stats().num_failed_steps == 1
+
+
+async def test_a_sequence_that_breaks_every_batch_it_is_in_ends_with_an_error_and_the_rest_finish():
+    async with running_service(make_fake()) as (stub, fake, engine):
+        fake.step_delay_s = 0.002
+        fake.poison_seq_ids.add("b6")
+        results = await generate_batch(stub)
+        for rid, prompt in BATCH.items():
+            tokens, last = results[rid]
+            if rid == "b6":
+                assert tokens == [] and last.finish_reason is FinishReason.ERROR
+                assert "RESOURCE_EXHAUSTED" not in last.error_message and "INTERNAL" in last.error_message
+            else:
+                assert (tokens, last.finish_reason) == (plain(prompt), FinishReason.LENGTH), rid
+        assert await idle_stats(stub) == (0, 0, 0) and fake.problems == []
+
+
+async def test_a_permanently_failing_worker_ends_every_request_with_an_error_in_bounded_time():
+    async with running_service(make_fake()) as (stub, fake, engine):
+        fake.failing_code = "RESOURCE_EXHAUSTED"
+        start = time.monotonic()
+        results = await generate_batch(stub)
+        assert time.monotonic() - start < 10
+        for tokens, last in results.values():
+            assert tokens == [] and isinstance(last, GenerateComplete) and last.finish_reason is FinishReason.ERROR
+            assert "RESOURCE_EXHAUSTED" in last.error_message
+        assert len(fake.requests) <= 2 * len(BATCH)
+        assert await idle_stats(stub) == (0, 0, 0)
+        assert (engine.scheduler.running, list(engine.scheduler.waiting)) == ([], [])
+        fake.failing_code = None  # the worker recovers: so does serving
+        tokens, last = await collect(stub, generate_request("after", [3], max_tokens=2))
+        assert tokens == [4, 5] and last.finish_reason is FinishReason.LENGTH
+
+
+async def test_prompt_logprobs_are_streamed_and_requests_that_did_not_ask_get_none():
+    async with running_service(make_fake(), max_num_batched_tokens=8) as (stub, fake, _):
+        prompt = list(range(1, 21))
+        chunks = [event_from_pb(r) async for r in stub.Generate(
+            generate_request("echo", prompt, max_tokens=2, num_prompt_logprobs=2))]
+        prompt_chunks = [c.prompt_logprobs for c in chunks[:-1] if c.prompt_logprobs is not None]
+        assert chunks[0].token_ids == () and chunks[0].prompt_logprobs.start == 1  # before the first token
+        assert [i for p in prompt_chunks for i in range(p.start, p.start + len(p.logprobs))] == list(range(1, 20))
+        assert all(len(top.token_ids) == 2 for p in prompt_chunks for top in p.top_logprobs)
+        assert [t for c in chunks[:-1] for t in c.token_ids] == [21, 22]
+        plain_chunks = [event_from_pb(r) async for r in stub.Generate(generate_request("plain", prompt, max_tokens=2))]
+        assert all(c.prompt_logprobs is None for c in plain_chunks[:-1])
+        assert [t for c in plain_chunks[:-1] for t in c.token_ids] == [21, 22]
 
 
 async def test_get_info_and_health_pass_the_worker_through(service):
     stub, _, _ = service
     info = await stub.GetInfo(scheduler_pb2.SchedulerInfoRequest())
     assert (info.worker.model_name, info.worker.max_model_len, list(info.worker.eos_token_ids)) == ("fake", 128, [EOS])
-    assert (await stub.Health(worker_pb2.HealthRequest())).ready
+    assert (await stub.Health(common_pb2.HealthRequest())).ready
 
 
 async def test_the_ray_actor_serves_generate_over_its_grpc_port():
@@ -239,23 +320,21 @@ async def test_the_ray_actor_serves_generate_over_its_grpc_port():
     from scheduler.actor import SchedulerActor
     from scheduler.main import init_local_ray
 
-    fake = FakeWorker()
-    worker_server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(fake, worker_server)
-    worker_port = worker_server.add_insecure_port("127.0.0.1:0")
-    await worker_server.start()
+    worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(make_fake()))
     init_local_ray()
     try:
         actor = SchedulerActor.remote()
-        port = await actor.start.remote(SchedulerConfig(worker_address=f"127.0.0.1:{worker_port}", port=0))
+        port = await actor.start.remote(SchedulerConfig(worker_address=f"127.0.0.1:{worker_server.bound_port}",
+                                                        port=0))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
             async def ready():
-                return (await stub.Health(worker_pb2.HealthRequest())).ready
+                return (await stub.Health(common_pb2.HealthRequest())).ready
 
             await wait_until(ready, timeout_s=30)
-            tokens, last = await collect(stub, generate_request("ray", [40, 41], max_new_tokens=4))
-        assert tokens == [42, 43, 44, 45] and last.HasField("complete")
+            tokens, last = await collect(stub, generate_request("ray", [40, 41], max_tokens=4))
+        assert tokens == [42, 43, 44, 45] and isinstance(last, GenerateComplete)
         assert (await actor.stats.remote())["num_steps"] >= 4
         await actor.stop.remote()
     finally:
@@ -263,15 +342,19 @@ async def test_the_ray_actor_serves_generate_over_its_grpc_port():
         await worker_server.stop(None)
 
 
+def engine_request(request_id: str, prompt: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id, tuple(prompt), stopping=StoppingCriteria(max_tokens=max_tokens))
+
+
 async def test_engine_abort_ends_the_stream_with_cancelled(service):
     _, fake, engine = service
     fake.step_delay_s = 0.02
-    stream = engine.add_request("api-abort", [1, 2], SamplingParams(), StoppingCriteria(max_new_tokens=100))
+    stream = engine.add_request(engine_request("api-abort", [1, 2], 100))
     first = await stream.__anext__()
-    assert first.token_ids == [3]
+    assert first.token_ids == (3,)
     assert engine.abort("api-abort") and not engine.abort("api-abort")
     events = [event async for event in stream]
-    assert events[-1].code == "cancelled"
+    assert isinstance(events[-1], GenerateError) and events[-1].code == "cancelled"
     assert engine.stats().num_used_kv_blocks == 0
 
 
@@ -281,7 +364,7 @@ async def test_without_a_worker_health_is_not_ready_and_generate_is_unavailable(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            health = await stub.Health(worker_pb2.HealthRequest())
+            health = await stub.Health(common_pb2.HealthRequest())
             assert not health.ready and "worker" in health.detail
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await collect(stub, generate_request("early", [1]))
@@ -290,15 +373,13 @@ async def test_without_a_worker_health_is_not_ready_and_generate_is_unavailable(
         await stop_server(server, engine)
 
 
-async def test_a_full_waiting_queue_refuses_with_resource_exhausted(service):
-    stub, fake, engine = service
-    engine.scheduler.max_num_waiting = 1
-    engine.scheduler.max_num_seqs = 1
-    fake.step_delay_s = 0.02
-    for request_id in ("running", "queued"):
-        engine.add_request(request_id, [1], SamplingParams(), StoppingCriteria(max_new_tokens=100))
-        await wait_until(lambda: engine.stats().num_running == 1)
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(stub, generate_request("refused", [2]))
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting" in info.value.details()
-    assert engine.abort("running") and engine.abort("queued")
+async def test_a_full_waiting_queue_refuses_with_resource_exhausted():
+    async with running_service(make_fake(), max_num_waiting=1, max_num_seqs=1) as (stub, fake, engine):
+        fake.step_delay_s = 0.02
+        for request_id in ("running", "queued"):
+            engine.add_request(engine_request(request_id, [1], 100))
+            await wait_until(lambda: engine.stats().num_running == 1)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(stub, generate_request("refused", [2]))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting" in info.value.details()
+        assert engine.abort("running") and engine.abort("queued")

@@ -25,6 +25,7 @@ from drafter.server import build_servicer, load_draft_models
 from drafter.server import start_server as start_drafter
 from drafter.trees import BUILDERS
 from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.segserve.v1.generate import FinishReason, GenerateComplete
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server as start_scheduler
 from scheduler.servicer import stop_server as stop_scheduler
@@ -40,7 +41,7 @@ TINY_PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "Ada", "age"'
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 
-def reference(model_dir, prompts: list[str], max_new_tokens: int) -> dict[str, tuple[list[int], list[int]]]:
+def reference(model_dir, prompts: list[str], max_tokens: int) -> dict[str, tuple[list[int], list[int]]]:
     """prompt -> (prompt ids, plain greedy continuation ids)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -48,7 +49,7 @@ def reference(model_dir, prompts: list[str], max_new_tokens: int) -> dict[str, t
     for prompt in prompts:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
-            generated = model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens)
+            generated = model.generate(input_ids, do_sample=False, max_new_tokens=max_tokens)
         out[prompt] = (input_ids[0].tolist(), generated[0, input_ids.shape[1]:].tolist())
     return out
 
@@ -103,14 +104,14 @@ def corpus_texts(references) -> list[list[int]]:
     return texts
 
 
-async def check_lossless(runner, model_dir, references, algorithm, source, max_new_tokens):
+async def check_lossless(runner, model_dir, references, algorithm, source, max_tokens):
     async with speculative_stack(runner, model_dir, algorithm, source, corpus_texts(references)) as stub:
-        requests = [generate_request(f"r{i}", prompt_ids, max_new_tokens=max_new_tokens)
+        requests = [generate_request(f"r{i}", prompt_ids, max_tokens=max_tokens)
                     for i, (prompt_ids, _) in enumerate(references.values())]
         results = await asyncio.gather(*(collect(stub, r) for r in requests))
         stats = (await stub.GetStats(scheduler_pb2.StatsRequest())).spec
     for (tokens, last), (prompt, (_, expected)) in zip(results, references.items()):
-        assert last.HasField("complete"), last
+        assert isinstance(last, GenerateComplete) and last.finish_reason is not FinishReason.ERROR, last
         assert tokens == expected, (algorithm, source, prompt)
     assert stats.num_verified > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens > 0
     if source != "draft_model":  # wrong corpus continuations (and a one-layer draft) were rejected too

@@ -4,7 +4,7 @@
 router itself adds (recording on vs off) without a model's ~100 ms of noisy
 compute per token drowning a 1 ms effect. It is not a test double of the
 scheduler's behaviour: every Generate, whatever its sampling, answers
-`max_new_tokens` tokens of a fixed English text (EOS ignored, one token per
+`max_tokens` tokens of a fixed English text (EOS ignored, one token per
 chunk, as plain decoding sends them), the first after one interval (a "prefill")
 and each next one on an absolute schedule (start + k * interval), so that a slow
 reader never shifts the pace. GetInfo/Health/GetStats answer what the router
@@ -26,7 +26,9 @@ import time
 import grpc
 from tokenizers import Tokenizer
 
-from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateRequest, TokenChunk
+from protos.segserve.v1.info import Health, WorkerInfo
 
 TEXT = ("The river runs past the old mill and under the stone bridge, where the town keeps its market "
         "on every second Saturday of the month, and people come from the villages in the hills to sell "
@@ -51,7 +53,8 @@ class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.num_steps = 0
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        num_tokens = request.stopping.max_new_tokens
+        generate = GenerateRequest.from_pb(request)
+        num_tokens = generate.stopping.max_tokens
         started_s = time.monotonic()
         self.num_running += 1
         try:
@@ -59,31 +62,31 @@ class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.sleep(max(0.0, started_s + (k + 1) * self.token_interval_s - time.monotonic()))
                 token_id = self.text_ids[k % len(self.text_ids)]
                 self.num_steps += 1
-                yield scheduler_pb2.GenerateResponse(chunk=scheduler_pb2.TokenChunk(token_ids=[token_id], scores=[0.0]))
+                yield TokenChunk((token_id,), (0.0,)).to_pb()
         finally:
             self.num_running -= 1
         elapsed_us = round((time.monotonic() - started_s) * 1e6)
-        yield scheduler_pb2.GenerateResponse(complete=scheduler_pb2.GenerateComplete(
-            finish_reason=scheduler_pb2.FINISH_REASON_LENGTH, num_prompt_tokens=len(request.prompt_token_ids),
-            num_generated_tokens=num_tokens, first_token_us=round(self.token_interval_s * 1e6),
-            decode_us=elapsed_us, max_batch_size=self.num_running + 1))
+        yield GenerateComplete(
+            FinishReason.LENGTH, num_prompt_tokens=len(generate.prompt_token_ids), num_generated_tokens=num_tokens,
+            first_token_us=round(self.token_interval_s * 1e6), decode_us=elapsed_us,
+            max_batch_size=self.num_running + 1).to_pb()
 
     async def GetInfo(self, request, context):
-        return scheduler_pb2.SchedulerInfo(worker=worker_pb2.WorkerInfo(
-            model_name=MODEL_NAME, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            eos_token_ids=[self.eos_token_id], block_size=16, num_kv_blocks=1024, device="none", dtype="none"))
+        return scheduler_pb2.SchedulerInfo(worker=WorkerInfo(
+            model_name=MODEL_NAME, num_kv_blocks=1024, block_size=16, max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, eos_token_ids=(self.eos_token_id,), device="none", dtype="none").to_pb())
 
     async def GetStats(self, request, context):
         return scheduler_pb2.SchedulerStats(num_running=self.num_running, num_steps=self.num_steps,
                                             num_total_kv_blocks=1024)
 
     async def Health(self, request, context):
-        return worker_pb2.HealthResponse(ready=True)
+        return Health(True).to_pb()
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:
     """The model directory's tokenizer.json, read with `tokenizers` alone (no torch import: starts in a second)."""
-    from worker.checkpoint import resolve_model
+    from segserve.checkpoint import resolve_model
 
     return Tokenizer.from_file(str(resolve_model(model) / "tokenizer.json"))
 

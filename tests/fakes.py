@@ -1,0 +1,372 @@
+"""The one fake worker and the one fake drafter of the scheduler's tests, at every tier.
+
+`FakeWorker` implements the Engine's Worker protocol (get_info / step / health)
+with a deterministic model: the next token is `rule(prefix)` (`increment`:
+last + 1; `positional`: depends on the token and its position, so KV kept for
+the wrong tree nodes changes the output). It checks every StepRequest the way
+the real worker does (announced sequences, KV accounting, block tables, no
+shared blocks, well-formed trees), verifies candidate trees by the rule,
+returns top and prompt log-probabilities when asked, and injects faults on
+request: a per-sequence error output, whole-step failures (once, for good,
+past a batch size, whenever a given sequence is in the step) and malformed
+answers. `step_sync` is the same step for the pure tier; `FakeWorkerServicer`
+serves it over gRPC for the in-process service tier.
+
+`FakeDrafter` implements the Speculator's Drafter protocol: it tracks each
+request's tokens like the real drafter and proposes trees whose main chain
+follows the rule for `num_right` nodes; `mode` scripts its failures.
+`FakeDrafterServicer` serves it over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc, worker_pb2_grpc
+from protos.segserve.v1.info import Health, WorkerInfo
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import (
+    PromptLogprobs,
+    ScheduledSequence,
+    SequenceOutput,
+    StepRequest,
+    StepResult,
+    TopLogprobs,
+)
+from protos.segserve.v1.tree import ROOT, CandidateTree
+from scheduler.drafter_client import DraftQuery, DraftReply
+from scheduler.worker_client import WorkerError
+
+Rule = Callable[[Sequence[int]], int]
+SCORE = 0.5
+"""The score the fake reports for every sampled token."""
+
+
+def increment(vocab_size: int) -> Rule:
+    """next token = (last + 1) % vocab_size."""
+    return lambda prefix: (prefix[-1] + 1) % vocab_size
+
+
+def positional(vocab_size: int) -> Rule:
+    """next token = (7 * last + len(prefix)) % vocab_size: depends on the token and its position."""
+    return lambda prefix: (7 * prefix[-1] + len(prefix)) % vocab_size
+
+
+def reference(rule: Rule, prompt: Sequence[int], max_tokens: int, eos: int | None = None,
+              max_len: int = 10**9) -> list[int]:
+    """Plain greedy decoding under the rule, with the scheduler's stop conditions."""
+    tokens = list(prompt)
+    while True:
+        tokens.append(rule(tokens))
+        if tokens[-1] == eos or len(tokens) - len(prompt) >= max_tokens or len(tokens) >= max_len:
+            return tokens[len(prompt):]
+
+
+def prompt_logprob(prefix: Sequence[int], token_id: int) -> float:
+    """The fake's log-probability of token_id after prefix (deterministic, in (-1, 0])."""
+    return -((token_id + len(prefix)) % 10) / 10
+
+
+class InjectedFailure(WorkerError):
+    """A whole-step failure the test asked for, as WorkerClient reports a gRPC status."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"worker Step failed: {code}: {detail}", code)
+        self.detail = detail
+
+
+class FakeWorker:
+    """A rule-following model behind the Engine's Worker protocol; see the module docstring."""
+
+    def __init__(self, rule: Rule, vocab_size: int, eos_token_ids: Sequence[int] = (), *, num_kv_blocks: int = 64,
+                 block_size: int = 4, max_model_len: int = 128):
+        self.info = WorkerInfo("fake", num_kv_blocks, block_size, max_model_len, vocab_size, tuple(eos_token_ids),
+                               "cpu", "float32")
+        self.rule = rule
+        self.step_delay_s = 0.0
+        self.kv: dict[str, list[int]] = {}
+        """Tokens in each known sequence's KV cache."""
+        self.sampling: dict[str, SamplingParams] = {}
+        self.num_prompt_tokens: dict[str, int] = {}
+        self.ever_announced: set[str] = set()
+        self.released: list[str] = []
+        self.requests: list[StepRequest] = []
+        """Every StepRequest received, failed ones included."""
+        self.problems: list[str] = []
+        """Violations of the worker contract seen (each also fails its step)."""
+        self.max_batch = 0
+        self.max_tokens_per_step = 0
+        # Fault injection.
+        self.failing_code: str | None = None
+        """Every step fails with this gRPC status name while set."""
+        self.step_failures: list[str] = []
+        """Status names the next steps fail with, one per step."""
+        self.fail_once_at_batch: tuple[int, str] | None = None
+        """(batch size, status name): the first step with at least that many sequences fails once."""
+        self.max_batch_size: int | None = None
+        """A step with more sequences fails with RESOURCE_EXHAUSTED (out of memory)."""
+        self.poison_seq_ids: set[str] = set()
+        """A step holding any of these sequences fails with INTERNAL."""
+        self.sequence_errors: dict[str, int] = {}
+        """seq id -> sampled outputs it gets before an error output (then every time)."""
+        self.num_malformed_answers = 0
+        """The next steps answer one token too many for their first sampled sequence."""
+        self._num_sampled: dict[str, int] = {}
+
+    async def get_info(self) -> WorkerInfo:
+        return self.info
+
+    async def health(self) -> Health:
+        return Health(True)
+
+    async def step(self, request: StepRequest) -> StepResult:
+        if self.step_delay_s:
+            await asyncio.sleep(self.step_delay_s)
+        return self.step_sync(request)
+
+    def step_sync(self, request: StepRequest) -> StepResult:
+        """Apply the request like the real worker (state first, then the forward); raise InjectedFailure
+        for an injected whole-step failure, AssertionError for a contract violation."""
+        self.requests.append(request)
+        problem = self._register(request) or self._check(request)
+        if problem is not None:
+            self.problems.append(problem)
+            raise AssertionError(problem)
+        failure = self._injected_failure(request)
+        if failure is not None:  # like an out-of-memory forward: announcements and releases were taken in
+            raise failure
+        self.max_batch = max(self.max_batch, len(request.sequences))
+        self.max_tokens_per_step = max(self.max_tokens_per_step, request.num_scheduled_tokens)
+        outputs = [output for work in request.sequences if (output := self._run(work)) is not None]
+        sampled = [i for i, output in enumerate(outputs) if output.token_ids]
+        if self.num_malformed_answers and sampled:
+            self.num_malformed_answers -= 1
+            bad = outputs[sampled[0]]
+            outputs[sampled[0]] = SequenceOutput(bad.seq_id, bad.token_ids * 2, bad.scores * 2)
+        return StepResult(outputs, compute_us=1)
+
+    def _register(self, request: StepRequest) -> str | None:
+        for seq_id in request.finished_seq_ids:
+            if seq_id not in self.ever_announced:
+                return f"released {seq_id!r}, never announced"
+            self.released.append(seq_id)
+            self.kv.pop(seq_id, None)
+            self.sampling.pop(seq_id, None)
+        for new in request.new_sequences:  # a known id restarts (e.g. re-announced after a failed step)
+            self.ever_announced.add(new.seq_id)
+            self.kv[new.seq_id] = []
+            self.sampling[new.seq_id] = new.sampling
+            self.num_prompt_tokens[new.seq_id] = new.num_prompt_tokens
+        return None
+
+    def _check(self, request: StepRequest) -> str | None:
+        used: set[int] = set()
+        seen: set[str] = set()
+        for work in request.sequences:
+            if work.seq_id not in self.kv:
+                return f"unknown sequence {work.seq_id!r}"
+            if work.seq_id in seen:
+                return f"{work.seq_id!r} scheduled twice"
+            seen.add(work.seq_id)
+            cached = 0 if work.num_computed_tokens == 0 else len(self.kv[work.seq_id])
+            if cached != work.num_computed_tokens:
+                return f"{work.seq_id}: {cached} cached, num_computed_tokens {work.num_computed_tokens}"
+            if len(work.block_table) * self.info.block_size < work.num_tokens:
+                return f"{work.seq_id}: block table too short"
+            if used & set(work.block_table):
+                return f"{work.seq_id}: shares a KV block"
+            used |= set(work.block_table)
+            if work.draft is not None and (len(work.token_ids) != 1 or work.sample_indices
+                                           or work.draft.problem(self.info.vocab_size) is not None):
+                return f"{work.seq_id}: malformed tree step"
+            if work.sample_indices and work.sample_indices != (len(work.token_ids) - 1,):
+                return f"{work.seq_id}: sample indices {work.sample_indices}"
+        return None
+
+    def _injected_failure(self, request: StepRequest) -> InjectedFailure | None:
+        if self.step_failures:
+            return InjectedFailure(self.step_failures.pop(0), "injected step failure")
+        if self.fail_once_at_batch is not None and len(request.sequences) >= self.fail_once_at_batch[0]:
+            code, self.fail_once_at_batch = self.fail_once_at_batch[1], None
+            return InjectedFailure(code, "injected step failure")
+        if self.failing_code is not None:
+            return InjectedFailure(self.failing_code, "injected worker failure")
+        if self.max_batch_size is not None and len(request.sequences) > self.max_batch_size:
+            return InjectedFailure("RESOURCE_EXHAUSTED", f"out of memory at {len(request.sequences)} sequences")
+        if any(work.seq_id in self.poison_seq_ids for work in request.sequences):
+            return InjectedFailure("INTERNAL", "injected failure of a poisoned batch")
+        return None
+
+    def _run(self, work: ScheduledSequence) -> SequenceOutput | None:
+        """The forward for one sequence: its KV grows, and the output when it is sampled or asked for."""
+        cache = [] if work.num_computed_tokens == 0 else self.kv[work.seq_id]
+        sampling = self.sampling[work.seq_id]
+        prompt = self._prompt_logprobs(work, cache + list(work.token_ids), sampling)
+        if work.draft is not None:
+            token_ids = self._verify(cache + list(work.token_ids), work.draft)
+            self.kv[work.seq_id] = cache + list(work.token_ids) + token_ids[:-1]
+        else:
+            self.kv[work.seq_id] = cache + list(work.token_ids)
+            token_ids = [self.rule(self.kv[work.seq_id])] if work.sample_indices else []
+        if not token_ids:
+            return None if prompt is None else SequenceOutput(work.seq_id, prompt_logprobs=prompt)
+        num_sampled = self._num_sampled[work.seq_id] = self._num_sampled.get(work.seq_id, 0) + 1
+        if work.seq_id in self.sequence_errors and num_sampled > self.sequence_errors[work.seq_id]:
+            return SequenceOutput(work.seq_id, error=f"non-finite logits for {work.seq_id}")
+        top = [self._top(token_id, sampling.num_top_logprobs) for token_id in token_ids]
+        return SequenceOutput(work.seq_id, tuple(token_ids), (SCORE,) * len(token_ids),
+                              tuple(top) if sampling.num_top_logprobs else (), prompt)
+
+    def _verify(self, context: list[int], draft: CandidateTree) -> list[int]:
+        """Accepted drafts + the target's own token: descend while a child equals the rule's token."""
+        node, out = ROOT, []
+        while True:
+            target = self.rule(context + out)
+            child = next((i for i, (t, p) in enumerate(zip(draft.token_ids, draft.parents))
+                          if p == node and t == target), None)
+            out.append(target)
+            if child is None:
+                return out
+            node = child
+
+    def _prompt_logprobs(self, work: ScheduledSequence, tokens: list[int],
+                         sampling: SamplingParams) -> PromptLogprobs | None:
+        """Log-probabilities of the prompt tokens this chunk covers (index >= 1), when asked for."""
+        if sampling.num_prompt_logprobs is None:
+            return None
+        num_prompt = self.num_prompt_tokens[work.seq_id]
+        start = max(work.num_computed_tokens, 1)
+        end = min(work.num_computed_tokens + len(work.token_ids), num_prompt)
+        if start >= end:
+            return None
+        indices = range(start, end)
+        return PromptLogprobs(start, tuple(prompt_logprob(tokens[:i], tokens[i]) for i in indices),
+                              tuple(self._top(tokens[i], sampling.num_prompt_logprobs) for i in indices)
+                              if sampling.num_prompt_logprobs else ())
+
+    def _top(self, token_id: int, n: int) -> TopLogprobs:
+        return TopLogprobs(tuple((token_id + k) % self.info.vocab_size for k in range(n)),
+                           tuple(-0.1 * (k + 1) for k in range(n)))
+
+
+class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """A FakeWorker over gRPC: injected failures become their status, violations INVALID_ARGUMENT."""
+
+    def __init__(self, worker: FakeWorker):
+        self.worker = worker
+
+    async def GetInfo(self, request, context):
+        return (await self.worker.get_info()).to_pb()
+
+    async def Health(self, request, context):
+        return (await self.worker.health()).to_pb()
+
+    async def Step(self, request, context):
+        try:
+            result = await self.worker.step(StepRequest.from_pb(request))
+        except InjectedFailure as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.detail)
+        except AssertionError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return result.to_pb()
+
+
+class FakeDrafter:
+    """Tracks each request's tokens like a drafter; proposes a tree whose main chain follows the rule.
+
+    The chain is right for `num_right` nodes, then wrong; a wrong sibling hangs
+    at depth 1. `mode` scripts failures: "ok", "empty", "down" (answers
+    nothing), "raise", "oov", "bad_parents", "too_many", "forget" (loses all
+    state at its third call, so every request must resync).
+    """
+
+    def __init__(self, rule: Rule, vocab_size: int, num_right: int = 3, segment: str = "code"):
+        self.rule = rule
+        self.vocab_size = vocab_size
+        self.num_right = num_right
+        self.segment = segment
+        self.mode = "ok"
+        self.delay_s = 0.0
+        self.state: dict[str, list[int]] = {}
+        self.finished: list[str] = []
+        """Every released request id, in order (a duplicate = released twice)."""
+        self.num_resyncs = 0
+        self.num_calls = 0
+
+    async def draft(self, queries: Sequence[DraftQuery], finished_ids: Sequence[str]) -> dict[str, DraftReply]:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return self.draft_sync(queries, finished_ids)
+
+    def draft_sync(self, queries: Sequence[DraftQuery], finished_ids: Sequence[str]) -> dict[str, DraftReply]:
+        self.num_calls += 1
+        if self.mode == "raise":
+            raise RuntimeError("injected drafter bug")
+        if self.mode == "down":
+            return {}
+        if self.mode == "forget" and self.num_calls >= 3:
+            self.state.clear()
+            self.mode = "ok"
+        replies = {q.request_id: self._answer(q) for q in queries}
+        for request_id in finished_ids:
+            self.finished.append(request_id)
+            self.state.pop(request_id, None)
+        return replies
+
+    def _answer(self, query: DraftQuery) -> DraftReply:
+        tokens = self.state.get(query.request_id, []) + list(query.new_token_ids)
+        if len(tokens) != query.num_tokens:
+            self.state.pop(query.request_id, None)
+            self.num_resyncs += 1
+            return DraftReply(CandidateTree(), needs_resync=True)
+        self.state[query.request_id] = tokens
+        return DraftReply(self._tree(tokens, query.max_nodes), self.segment)
+
+    def _tree(self, tokens: list[int], max_nodes: int) -> CandidateTree:
+        if self.mode == "empty" or max_nodes == 0:
+            return CandidateTree()
+        chain, context = [], list(tokens)
+        for depth in range(max_nodes - 1):
+            right = self.rule(context)
+            chain.append(right if depth < self.num_right else (right + 1) % self.vocab_size)
+            context.append(chain[-1])
+        token_ids = [(self.rule(tokens) + 5) % self.vocab_size] + chain  # a wrong sibling first, then the chain
+        parents = [ROOT, ROOT] + list(range(1, len(chain)))
+        token_ids, parents = token_ids[:max_nodes], parents[:max_nodes]
+        if self.mode == "oov":
+            token_ids[-1] = self.vocab_size + 3
+        elif self.mode == "bad_parents":
+            parents[0] = len(parents)
+        elif self.mode == "too_many":
+            token_ids, parents = token_ids + [1] * 50, parents + [ROOT] * 50
+        return CandidateTree(tuple(token_ids), tuple(parents))
+
+
+class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """A FakeDrafter over gRPC; `is_garbage` answers every query in another request's name."""
+
+    def __init__(self, drafter: FakeDrafter):
+        self.drafter = drafter
+        self.is_garbage = False
+
+    async def Draft(self, request, context):
+        queries = [DraftQuery(q.request_id, list(q.new_token_ids), q.num_tokens, q.num_prompt_tokens, q.max_nodes)
+                   for q in request.queries]
+        replies = await self.drafter.draft(queries, list(request.finished_request_ids))
+        return drafter_pb2.DraftResponse(replies=[
+            drafter_pb2.DraftReply(request_id="someone-else" if self.is_garbage else q.request_id,
+                                   tree=replies[q.request_id].tree.to_pb(), segment=replies[q.request_id].segment,
+                                   needs_resync=replies[q.request_id].needs_resync)
+            for q in queries])
+
+
+async def serve(add_servicer, servicer) -> grpc.aio.Server:
+    """A started in-process gRPC server on a free port (`server.bound_port`)."""
+    server = grpc.aio.server()
+    add_servicer(servicer, server)
+    server.bound_port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server
