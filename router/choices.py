@@ -17,8 +17,8 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 
+from protos.segserve.v1.generate import GenerateError
 from router.generation import KEEPALIVE, Delta, KeepAlive, Usage
-from router.scheduler_client import GenerateFailure
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +27,9 @@ MAX_CHOICES = 16
 
 async def merge_choices(
     streams: Sequence[AsyncIterator], keepalive_s: float | None = None
-) -> AsyncIterator[Delta | GenerateFailure | KeepAlive]:
+) -> AsyncIterator[Delta | GenerateError | KeepAlive]:
     """Interleave `streams` (choice i = streams[i]); KEEPALIVE when none sent anything for keepalive_s."""
-    queue: asyncio.Queue[tuple[int, Delta | GenerateFailure]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Delta | GenerateError]] = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(index, stream, queue)) for index, stream in enumerate(streams)]
     num_running = len(streams)
     num_prompt_tokens = num_completion_tokens = 0
@@ -40,7 +40,7 @@ async def merge_choices(
             except TimeoutError:
                 yield KEEPALIVE
                 continue
-            if isinstance(event, GenerateFailure):
+            if isinstance(event, GenerateError):
                 yield event
                 return
             usage = None
@@ -68,4 +68,4 @@ async def _pump(index: int, stream: AsyncIterator, queue: asyncio.Queue) -> None
         raise
     except Exception as exc:  # a bug, not a scheduler answer: still end the merged stream
         logger.exception("choice %d failed", index)
-        queue.put_nowait((index, GenerateFailure("internal", f"router: {type(exc).__name__}: {exc}")))
+        queue.put_nowait((index, GenerateError("internal", f"router: {type(exc).__name__}: {exc}")))

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.scheduler_client import GenerateFailure
+from protos.segserve.v1.generate import GenerateError
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 
-# GenerateFailure.code -> (HTTP status, OpenAI error type)
+# GenerateError.code -> (HTTP status, OpenAI error type)
 _FAILURE_STATUS = {
     "invalid_request": (400, INVALID_REQUEST),
     "overloaded": (429, RATE_LIMIT),
@@ -89,7 +89,7 @@ def model_not_found(model: str) -> APIError:
                     code="model_not_found")
 
 
-def from_failure(failure: GenerateFailure) -> APIError:
+def from_failure(failure: GenerateError) -> APIError:
     """The HTTP error for a scheduler failure."""
     status, type = _FAILURE_STATUS.get(failure.code, (500, SERVER_ERROR))
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None

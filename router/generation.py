@@ -1,8 +1,10 @@
 """One request's token stream turned into text deltas, shared by every endpoint.
 
-In: the scheduler's event stream (token chunks, then complete or failure). Out:
-`Delta`s (text, per-token logprobs, and on the last one the finish reason and
-usage), a `GenerateFailure`, or `KEEPALIVE` when nothing arrived for a while (so
+In: the scheduler's event stream (the contract's TokenChunks, then a
+GenerateComplete or a GenerateError). Out: `Delta`s (text, the token ids behind
+it, per-token logprobs, prompt logprobs when asked for, and on the last one the
+finish reason and usage), a `GenerateError`, or `KEEPALIVE` when nothing arrived
+for a while (so
 a streaming endpoint can send an SSE comment). The gRPC stream is read by a pump
 task feeding a queue, so waiting with a timeout never disturbs it; closing the
 iterator (client gone) cancels the pump, which cancels the gRPC call.
@@ -17,16 +19,17 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from router.detokenizer import IncrementalDetokenizer
-from router.scheduler_client import (
+from protos.segserve.v1.generate import (
     FinishReason,
     GenerateComplete,
+    GenerateError,
     GenerateEvent,
-    GenerateFailure,
-    GenerateParams,
-    SchedulerClient,
+    GenerateRequest,
     TokenChunk,
 )
+from protos.segserve.v1.step import PromptLogprobs
+from router.detokenizer import IncrementalDetokenizer
+from router.scheduler_client import SchedulerClient
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ _OPENAI_FINISH = {
     FinishReason.LENGTH: "length",
     FinishReason.CONTEXT_LENGTH: "length",
     FinishReason.UNSPECIFIED: "stop",
+    FinishReason.ERROR: "error",  # this request alone failed in the worker (see app.py for the stream)
 }
 
 
@@ -71,6 +75,10 @@ class Delta:
 
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: tuple[int, ...] = ()
+    """The generated token ids this delta covers (EOS included), in order."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Prompt tokens' log-probabilities that arrived with this delta (echo with logprobs)."""
     finish_reason: str | None = None
     usage: Usage | None = None
     num_tokens: int = 0
@@ -91,20 +99,28 @@ class Delta:
 class GenerationJob:
     """Everything one request sends to the scheduler and needs to read the answer."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: GenerateParams
+    request: GenerateRequest
+    """What goes to the scheduler, already validated (protos' validate_request)."""
     eos_token_ids: frozenset[int]
     num_top_logprobs: int | None = None
     """Alternatives per token in the response; None = no logprobs."""
     timeout_s: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
 
 
 def to_logprobs(chunk: TokenChunk, num_top: int) -> list[TokenLogprob]:
     """Per token: its logprob (from the top list when present: under greedy decoding the score is a logit)."""
     out = []
     for i, token_id in enumerate(chunk.token_ids):
-        top = chunk.top_logprobs[i] if i < len(chunk.top_logprobs) else []
+        top = list(zip(chunk.top_logprobs[i].token_ids, chunk.top_logprobs[i].logprobs)) \
+            if i < len(chunk.top_logprobs) else []
         logprob = next((lp for tid, lp in top if tid == token_id), None)
         if logprob is None:
             logprob = chunk.scores[i] if i < len(chunk.scores) else float("nan")
@@ -122,8 +138,8 @@ async def generate_deltas(
     job: GenerationJob,
     detokenizer: IncrementalDetokenizer,
     keepalive_s: float | None = None,
-) -> AsyncIterator[Delta | GenerateFailure | KeepAlive]:
-    """Stream one request; ends after the Delta carrying finish_reason or after a GenerateFailure."""
+) -> AsyncIterator[Delta | GenerateError | KeepAlive]:
+    """Stream one request; ends after the Delta carrying finish_reason or after a GenerateError."""
     queue: asyncio.Queue[GenerateEvent] = asyncio.Queue()
     pump = asyncio.create_task(_pump(client, job, queue))
     try:
@@ -136,7 +152,8 @@ async def generate_deltas(
             if isinstance(event, TokenChunk):
                 text_ids = [t for t in event.token_ids if t not in job.eos_token_ids]
                 logprobs = [] if job.num_top_logprobs is None else to_logprobs(event, job.num_top_logprobs)
-                yield Delta(text=detokenizer.add(text_ids), logprobs=logprobs, num_tokens=len(event.token_ids),
+                yield Delta(text=detokenizer.add(text_ids), logprobs=logprobs, token_ids=event.token_ids,
+                            prompt_logprobs=event.prompt_logprobs, num_tokens=len(event.token_ids),
                             batch_size=event.batch_size, queue_wait_us=event.queue_wait_us)
             elif isinstance(event, GenerateComplete):
                 yield finish_delta(event, job, detokenizer.flush())
@@ -152,7 +169,7 @@ async def generate_deltas(
 
 async def _pump(client: SchedulerClient, job: GenerationJob, queue: asyncio.Queue) -> None:
     try:
-        events = client.generate(job.request_id, job.prompt_token_ids, job.params, timeout_s=job.timeout_s)
+        events = client.generate(job.request, timeout_s=job.timeout_s)
         async with contextlib.aclosing(events):
             async for event in events:
                 queue.put_nowait(event)
@@ -160,4 +177,4 @@ async def _pump(client: SchedulerClient, job: GenerationJob, queue: asyncio.Queu
         raise
     except Exception as exc:  # a bug, not a scheduler answer: still end the stream
         logger.exception("generation %s failed", job.request_id)
-        queue.put_nowait(GenerateFailure("internal", f"router: {type(exc).__name__}: {exc}"))
+        queue.put_nowait(GenerateError("internal", f"router: {type(exc).__name__}: {exc}"))

@@ -1,6 +1,6 @@
 """The router's operations surface: liveness, readiness, Prometheus metrics, API keys, body size.
 
-In: the app, its config and its scheduler client. Out, from `install_ops`:
+In: the app's RouterState (state.py). Out: `router`, an APIRouter with
 - GET /health: liveness, 200 while this process serves.
 - GET /ready: 200 once the scheduler reports its worker loaded and warmed up by a
   real forward (the worker's Health), else 503 with the reason.
@@ -8,9 +8,10 @@ In: the app, its config and its scheduler client. Out, from `install_ops`:
   Request histograms and counters are observed where the router reads the
   scheduler's stream (`MeteredClient`, under every endpoint); load gauges and
   speculation counters come from the scheduler's GetStats at scrape time.
-- `RequestGuard`, in front of every route: 401 on /v1 and /v2 without one of
-  `config.api_keys`, 413 for a body over `config.max_request_body_bytes`, both
-  answered before the body is parsed or any work starts.
+And `RequestGuard`, the middleware create_app puts in front of every route: 401
+on /v1 and /v2 without one of `config.api_keys`, 413 for a body over
+`config.max_request_body_bytes`, both answered before the body is parsed or any
+work starts; `RouterMetrics` and `MeteredClient`, which create_app puts in the state.
 """
 
 from __future__ import annotations
@@ -21,23 +22,16 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.config import RouterConfig
+from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateEvent, GenerateRequest, TokenChunk
 from router.errors import INVALID_REQUEST, error_body
-from router.scheduler_client import (
-    FinishReason,
-    GenerateComplete,
-    GenerateEvent,
-    GenerateParams,
-    SchedulerClient,
-    SchedulerLoad,
-    TokenChunk,
-)
+from router.scheduler_client import SchedulerClient, SchedulerLoad
+from router.state import StateDep
 
 # vLLM's buckets, so percentiles line up with its dashboards.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -53,6 +47,7 @@ _FINISHED_REASON = {
     FinishReason.LENGTH: "length",
     FinishReason.CONTEXT_LENGTH: "length",
     FinishReason.UNSPECIFIED: "stop",
+    FinishReason.ERROR: "error",
 }
 
 
@@ -182,13 +177,10 @@ class MeteredClient:
         self.client = client
         self.metrics = metrics
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: GenerateParams, timeout_s: float | None = None
-    ) -> AsyncIterator[GenerateEvent]:
+    async def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
         tracker = RequestTracker(self.metrics, time.monotonic())
         try:
-            async with contextlib.aclosing(self.client.generate(request_id, prompt_token_ids, params,
-                                                                timeout_s)) as events:
+            async with contextlib.aclosing(self.client.generate(request, timeout_s)) as events:
                 async for event in events:
                     tracker.observe(event, time.monotonic())
                     yield event
@@ -260,28 +252,25 @@ def _is_api_path(path: str) -> bool:
     return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/v2")
 
 
-def install_ops(app: FastAPI, config: RouterConfig, client: SchedulerClient, model_name: str) -> MeteredClient:
-    """Add /health, /ready, /metrics and the request guard; returns the client the routes should generate with."""
-    metrics = RouterMetrics(model_name)
-    metered = MeteredClient(client, metrics)
-    app.state.metrics_registry = metrics.registry  # for other collectors (data reflow)
-    app.add_middleware(RequestGuard, api_keys=config.api_keys, max_body_bytes=config.max_request_body_bytes)
+router = APIRouter()
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
 
-    @app.get("/ready", responses={503: {"description": "Not ready yet", "content": {"application/json": {"schema": {
-        "type": "object", "properties": {"status": {"const": "not_ready"}, "reason": {"type": "string"}},
-        "required": ["status", "reason"]}}}}})
-    async def ready() -> JSONResponse:
-        is_ready, detail = await client.health()
-        if is_ready:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "not_ready", "reason": detail or "the worker is not ready"}, status_code=503)
+@router.get("/health")
+async def health() -> dict:
+    return {"status": "ok"}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics_text() -> Response:
-        return Response(await metrics.render(client), media_type=CONTENT_TYPE_LATEST)
 
-    return metered
+@router.get("/ready", responses={503: {"description": "Not ready yet", "content": {"application/json": {"schema": {
+    "type": "object", "properties": {"status": {"const": "not_ready"}, "reason": {"type": "string"}},
+    "required": ["status", "reason"]}}}}})
+async def ready(state: StateDep) -> JSONResponse:
+    health = await state.scheduler.health()
+    if health.is_ready:
+        return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": "not_ready", "reason": health.detail or "the worker is not ready"},
+                        status_code=503)
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics_text(state: StateDep) -> Response:
+    return Response(await state.metrics.render(state.scheduler), media_type=CONTENT_TYPE_LATEST)

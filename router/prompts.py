@@ -13,11 +13,9 @@ from jinja2 import TemplateError
 from router.errors import bad_request
 
 
-def completion_prompt_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+def completion_prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    """A list of token ids is taken as is (the contract's validate_request checks them against the vocabulary)."""
     if isinstance(prompt, list):
-        too_big = [t for t in prompt if t >= vocab_size]
-        if too_big:
-            raise bad_request(f"prompt token id {too_big[0]} is out of range (vocabulary size {vocab_size})", "prompt")
         return list(prompt)
     ids = list(tokenizer(prompt).input_ids)
     if not ids:

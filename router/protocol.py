@@ -1,32 +1,48 @@
-"""OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic).
+"""OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic), and their contract.
 
-Validation here is about one field at a time (ranges, types, unsupported
-features) and names the field; limits that need the model (prompt length,
-vocabulary size) are checked by the app. Unknown fields are ignored, as OpenAI
-clients send extras, and null is accepted wherever OpenAI's default would do
-(clients send `"n": 1, "logprobs": null, "stop": null, ...` explicitly). Types
-are strict, as OpenAI's: `true` is not 1, `"5"` not 5, `5.0` not an integer.
-`to_params` is the single place the HTTP fields become the scheduler's
-`GenerateParams`. top_k, typical_p, repetition_penalty and ignore_eos are
-extensions, as in vLLM. Stop strings are applied by the router (stop.py), the n
-choices are n scheduler requests (choices.py).
+The bodies check types, strictly as OpenAI does (`true` is not 1, `"5"` not 5,
+`5.0` not an integer), and the API's own rules (n, stop strings, best_of, the
+legacy completions' 5 logprobs, chat's top_logprobs needing logprobs). They do
+not own the value ranges of the sampling contract's fields: `to_request` maps a
+body onto the contract (protos/segserve/v1/sampling.py) and admission.py's
+`check_request` runs the contract's validator on it, naming the field in
+OpenAI's words (`api_names`). The OpenAPI document shows the same ranges,
+generated from `sampling.RANGES` (admission.bounds). Unknown fields are ignored,
+as OpenAI clients send extras, and null is accepted wherever OpenAI's default
+would do (clients send `"n": 1, "logprobs": null, "stop": null, ...`).
+
+Mapping at the edge (and nothing else): temperature in [0, 1e-5) is greedy
+decoding (as in vLLM), while a negative or non-finite one goes on to be refused;
+negative int64 seeds wrap modulo 2**64 (choice i uses seed + i); top_k -1 is
+off (vLLM's); logit_bias keys are token ids written as strings; `logprobs` /
+`top_logprobs` become num_top_logprobs and, with `echo`, num_prompt_logprobs.
+top_k, typical_p, repetition_penalty and ignore_eos are extensions, as in vLLM.
+Stop strings are applied by the router (stop.py), the n choices are n scheduler
+requests (choices.py).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from protos.segserve.v1.generate import GenerateRequest
+from protos.segserve.v1.sampling import MAX_LOGIT_BIAS_ENTRIES, SEED_LIMIT, SamplingParams, StoppingCriteria
+from router.admission import bounds
 from router.choices import MAX_CHOICES
-from router.scheduler_client import GenerateParams
 
 # Temperatures below this are greedy decoding (as in vLLM).
 GREEDY_TEMPERATURE = 1e-5
-MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 MAX_STOP_STRINGS = 4
-SEED_RANGE = 2**64  # seeds are uint64 on the wire; negative (int64) seeds wrap around
+MIN_SEED = -(SEED_LIMIT // 2)  # seeds are uint64 on the wire; negative (int64) seeds wrap around
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,40}")
+_LOGIT_BIAS_SCHEMA = {
+    "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+    "additionalProperties": {"type": "number", **bounds("logit_bias")},
+}
 
 
 class StreamOptions(BaseModel):
@@ -36,29 +52,54 @@ class StreamOptions(BaseModel):
     """Send a last chunk with token usage before [DONE]."""
 
 
-class _SamplingRequest(BaseModel):
+def _bounded(field: str, **changes: float | None):
+    """A body field documented with the contract's range (checked by the contract, not here)."""
+    return Field(default=None, json_schema_extra=bounds(field, **changes))
+
+
+def choice_seed(seed: int | None, choice_index: int) -> int | None:
+    """Choice `choice_index`'s seed: `seed` + index modulo 2**64 for a seed OpenAI allows (int64 or
+    uint64); any other value is passed on unchanged for the contract to refuse."""
+    if seed is None or not MIN_SEED <= seed < SEED_LIMIT:
+        return seed
+    return (seed + choice_index) % SEED_LIMIT
+
+
+def sampling_temperature(temperature: float | None) -> tuple[bool, float]:
+    """(do_sample, temperature): OpenAI's default (None) samples at 1; [0, 1e-5) is greedy. Anything
+    else, negative and non-finite values included, is sent as is (the contract refuses those)."""
+    if temperature is None:
+        return True, 1.0
+    if 0.0 <= temperature < GREEDY_TEMPERATURE:
+        return False, 1.0
+    return True, temperature
+
+
+class SamplingRequest(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=-(SEED_RANGE // 2), lt=SEED_RANGE)
+    max_tokens: int | None = _bounded("max_tokens")
+    max_completion_tokens: int | None = _bounded("max_tokens")
+    temperature: float | None = _bounded("temperature", exclusiveMinimum=None, minimum=0.0)
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k", minimum=-1)
+    """-1 or 0 = off."""
+    typical_p: float | None = _bounded("typical_p")
+    repetition_penalty: float | None = _bounded("repetition_penalty")
+    frequency_penalty: float | None = _bounded("frequency_penalty")
+    presence_penalty: float | None = _bounded("presence_penalty")
+    seed: int | None = _bounded("seed", minimum=MIN_SEED)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
     """Independent choices of the same prompt (greedy ones are identical)."""
     stop: str | list[str] | None = None
     """Up to 4 strings; the output ends before the first one, which is not returned."""
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra=_LOGIT_BIAS_SCHEMA)
+    """Token id (as a string) -> bias added to its logit, in [-100, 100]."""
     ignore_eos: bool = False
     user: str | None = None
 
@@ -74,9 +115,10 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
-        if logit_bias:
-            raise ValueError("`logit_bias` is not supported")
+    def _token_id_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in logit_bias or {}:
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"keys must be token ids written as decimal strings (got {key[:40]!r})")
         return logit_bias
 
     @property
@@ -89,7 +131,7 @@ class _SamplingRequest(BaseModel):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -100,36 +142,55 @@ class _SamplingRequest(BaseModel):
         """Alternatives per token to return; None = no logprobs at all."""
         raise NotImplementedError
 
-    def to_params(self, max_new_tokens: int, choice_index: int = 0) -> GenerateParams:
-        """The scheduler's parameters for choice `choice_index`: its seed is `seed` + the index, so
-        each choice samples differently and a request with a seed is reproducible choice by choice."""
-        temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default samples
-        do_sample = temperature >= GREEDY_TEMPERATURE
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to return (echo with logprobs); None = none."""
+        return None
+
+    @property
+    def api_names(self) -> dict[str, str]:
+        """The contract's field names -> this body's (admission.check_request)."""
+        max_param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {"max_tokens": max_param, "prompt_token_ids": "prompt"}
+
+    def to_sampling(self, choice_index: int = 0) -> SamplingParams:
+        """The contract's sampling for choice `choice_index`: its seed is `seed` + the index, so each
+        choice samples differently and a request with a seed is reproducible choice by choice."""
+        do_sample, temperature = sampling_temperature(self.temperature)
         num_top = self.num_top_logprobs
-        return GenerateParams(
-            max_new_tokens=max_new_tokens,
+        return SamplingParams(
             do_sample=do_sample,
-            temperature=temperature if do_sample else 1.0,
-            top_k=max(self.top_k or 0, 0),
+            temperature=temperature,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
             top_p=1.0 if self.top_p is None else self.top_p,
             typical_p=1.0 if self.typical_p is None else self.typical_p,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            seed=None if self.seed is None else (self.seed + choice_index) % SEED_RANGE,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            seed=choice_seed(self.seed, choice_index),
             # The chosen token's own logprob comes from the top list (under greedy
             # decoding the score is a logit), so ask for at least one.
-            num_top_logprobs=0 if num_top is None else max(num_top, 1),
-            ignore_eos=self.ignore_eos,
+            num_top_logprobs=0 if num_top is None else 1 if num_top == 0 else num_top,
+            num_prompt_logprobs=self.num_prompt_logprobs,
+            logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
         )
 
+    def to_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                   choice_index: int = 0) -> GenerateRequest:
+        """The contract's request for one choice; validate it with admission.check_request."""
+        return GenerateRequest(request_id, tuple(prompt_token_ids), self.to_sampling(choice_index),
+                               StoppingCriteria(max_tokens=max_tokens, ignore_eos=self.ignore_eos))
 
-class CompletionRequest(_SamplingRequest):
+
+class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: int | None = Field(default=None, json_schema_extra=bounds(
+        "num_top_logprobs", maximum=MAX_COMPLETION_LOGPROBS))
+    """Alternatives per token, at most 5 (the legacy API's own limit; the range is the contract's)."""
     echo: bool | None = False
+    """Prepend the prompt to the text (and, with logprobs, its tokens' logprobs)."""
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
     """Only best_of = n (the default): ranking extra generations is not implemented."""
@@ -141,13 +202,18 @@ class CompletionRequest(_SamplingRequest):
             if len(prompt) != 1:
                 raise ValueError("only one prompt per request is supported for now")
             prompt = prompt[0]
-        if isinstance(prompt, list) and any(t < 0 for t in prompt):
-            raise ValueError("token ids must be >= 0")
         if len(prompt) == 0:
             raise ValueError("the prompt must not be empty")
         return prompt
 
-    @field_validator("echo", "suffix")
+    @field_validator("logprobs")
+    @classmethod
+    def _legacy_logprobs_limit(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None and logprobs > MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"at most {MAX_COMPLETION_LOGPROBS} logprobs per token are allowed (got {logprobs})")
+        return logprobs
+
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, value, info: ValidationInfo):
         if value:
@@ -167,6 +233,14 @@ class CompletionRequest(_SamplingRequest):
     @property
     def num_top_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def api_names(self) -> dict[str, str]:
+        return {**super().api_names, "num_top_logprobs": "logprobs", "num_prompt_logprobs": "logprobs"}
 
 
 class TextPart(BaseModel):
@@ -196,12 +270,12 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = _bounded("num_top_logprobs")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -212,7 +286,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def num_top_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        if not self.logprobs:
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
+
+    @property
+    def api_names(self) -> dict[str, str]:
+        return {**super().api_names, "prompt_token_ids": "messages", "num_top_logprobs": "top_logprobs"}
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as chat templates expect them: role and plain-string content."""

@@ -7,14 +7,27 @@ them in index order, each with its own finish_reason; the usage is the last
 delta's (choices.py sums it over the choices). Logprobs come out in OpenAI's
 two shapes: the legacy completions one (tokens / token_logprobs / top_logprobs /
 text_offset) and the chat one (content: [{token, logprob, bytes, top_logprobs}]).
+
+`echo` (completions): each choice's text starts with the prompt; with logprobs,
+its logprobs start with the prompt's tokens, as OpenAI's legacy API (and
+lm-evaluation-harness's loglikelihood) has them: the first prompt token's
+token_logprobs and top_logprobs entries are null, every other prompt token has
+its own logprob under the model and a dict of its alternatives (the token itself
+included, as vLLM does); text_offset runs over the prompt tokens from 0, then
+over the generated ones from the end of the prompt text. The prompt's logprobs
+arrive in the scheduler's chunks (Delta.prompt_logprobs, possibly over several
+before the first generated token); a stream sends them with the choice's first
+chunk of text.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from protos.segserve.v1.step import PromptLogprobs
 from router.detokenizer import TokenTexts
 from router.generation import Delta, TokenLogprob
 from router.generation import Usage as UsageCounts
@@ -40,8 +53,9 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    """None for the first prompt token with `echo` (it has no context)."""
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -152,17 +166,71 @@ class _Renderer:
         return bool(delta.text or delta.finish_reason or (self.want_logprobs and delta.logprobs))
 
 
+@dataclass(frozen=True)
+class EchoPrompt:
+    """The prompt a completions request with `echo` prepends to its choices."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    num_logprobs: int | None
+    """Alternatives per prompt token (the request's `logprobs`); None = no logprobs."""
+
+
 class CompletionRenderer(_Renderer):
     """/v1/completions."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, echo: EchoPrompt | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.echo = echo
         self._text_offsets = [0] * self.num_choices  # per choice: where its next token's text starts
+        self._is_echoed = [echo is None] * self.num_choices
+        # per choice: prompt position -> (its logprob, its alternatives), as the chunks bring them
+        self._prompt_logprobs: list[dict[int, tuple[float, dict[int, float]]]] = [{} for _ in range(self.num_choices)]
 
-    def _logprobs(self, logprobs: list[TokenLogprob], index: int) -> CompletionLogprobs | None:
+    def _take_prompt_logprobs(self, delta: Delta) -> None:
+        prompt: PromptLogprobs | None = delta.prompt_logprobs
+        if prompt is None or self.echo is None:
+            return
+        for offset, logprob in enumerate(prompt.logprobs):
+            top = prompt.top_logprobs[offset] if offset < len(prompt.top_logprobs) else None
+            alternatives = {} if top is None else dict(zip(top.token_ids, top.logprobs))
+            self._prompt_logprobs[delta.index][prompt.start + offset] = (logprob, alternatives)
+
+    def _echo_once(self, index: int) -> tuple[str, CompletionLogprobs | None]:
+        """The prompt's text and logprobs for choice `index`'s first output; ("", None) afterwards."""
+        if self._is_echoed[index]:
+            return "", None
+        self._is_echoed[index] = True
+        echo, known = self.echo, self._prompt_logprobs[index]
+        self._text_offsets[index] = len(echo.text)  # generated tokens' offsets follow the prompt text
+        if not self.want_logprobs:
+            return echo.text, None
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        offset = 0
+        for position, token_id in enumerate(echo.token_ids):
+            token = self.token_texts.get(token_id)[0]
+            entry = known.get(position) if position > 0 else None
+            out.tokens.append(token)
+            out.text_offset.append(min(offset, len(echo.text)))
+            offset += len(token)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            logprob, alternatives = entry
+            top = {self.token_texts.get(t)[0]: _clean(v) for t, v in
+                   list(alternatives.items())[:echo.num_logprobs or 0]}
+            if echo.num_logprobs:
+                top.setdefault(token, _clean(logprob))
+            out.token_logprobs.append(_clean(logprob))
+            out.top_logprobs.append(top)
+        return echo.text, out
+
+    def _logprobs(self, logprobs: list[TokenLogprob], index: int,
+                  prefix: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
         if not self.want_logprobs:
             return None
-        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        out = prefix or CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for lp in logprobs:
             token = self.token_texts.get(lp.token_id)[0]
             out.tokens.append(token)
@@ -177,10 +245,12 @@ class CompletionRenderer(_Renderer):
                                   usage=Usage.of(usage) if usage else None)
 
     def chunk(self, delta: Delta) -> CompletionResponse | None:
+        self._take_prompt_logprobs(delta)
         if not self._has_content(delta):
             return None
-        choice = CompletionChoice(index=delta.index, text=delta.text,
-                                  logprobs=self._logprobs(delta.logprobs, delta.index),
+        prompt_text, prompt_logprobs = self._echo_once(delta.index)
+        choice = CompletionChoice(index=delta.index, text=prompt_text + delta.text,
+                                  logprobs=self._logprobs(delta.logprobs, delta.index, prompt_logprobs),
                                   finish_reason=delta.finish_reason)
         return self._body([choice])
 
@@ -188,13 +258,19 @@ class CompletionRenderer(_Renderer):
         return self._body([], usage)
 
     def response(self, deltas: list[Delta]) -> CompletionResponse:
-        choices = [
-            CompletionChoice(index=ds[0].index, text="".join(d.text for d in ds),
-                             logprobs=self._logprobs([lp for d in ds for lp in d.logprobs], ds[0].index),
-                             finish_reason=_finish_reason(ds))
-            for ds in by_choice(deltas)
-        ]
+        choices = [self._choice(ds) for ds in by_choice(deltas)]
         return self._body(choices, deltas[-1].usage)
+
+    def _choice(self, deltas: list[Delta]) -> CompletionChoice:
+        """One choice of the non-streamed body from all of its deltas."""
+        index = deltas[0].index
+        for delta in deltas:
+            self._take_prompt_logprobs(delta)
+        prompt_text, prompt_logprobs = self._echo_once(index)
+        return CompletionChoice(index=index, text=prompt_text + "".join(d.text for d in deltas),
+                                logprobs=self._logprobs([lp for d in deltas for lp in d.logprobs], index,
+                                                        prompt_logprobs),
+                                finish_reason=_finish_reason(deltas))
 
 
 class ChatRenderer(_Renderer):

@@ -24,7 +24,7 @@ def load_tokenizer(model: str | None):
     """The tokenizer (with its chat template) of the served model directory."""
     from transformers import AutoTokenizer
 
-    from worker.checkpoint import resolve_model
+    from segserve.checkpoint import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 

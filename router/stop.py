@@ -24,8 +24,8 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
+from protos.segserve.v1.generate import GenerateError
 from router.generation import Delta, TokenLogprob, Usage
-from router.scheduler_client import GenerateFailure
 
 STOP_FINISH_REASON = "stop"
 
@@ -88,7 +88,7 @@ class StopMatcher:
 
 async def stop_at_strings(
     events: AsyncIterator, stops: Sequence[str], num_prompt_tokens: int
-) -> AsyncIterator[Delta | GenerateFailure]:
+) -> AsyncIterator[Delta | GenerateError]:
     """`events` (generate_deltas') with the text cut at the first stop string.
 
     A stop ends the stream with a Delta whose finish_reason is "stop" and whose

@@ -1,13 +1,20 @@
 """The MindIE/Triton-style API: POST /v2/models/{model}[/versions/{version}]/generate[_stream].
 
-In: `{"id", "text_input", "parameters": {...}}` (SPEC section 4), checked strictly:
-wrong types, out-of-range values and unknown fields are a 400 whose `param` is the
-dotted path of the field (`parameters.top_k`). Out: `{"id", "model_name",
-"model_version", "text_output", "details"}`; streamed, one SSE event per delta,
-every event with `details`, the last one's carrying `finish_reason`, and no end
-marker after it. The request runs through the OpenAI routes' machinery (app.py's
-`respond`: generate_deltas, keep-alive comments, an error event inside the stream,
-cancellation when the client leaves); this module owns only the body and the renderer.
+In: `{"id", "text_input", "parameters": {...}}` (SPEC section 4). The body checks
+types strictly, unknown fields and MindIE's own rules (seed > 0, batch_size > 0,
+id non-empty, text_input at most 512 KiB characters); the value ranges of the
+sampling contract's fields are the contract's: the parameters become a contract
+GenerateRequest checked by admission.py (the same validator as /v1's). Any
+problem is a 400 whose `param` is the dotted path of the field
+(`parameters.top_k`, `parameters.max_new_tokens`). Out: `{"id", "model_name",
+"model_version", "text_output"}`, plus `finish_reason` on the last event (and in
+the non-streamed body), plus `details` only when the request asked for them
+(`details: true`, streamed or not; then the last event's details carry the
+finish_reason too); streamed, one SSE event per delta and no end marker after
+the last. A request that failed alone in the worker ends with finish_reason
+"error". The request runs through serving.py (generate_deltas, keep-alive
+comments, an error event inside the stream, cancellation when the client
+leaves); this module owns only the routes, the body and the renderer.
 
 Limits, in MindIE's names: maxSeqLen is the model's max_model_len (the scheduler's
 context limit, which the worker keeps within max_position_embeddings) and
@@ -22,76 +29,85 @@ Where `details` come from:
 - decode_cost (ms), router clock: the first token to the newest one.
 - batch_size (the largest batch the request ran in) and queue_wait_time (us, arrival
   at the scheduler to first scheduling): the scheduler's measurements, sent with
-  every token chunk (so every stream event carries them, as of its newest token).
+  every token chunk (so every stream event with details carries them, as of its newest token).
 `perf_stat: true` adds the router's per-token latencies and the scheduler's own
 first-token and decode times (its clock: no HTTP, tokenization or gRPC in them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from router.config import RouterConfig
-from router.errors import ErrorBody, bad_request, describe_validation_errors, model_not_found
+from protos.segserve.v1 import generate
+from protos.segserve.v1.generate import FinishReason, GenerateComplete
+from protos.segserve.v1.sampling import RANGES, UINT32_MAX, SamplingParams, StoppingCriteria
+from router.admission import bounds, check_request
+from router.errors import ErrorBody, bad_request, describe_validation_errors
 from router.generation import Delta, GenerationJob
 from router.prompts import max_new_tokens
-from router.scheduler_client import FinishReason, GenerateComplete, GenerateParams, ModelInfo
+from router.serving import respond
+from router.state import StateDep
 
 MAX_TEXT_INPUT_CHARS = 512 * 1024
 DEFAULT_MAX_NEW_TOKENS = 20
-MAX_SEED = 2**64 - 1
 
 _FINISH = {
     FinishReason.EOS_TOKEN: "eos_token",
     FinishReason.LENGTH: "length",
     FinishReason.CONTEXT_LENGTH: "length",
     FinishReason.STOP_TOKEN: "stop_sequence",
+    FinishReason.ERROR: "error",
 }
-
-# app.py's `respond(request, job, renderer, stream, include_usage)`.
-Respond = Callable[[Request, GenerationJob, Any, bool, bool], Awaitable[Response]]
+# The contract's field names -> /v2's (admission.check_request).
+API_NAMES = {
+    **{name: f"parameters.{name}" for name in (*RANGES, "do_sample", "watermark", "ignore_eos", "stop_token_ids")},
+    "max_tokens": "parameters.max_new_tokens",
+    "prompt_token_ids": "text_input",
+    "request_id": "id",
+}
 
 
 class Parameters(BaseModel):
-    """`parameters`: every field optional, with MindIE's defaults."""
+    """`parameters`: every field optional, with MindIE's defaults. Types here; ranges: the contract's."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     details: bool = False
-    """Non-streamed responses: add `details` (streams always carry them)."""
+    """Add `details` to the body, or to every stream event."""
     do_sample: bool = False
-    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, gt=0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = Field(default=None, gt=0, le=MAX_SEED)
-    """None = the scheduler picks one."""
-    temperature: float = Field(default=1.0, gt=0.0)
-    top_k: int = Field(default=0, ge=0)
-    """0 = off; below the vocabulary size (checked by the route, which knows the model)."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    batch_size: int = Field(default=1, gt=0)
-    """Accepted for compatibility; the scheduler batches continuously, so it picks the batch."""
-    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    """None = off (MindIE's -1, which may not be sent)."""
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, json_schema_extra=bounds("max_tokens"))
+    """At most what the prompt leaves of the context."""
+    repetition_penalty: float = Field(default=1.0, json_schema_extra=bounds("repetition_penalty"))
+    seed: int | None = Field(default=None, gt=0, json_schema_extra=bounds("seed", minimum=None))
+    """None = the scheduler picks one; MindIE's range is (0, 2**64 - 1] (0 may not be sent)."""
+    temperature: float = Field(default=1.0, json_schema_extra=bounds("temperature"))
+    top_k: int = Field(default=0, json_schema_extra=bounds("top_k"))
+    """0 = off; below the vocabulary size."""
+    top_p: float = Field(default=1.0, json_schema_extra=bounds("top_p"))
+    batch_size: int = Field(default=1, gt=0, le=UINT32_MAX)
+    """Accepted for compatibility (a uint32); the scheduler batches continuously, so it picks the batch."""
+    typical_p: float | None = Field(default=None, json_schema_extra=bounds("typical_p"))
+    """None = off (MindIE's -1, which may not be sent: outside the contract's range)."""
     watermark: bool = False
     """Green-list watermark (worker/watermark.py); `segserve watermark detect` tests text for it."""
     perf_stat: bool = False
 
-    def to_params(self, budget: int) -> GenerateParams:
-        return GenerateParams(
-            max_new_tokens=budget, do_sample=self.do_sample, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, typical_p=1.0 if self.typical_p is None else self.typical_p,
+    def to_sampling(self) -> SamplingParams:
+        return SamplingParams(
+            do_sample=self.do_sample, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            typical_p=1.0 if self.typical_p is None else self.typical_p,
             repetition_penalty=self.repetition_penalty, seed=self.seed, watermark=self.watermark,
         )
 
 
-class GenerateRequest(BaseModel):
+class GenerateBody(BaseModel):
     """The body of both routes."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -140,7 +156,10 @@ class GenerateResponse(_OmitNone):
     model_name: str
     model_version: str | None
     text_output: str
+    finish_reason: str | None = None
+    """On the last stream event and in the non-streamed body."""
     details: Details | None = None
+    """Only when the request asked for `details`."""
     perf_stat: PerfStat | None = None
 
 
@@ -187,7 +206,7 @@ class V2Renderer:
                            decode_cost=_ms(first_s, self._last_token_s), batch_size=self._batch_size,
                            queue_wait_time=self._queue_wait_us)
         return Details(
-            finish_reason=_FINISH.get(done.finish_reason, done.finish_reason.value),
+            finish_reason=finish_reason(done),
             generated_tokens=done.num_generated_tokens, first_token_cost=_ms(self.arrived_s, first_s),
             decode_cost=_ms(first_s, self._last_token_s), batch_size=done.max_batch_size,
             queue_wait_time=done.queue_wait_us,
@@ -202,10 +221,11 @@ class V2Renderer:
         return PerfStat(token_latencies_ms=latencies, scheduler_first_token_ms=done.first_token_us / 1e3,
                         scheduler_decode_ms=done.decode_us / 1e3)
 
-    def _body(self, text: str, done: GenerateComplete | None, with_details: bool) -> GenerateResponse:
+    def _body(self, text: str, done: GenerateComplete | None) -> GenerateResponse:
         return GenerateResponse(
             id=self.response_id, model_name=self.model_name, model_version=self.model_version, text_output=text,
-            details=self._details(done) if with_details else None, perf_stat=self._perf_stat(done),
+            finish_reason=None if done is None else finish_reason(done),
+            details=self._details(done) if self.is_details else None, perf_stat=self._perf_stat(done),
         )
 
     def start(self) -> list[BaseModel]:
@@ -216,18 +236,18 @@ class V2Renderer:
         self._read(delta)
         if not delta.text and delta.finish_reason is None:
             return None
-        return self._body(delta.text, delta.complete, with_details=True)
+        return self._body(delta.text, delta.complete)
 
     def response(self, deltas: list[Delta]) -> GenerateResponse:
         for delta in deltas:
             self._read(delta)
-        return self._body("".join(d.text for d in deltas), deltas[-1].complete, self.is_details)
+        return self._body("".join(d.text for d in deltas), deltas[-1].complete)
 
 
-def parse_body(raw: bytes) -> GenerateRequest:
+def parse_body(raw: bytes) -> GenerateBody:
     """The validated body; any problem is a 400 whose `param` is the dotted path of the first bad field."""
     try:
-        return GenerateRequest.model_validate_json(raw)
+        return GenerateBody.model_validate_json(raw)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         message, _ = describe_validation_errors(errors)
@@ -253,7 +273,7 @@ def _json_schema(model: type[BaseModel]) -> dict:
 
 def _openapi(served_name: str, stream: bool, is_versioned: bool) -> dict:
     """The route's OpenAPI description: FastAPI cannot infer it, as `parse_body` reads the body by hand."""
-    body_schema, response_schema = _json_schema(GenerateRequest), _json_schema(GenerateResponse)
+    body_schema, response_schema = _json_schema(GenerateBody), _json_schema(GenerateResponse)
     path_params = [{"name": "model", "in": "path", "required": True,
                     "schema": {"type": "string", "enum": [served_name]}}]
     if is_versioned:
@@ -271,41 +291,51 @@ def _openapi(served_name: str, stream: bool, is_versioned: bool) -> dict:
     }
 
 
-def install_v2_routes(app: FastAPI, config: RouterConfig, model_info: ModelInfo, served_name: str, tokenizer,
-                      respond: Respond) -> None:
-    """Add the four /v2 generate routes to `app`; `respond` runs a job as the OpenAI routes do."""
-    eos_token_ids = frozenset(model_info.eos_token_ids)
+def finish_reason(done: GenerateComplete) -> str:
+    return _FINISH.get(done.finish_reason, done.finish_reason.value)
 
-    def endpoint(stream: bool):
-        async def generate(request: Request) -> Response:
-            arrived_s = time.monotonic()
-            model, version = request.path_params["model"], request.path_params.get("version")
-            if model != served_name:
-                raise model_not_found(model)
-            body = parse_body(await request.body())
-            params = body.parameters
-            if params.top_k >= model_info.vocab_size:
-                raise bad_request(f"top_k must be below the vocabulary size {model_info.vocab_size}",
-                                  "parameters.top_k")
-            prompt_ids = list(tokenizer(body.text_input).input_ids)
-            if not prompt_ids:
-                raise bad_request("text_input tokenizes to no tokens", "text_input")
-            requested = params.max_new_tokens if "max_new_tokens" in params.model_fields_set else None
-            budget = max_new_tokens(requested, len(prompt_ids), model_info.max_model_len, DEFAULT_MAX_NEW_TOKENS,
-                                    "text_input", "parameters.max_new_tokens")
-            request_id = f"gen-{uuid.uuid4().hex}"
-            job = GenerationJob(request_id=request_id, prompt_token_ids=prompt_ids, params=params.to_params(budget),
-                                eos_token_ids=eos_token_ids, timeout_s=config.request_timeout_s or None)
-            renderer = V2Renderer(body.id or request_id, served_name, version, arrived_s, params.details,
-                                  params.perf_stat)
-            return await respond(request, job, renderer, stream, False)
 
-        return generate
+def to_request(body: GenerateBody, request_id: str, prompt_ids: list[int],
+               max_tokens: int) -> generate.GenerateRequest:
+    """The contract's request for `body`; validate it with admission.check_request."""
+    return generate.GenerateRequest(request_id, tuple(prompt_ids), body.parameters.to_sampling(),
+                                    StoppingCriteria(max_tokens=max_tokens))
 
+
+def router_for(served_name: str) -> APIRouter:
+    """The four /v2 generate routes; `served_name` only documents the `model` path parameter."""
+    router = APIRouter()
     for suffix, stream in (("generate", False), ("generate_stream", True)):
         # The versioned path first: `{model:path}` would otherwise take "m/versions/1" as a model name.
-        app.add_api_route(f"/v2/models/{{model:path}}/versions/{{version}}/{suffix}", endpoint(stream),
-                          methods=["POST"], name=f"v2_{suffix}_version",
-                          openapi_extra=_openapi(served_name, stream, is_versioned=True))
-        app.add_api_route(f"/v2/models/{{model:path}}/{suffix}", endpoint(stream), methods=["POST"],
-                          name=f"v2_{suffix}", openapi_extra=_openapi(served_name, stream, is_versioned=False))
+        router.add_api_route(f"/v2/models/{{model:path}}/versions/{{version}}/{suffix}", _endpoint(stream),
+                             methods=["POST"], name=f"v2_{suffix}_version",
+                             openapi_extra=_openapi(served_name, stream, is_versioned=True))
+        router.add_api_route(f"/v2/models/{{model:path}}/{suffix}", _endpoint(stream), methods=["POST"],
+                             name=f"v2_{suffix}", openapi_extra=_openapi(served_name, stream, is_versioned=False))
+    return router
+
+
+def _endpoint(stream: bool):
+    async def generate_route(request: Request, state: StateDep) -> Response:
+        arrived_s = time.monotonic()
+        model, version = request.path_params["model"], request.path_params.get("version")
+        state.check_model(model)
+        body = parse_body(await request.body())
+        params = body.parameters
+        prompt_ids = list(state.tokenizer(body.text_input).input_ids)
+        if not prompt_ids:
+            raise bad_request("text_input tokenizes to no tokens", "text_input")
+        request_id = f"gen-{uuid.uuid4().hex}"
+        contract_request = to_request(body, request_id, prompt_ids, params.max_new_tokens)
+        check_request(contract_request, state.model_info, API_NAMES)
+        requested = params.max_new_tokens if "max_new_tokens" in params.model_fields_set else None
+        budget = max_new_tokens(requested, len(prompt_ids), state.model_info.max_model_len, DEFAULT_MAX_NEW_TOKENS,
+                                "text_input", API_NAMES["max_tokens"])
+        contract_request = dataclasses.replace(contract_request, stopping=StoppingCriteria(max_tokens=budget))
+        job = GenerationJob(request=contract_request, eos_token_ids=state.eos_token_ids,
+                            timeout_s=state.config.request_timeout_s or None)
+        renderer = V2Renderer(body.id or request_id, state.served_name, version, arrived_s, params.details,
+                              params.perf_stat)
+        return await respond(state, request, job, renderer, stream, False)
+
+    return generate_route

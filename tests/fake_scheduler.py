@@ -2,10 +2,15 @@
 
 It answers every Generate with the same deterministic tokens (a fixed text
 encoded by the given tokenizer, two tokens per chunk) and records what it was
-sent and which calls were cancelled. Words in the prompt pick a behaviour:
-SLOW (a long stream, 50 ms per chunk), WAIT (1 s queued before the first token),
-FAIL_MID (an error event after the first chunks), OVERLOAD (RESOURCE_EXHAUSTED
-at once), REJECT (an invalid_request error event at once).
+sent (as the contract's GenerateRequest) and which calls were cancelled. Events
+are built from the contract types (protos/segserve/v1/generate.py) and sent with
+their to_pb. Words in the prompt pick a behaviour: SLOW (a long stream, 50 ms
+per chunk), WAIT (1 s queued before the first token), FAIL_MID (an error event
+after the first chunks), WORKER_ERROR (FinishReason.ERROR after the first chunk:
+that request alone failed in the worker), OVERLOAD (RESOURCE_EXHAUSTED at once),
+REJECT (an invalid_request error event at once). A request with
+num_prompt_logprobs first gets its prompt's logprobs (PROMPT_LOGPROB and
+alternatives), in two chunks without generated tokens.
 """
 
 from __future__ import annotations
@@ -16,11 +21,20 @@ from concurrent import futures
 
 import grpc
 
-from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateError, GenerateRequest, TokenChunk
+from protos.segserve.v1.info import Health, WorkerInfo
+from protos.segserve.v1.step import PromptLogprobs, TopLogprobs
 
 OUTPUT_TEXT = "Hello 🙂 東京 Übermäßig!\n    def add(a, b):\n        return a + b\n"
 GREEDY_LOGIT = 7.0  # what the fake reports as the score of a greedy token (a logit, not a logprob)
 TOP_LOGPROB = -0.25  # the chosen token's logprob in the top list
+WORKER_ERROR_MESSAGE = "non-finite logits in this sequence"
+
+
+def prompt_logprob(position: int) -> float:
+    """The fake's logprob of the prompt token at `position` (>= 1)."""
+    return -1.0 - position / 100
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
@@ -30,38 +44,42 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.max_model_len = max_model_len
         self.output_ids: list[int] = tokenizer(OUTPUT_TEXT, add_special_tokens=False).input_ids
         self.eos_token_id: int = tokenizer.eos_token_id
-        self.requests: list[scheduler_pb2.GenerateRequest] = []
+        self.requests: list[GenerateRequest] = []
         self.cancelled: list[str] = []
         self.completed: list[str] = []
         self._lock = threading.Lock()
 
-    def expected_ids(self, max_new_tokens: int) -> tuple[list[int], int]:
+    def expected_ids(self, max_tokens: int) -> tuple[list[int], FinishReason]:
         """(tokens, finish reason) a plain request with this budget gets."""
-        if max_new_tokens < len(self.output_ids) + 1:
-            return self.output_ids[:max_new_tokens], scheduler_pb2.FINISH_REASON_LENGTH
-        return self.output_ids + [self.eos_token_id], scheduler_pb2.FINISH_REASON_EOS_TOKEN
+        if max_tokens < len(self.output_ids) + 1:
+            return self.output_ids[:max_tokens], FinishReason.LENGTH
+        return self.output_ids + [self.eos_token_id], FinishReason.EOS_TOKEN
 
-    def Generate(self, request, context):
+    def Generate(self, pb, context):
+        request = GenerateRequest.from_pb(pb)
         with self._lock:
             self.requests.append(request)
         prompt = self.tokenizer.decode(request.prompt_token_ids)
         if "OVERLOAD" in prompt:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full")
         if "REJECT" in prompt:
-            yield _error("invalid_request", "prompt rejected by the scheduler")
+            yield GenerateError("invalid_request", "prompt rejected by the scheduler").to_pb()
             return
         arrived_s = time.monotonic()
         state = {"is_finished": False}
         context.add_callback(lambda: self._on_end(request.request_id, state))
-        budget = request.stopping.max_new_tokens
+        budget = request.stopping.max_tokens
         if "SLOW" in prompt:
             tokens = (self.output_ids * (budget // len(self.output_ids) + 1))[:budget]
-            finish = scheduler_pb2.FINISH_REASON_LENGTH
+            finish = FinishReason.LENGTH
         else:
             tokens, finish = self.expected_ids(budget)
         if "WAIT" in prompt:
             time.sleep(1.0)
         scheduled_s = first_token_s = time.monotonic()
+        queue_wait_us = _us(arrived_s, scheduled_s)
+        if request.sampling.num_prompt_logprobs is not None:
+            yield from self._prompt_chunks(request, queue_wait_us)
         for start in range(0, len(tokens), 2):
             if "SLOW" in prompt:
                 time.sleep(0.05)
@@ -69,41 +87,57 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 return
             if start == 0:
                 first_token_s = time.monotonic()
-            yield self._chunk(tokens[start:start + 2], request.sampling, _us(arrived_s, scheduled_s))
+            yield self._chunk(tokens[start:start + 2], request, queue_wait_us).to_pb()
             if "FAIL_MID" in prompt and start >= 2:
                 state["is_finished"] = True
-                yield _error("internal", "worker crashed")
+                yield GenerateError("internal", "worker crashed").to_pb()
                 return
+            if "WORKER_ERROR" in prompt:
+                tokens, finish = tokens[:start + 2], FinishReason.ERROR
+                break
         state["is_finished"] = True
-        yield scheduler_pb2.GenerateResponse(complete=scheduler_pb2.GenerateComplete(
-            finish_reason=finish, num_prompt_tokens=len(request.prompt_token_ids),
-            num_generated_tokens=len(tokens), queue_wait_us=_us(arrived_s, scheduled_s),
-            first_token_us=_us(arrived_s, first_token_s), decode_us=_us(first_token_s, time.monotonic()),
-            max_batch_size=1))  # each request runs alone
+        yield GenerateComplete(
+            finish, num_prompt_tokens=len(request.prompt_token_ids), num_generated_tokens=len(tokens),
+            queue_wait_us=queue_wait_us, first_token_us=_us(arrived_s, first_token_s),
+            decode_us=_us(first_token_s, time.monotonic()), max_batch_size=1,  # each request runs alone
+            error_message=WORKER_ERROR_MESSAGE if finish is FinishReason.ERROR else "").to_pb()
 
     def _on_end(self, request_id: str, state: dict) -> None:
         with self._lock:
             (self.completed if state["is_finished"] else self.cancelled).append(request_id)
 
-    def _chunk(self, token_ids: list[int], sampling, queue_wait_us: int = 0) -> scheduler_pb2.GenerateResponse:
+    def _alternatives(self, token_id: int, num: int, best: float) -> TopLogprobs:
         vocab = len(self.tokenizer)
+        ids = [token_id] + [(token_id + k) % vocab for k in range(1, num)]
+        return TopLogprobs(tuple(ids), tuple(best - k for k in range(len(ids))))
+
+    def _prompt_chunks(self, request: GenerateRequest, queue_wait_us: int):
+        """The prompt's logprobs (positions 1.. of the prompt), split over two chunks without tokens."""
+        prompt, num = request.prompt_token_ids, request.sampling.num_prompt_logprobs
+        middle = max(1, len(prompt) // 2)
+        for start, end in ((1, middle), (middle, len(prompt))):
+            if start >= end:
+                continue
+            logprobs = tuple(prompt_logprob(p) for p in range(start, end))
+            top = tuple(self._alternatives(prompt[p], num, 0.0) for p in range(start, end)) if num else ()
+            yield TokenChunk((), (), batch_size=1, queue_wait_us=queue_wait_us,
+                             prompt_logprobs=PromptLogprobs(start, logprobs, top)).to_pb()
+
+    def _chunk(self, token_ids: list[int], request: GenerateRequest, queue_wait_us: int = 0) -> TokenChunk:
+        sampling = request.sampling
         scores = [TOP_LOGPROB if sampling.do_sample else GREEDY_LOGIT] * len(token_ids)
-        top = []
-        if sampling.num_top_logprobs:
-            for t in token_ids:
-                ids = [t] + [(t + k) % vocab for k in range(1, sampling.num_top_logprobs)]
-                top.append(common_pb2.TopLogprobs(
-                    token_ids=ids, logprobs=[TOP_LOGPROB - k for k in range(len(ids))]))
-        return scheduler_pb2.GenerateResponse(chunk=scheduler_pb2.TokenChunk(
-            token_ids=token_ids, scores=scores, top_logprobs=top, batch_size=1, queue_wait_us=queue_wait_us))
+        top = [self._alternatives(t, sampling.num_top_logprobs, TOP_LOGPROB) for t in token_ids] \
+            if sampling.num_top_logprobs else []
+        return TokenChunk(tuple(token_ids), tuple(scores), tuple(top), batch_size=1, queue_wait_us=queue_wait_us)
 
     def GetInfo(self, request, context):
-        return scheduler_pb2.SchedulerInfo(worker=worker_pb2.WorkerInfo(
-            model_name=self.model_name, max_model_len=self.max_model_len, vocab_size=len(self.tokenizer),
-            eos_token_ids=[self.eos_token_id], block_size=16, num_kv_blocks=64, device="cpu", dtype="float32"))
+        info = WorkerInfo(self.model_name, num_kv_blocks=64, block_size=16, max_model_len=self.max_model_len,
+                          vocab_size=len(self.tokenizer), eos_token_ids=(self.eos_token_id,), device="cpu",
+                          dtype="float32")
+        return scheduler_pb2.SchedulerInfo(worker=info.to_pb())
 
-    def Health(self, request, context):
-        return worker_pb2.HealthResponse(ready=True)
+    def Health(self, request, context) -> common_pb2.HealthResponse:
+        return Health(True).to_pb()
 
     def wait_cancelled(self, request_id_prefix: str = "", timeout_s: float = 5.0) -> list[str]:
         """Cancelled request ids (with the prefix), waiting up to timeout_s for at least one."""
@@ -119,10 +153,6 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 def _us(start_s: float, end_s: float) -> int:
     return round((end_s - start_s) * 1e6)
-
-
-def _error(code: str, message: str) -> scheduler_pb2.GenerateResponse:
-    return scheduler_pb2.GenerateResponse(error=scheduler_pb2.GenerateError(code=code, message=message))
 
 
 def start_fake_scheduler(tokenizer, **kwargs) -> tuple[grpc.Server, FakeScheduler, int]:

@@ -323,7 +323,7 @@ def test_router_overhead_against_the_schedulers_grpc(tiny_gemma3_dir, fake_serve
         server.stop(grace=None)
     direct = systems["segserve_grpc"]
     assert direct["kind"] == "grpc-direct" and [level["concurrency"] for level in direct["levels"]] == [1, 3]
-    measured = [request for request in scheduler.requests if request.stopping.max_new_tokens == 10]
+    measured = [request for request in scheduler.requests if request.stopping.max_tokens == 10]
     assert len(measured) == 2 * (1 + 3)  # the warm-up asks for 4 and 8 tokens
     prompt_ids = grpc_direct.tokenize_prompts(tiny_gemma3_dir, throughput.PROMPTS)
     assert {tuple(r.prompt_token_ids) for r in measured} <= {tuple(ids) for ids in prompt_ids}

@@ -28,12 +28,11 @@ import httpx
 import hypothesis
 import pytest
 import schemathesis
-
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from router.app import create_app
 from router.config import RouterConfig
-from router.scheduler_client import ModelInfo
+from protos.segserve.v1.info import WorkerInfo
 
 # The fake scheduler (serving MODEL) and the tokenizer of test_router.py.
 from tests.router_server import serve_router
@@ -55,7 +54,8 @@ def fuzz_router_url(scheduler, tokenizer):  # noqa: F811
 
 def _openapi_document() -> dict:
     """The app's OpenAPI document; routes do not touch the scheduler or the tokenizer to describe themselves."""
-    model_info = ModelInfo(model_name=MODEL, max_model_len=256, vocab_size=1, eos_token_ids=(0,))
+    model_info = WorkerInfo(model_name=MODEL, num_kv_blocks=64, block_size=16, max_model_len=256, vocab_size=1,
+                            eos_token_ids=(0,))
     return create_app(RouterConfig(), client=None, tokenizer=None, model_info=model_info).openapi()
 
 

@@ -17,11 +17,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import RouterConfig
-from router.reflow import ConsumerConfig
-from router.reflow.consumer import consume
 from router.reflow.gateway import client_id, state_for_status
 from router.reflow.chunks import FinishState
-from tests.fake_scheduler import OUTPUT_TEXT, start_fake_scheduler
+from segserve.reflow.config import ConsumerConfig
+from segserve.reflow.consumer import consume
+from tests.fake_scheduler import OUTPUT_TEXT, WORKER_ERROR_MESSAGE, start_fake_scheduler
 from tests.reflow_helpers import read_logs
 from tests.router_server import serve_router
 from tests.test_router import MODEL, _free_port
@@ -64,7 +64,7 @@ def _stream_text(response: httpx.Response) -> str:
     return text
 
 
-def test_every_exit_path_yields_exactly_one_record(router, tmp_path):
+def test_every_exit_path_yields_exactly_one_record(router, tmp_path, tiny_gemma3_dir):
     url, stop = router
     completion = {"model": MODEL, "prompt": "The answer:", "max_tokens": 64, "temperature": 0}
     with httpx.Client(base_url=url, timeout=30) as http:
@@ -82,6 +82,9 @@ def test_every_exit_path_yields_exactly_one_record(router, tmp_path):
         with http.stream("POST", "/v1/completions", json={**completion, "prompt": "FAIL_MID", "stream": True},
                          headers={"X-Request-Id": "failed"}) as response:
             assert "error" in response.read().decode()
+        with http.stream("POST", "/v1/completions", json={**completion, "prompt": "WORKER_ERROR", "stream": True},
+                         headers={"X-Request-Id": "worker-error"}) as response:
+            assert '"finish_reason":"error"' in response.read().decode().replace(" ", "")
         with http.stream("POST", "/v1/completions", json={**completion, "prompt": "SLOW", "stream": True,
                                                           "max_tokens": 200},
                          headers={"X-Request-Id": "deadline"}) as response:
@@ -100,7 +103,7 @@ def test_every_exit_path_yields_exactly_one_record(router, tmp_path):
 
     records = _records(tmp_path)
     expected = {"streamed": "complete", "chat": "complete", "bad": "rejected", "overloaded": "rejected",
-                "failed": "error", "deadline": "deadline", "gone": "cancelled", "v2": "complete"}
+                "failed": "error", "worker-error": "error", "deadline": "deadline", "gone": "cancelled", "v2": "complete"}
     assert {rid: [r["finish"] for r in records.get(rid, [])] for rid in expected} == {
         rid: [state] for rid, state in expected.items()}
     assert records["streamed"][0]["response_text"] == streamed_text == OUTPUT_TEXT
@@ -109,8 +112,20 @@ def test_every_exit_path_yields_exactly_one_record(router, tmp_path):
     assert records["chat"][0]["session_id"] == "s-1"
     assert records["chat"][0]["response_text"] == chat.json()["choices"][0]["message"]["content"]
     assert records["v2"][0]["response_text"] == v2.json()["text_output"]
+    # Every delta's generated token ids are recorded (the EOS token too, though it has no text).
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_gemma3_dir))
+    output_ids = tokenizer(OUTPUT_TEXT, add_special_tokens=False).input_ids
+    assert records["streamed"][0]["response_token_ids"] == output_ids + [tokenizer.eos_token_id]
+    assert tokenizer.decode(records["chat"][0]["response_token_ids"], skip_special_tokens=True) == \
+        records["chat"][0]["response_text"]
+    assert records["v2"][0]["response_token_ids"] == output_ids + [tokenizer.eos_token_id]
     assert records["streamed"][0]["usage"]["completion_tokens"] > 0
     assert records["bad"][0]["request"]["max_tokens"] == -1  # the request as sent
+    # A request that alone failed in the worker keeps the text it got and says why.
+    assert records["worker-error"][0]["error"] == WORKER_ERROR_MESSAGE
+    assert records["worker-error"][0]["response_text"]
 
 
 def test_status_and_client_id_rules():

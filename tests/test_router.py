@@ -11,7 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from router.config import RouterConfig
-from router.scheduler_client import GenerateFailure, GenerateParams, SchedulerClient, TokenChunk
+from protos.segserve.v1.generate import GenerateError, GenerateRequest, TokenChunk
+from protos.segserve.v1.sampling import StoppingCriteria
+from router.scheduler_client import SchedulerClient
 from router.server import build_app
 from tests.fake_scheduler import GREEDY_LOGIT, OUTPUT_TEXT, TOP_LOGPROB, start_fake_scheduler
 from tests.router_server import free_port as _free_port
@@ -78,7 +80,7 @@ def test_completion_length_limit_and_token_prompt(client, scheduler):
     assert out.choices[0].finish_reason == "length"
     assert out.choices[0].text == _expected_text(fake, 5)
     assert list(fake.requests[-1].prompt_token_ids) == [5, 6, 7]
-    assert fake.requests[-1].stopping.max_new_tokens == 5
+    assert fake.requests[-1].stopping.max_tokens == 5
 
 
 def test_completion_stream_with_usage(client, scheduler):
@@ -98,7 +100,7 @@ def test_default_max_tokens_is_bounded_by_context(client, scheduler):
     fake, _ = scheduler
     client.completions.create(model=MODEL, prompt="x " * 100)
     prompt_len = len(fake.requests[-1].prompt_token_ids)
-    assert fake.requests[-1].stopping.max_new_tokens == min(256, fake.max_model_len - prompt_len)
+    assert fake.requests[-1].stopping.max_tokens == min(256, fake.max_model_len - prompt_len)
 
 
 async def test_chat_uses_template_with_a_single_bos(async_client, scheduler):
@@ -138,12 +140,12 @@ def test_sampling_fields_reach_the_scheduler(client, scheduler):
                               extra_body={"top_k": 5, "repetition_penalty": 1.2, "unknown_field": 1})
     s = fake.requests[-1].sampling
     assert s.do_sample and s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
-    assert (s.top_k, s.seed) == (5, 42) and s.HasField("seed")
+    assert (s.top_k, s.seed) == (5, 42)
     assert s.repetition_penalty == pytest.approx(1.2)
     assert (s.frequency_penalty, s.presence_penalty) == (0.5, -0.5)
     client.completions.create(model=MODEL, prompt="a", max_tokens=2)  # OpenAI's default temperature samples
     s = fake.requests[-1].sampling
-    assert s.do_sample and s.temperature == 1.0 and not s.HasField("seed")
+    assert s.do_sample and s.temperature == 1.0 and s.seed is None
     client.completions.create(model=MODEL, prompt="a", max_tokens=2, temperature=0)
     s = fake.requests[-1].sampling
     assert not s.do_sample and s.temperature == 1.0 and s.num_top_logprobs == 0
@@ -290,11 +292,11 @@ def test_non_streamed_disconnect_cancels_the_grpc_call(router_url, scheduler):
 async def test_client_deadline_ends_with_a_timeout_failure(scheduler, tokenizer):
     _, port = scheduler
     client = SchedulerClient(f"127.0.0.1:{port}")
-    events = [e async for e in client.generate("deadline-1", tokenizer("SLOW").input_ids,
-                                                GenerateParams(max_new_tokens=200), timeout_s=0.3)]
+    request = GenerateRequest("deadline-1", tokenizer("SLOW").input_ids, stopping=StoppingCriteria(max_tokens=200))
+    events = [e async for e in client.generate(request, timeout_s=0.3)]
     await client.close()
     assert isinstance(events[0], TokenChunk)
-    assert isinstance(events[-1], GenerateFailure) and events[-1].code == "timeout"
+    assert isinstance(events[-1], GenerateError) and events[-1].code == "timeout"
 
 
 async def test_build_app_gives_up_without_a_scheduler(tokenizer):

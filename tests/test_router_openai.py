@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
+from protos.segserve.v1.generate import GenerateError
 from router.choices import merge_choices
 from router.generation import KEEPALIVE, Delta, Usage
-from router.scheduler_client import GenerateFailure
 from tests.fake_scheduler import OUTPUT_TEXT, TOP_LOGPROB
 from tests.test_router import MODEL, router_url, scheduler, tokenizer  # noqa: F401
 
@@ -128,7 +128,7 @@ def test_n_choices_with_a_negative_seed_and_none(client, scheduler):
     client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2, seed=-1)
     assert sorted(r.sampling.seed for r in fake.requests[-2:]) == [0, 2**64 - 1]
     client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2)
-    assert not any(r.sampling.HasField("seed") for r in fake.requests[-2:])
+    assert all(r.sampling.seed is None for r in fake.requests[-2:])
 
 
 async def test_n_choices_streamed_chat(async_client, scheduler):
@@ -220,10 +220,14 @@ def test_the_values_clients_send_by_default_are_accepted(router_url):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),  # beyond the vocabulary
     ({"best_of": 1, "n": 2}, "best_of"),
     ({"seed": 2**64}, "seed"),
-    ({"echo": True}, "echo"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"suffix": "x"}, "suffix"),
 ])
 def test_unsupported_or_bad_values_get_400_naming_the_field(router_url, body, param):
     response = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "prompt": "x", **body})
@@ -274,7 +278,7 @@ async def test_merge_tags_indices_and_sums_usage_on_the_last_finish():
 
 
 async def test_merge_ends_at_a_failure_and_sends_keepalives():
-    failure = GenerateFailure("internal", "boom")
+    failure = GenerateError("internal", "boom")
 
     async def slow():
         yield Delta("x", num_tokens=1)

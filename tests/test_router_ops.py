@@ -17,10 +17,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.segserve.v1.info import Health, WorkerInfo
 from router.app import create_app
 from router.config import RouterConfig
-from router.scheduler_client import ModelInfo, SchedulerClient
+from router.scheduler_client import SchedulerClient
 from segserve.flags import add_dataclass_args, from_args
 from tests.fake_scheduler import FakeScheduler
 from tests.router_server import serve_router
@@ -43,7 +44,7 @@ class OpsFakeScheduler(FakeScheduler):
     has_stats = True
 
     def Health(self, request, context):
-        return worker_pb2.HealthResponse(ready=self.is_ready, detail="" if self.is_ready else "warming up")
+        return Health(self.is_ready, "" if self.is_ready else "warming up").to_pb()
 
     def GetStats(self, request, context):
         if not self.has_stats:
@@ -220,7 +221,8 @@ def test_metrics_report_the_schedulers_load_and_speculation(router_url, schedule
 
 
 def test_apps_have_their_own_metrics_registries(tokenizer):
-    info = ModelInfo(model_name=MODEL, max_model_len=256, vocab_size=len(tokenizer), eos_token_ids=(1,))
+    info = WorkerInfo(model_name=MODEL, num_kv_blocks=64, block_size=16, max_model_len=256,
+                      vocab_size=len(tokenizer), eos_token_ids=(1,))
     for _ in range(2):  # a second app would clash in prometheus_client's global registry
         create_app(RouterConfig(), SchedulerClient("127.0.0.1:1"), tokenizer, info)
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from protos.segserve.v1.generate import GenerateError
 from router.generation import Delta, TokenLogprob, Usage
-from router.scheduler_client import GenerateFailure
 from router.stop import StopMatcher, stop_at_strings
 
 TEXT = "Hello 🙂 東京 Übermäßig!\n    def add(a, b):\n        return a + b\n"
@@ -158,6 +158,6 @@ async def test_a_stop_in_the_final_text_keeps_the_schedulers_usage():
 
 
 async def test_failures_pass_through():
-    failure = GenerateFailure("internal", "worker crashed")
+    failure = GenerateError("internal", "worker crashed")
     out = [d async for d in stop_at_strings(_stream([Delta("ab"), failure]), ["bz"], num_prompt_tokens=1)]
     assert [d.text for d in out[:-1]] == ["a"] and out[-1] is failure

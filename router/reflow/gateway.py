@@ -3,8 +3,10 @@
 In: the router app (an ASGI middleware around it) and the event stream of each
 generation (`record_deltas`). Out: one RequestRecording per POST to
 /v1/completions, /v1/chat/completions or /v2/models/.../generate[_stream],
-with the raw body, one response chunk per text delta the client received (after
-stop strings; with n > 1, choice 0's), and exactly one finish state:
+with the raw body, one response chunk per delta the client received (after
+stop strings; with n > 1, choice 0's) holding its text and the generated token
+ids behind it (a delta whose tokens made no text yet, e.g. half a character or
+the EOS token, is recorded with its ids alone), and exactly one finish state:
 - the generation's own end: complete (with usage), a failure (deadline for a
   timeout, rejected for overload or invalid input, else error), or cancelled
   when the stream is closed early (the client went away);
@@ -31,10 +33,10 @@ from collections.abc import AsyncIterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from protos.segserve.v1.generate import FinishReason, GenerateError
 from router.generation import Delta
 from router.reflow.chunks import FinishState
 from router.reflow.recorder import Recorder, RequestRecording
-from router.scheduler_client import GenerateFailure
 
 _INFERENCE_PATH = re.compile(r"^/v1/(chat/)?completions$|^/v2/models/.+/generate(_stream)?$")
 _FAILURE_STATES = {"timeout": FinishState.DEADLINE, "overloaded": FinishState.REJECTED,
@@ -119,22 +121,28 @@ def record_deltas(events: AsyncIterator, recording: RequestRecording | None) -> 
 
 
 async def _recorded(events: AsyncIterator, recording: RequestRecording) -> AsyncIterator:
-    usage = None
+    usage, error_message = None, None
     async with contextlib.aclosing(events):
         try:
             async for event in events:
-                if isinstance(event, GenerateFailure):
+                if isinstance(event, GenerateError):
                     recording.finish(_FAILURE_STATES.get(event.code, FinishState.ERROR), error=event.message)
                 elif isinstance(event, Delta):
-                    if event.index == 0 and event.text:
-                        recording.delta(event.text)
+                    if event.index == 0 and (event.text or event.token_ids):
+                        recording.delta(event.text, event.token_ids)
                     usage = event.usage or usage
+                    if event.complete is not None and event.complete.finish_reason is FinishReason.ERROR:
+                        error_message = event.complete.error_message  # this request alone failed
                 yield event
         except GeneratorExit:
             recording.finish(FinishState.CANCELLED)
             raise
-    recording.finish(FinishState.COMPLETE, usage=None if usage is None else {
-        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens})
+    usage_record = None if usage is None else {"prompt_tokens": usage.prompt_tokens,
+                                                "completion_tokens": usage.completion_tokens}
+    if error_message is not None:
+        recording.finish(FinishState.ERROR, usage=usage_record, error=error_message)
+    else:
+        recording.finish(FinishState.COMPLETE, usage=usage_record)
 
 
 class ReflowCollector:

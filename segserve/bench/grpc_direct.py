@@ -6,7 +6,8 @@ same run as the HTTP levels: the same prompts tokenized as the router tokenizes 
 concurrency levels and the same closed loop (`loadgen.run_closed_loop`). Each
 request fills a loadgen `RequestRecord`: event times are the arrivals of
 non-empty `TokenChunk`s (one chunk per scheduler step, like one SSE event),
-num_tokens is the scheduler's num_generated_tokens.
+num_tokens is the scheduler's num_generated_tokens. Requests and events are the
+generation contract's types (protos/segserve/v1/generate.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from router.scheduler_client import GenerateComplete, GenerateEvent, GenerateParams, SchedulerClient, TokenChunk
+from protos.segserve.v1.generate import GenerateComplete, GenerateEvent, GenerateRequest, TokenChunk
+from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
+from router.scheduler_client import SchedulerClient
 from segserve.bench import loadgen, report
 
 if TYPE_CHECKING:
@@ -33,7 +36,7 @@ class GrpcLoadSpec:
     prompt_token_ids: list[list[int]]
     """Tokenized prompts, cycled over requests."""
     max_tokens: int
-    """max_new_tokens of every request (EOS ignored, greedy)."""
+    """max_tokens of every request (EOS ignored, greedy)."""
     concurrency: int
     """Number of streams running at once."""
     requests_per_stream: int = 1
@@ -66,12 +69,13 @@ def apply_event(record: loadgen.RequestRecord, event: GenerateEvent, now: float)
 async def run_load(spec: GrpcLoadSpec) -> loadgen.LoadRun:
     """Run one level: `concurrency` closed-loop gRPC streams on one channel, bounded by `time_limit_s`."""
     client = SchedulerClient(spec.address)
-    params = GenerateParams(max_new_tokens=spec.max_tokens, ignore_eos=True)
+    sampling, stopping = SamplingParams(), StoppingCriteria(max_tokens=spec.max_tokens, ignore_eos=True)
     request_numbers = itertools.count()
 
     async def send(prompt_number: int, record: loadgen.RequestRecord) -> None:
         prompt = spec.prompt_token_ids[prompt_number % len(spec.prompt_token_ids)]
-        async for event in client.generate(f"bench-grpc-{next(request_numbers)}", prompt, params):
+        request = GenerateRequest(f"bench-grpc-{next(request_numbers)}", prompt, sampling, stopping)
+        async for event in client.generate(request):
             apply_event(record, event, time.perf_counter())
 
     try:
@@ -88,7 +92,7 @@ def tokenize_prompts(model_dir, prompts: list[str]) -> list[list[int]]:
     from router.server import load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
-    return [completion_prompt_ids(tokenizer, prompt, len(tokenizer)) for prompt in prompts]
+    return [completion_prompt_ids(tokenizer, prompt) for prompt in prompts]
 
 
 def bench_grpc(address: str, prompt_token_ids: list[list[int]], config: ThroughputConfig) -> dict:

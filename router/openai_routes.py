@@ -1,0 +1,121 @@
+"""The OpenAI-compatible routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}].
+
+A request's life: the pydantic body checks types (protocol.py); the prompt is
+tokenized (prompts.py); each of the n choices becomes a contract GenerateRequest
+that admission.py validates with the contract's validator (a 400 naming the
+field in OpenAI's words, before the scheduler sees anything); the output budget
+is fixed against the context left; serving.py runs the jobs (one per choice,
+merged by choices.py; stop strings cut by stop.py) and a renderer
+(responses.py) shapes the answer, SSE when `stream`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from router.admission import check_request
+from router.choices import merge_choices
+from router.generation import GenerationJob
+from router.prompts import chat_prompt_ids, completion_prompt_ids, max_new_tokens
+from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from router.responses import ChatRenderer, CompletionRenderer, EchoPrompt
+from router.serving import job_events, respond_events
+from router.state import RouterState, StateDep
+from router.stop import stop_at_strings
+
+# OpenAPI: a 200 is either a JSON body or, with `stream`, SSE events.
+STREAM_OR_JSON = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {
+    "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", responses=STREAM_OR_JSON)
+async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
+    state.check_model(body.model)
+    prompt_ids = completion_prompt_ids(state.tokenizer, body.prompt)
+    jobs = choice_jobs(state, body, prompt_ids, f"cmpl-{uuid.uuid4().hex}", "prompt")
+    echo = None
+    if body.echo:  # the ids were validated with the jobs: decoding them is safe
+        text = body.prompt if isinstance(body.prompt, str) else state.tokenizer.decode(prompt_ids)
+        echo = EchoPrompt(text, tuple(prompt_ids), body.num_prompt_logprobs)
+    renderer = CompletionRenderer(_response_id(jobs), int(time.time()), state.served_name, state.token_texts,
+                                  body.num_top_logprobs is not None, len(jobs), echo=echo)
+    return await serve(state, request, body, jobs, renderer)
+
+
+@router.post("/v1/chat/completions", responses=STREAM_OR_JSON)
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
+    state.check_model(body.model)
+    prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages())
+    jobs = choice_jobs(state, body, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", "messages")
+    renderer = ChatRenderer(_response_id(jobs), int(time.time()), state.served_name, state.token_texts,
+                            body.num_top_logprobs is not None, len(jobs))
+    return await serve(state, request, body, jobs, renderer)
+
+
+@router.get("/v1/models")
+async def list_models(state: StateDep) -> dict:
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, state: StateDep) -> dict:
+    state.check_model(model)
+    return _model_card(state)
+
+
+def _model_card(state: RouterState) -> dict:
+    return {"id": state.served_name, "object": "model", "created": state.created, "owned_by": "segserve",
+            "max_model_len": state.model_info.max_model_len}
+
+
+def _response_id(jobs: list[GenerationJob]) -> str:
+    """With one choice the scheduler's request id is the response id; with n, `<id>-<index>`."""
+    return jobs[0].request_id if len(jobs) == 1 else jobs[0].request_id.rsplit("-", 1)[0]
+
+
+def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int], response_id: str,
+                prompt_param: str) -> list[GenerationJob]:
+    """One validated job per choice: the contract checks every value first (400 naming the field), then the
+    budget is fixed: the request's max tokens, else the default, within the context the prompt leaves."""
+    num_choices, requested = body.num_choices, body.requested_max_tokens
+    requests = [
+        body.to_request(response_id if num_choices == 1 else f"{response_id}-{index}", prompt_ids,
+                        state.config.default_max_tokens if requested is None else requested, index)
+        for index in range(num_choices)
+    ]
+    names = body.api_names
+    for generate_request in requests:
+        check_request(generate_request, state.model_info, names)
+    budget = max_new_tokens(requested, len(prompt_ids), state.model_info.max_model_len,
+                            state.config.default_max_tokens, prompt_param, names["max_tokens"])
+    return [
+        GenerationJob(request=dataclasses.replace(r, stopping=dataclasses.replace(r.stopping, max_tokens=budget)),
+                      eos_token_ids=state.eos_token_ids, num_top_logprobs=body.num_top_logprobs,
+                      timeout_s=state.config.request_timeout_s or None)
+        for r in requests
+    ]
+
+
+async def serve(state: RouterState, request: Request, body: SamplingRequest, jobs: list[GenerationJob],
+                renderer) -> Response:
+    """Run the choices' jobs (stop strings applied per choice, choices merged) and answer with `renderer`."""
+    stops, num_prompt_tokens = body.stop_strings, len(jobs[0].prompt_token_ids)
+
+    def choice_events(job: GenerationJob, keepalive_s: float | None) -> AsyncIterator:
+        events = job_events(state, job, keepalive_s)
+        return stop_at_strings(events, stops, num_prompt_tokens) if stops else events
+
+    def open_events(keepalive_s: float | None) -> AsyncIterator:
+        if len(jobs) == 1:
+            return choice_events(jobs[0], keepalive_s)
+        return merge_choices([choice_events(job, None) for job in jobs], keepalive_s)
+
+    return await respond_events(state, request, open_events, renderer, body.stream, body.include_usage)

@@ -1,0 +1,65 @@
+"""What every route needs, built once per app: `RouterState`, fetched per request by a dependency.
+
+create_app (app.py) builds one RouterState and stores it on `app.state.router`;
+routes (openai_routes.py, v2.py, ops.py) declare a `state: StateDep` parameter
+and FastAPI hands them that object (`get_state`). So the routes are plain
+APIRouter functions, and a test can build an app around any client, tokenizer
+and model facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, Request
+
+from protos.segserve.v1.info import WorkerInfo
+from router.config import RouterConfig
+from router.detokenizer import TokenTexts
+from router.errors import model_not_found
+
+if TYPE_CHECKING:
+    from router.ops import MeteredClient, RouterMetrics
+    from router.reflow.recorder import Recorder
+    from router.scheduler_client import SchedulerClient
+
+
+@dataclass
+class RouterState:
+    """One app's dependencies: its config, scheduler client, tokenizer and served model."""
+
+    config: RouterConfig
+    scheduler: SchedulerClient
+    """The raw client: readiness and stats."""
+    client: MeteredClient
+    """What routes generate with: the scheduler client, feeding the request metrics."""
+    metrics: RouterMetrics
+    tokenizer: Any
+    model_info: WorkerInfo
+    """The worker's facts, from the scheduler's GetInfo."""
+    served_name: str
+    """The model name clients send."""
+    created: int
+    """Unix time the app was built (the model card's `created`)."""
+    recorder: Recorder | None = None
+    """Data reflow's recorder, when configured."""
+    token_texts: TokenTexts = field(init=False)
+    eos_token_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is None or the served model's name."""
+        if model is not None and model != self.served_name:
+            raise model_not_found(model)
+
+
+def get_state(request: Request) -> RouterState:
+    """The FastAPI dependency giving a route its app's RouterState."""
+    return request.app.state.router
+
+
+StateDep = Annotated[RouterState, Depends(get_state)]
