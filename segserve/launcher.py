@@ -22,11 +22,11 @@ import grpc
 import httpx
 
 from drafter.config import DrafterConfig
-from protos.segserve.v1 import drafter_pb2_grpc, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.segserve.v1 import common_pb2, drafter_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
+from segserve.checkpoint import resolve_model
 from segserve.flags import to_argv
-from worker.checkpoint import resolve_model
 from worker.config import WorkerConfig
 
 
@@ -157,7 +157,7 @@ class Stack:
             while time.monotonic() < deadline:
                 self._check_alive(name)
                 try:
-                    if stub.Health(worker_pb2.HealthRequest(), timeout=2.0).ready:
+                    if stub.Health(common_pb2.HealthRequest(), timeout=2.0).ready:
                         return
                 except grpc.RpcError:
                     pass

@@ -15,17 +15,25 @@ from segserve.launcher import Stack, StackConfig
 from worker.config import WorkerConfig
 
 
-def start_stack(model_dir: Path, log_dir: Path, max_num_seqs: int = 16, **worker_overrides) -> Stack:
-    """A speculative stack (worker, drafter, scheduler, router) on free ports, started."""
+def tiny_stack(model_dir: Path, log_dir: Path, *, is_speculative: bool = True, max_num_seqs: int = 16,
+               scheduler: dict | None = None, **worker_overrides) -> Stack:
+    """The one stack the end-to-end tests run: worker, drafter, scheduler and router on free ports, not yet
+    started (use it as a context manager, or call start()). `scheduler` overrides SchedulerConfig fields."""
     config = StackConfig(
         worker=WorkerConfig(model=str(model_dir), port=0, **worker_overrides),
-        scheduler=SchedulerConfig(port=0, max_num_seqs=max_num_seqs, max_num_batched_tokens=128),
+        scheduler=SchedulerConfig(**{"port": 0, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 128,
+                                     **(scheduler or {})}),
         router=RouterConfig(port=0),
         drafter=DrafterConfig(port=0),
-        is_speculative=True,
+        is_speculative=is_speculative,
         log_dir=str(log_dir),
     )
-    stack = Stack(config)
+    return Stack(config)
+
+
+def start_stack(model_dir: Path, log_dir: Path, max_num_seqs: int = 16, **worker_overrides) -> Stack:
+    """`tiny_stack`, started."""
+    stack = tiny_stack(model_dir, log_dir, max_num_seqs=max_num_seqs, **worker_overrides)
     stack.start()
     return stack
 

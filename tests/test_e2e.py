@@ -14,11 +14,8 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from drafter.config import DrafterConfig
-from router.config import RouterConfig
-from scheduler.config import SchedulerConfig
-from segserve.launcher import Stack, StackConfig
-from worker.config import WorkerConfig
+from segserve.launcher import Stack
+from tests.e2e_helpers import tiny_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -32,18 +29,6 @@ PROMPTS = [
     "The",
     "``` code fence ``` <think> reasoning </think> and then the quick brown fox jumps over",
 ]
-
-
-def _stack(model_dir, tmp_path, is_speculative: bool = True, **worker_overrides) -> Stack:
-    config = StackConfig(
-        worker=WorkerConfig(model=str(model_dir), port=0, **worker_overrides),
-        scheduler=SchedulerConfig(port=0, max_num_seqs=16, max_num_batched_tokens=128),
-        router=RouterConfig(port=0),
-        drafter=DrafterConfig(port=0),
-        is_speculative=is_speculative,
-        log_dir=str(tmp_path),
-    )
-    return Stack(config)
 
 
 def spec_stats(stack: Stack):
@@ -74,8 +59,8 @@ def complete(client: OpenAI, model: str, prompt: str, max_tokens: int, stream: b
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["speculative", "plain"])
-def tiny_stack(request, tiny_gemma3_dir, tmp_path_factory):
-    with _stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), is_speculative=request.param) as stack:
+def running_stack(request, tiny_gemma3_dir, tmp_path_factory):
+    with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), is_speculative=request.param) as stack:
         yield stack
 
 
@@ -90,16 +75,16 @@ def _client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_greedy_matches_generate_streamed_and_not(tiny_stack, tiny_references):
-    client = _client(tiny_stack)
+def test_greedy_matches_generate_streamed_and_not(running_stack, tiny_references):
+    client = _client(running_stack)
     model = client.models.list().data[0].id
     for prompt in PROMPTS[:3]:
         assert complete(client, model, prompt, 40) == tiny_references[prompt]
         assert complete(client, model, prompt, 40, stream=True) == tiny_references[prompt]
 
 
-def test_batch_invariance_among_concurrent_requests(tiny_stack, tiny_references):
-    client = _client(tiny_stack)
+def test_batch_invariance_among_concurrent_requests(running_stack, tiny_references):
+    client = _client(running_stack)
     model = client.models.list().data[0].id
     with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         outputs = list(pool.map(lambda p: complete(client, model, p, 40, stream=True), PROMPTS))
@@ -108,7 +93,7 @@ def test_batch_invariance_among_concurrent_requests(tiny_stack, tiny_references)
 
 def test_more_requests_than_the_kv_cache_holds(tiny_gemma3_dir, tiny_references, tmp_path):
     # 8 blocks of 16 tokens hold 128 tokens; 8 requests of up to ~60 tokens each need far more.
-    with _stack(tiny_gemma3_dir, tmp_path, num_kv_blocks=8, block_size=16) as stack:
+    with tiny_stack(tiny_gemma3_dir, tmp_path, num_kv_blocks=8, block_size=16) as stack:
         client = _client(stack)
         model = client.models.list().data[0].id
         with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -120,7 +105,7 @@ def test_killing_the_drafter_mid_stream_fails_no_request(tiny_gemma3_dir, tiny_r
     import threading
     import time
 
-    with _stack(tiny_gemma3_dir, tmp_path) as stack:
+    with tiny_stack(tiny_gemma3_dir, tmp_path) as stack:
         client = _client(stack)
         model = client.models.list().data[0].id
         drafter = stack.processes["drafter"]
@@ -151,7 +136,7 @@ def test_default_model_greedy_and_chat_through_the_stack(default_model_dir, tmp_
     quoting = ("Fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango.\n"
                "The same fruits again: apple, banana, cherry,")
     expected_quote = tokenizer.decode(reference_completion(default_model_dir, quoting, 24), skip_special_tokens=True)
-    with _stack(default_model_dir, tmp_path) as stack:
+    with tiny_stack(default_model_dir, tmp_path) as stack:
         client = _client(stack)
         model = client.models.list().data[0].id
         assert model == "gemma-3-270m"

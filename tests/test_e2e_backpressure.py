@@ -9,12 +9,8 @@ import time
 import httpx
 import pytest
 
-from drafter.config import DrafterConfig
-from router.config import RouterConfig
-from scheduler.config import SchedulerConfig
-from segserve.launcher import Stack, StackConfig
-from tests.e2e_helpers import scheduler_stats, wait_until_idle
-from worker.config import WorkerConfig
+from segserve.launcher import Stack
+from tests.e2e_helpers import scheduler_stats, tiny_stack, wait_until_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -27,10 +23,8 @@ async def _complete(http: httpx.AsyncClient, prompt: str) -> httpx.Response:
 
 
 def test_a_full_queue_answers_429_at_once_while_admitted_requests_finish(tiny_gemma3_dir, tmp_path):
-    config = StackConfig(
-        worker=WorkerConfig(model=str(tiny_gemma3_dir), port=0, served_model_name="tiny-gemma3"),
-        scheduler=SchedulerConfig(port=0, max_num_seqs=2, max_num_waiting=2, max_num_batched_tokens=64),
-        router=RouterConfig(port=0), drafter=DrafterConfig(port=0), is_speculative=False, log_dir=str(tmp_path))
+    stack = tiny_stack(tiny_gemma3_dir, tmp_path, is_speculative=False, max_num_seqs=2,
+                       scheduler={"max_num_waiting": 2, "max_num_batched_tokens": 64}, served_model_name="tiny-gemma3")
 
     async def scenario(stack: Stack) -> None:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
@@ -66,5 +60,5 @@ def test_a_full_queue_answers_429_at_once_while_admitted_requests_finish(tiny_ge
         stats = wait_until_idle(stack)
         assert (stats.num_running, stats.num_waiting, stats.num_used_kv_blocks) == (0, 0, 0)
 
-    with Stack(config) as stack:
+    with stack:
         asyncio.run(scenario(stack))

@@ -222,24 +222,38 @@ def test_v2_generate_with_details(stack, model, reference):
     assert details["batch_size"] >= 1 and details["queue_wait_time"] > 0
 
 
-def test_v2_generate_stream_event_format(stack, model, reference):
-    body = {"text_input": COMPLETION_PROMPT, "parameters": {"max_new_tokens": MAX_TOKENS}}
+def _v2_stream(stack, model, parameters: dict) -> list[dict]:
+    body = {"text_input": COMPLETION_PROMPT, "parameters": {"max_new_tokens": MAX_TOKENS, **parameters}}
     with httpx.stream("POST", v2_url(stack, model, stream=True), json=body, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        events = sse_events(response)
+        return sse_events(response)
+
+
+def test_v2_generate_stream_event_format(stack, model, reference):
+    events = _v2_stream(stack, model, {})
     assert len(events) >= 2
     assert "".join(e["text_output"] for e in events) == reference["completion"]
     assert len({e["id"] for e in events}) == 1 and events[0]["id"].startswith("gen-")
+    # Without `details: true` the events carry none; finish_reason is top-level on the last one only.
+    for event in events[:-1]:
+        assert set(event) == {"id", "model_name", "model_version", "text_output"} and event["model_name"] == model
+    assert set(events[-1]) == {"id", "model_name", "model_version", "text_output", "finish_reason"}
+    assert events[-1]["finish_reason"] == "length"
+
+
+def test_v2_generate_stream_details_when_asked(stack, model, reference):
+    events = _v2_stream(stack, model, {"details": True})
+    assert "".join(e["text_output"] for e in events) == reference["completion"]
     for event in events:
         assert {"id", "model_name", "text_output", "details"} <= event.keys()
-        assert event["model_name"] == model
         assert event["details"]["first_token_cost"] > 0 and event["details"]["decode_cost"] >= 0
-    assert all("finish_reason" not in e["details"] for e in events[:-1])
+    assert all("finish_reason" not in e and "finish_reason" not in e["details"] for e in events[:-1])
     counts = [e["details"]["generated_tokens"] for e in events]
     assert counts == sorted(counts)
     last = events[-1]["details"]
-    assert last["finish_reason"] == "length" and last["generated_tokens"] == MAX_TOKENS
+    assert events[-1]["finish_reason"] == last["finish_reason"] == "length"
+    assert last["generated_tokens"] == MAX_TOKENS
     assert last["decode_cost"] > 0 and last["batch_size"] >= 1 and last["queue_wait_time"] > 0
 
 

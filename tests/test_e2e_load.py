@@ -80,7 +80,7 @@ def request_for(kind: str, model: str, prompt: str, max_tokens: int) -> tuple[st
 def event_text(kind: str, event: dict) -> tuple[str, bool]:
     """(text, is_last) of one SSE event's JSON."""
     if kind == "v2":
-        return event["text_output"], "finish_reason" in event["details"]
+        return event["text_output"], "finish_reason" in event
     if kind == "chat":
         return "".join(c["delta"].get("content") or "" for c in event["choices"]), False
     return "".join(c["text"] for c in event["choices"]), False

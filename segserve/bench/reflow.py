@@ -9,7 +9,7 @@ Order: both routers warm up; then --rounds rounds, each one level of
 --concurrency closed-loop streams (the throughput bench's `loadgen`) against
 each router, alternating which goes first, so that machine noise hits both
 alike. The routers stop (the recording one flushes its buffer), and the queue
-is drained with `router.reflow.consumer` (is_drain) into JSONL, timed.
+is drained with `segserve.reflow.consumer` (is_drain) into JSONL, timed.
 Outputs go to --out: reflow.json (every raw request timing, per-round and pooled
 statistics, the drain, command, machine), reflow.png, the services' logs; the
 table and the goal (at most --goal-ms of p99 TTFT and ITL added) are printed.
@@ -101,7 +101,7 @@ def _spawn(name: str, argv: list[str], address: str, log_dir: Path) -> _Service:
 
 
 def _wait_ready(service: _Service, deadline: float, log_dir: Path) -> None:
-    from protos.segserve.v1 import scheduler_pb2_grpc, worker_pb2
+    from protos.segserve.v1 import common_pb2, scheduler_pb2_grpc
 
     while time.monotonic() < deadline:
         if service.process.poll() is not None:
@@ -114,7 +114,7 @@ def _wait_ready(service: _Service, deadline: float, log_dir: Path) -> None:
             else:
                 with grpc.insecure_channel(service.address) as channel:
                     stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                    if stub.Health(worker_pb2.HealthRequest(), timeout=2.0).ready:
+                    if stub.Health(common_pb2.HealthRequest(), timeout=2.0).ready:
                         return
         except (httpx.HTTPError, grpc.RpcError):
             pass
@@ -212,9 +212,9 @@ def _progress(index: int, result: dict) -> None:
 
 def measure_drain(queue_url: str, sink_dir: Path) -> dict:
     """Drain the queue with the real consumer (is_drain) and time it."""
-    from router.reflow.config import ConsumerConfig
-    from router.reflow.consumer import consume
     from router.reflow.queue import open_queue
+    from segserve.reflow.config import ConsumerConfig
+    from segserve.reflow.consumer import consume
 
     queue = open_queue(queue_url)
     num_chunks = queue.depth()
@@ -234,7 +234,7 @@ def measure_drain(queue_url: str, sink_dir: Path) -> dict:
 
 def run_reflow(args: argparse.Namespace) -> dict:
     """Run the whole benchmark; write JSON + PNG under --out, print the table, return the results."""
-    from worker.checkpoint import resolve_model
+    from segserve.checkpoint import resolve_model
 
     config = ReflowBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ReflowBenchConfig)})
     logging.getLogger("httpx").setLevel(logging.WARNING)

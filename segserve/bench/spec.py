@@ -167,7 +167,7 @@ def run_spec(args: argparse.Namespace) -> dict:
     """Run the whole benchmark; write spec.json + spec.png under --out, print the table, return the results."""
     from segserve.bench.peers import resolve_dtype
     from segserve.bench.throughput import machine_info
-    from worker.checkpoint import resolve_model
+    from segserve.checkpoint import resolve_model
 
     config = config_from_args(args)
     config.dtype = resolve_dtype(config.dtype)
