@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from router.admission import check_request
 from router.choices import merge_choices
 from router.generation import GenerationJob
-from router.prompts import chat_prompt_ids, completion_prompt_ids, max_new_tokens
+from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.responses import ChatRenderer, CompletionRenderer, EchoPrompt
 from router.serving import job_events, respond_events
@@ -94,7 +94,7 @@ def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int]
     names = body.api_names
     for generate_request in requests:
         check_request(generate_request, state.model_info, names)
-    budget = max_new_tokens(requested, len(prompt_ids), state.model_info.max_model_len,
+    budget = output_budget(requested, len(prompt_ids), state.model_info.max_model_len,
                             state.config.default_max_tokens, prompt_param, names["max_tokens"])
     return [
         GenerationJob(request=dataclasses.replace(r, stopping=dataclasses.replace(r.stopping, max_tokens=budget)),

@@ -36,7 +36,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return ids
 
 
-def max_new_tokens(
+def output_budget(
     requested: int | None, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int,
     prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
 ) -> int:

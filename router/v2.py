@@ -51,7 +51,7 @@ from protos.segserve.v1.sampling import RANGES, UINT32_MAX, SamplingParams, Stop
 from router.admission import bounds, check_request
 from router.errors import ErrorBody, bad_request, describe_validation_errors
 from router.generation import Delta, GenerationJob
-from router.prompts import max_new_tokens
+from router.prompts import output_budget
 from router.serving import respond
 from router.state import StateDep
 
@@ -329,7 +329,7 @@ def _endpoint(stream: bool):
         contract_request = to_request(body, request_id, prompt_ids, params.max_new_tokens)
         check_request(contract_request, state.model_info, API_NAMES)
         requested = params.max_new_tokens if "max_new_tokens" in params.model_fields_set else None
-        budget = max_new_tokens(requested, len(prompt_ids), state.model_info.max_model_len, DEFAULT_MAX_NEW_TOKENS,
+        budget = output_budget(requested, len(prompt_ids), state.model_info.max_model_len, DEFAULT_MAX_NEW_TOKENS,
                                 "text_input", API_NAMES["max_tokens"])
         contract_request = dataclasses.replace(contract_request, stopping=StoppingCriteria(max_tokens=budget))
         job = GenerationJob(request=contract_request, eos_token_ids=state.eos_token_ids,
