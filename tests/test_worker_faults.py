@@ -159,13 +159,14 @@ def test_a_faulty_sequence_fails_alone(runner, solo, monkeypatch, kind, sampling
     assert drive(runner, SEQ_IDS, params) == (solo[sampling], {})
 
 
-def test_non_finite_rows_flags_nan_and_either_infinity():
-    logits = torch.randn(5, 300)
+def test_non_finite_rows_flags_rows_that_cannot_be_sampled():
+    logits = torch.randn(6, 300)
     logits[1, 3] = float("nan")
-    logits[2, 0] = float("-inf")
+    logits[2, 0] = float("-inf")  # one token masked out, as some models do: a normal row
     logits[3, 299] = float("inf")
-    logits[4, 1], logits[4, 2] = float("inf"), float("-inf")  # cancel in a sum, which then is NaN
-    assert worker.faults.non_finite_rows(logits) == [False, True, True, True, True]
+    logits[4, 1], logits[4, 2] = float("inf"), float("-inf")
+    logits[5, :] = float("-inf")  # nothing left to sample
+    assert worker.faults.non_finite_rows(logits) == [False, True, False, True, True, True]
     assert worker.faults.non_finite_rows(torch.empty(0, 300)) == []
 
 
@@ -209,3 +210,4 @@ async def test_a_failed_forward_fails_the_step_and_the_server_keeps_serving(runn
     (out,) = StepResult.from_pb(await stub.Step(request)).outputs
     assert not out.error and list(out.token_ids) == solo["greedy"][seq_id][:1]
     await stub.Step(StepRequest(finished_seq_ids=[seq_id]).to_pb())
+

@@ -1,7 +1,8 @@
 """Per-sequence fault isolation after the forward: a fault tied to one sequence fails it alone.
 
 Two checks, both cheap on the normal path:
-- `non_finite_rows`: which logits rows hold a NaN or an infinity (one host transfer per step);
+- `non_finite_rows`: which logits rows cannot be sampled from (a NaN, +inf, or nothing but -inf;
+  one host transfer per step);
   the runner fails the sequences those rows belong to before anything is sampled.
 - `sample_isolated`: sample a group of rows in one call; when the sampler raises, put every
   row's generator back as it was and sample the rows one by one, so only the row that raises
@@ -26,16 +27,16 @@ RowResult = tuple[int, float, "tuple[list[int], list[float]] | None"]
 
 
 def non_finite_rows(logits: torch.Tensor) -> list[bool]:
-    """Per row of logits [N, V]: whether any entry is NaN or infinite (one host transfer).
+    """Per row of logits [N, V]: whether it cannot be sampled from (one host transfer).
 
-    Tested on the row sums: NaN and infinities propagate through a sum (inf - inf is NaN), so a
-    sum is finite exactly when every entry is, unless finite entries overflow float32 (|sum| >
-    3e38, far beyond any model's logits; such a row is flagged too). One reduction instead of an
-    [N, V] mask: measured 0.2 ms instead of 30 ms for 16 rows of a 262k vocabulary on a CPU.
+    Tested on the row maxima: torch's max propagates NaN, so a row's max is NaN when any entry
+    is, +inf when any entry is, and -inf only when every entry is. A -inf among finite logits
+    is harmless (a token some models mask out) and is not flagged. One reduction instead of an
+    [N, V] mask.
     """
     if logits.shape[0] == 0:
         return []
-    return (~torch.isfinite(logits.sum(dim=1))).tolist()  # [N]
+    return (~torch.isfinite(logits.amax(dim=1))).tolist()  # [N]
 
 
 def sample_isolated(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[RowResult | str]:
