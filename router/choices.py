@@ -33,6 +33,7 @@ async def merge_choices(
     pumps = [asyncio.create_task(_pump(index, stream, queue)) for index, stream in enumerate(streams)]
     num_running = len(streams)
     num_prompt_tokens = num_completion_tokens = 0
+    cached_tokens = None  # the most any choice took from the prefix cache
     try:
         while num_running:
             try:
@@ -48,8 +49,9 @@ async def merge_choices(
                 num_running -= 1
                 num_prompt_tokens = event.usage.prompt_tokens
                 num_completion_tokens += event.usage.completion_tokens
+                cached_tokens = max(cached_tokens or 0, event.usage.cached_tokens or 0) or None
                 if not num_running:
-                    usage = Usage(num_prompt_tokens, num_completion_tokens)
+                    usage = Usage(num_prompt_tokens, num_completion_tokens, cached_tokens)
             yield dataclasses.replace(event, index=index, usage=usage)
     finally:
         for pump in pumps:

@@ -63,6 +63,8 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
+    """Prompt tokens served from the prefix cache; None when none were."""
 
     @property
     def total_tokens(self) -> int:
@@ -129,7 +131,8 @@ def to_logprobs(chunk: TokenChunk, num_top: int) -> list[TokenLogprob]:
 
 
 def finish_delta(done: GenerateComplete, job: GenerationJob, text: str) -> Delta:
-    usage = Usage(done.num_prompt_tokens or len(job.prompt_token_ids), done.num_generated_tokens)
+    usage = Usage(done.num_prompt_tokens or len(job.prompt_token_ids), done.num_generated_tokens,
+                  done.num_cached_prompt_tokens or None)
     return Delta(text=text, finish_reason=_OPENAI_FINISH[done.finish_reason], usage=usage, complete=done)
 
 

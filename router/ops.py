@@ -76,6 +76,10 @@ class SchedulerStatsCollector:
                            usage)
         yield self._family(CounterMetricFamily, "vllm:num_preemptions", "Requests preempted (KV freed, recomputed).",
                            load.num_preemptions)
+        yield self._family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                           "Tokens looked up in the prefix cache.", load.num_prefix_cache_queries)
+        yield self._family(CounterMetricFamily, "vllm:prefix_cache_hits",
+                           "Tokens looked up in the prefix cache and found cached.", load.num_prefix_cache_hits)
         yield self._family(CounterMetricFamily, "vllm:spec_decode_num_drafts", "Candidate trees verified.",
                            spec.num_drafts)
         yield self._family(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",

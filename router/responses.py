@@ -40,15 +40,23 @@ def _clean(logprob: float) -> float:
     return _MIN_LOGPROB if math.isnan(logprob) or logprob < _MIN_LOGPROB else logprob
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens whose KV came from the prefix cache."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """Present when part of the prompt came from the prefix cache."""
 
     @classmethod
     def of(cls, counts: UsageCounts) -> Usage:
+        details = None if counts.cached_tokens is None else PromptTokensDetails(cached_tokens=counts.cached_tokens)
         return cls(prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens,
-                   total_tokens=counts.total_tokens)
+                   total_tokens=counts.total_tokens, prompt_tokens_details=details)
 
 
 class CompletionLogprobs(BaseModel):

@@ -53,13 +53,17 @@ class SchedulerLoad:
     num_total_kv_blocks: int
     num_preemptions: int
     spec: SpecTotals
+    num_prefix_cache_queries: int = 0
+    """Tokens looked up in the prefix cache since start."""
+    num_prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""
 
 
 def load_from_pb(stats: scheduler_pb2.SchedulerStats) -> SchedulerLoad:
     spec = SpecTotals(stats.spec.num_verified, stats.spec.num_draft_tokens, stats.spec.num_accepted_tokens,
                       tuple(stats.spec.num_accepted_by_depth))
     return SchedulerLoad(stats.num_running, stats.num_waiting, stats.num_used_kv_blocks, stats.num_total_kv_blocks,
-                         stats.num_preemptions, spec)
+                         stats.num_preemptions, spec, stats.num_prefix_cache_queries, stats.num_prefix_cache_hits)
 
 
 class SchedulerClient:

@@ -39,6 +39,9 @@ class SchedulerConfig:
     """Steps between probes of a speculation setting the policy has turned off (its stats go stale)."""
     drafter_retry_s: float = 1.0
     """First backoff after a drafter replica fails; it doubles per failure up to 60 s."""
+    is_prefix_caching: bool = True
+    """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
+    whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

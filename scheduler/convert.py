@@ -16,7 +16,8 @@ def stats_to_pb(stats: EngineStats) -> scheduler_pb2.SchedulerStats:
         num_running=stats.num_running, num_waiting=stats.num_waiting,
         num_used_kv_blocks=stats.num_used_kv_blocks, num_total_kv_blocks=stats.num_total_kv_blocks,
         num_preemptions=stats.num_preemptions, num_steps=stats.num_steps, spec=_spec_to_pb("", stats.spec),
-        spec_segments=[_spec_to_pb(name, segment) for name, segment in sorted(stats.spec_segments.items())])
+        spec_segments=[_spec_to_pb(name, segment) for name, segment in sorted(stats.spec_segments.items())],
+        num_prefix_cache_queries=stats.num_prefix_cache_queries, num_prefix_cache_hits=stats.num_prefix_cache_hits)
 
 
 def _spec_to_pb(segment: str, stats: SegmentStats) -> scheduler_pb2.SpecStats:

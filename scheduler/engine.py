@@ -67,6 +67,10 @@ class EngineStats:
     """Speculation over all segments: trees verified, draft and accepted tokens, acceptance per depth."""
     spec_segments: dict[str, SegmentStats] = field(default_factory=dict)
     """The same per segment kind ("" = not yet known)."""
+    num_prefix_cache_queries: int = 0
+    """Tokens of admitted sequences looked up in the prefix cache since start."""
+    num_prefix_cache_hits: int = 0
+    """Of those, tokens found in cached KV blocks."""
 
 
 def is_terminal(event: GenerateEvent) -> bool:
@@ -150,7 +154,8 @@ class Engine:
         return EngineStats(len(s.running), len(s.waiting), s.block_manager.num_used_blocks,
                            s.block_manager.num_total_blocks, s.num_preemptions, s.num_steps, s.num_failed_steps,
                            copy.deepcopy(acceptance.total) if acceptance else SegmentStats(),
-                           copy.deepcopy(acceptance.segments) if acceptance else {})
+                           copy.deepcopy(acceptance.segments) if acceptance else {},
+                           s.block_manager.num_prefix_cache_queries, s.block_manager.num_prefix_cache_hits)
 
     async def _run(self) -> None:
         try:
@@ -207,6 +212,7 @@ class Engine:
         Any other failure preempts the step's sequences for a retry at a smaller batch size."""
         if exc.is_unreachable:
             self._fail(self.scheduler.discard(request), "internal", str(exc))
+            self.scheduler.block_manager.reset_prefix_cache()  # a restarted worker's KV cache is empty
             return []
         logger.warning("worker step of %d sequences failed; retrying smaller: %s", len(request.sequences), exc)
         return self.scheduler.fail_step(request, str(exc))
@@ -231,7 +237,7 @@ class Engine:
             eos_token_ids=info.eos_token_ids, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens, max_num_waiting=self.config.max_num_waiting,
             max_num_waiting_tokens=self.config.max_num_waiting_tokens,
-            max_failed_steps=self.config.max_failed_steps,
+            max_failed_steps=self.config.max_failed_steps, is_prefix_caching=self.config.is_prefix_caching,
             on_end=self.speculator.forget if self.speculator is not None else None)
         self.info = info
         logger.info("connected to worker %s: %s, %d KV blocks of %d tokens", self.config.worker_address,

@@ -63,4 +63,4 @@ def completion(seq: Sequence) -> GenerateComplete:
         finish_reason=seq.finish_reason or FinishReason.UNSPECIFIED, num_prompt_tokens=seq.num_prompt_tokens,
         num_generated_tokens=seq.num_output_tokens, queue_wait_us=metrics.queue_wait_us,
         first_token_us=metrics.first_token_us, decode_us=metrics.decode_us, max_batch_size=metrics.max_batch_size,
-        error_message=seq.error_message)
+        error_message=seq.error_message, num_cached_prompt_tokens=seq.num_cached_prompt_tokens or 0)

@@ -9,6 +9,13 @@ plugs in between schedule() and the worker: draft_candidates() names the decode
 sequences, attach_drafts() turns them into candidate trees within the leftover
 budget.
 
+Prefix caching (block_manager.py): a sequence being admitted takes the
+longest cached prefix of full blocks of its tokens and starts computing past
+it; after every step, the blocks that became full of computed tokens are
+hashed into the cache (never draft nodes: only positions below
+num_computed_tokens). Every NewSequence carries the prompt, so the worker
+knows the tokens it did not compute.
+
 Faults: a SequenceOutput with `error` ends that request alone
 (FinishReason.ERROR). A whole step that fails (fail_step(), or an answer that
 does not fit the work) preempts all of its sequences for recomputation and
@@ -68,10 +75,11 @@ class Scheduler:
         max_num_waiting: int = 1024,
         max_num_waiting_tokens: int = 262144,
         max_failed_steps: int = 8,
+        is_prefix_caching: bool = True,
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[str], None] | None = None,
     ):
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, is_prefix_caching)
         # Longest sequence (prompt + output) that can exist; reaching it ends generation.
         # The last sampled token needs no KV slot, hence the + 1.
         self.max_len = min(max_model_len, self.block_manager.num_total_tokens + 1)
@@ -164,11 +172,14 @@ class Scheduler:
         # Admitting while short of blocks would only preempt again next step.
         while self.waiting and not self._is_preempting and budget > 0 and len(self.running) < limit:
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            prefix = self.block_manager.cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_admit(prefix, num_new):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num_new)
+            self.block_manager.admit(seq, prefix, num_new)  # num_computed_tokens starts past the cached prefix
+            if seq.num_cached_prompt_tokens is None:
+                seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen.append((seq, num_new))
@@ -283,9 +294,11 @@ class Scheduler:
         else:
             seq.num_computed_tokens += len(work.token_ids)
         if output is None:
+            self.block_manager.commit(seq)
             return []
         num_kept, reason = (append_tokens(seq, output.token_ids, now, self.eos_token_ids, self.max_len)
                             if work.is_sampled else (0, None))
+        self.block_manager.commit(seq)  # after the append: accepted drafts' blocks are full of known tokens
         chunk = token_chunk(seq, output, num_kept)
         events = [] if chunk is None else [RequestEvent(seq.request_id, chunk)]
         if reason is not None:
@@ -347,7 +360,8 @@ class Scheduler:
                 sample_indices=(num_new - 1,) if is_at_end else (),
             ))
             if not seq.is_known_to_worker:
-                request.new_sequences.append(NewSequence(seq.request_id, seq.sampling, seq.num_prompt_tokens))
+                request.new_sequences.append(NewSequence(seq.request_id, seq.sampling, seq.num_prompt_tokens,
+                                                         tuple(seq.prompt_token_ids)))
                 seq.is_known_to_worker = True
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now

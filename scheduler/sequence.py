@@ -46,6 +46,12 @@ class Sequence:
     """Prompt followed by the output so far."""
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Prefix-cache hashes of the full blocks of token_ids computed so far (block_manager.hash_block)."""
+    num_hashed_blocks: int = 0
+    """Leading blocks of block_table that are in the prefix cache (taken from it, or computed and hashed)."""
+    num_cached_prompt_tokens: int | None = None
+    """Prompt tokens taken from the prefix cache at first admission (None until then)."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     """Set when status is FINISHED."""

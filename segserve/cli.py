@@ -10,6 +10,9 @@
     segserve bench throughput      the throughput benchmark (JSON + PNG)
     segserve bench spec            speculative decoding vs generate() and prompt lookup (JSON + PNG)
     segserve bench reflow          router latency with data reflow on vs off, consumer chunks/s (JSON + PNG)
+    segserve bench prefix          multi-turn chat TTFT with prefix caching on vs off (JSON + PNG)
+    segserve bench engine          one engine step split into schedule, metadata, forward, sample,
+                                   draft and output, in-process, per batch size (JSON + PNG)
 """
 
 from __future__ import annotations
@@ -170,6 +173,20 @@ def _bench_reflow_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engine_command(args: argparse.Namespace) -> int:
+    from segserve.bench.engine import run_engine
+
+    run_engine(args)
+    return 0
+
+
+def _bench_prefix_command(args: argparse.Namespace) -> int:
+    from segserve.bench.prefix import run_prefix
+
+    run_prefix(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="segserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -252,6 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_reflow_args(reflow_bench)
     reflow_bench.set_defaults(func=_bench_reflow_command)
+    prefix_bench = benches.add_parser("prefix", help="multi-turn chat TTFT with prefix caching on vs off")
+    from segserve.bench.prefix import add_prefix_args
+
+    add_prefix_args(prefix_bench)
+    prefix_bench.set_defaults(func=_bench_prefix_command)
+    engine_bench = benches.add_parser("engine", help="one engine step split into its parts, in-process, per batch size")
+    from segserve.bench.engine import add_engine_args
+
+    add_engine_args(engine_bench)
+    engine_bench.set_defaults(func=_bench_engine_command)
     return parser
 
 

@@ -1,7 +1,9 @@
 """Command-line flags derived from the services' config dataclasses.
 
 Each dataclass field becomes `--field-name`, typed from its annotation, with its
-attribute docstring as help. `to_argv` is the inverse, used by the launcher to
+attribute docstring as help. A boolean is `--field-name/--no-field-name`; an
+`is_*` boolean also answers to its name without `is_` (`is_prefix_caching`:
+`--prefix-caching/--no-prefix-caching`). `to_argv` is the inverse, used by the launcher to
 start each service as its own process with the same config.
 """
 
@@ -58,7 +60,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozens
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = f"{docs.get(field.name, '')} (default: {default})"
         if kind is bool:
-            parser.add_argument(_flag(dest), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+            names = [_flag(dest)] + ([_flag(dest.removeprefix("is_"))] if dest.startswith("is_") else [])
+            parser.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
         elif kind is list:
             parser.add_argument(_flag(dest), dest=dest, nargs="*", default=None, help=help_text)

@@ -3,9 +3,15 @@
 `FakeWorker` implements the Engine's Worker protocol (get_info / step / health)
 with a deterministic model: the next token is `rule(prefix)` (`increment`:
 last + 1; `positional`: depends on the token and its position, so KV kept for
-the wrong tree nodes changes the output). It checks every StepRequest the way
-the real worker does (announced sequences, KV accounting, block tables, no
-shared blocks, well-formed trees), verifies candidate trees by the rule,
+the wrong tree nodes changes the output). Its KV cache is paged like the real
+one: every slot holds the token computed there, and the next token follows the
+rule on the context read back through the block table, so a block shared or
+reused wrongly changes the output. It checks every StepRequest the way the real
+worker does and more (announced sequences, num_computed_tokens within the
+tokens it knows, the KV read back equal to those tokens, block tables, no
+block written in a step while another sequence of the step holds it, well-formed
+trees), verifies candidate trees by the rule (draft nodes' KV is written to the
+slots past the root, then the accepted path is moved to sequential slots),
 returns top and prompt log-probabilities when asked, and injects faults on
 request: a per-sequence error output, whole-step failures (once, for good,
 past a batch size, whenever a given sequence is in the step) and malformed
@@ -88,7 +94,10 @@ class FakeWorker:
         self.rule = rule
         self.step_delay_s = 0.0
         self.kv: dict[str, list[int]] = {}
-        """Tokens in each known sequence's KV cache."""
+        """Each known sequence's token history: its NewSequence's prompt, then after every step
+        history[:num_computed_tokens] + the step's tokens (+ accepted drafts), like the real worker."""
+        self.slots: dict[int, int] = {}
+        """KV-cache slot -> the token whose KV it holds (-1: garbage left by a failed step)."""
         self.sampling: dict[str, SamplingParams] = {}
         self.num_prompt_tokens: dict[str, int] = {}
         self.ever_announced: set[str] = set()
@@ -136,7 +145,10 @@ class FakeWorker:
             self.problems.append(problem)
             raise AssertionError(problem)
         failure = self._injected_failure(request)
-        if failure is not None:  # like an out-of-memory forward: announcements and releases were taken in
+        if failure is not None:  # like an out-of-memory forward: announcements and releases were taken in,
+            for work in request.sequences:  # and the step's own slots may hold garbage
+                for position in range(work.num_computed_tokens, work.num_tokens):
+                    self.slots[self._slot(work.block_table, position)] = -1
             raise failure
         self.max_batch = max(self.max_batch, len(request.sequences))
         self.max_tokens_per_step = max(self.max_tokens_per_step, request.num_scheduled_tokens)
@@ -157,28 +169,33 @@ class FakeWorker:
             self.sampling.pop(seq_id, None)
         for new in request.new_sequences:  # a known id restarts (e.g. re-announced after a failed step)
             self.ever_announced.add(new.seq_id)
-            self.kv[new.seq_id] = []
+            self.kv[new.seq_id] = list(new.prompt_token_ids)
             self.sampling[new.seq_id] = new.sampling
             self.num_prompt_tokens[new.seq_id] = new.num_prompt_tokens
         return None
 
     def _check(self, request: StepRequest) -> str | None:
-        used: set[int] = set()
         seen: set[str] = set()
+        num_holders: dict[int, int] = {}
         for work in request.sequences:
             if work.seq_id not in self.kv:
                 return f"unknown sequence {work.seq_id!r}"
             if work.seq_id in seen:
                 return f"{work.seq_id!r} scheduled twice"
             seen.add(work.seq_id)
-            cached = 0 if work.num_computed_tokens == 0 else len(self.kv[work.seq_id])
-            if cached != work.num_computed_tokens:
-                return f"{work.seq_id}: {cached} cached, num_computed_tokens {work.num_computed_tokens}"
+            known = self.kv[work.seq_id]
+            if work.num_computed_tokens > len(known):
+                return f"{work.seq_id}: {len(known)} tokens known, num_computed_tokens {work.num_computed_tokens}"
             if len(work.block_table) * self.info.block_size < work.num_tokens:
                 return f"{work.seq_id}: block table too short"
-            if used & set(work.block_table):
-                return f"{work.seq_id}: shares a KV block"
-            used |= set(work.block_table)
+            cached = self._read(work.block_table, work.num_computed_tokens)
+            if cached != known[:work.num_computed_tokens]:
+                return f"{work.seq_id}: the KV cache holds {cached}, not its tokens {known[:work.num_computed_tokens]}"
+            for block in set(work.block_table[:-(-work.num_tokens // self.info.block_size)]):
+                num_holders[block] = num_holders.get(block, 0) + 1
+        for work in request.sequences:
+            if any(num_holders[block] > 1 for block in self._written_blocks(work)):
+                return f"{work.seq_id}: writes a KV block another sequence of the step holds"
             if work.draft is not None and (len(work.token_ids) != 1 or work.sample_indices
                                            or work.draft.problem(self.info.vocab_size) is not None):
                 return f"{work.seq_id}: malformed tree step"
@@ -202,15 +219,19 @@ class FakeWorker:
 
     def _run(self, work: ScheduledSequence) -> SequenceOutput | None:
         """The forward for one sequence: its KV grows, and the output when it is sampled or asked for."""
-        cache = [] if work.num_computed_tokens == 0 else self.kv[work.seq_id]
+        start = work.num_computed_tokens
+        context = self._read(work.block_table, start) + list(work.token_ids)
+        self._write(work.block_table, start, work.token_ids)
         sampling = self.sampling[work.seq_id]
-        prompt = self._prompt_logprobs(work, cache + list(work.token_ids), sampling)
+        prompt = self._prompt_logprobs(work, context, sampling)
         if work.draft is not None:
-            token_ids = self._verify(cache + list(work.token_ids), work.draft)
-            self.kv[work.seq_id] = cache + list(work.token_ids) + token_ids[:-1]
+            self._write(work.block_table, start + 1, work.draft.token_ids)  # every node's KV past the root
+            token_ids = self._verify(context, work.draft)
+            self._write(work.block_table, start + 1, token_ids[:-1])  # the accepted path, moved to sequential slots
+            self.kv[work.seq_id] = context + token_ids[:-1]
         else:
-            self.kv[work.seq_id] = cache + list(work.token_ids)
-            token_ids = [self.rule(self.kv[work.seq_id])] if work.sample_indices else []
+            self.kv[work.seq_id] = context
+            token_ids = [self.rule(context)] if work.sample_indices else []
         if not token_ids:
             return None if prompt is None else SequenceOutput(work.seq_id, prompt_logprobs=prompt)
         num_sampled = self._num_sampled[work.seq_id] = self._num_sampled.get(work.seq_id, 0) + 1
@@ -219,6 +240,23 @@ class FakeWorker:
         top = [self._top(token_id, sampling.num_top_logprobs) for token_id in token_ids]
         return SequenceOutput(work.seq_id, tuple(token_ids), (SCORE,) * len(token_ids),
                               tuple(top) if sampling.num_top_logprobs else (), prompt)
+
+    def _slot(self, block_table: Sequence[int], position: int) -> int:
+        size = self.info.block_size
+        return block_table[position // size] * size + position % size
+
+    def _read(self, block_table: Sequence[int], num_tokens: int) -> list[int | None]:
+        """The tokens whose KV positions 0..num_tokens-1 of a block table hold (None: never written)."""
+        return [self.slots.get(self._slot(block_table, position)) for position in range(num_tokens)]
+
+    def _write(self, block_table: Sequence[int], start: int, token_ids: Sequence[int]) -> None:
+        for offset, token_id in enumerate(token_ids):
+            self.slots[self._slot(block_table, start + offset)] = token_id
+
+    def _written_blocks(self, work: ScheduledSequence) -> set[int]:
+        """The blocks a step writes for `work`: positions num_computed_tokens.. (draft nodes included)."""
+        size = self.info.block_size
+        return {work.block_table[position // size] for position in range(work.num_computed_tokens, work.num_tokens)}
 
     def _verify(self, context: list[int], draft: CandidateTree) -> list[int]:
         """Accepted drafts + the target's own token: descend while a child equals the rule's token."""

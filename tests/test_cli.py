@@ -37,6 +37,17 @@ def test_serve_takes_every_service_flag_without_clashes():
     assert from_args(RouterConfig, args).port == 9000
 
 
+@pytest.mark.parametrize("argv", [["serve", "--model", "/m"], ["scheduler"]])
+def test_prefix_caching_is_on_by_default_and_no_prefix_caching_turns_it_off(argv):
+    parser = build_parser()
+    rename = {"host": "scheduler_host", "port": "scheduler_port"} if argv[0] == "serve" else {}
+    assert from_args(SchedulerConfig, parser.parse_args(argv), rename).is_prefix_caching is True
+    for flag in ("--no-prefix-caching", "--no-is-prefix-caching"):
+        assert from_args(SchedulerConfig, parser.parse_args(argv + [flag]), rename).is_prefix_caching is False
+    off = SchedulerConfig(is_prefix_caching=False)  # the launcher's argv for the scheduler process
+    assert from_args(SchedulerConfig, parser.parse_args(["scheduler", *to_argv(off)])) == off
+
+
 def test_invalid_config_values_are_rejected():
     with pytest.raises(ValueError, match="block_size"):
         WorkerConfig(block_size=0)

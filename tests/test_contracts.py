@@ -105,7 +105,7 @@ def test_generate_request_without_sampling_is_greedy_defaults():
     st.builds(TokenChunk, token_ids, st.lists(float32s, max_size=8), st.lists(top_logprobs, max_size=3), uint32,
               uint64, st.none() | prompt_logprobs),
     st.builds(GenerateComplete, st.sampled_from(FinishReason), uint32, uint32, uint64, uint64, uint64, uint32,
-              st.text()),
+              st.text(), uint32),
     st.builds(GenerateError, st.text(min_size=1), st.text())))
 def test_generate_events_round_trip(event):
     assert event_from_pb(wire(event.to_pb())) == event
@@ -120,7 +120,7 @@ def test_candidate_tree_round_trip(tree):
 @settings(max_examples=50)
 @given(st.lists(st.builds(ScheduledSequence, st.text(), token_ids, uint32, token_ids, token_ids,
                           st.none() | trees().filter(len)), max_size=3),
-       st.lists(st.builds(NewSequence, st.text(), sampling_params, uint32), max_size=3),
+       st.lists(st.builds(NewSequence, st.text(), sampling_params, uint32, token_ids), max_size=3),
        st.lists(st.text(), max_size=3))
 def test_step_request_round_trip(sequences, new_sequences, finished):
     request = StepRequest(sequences, new_sequences, finished)

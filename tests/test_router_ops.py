@@ -33,7 +33,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 16 * 1024
 STATS = scheduler_pb2.SchedulerStats(
     num_running=3, num_waiting=2, num_used_kv_blocks=16, num_total_kv_blocks=64, num_preemptions=1,
-    spec=scheduler_pb2.SpecStats(num_verified=10, num_draft_tokens=40, num_accepted_tokens=12,
+    num_prefix_cache_queries=900, num_prefix_cache_hits=640, spec=scheduler_pb2.SpecStats(num_verified=10, num_draft_tokens=40, num_accepted_tokens=12,
                                  num_accepted_by_depth=[8, 3, 1]))
 
 
@@ -204,6 +204,8 @@ def test_metrics_report_the_schedulers_load_and_speculation(router_url, schedule
     assert samples[("vllm:num_requests_waiting", ())] == 2
     assert samples[("vllm:kv_cache_usage_perc", ())] == 0.25
     assert samples[("vllm:num_preemptions_total", ())] == 1
+    assert samples[("vllm:prefix_cache_queries_total", ())] == 900
+    assert samples[("vllm:prefix_cache_hits_total", ())] == 640
     assert samples[("vllm:spec_decode_num_drafts_total", ())] == 10
     assert samples[("vllm:spec_decode_num_draft_tokens_total", ())] == 40
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", ())] == 12

@@ -62,10 +62,15 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
     for seq_id in request.finished_seq_ids:
         states.pop(seq_id, None)
     for new in request.new_sequences:
+        if any(t >= limits.input_vocab_size for t in new.prompt_token_ids):
+            raise InvalidRequest(
+                f"sequence {new.seq_id!r}: prompt_token_ids must be in [0, {limits.input_vocab_size})")
         prompt = None if new.sampling.num_prompt_logprobs is None else PromptLogprobState(
             new.sampling.num_prompt_logprobs)
+        # The prompt starts the history: a first step may start past a cached prefix (prefix caching).
         states[new.seq_id] = SequenceState(new.sampling, new.num_prompt_tokens,
-                                           make_generator(new.sampling.seed, device), prompt=prompt)
+                                           make_generator(new.sampling.seed, device), list(new.prompt_token_ids),
+                                           prompt=prompt)
     seq_ids = [seq.seq_id for seq in request.sequences]
     if len(set(seq_ids)) != len(seq_ids):
         twice = next(s for s in seq_ids if seq_ids.count(s) > 1)

@@ -125,13 +125,15 @@ class GenerateComplete:
     max_batch_size: int = 0
     error_message: str = ""
     """Why, with FinishReason.ERROR."""
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens taken from the prefix cache at first scheduling (not computed)."""
 
     def to_pb(self) -> scheduler_pb2.GenerateResponse:
         complete = scheduler_pb2.GenerateComplete(
             finish_reason=_FINISH_TO_PB[self.finish_reason], num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens, queue_wait_us=self.queue_wait_us,
             first_token_us=self.first_token_us, decode_us=self.decode_us, max_batch_size=self.max_batch_size,
-            error_message=self.error_message)
+            error_message=self.error_message, num_cached_prompt_tokens=self.num_cached_prompt_tokens)
         return scheduler_pb2.GenerateResponse(complete=complete)
 
 
@@ -161,7 +163,7 @@ def event_from_pb(pb: scheduler_pb2.GenerateResponse) -> GenerateEvent:
         d = pb.complete
         return GenerateComplete(_FINISH_FROM_PB.get(d.finish_reason, FinishReason.UNSPECIFIED), d.num_prompt_tokens,
                                 d.num_generated_tokens, d.queue_wait_us, d.first_token_us, d.decode_us,
-                                d.max_batch_size, d.error_message)
+                                d.max_batch_size, d.error_message, d.num_cached_prompt_tokens)
     if kind == "error":
         return GenerateError(pb.error.code or "internal", pb.error.message)
     return GenerateError("internal", "the scheduler sent an empty event")

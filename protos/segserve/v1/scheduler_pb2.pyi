@@ -52,7 +52,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., batch_size: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = ("finish_reason", "num_prompt_tokens", "num_generated_tokens", "queue_wait_us", "first_token_us", "decode_us", "max_batch_size", "error_message")
+    __slots__ = ("finish_reason", "num_prompt_tokens", "num_generated_tokens", "queue_wait_us", "first_token_us", "decode_us", "max_batch_size", "error_message", "num_cached_prompt_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GenerateComplete(_message.Message):
     DECODE_US_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     num_prompt_tokens: int
     num_generated_tokens: int
@@ -69,7 +70,8 @@ class GenerateComplete(_message.Message):
     decode_us: int
     max_batch_size: int
     error_message: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., first_token_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    num_cached_prompt_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., first_token_us: _Optional[int] = ..., decode_us: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., error_message: _Optional[str] = ..., num_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateError(_message.Message):
     __slots__ = ("code", "message")
@@ -104,7 +106,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps", "spec", "spec_segments")
+    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps", "spec", "spec_segments", "num_prefix_cache_queries", "num_prefix_cache_hits")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,8 @@ class SchedulerStats(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SPEC_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_used_kv_blocks: int
@@ -121,7 +125,9 @@ class SchedulerStats(_message.Message):
     num_steps: int
     spec: SpecStats
     spec_segments: _containers.RepeatedCompositeFieldContainer[SpecStats]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., spec_segments: _Optional[_Iterable[_Union[SpecStats, _Mapping]]] = ...) -> None: ...
+    num_prefix_cache_queries: int
+    num_prefix_cache_hits: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., spec_segments: _Optional[_Iterable[_Union[SpecStats, _Mapping]]] = ..., num_prefix_cache_queries: _Optional[int] = ..., num_prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth", "num_accepted_by_depth")

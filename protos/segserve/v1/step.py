@@ -26,14 +26,20 @@ class NewSequence:
     sampling: SamplingParams
     num_prompt_tokens: int
     """Penalties that look at "the output" start here."""
+    prompt_token_ids: tuple[int, ...] = ()
+    """The prompt (empty = not sent): the worker's token history starts from it, so a first step may start
+    at num_computed_tokens = a cached prefix's length (prefix caching)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
 
     def to_pb(self) -> worker_pb2.NewSequence:
         return worker_pb2.NewSequence(seq_id=self.seq_id, sampling=self.sampling.to_pb(),
-                                      num_prompt_tokens=self.num_prompt_tokens)
+                                      num_prompt_tokens=self.num_prompt_tokens, prompt_token_ids=self.prompt_token_ids)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.NewSequence) -> NewSequence:
-        return cls(pb.seq_id, SamplingParams.from_pb(pb.sampling), pb.num_prompt_tokens)
+        return cls(pb.seq_id, SamplingParams.from_pb(pb.sampling), pb.num_prompt_tokens, tuple(pb.prompt_token_ids))
 
 
 @dataclass(frozen=True)
