@@ -21,6 +21,7 @@ and sets the history to history[:num_computed] + root + accepted drafts.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -100,6 +101,12 @@ class ModelRunner:
         )
         self._states: dict[str, SequenceState] = {}
         self.is_ready = False
+        self.timings: dict[str, float] | None = None
+        """None (the default): nothing is timed. A dict: each step() refills it with the seconds of its
+        parts, "metadata" (state update, validation, expansion, attention metadata and inputs),
+        "forward" (the model call) and "sample" (checks, sampling/verification, outputs); on CUDA each
+        part ends with a device synchronize, so the times are the device's too (segserve bench engine)."""
+        self._lap_start = 0.0
 
     def info(self) -> WorkerInfo:
         return self._info
@@ -117,6 +124,9 @@ class ModelRunner:
 
     def step(self, request: StepRequest) -> list[SequenceOutput]:
         """Update sequence state, run the batched forward, sample (verify trees), answer every sequence."""
+        if self.timings is not None:
+            self.timings.clear()
+            self._lap_start = time.perf_counter()
         plan = self.update_states(request)
         try:
             logits = self.execute(plan)
@@ -124,7 +134,9 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the failed step's activations back before the retry
             raise
-        return self.postprocess(plan, logits)
+        outputs = self.postprocess(plan, logits)
+        self._lap("sample")
+        return outputs
 
     def compute_logits(self, request: StepRequest) -> torch.Tensor:
         """Like step() without sampling: float32 logits [N, V], one row per sample index (every node
@@ -147,6 +159,7 @@ class ModelRunner:
         sample indices, then the R rows kept for prompt log-probabilities, each in work order."""
         works = plan.works
         if not works:
+            self._lap("metadata")
             return torch.empty(0, self._info.vocab_size, device=self.device)
         batch = build_attention_batch(works, self.kv_cache, self.device)
         token_ids, positions, offsets, offset = [], [], [], 0
@@ -157,14 +170,25 @@ class ModelRunner:
             offset += len(work.token_ids)
         keep = [start + i for start, work in zip(offsets, works) for i in work.sample_indices]
         keep += [start + i for start, work in zip(offsets, works) for i in work.prompt_offsets]
-        output = self.model(
-            input_ids=torch.tensor([token_ids], device=self.device),  # [1, T]
-            position_ids=torch.tensor([positions], device=self.device),  # [1, T]
-            use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),  # [N + R]
-            segserve_batch=batch,
-        )
-        return output.logits[0].float()  # [N + R, V]
+        input_ids = torch.tensor([token_ids], device=self.device)  # [1, T]
+        position_ids = torch.tensor([positions], device=self.device)  # [1, T]
+        logits_to_keep = torch.tensor(keep, dtype=torch.long, device=self.device)  # [N + R]
+        self._lap("metadata")
+        output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                            logits_to_keep=logits_to_keep, segserve_batch=batch)
+        logits = output.logits[0].float()  # [N + R, V]
+        self._lap("forward")
+        return logits
+
+    def _lap(self, part: str) -> None:
+        """With timings on: add the time since the last lap to `part` (after a device sync on CUDA)."""
+        if self.timings is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.timings[part] = self.timings.get(part, 0.0) + now - self._lap_start
+        self._lap_start = now
 
     @torch.inference_mode()
     def postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[SequenceOutput]:

@@ -29,6 +29,12 @@ router's TTFT and ITL (reflow on vs off, alternating rounds) and the consumer's
 chunks/s: `reflow` (orchestration), `paced_scheduler` (the fixture: a model-free
 Scheduler gRPC service streaming at a fixed pace), `reflow_report` (table, plot);
 out: `reflow.json`, `reflow.png`.
+
+`segserve bench engine` splits one engine step, in-process (the real Scheduler and
+ModelRunner, no gRPC), into schedule, metadata, forward, sample, draft and output per
+batch size, optionally beside HF `generate()` with a static cache + torch.compile:
+`engine` (orchestration), `engine_report` (statistics, table, plot); out: `engine.json`,
+`engine.png`.
 """
 
 from segserve.bench.spec import add_spec_args, run_spec

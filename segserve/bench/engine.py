@@ -1,0 +1,335 @@
+"""`segserve bench engine`: where the time of one engine step goes, in-process (no gRPC, no HTTP).
+
+Per batch size: the real Scheduler (scheduler/scheduler.py) and a real ModelRunner
+(worker/model_runner.py) on one model; N sequences are added and prefilled (not
+timed), a few decode steps warm up, then --repeats rounds of --steps decode steps
+are timed. Each step is split into
+  schedule  Scheduler.schedule()
+  draft     with --draft: the drafter's state update and planner, in-process, and attach_drafts()
+  metadata  the runner's host-side preparation (state update, validation, expansion,
+            attention metadata, input tensors): ModelRunner.timings
+  forward   the model call
+  sample    checks, sampling / tree verification, outputs
+  output    Scheduler.postprocess()
+A round's part is its mean over the round's steps; the report gives the median over
+rounds and the spread (min, max). With --hf-compiled, HF `generate()` with a static
+cache and torch.compile runs at the same batch sizes in the same run (ms per decode
+step = (time of steps + 1 new tokens - time of 1 new token) / steps).
+Outputs under --out: engine.json (every number, the config, the command, the machine)
+and engine.png (stacked bars per batch size); the table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from segserve.bench import engine_report as report
+
+PARTS = report.PARTS
+
+
+@dataclass
+class EngineBenchConfig:
+    model: str | None = None
+    """Model directory; None = the default gemma-3-270m (ignored with is_tiny)."""
+    is_tiny: bool = False
+    """Build a tiny random 4-layer Gemma3 in a temporary directory and bench that."""
+    device: str = "auto"
+    """auto (cuda when present), cpu or cuda."""
+    dtype: str = "auto"
+    """auto = bfloat16 on cuda, float32 on cpu."""
+    batch_sizes: tuple[int, ...] = (1, 16, 64, 256)
+    """Decode batch sizes, one measurement each."""
+    steps: int = 16
+    """Timed decode steps per round."""
+    warmup_steps: int = 3
+    """Untimed decode steps after the prefill."""
+    repeats: int = 3
+    """Timed rounds per batch size (median and spread over them)."""
+    prompt_len: int = 32
+    """Tokens of every (random) prompt."""
+    repetition_penalty: float = 1.0
+    """Every sequence's repetition_penalty (1.0 = off); != 1.0 exercises the sampler's penalty path."""
+    is_draft: bool = False
+    """Draft with the drafter's planner in-process (own-history and corpus lookup) and verify trees."""
+    max_draft_nodes: int = 8
+    """Largest tree per sequence per step, with is_draft."""
+    is_hf_compiled: bool = False
+    """Also time HF generate() with a static cache and torch.compile (slow to compile on a CPU)."""
+    num_threads: int = 0
+    """torch intra-op threads; 0 = torch's default."""
+    seed: int = 0
+    """Seed of the prompts and the tiny model's weights."""
+    out: str = "bench-results/engine"
+    """Directory for engine.json and engine.png."""
+
+    def __post_init__(self) -> None:
+        self.batch_sizes = tuple(self.batch_sizes)
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("batch_sizes must be a non-empty list of sizes >= 1")
+        if self.steps < 1 or self.repeats < 1 or self.warmup_steps < 0 or self.prompt_len < 1:
+            raise ValueError("steps, repeats and prompt_len must be >= 1, warmup_steps >= 0")
+        if self.repetition_penalty <= 0 or self.max_draft_nodes < 1 or self.num_threads < 0:
+            raise ValueError("repetition_penalty must be > 0, max_draft_nodes >= 1, num_threads >= 0")
+        if self.device not in ("auto", "cpu", "cuda") or self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported device {self.device!r} or dtype {self.dtype!r}")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `segserve bench engine`, one per EngineBenchConfig field."""
+    d = EngineBenchConfig()
+    parser.add_argument("--model", default=d.model, help="model directory (default: gemma-3-270m)")
+    parser.add_argument("--tiny", dest="is_tiny", action="store_true", help="a tiny random Gemma3 built on the fly")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=d.dtype)
+    parser.add_argument("--batch-sizes", type=_sizes, default=d.batch_sizes, help="comma-separated (1,16,64,256)")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed decode steps per round")
+    parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    parser.add_argument("--repeats", type=int, default=d.repeats, help="timed rounds (median and spread)")
+    parser.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    parser.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
+    parser.add_argument("--draft", dest="is_draft", action="store_true", help="draft in-process and verify trees")
+    parser.add_argument("--max-draft-nodes", type=int, default=d.max_draft_nodes)
+    parser.add_argument("--hf-compiled", dest="is_hf_compiled", action="store_true",
+                        help="also time HF generate() with a static cache + torch.compile")
+    parser.add_argument("--num-threads", type=int, default=d.num_threads)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--out", default=d.out, help="output directory (default: bench-results/engine)")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
+    return EngineBenchConfig(**{f.name: getattr(args, f.name) for f in fields(EngineBenchConfig)})
+
+
+def build_tiny_gemma3(out_dir: Path, seed: int = 0, max_position_embeddings: int = 4096) -> Path:
+    """A 4-layer Gemma3 with random weights (the tests' tiny model's shape, without a tokenizer)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=0.3,  # varied greedy choices (the default init repeats one token)
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+class InProcessDrafter:
+    """The drafter's per-request state and planner, called directly (no gRPC): one tree per decode sequence."""
+
+    def __init__(self, max_nodes: int):
+        from drafter.planner import DraftPlanner
+        from drafter.segments import parse_segments
+        from drafter.state import RequestStates
+
+        segments = parse_segments({"default": {"max_nodes": max_nodes}})
+        self.planner = DraftPlanner(segments)
+        self.states = RequestStates(segments, self.planner.learn)
+        self.max_nodes = max_nodes
+        self._num_sent: dict[str, int] = {}
+
+    def propose(self, scheduler, request) -> None:
+        trees = {}
+        for seq in scheduler.draft_candidates(request):
+            known = self._num_sent.get(seq.request_id, 0)
+            state = self.states.update(seq.request_id, seq.token_ids[known:], seq.num_tokens, seq.num_prompt_tokens)
+            if state is None:  # out of step: resync with every token
+                state = self.states.update(seq.request_id, seq.token_ids, seq.num_tokens, seq.num_prompt_tokens)
+            self._num_sent[seq.request_id] = seq.num_tokens
+            tree, _ = self.planner.draft(state, self.max_nodes)
+            if tree:
+                trees[seq.request_id] = tree
+        scheduler.attach_drafts(request, trees)
+
+
+def _make_runner(config: EngineBenchConfig, model_dir: Path):
+    """One ModelRunner for every batch size, its KV cache sized for the largest."""
+    from worker.config import WorkerConfig
+    from worker.model_runner import ModelRunner
+
+    block_size = 16
+    tokens_per_step = 1 + (config.max_draft_nodes if config.is_draft else 0)
+    num_steps = config.warmup_steps + config.steps * config.repeats + 2
+    max_tokens = config.prompt_len + num_steps * tokens_per_step + config.max_draft_nodes + 1
+    num_blocks = max(config.batch_sizes) * (-(-max_tokens // block_size) + 1) + 1
+    runner = ModelRunner(WorkerConfig(model=str(model_dir), device=config.device, dtype=config.dtype,
+                                      block_size=block_size, num_kv_blocks=num_blocks,
+                                      num_threads=config.num_threads))
+    runner.warm_up()
+    return runner, max_tokens
+
+
+def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[dict[str, float], int]:
+    """One engine step; (seconds per part, total seconds under "total"), tokens it produced."""
+    from protos.segserve.v1.step import StepResult
+
+    t0 = time.perf_counter()
+    request = scheduler.schedule()
+    t1 = time.perf_counter()
+    t2 = t1  # no drafter: the draft part is 0
+    if drafter is not None:
+        drafter.propose(scheduler, request)
+        t2 = time.perf_counter()
+    outputs = runner.step(request)
+    t3 = time.perf_counter()
+    scheduler.postprocess(request, StepResult(outputs))
+    t4 = time.perf_counter()
+    parts = {"schedule": t1 - t0, "draft": t2 - t1, "output": t4 - t3, "total": t4 - t0}
+    for part in ("metadata", "forward", "sample"):
+        parts[part] = runner.timings.get(part, 0.0)
+    return parts, sum(len(o.token_ids) for o in outputs)
+
+
+def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: int) -> dict:
+    """Prefill batch_size sequences, warm up, then time config.repeats rounds of config.steps decode steps."""
+    from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
+    from protos.segserve.v1.step import StepRequest, StepResult
+    from scheduler.scheduler import Scheduler
+    from scheduler.sequence import Sequence
+
+    info = runner.info()
+    rng = random.Random(config.seed + batch_size)
+    scheduler = Scheduler(
+        num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
+        eos_token_ids=info.eos_token_ids, max_num_seqs=batch_size,
+        max_num_batched_tokens=max(2048, batch_size * (1 + config.max_draft_nodes)),
+        max_num_waiting=batch_size, max_num_waiting_tokens=batch_size * config.prompt_len + 1)
+    sampling = SamplingParams(repetition_penalty=config.repetition_penalty)
+    stopping = StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)
+    seq_ids = [f"b{batch_size}-{i}" for i in range(batch_size)]
+    for seq_id in seq_ids:
+        prompt = [rng.randrange(3, info.vocab_size) for _ in range(config.prompt_len)]
+        scheduler.add(Sequence(seq_id, prompt, sampling, stopping))
+    while scheduler.waiting or any(seq.num_uncomputed_tokens > 1 for seq in scheduler.running):  # prefill
+        request = scheduler.schedule()
+        scheduler.postprocess(request, StepResult(runner.step(request)))
+    drafter = InProcessDrafter(config.max_draft_nodes) if config.is_draft else None
+    runner.timings = {}
+    rounds = []
+    try:
+        for _ in range(config.warmup_steps):
+            _decode_step(scheduler, runner, drafter)
+        for _ in range(config.repeats):
+            steps = [_decode_step(scheduler, runner, drafter) for _ in range(config.steps)]
+            if len(scheduler.running) != batch_size:
+                raise RuntimeError(f"{batch_size - len(scheduler.running)} sequences ended during the timed steps")
+            mean = {part: 1000 * statistics.fmean(p[part] for p, _ in steps) for part in (*PARTS, "total")}
+            mean["tokens_per_step"] = statistics.fmean(n for _, n in steps)
+            rounds.append(mean)
+    finally:
+        runner.timings = None
+        for seq_id in seq_ids:
+            scheduler.abort(seq_id)
+        runner.step(StepRequest(finished_seq_ids=seq_ids))  # the runner forgets them
+    return report.summarize_batch(batch_size, rounds)
+
+
+def bench_hf_compiled(config: EngineBenchConfig, model_dir: Path, runner) -> dict[int, dict]:
+    """HF generate() with a static cache + torch.compile at every batch size: ms per decode step, tok/s."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=runner.dtype).to(runner.device).eval()
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True  # transformers compiles on cuda only unless told
+    vocab_size = runner.info().vocab_size
+    results = {}
+    for batch_size in config.batch_sizes:
+        generator = torch.Generator().manual_seed(config.seed + batch_size)
+        input_ids = torch.randint(3, vocab_size, (batch_size, config.prompt_len), generator=generator)
+        input_ids = input_ids.to(runner.device)
+
+        def generate(num_new: int) -> float:
+            kwargs = dict(do_sample=False, max_new_tokens=num_new, min_new_tokens=num_new,
+                          cache_implementation="static", compile_config=compile_config,
+                          repetition_penalty=config.repetition_penalty, pad_token_id=0,
+                          attention_mask=torch.ones_like(input_ids))
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(input_ids, **kwargs)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            return time.perf_counter() - start
+
+        try:
+            for _ in range(2):  # compiles, then settles
+                generate(config.steps + 1)
+                generate(1)
+            per_step = []
+            for _ in range(config.repeats):
+                long, short = generate(config.steps + 1), generate(1)
+                per_step.append(1000 * max(long - short, 0.0) / config.steps)
+            results[batch_size] = report.summarize_hf(batch_size, per_step)
+        except Exception as exc:  # a benchmark reports what would not run; it does not crash
+            results[batch_size] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[bench engine] HF compiled batch {batch_size}: {results[batch_size]}", file=sys.stderr, flush=True)
+    return results
+
+
+def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | None = None,
+                  model_label: str | None = None) -> dict:
+    """Every batch size (and HF compiled when asked); writes engine.json and engine.png under config.out."""
+    import torch
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    runner, max_tokens = _make_runner(config, model_dir)
+    results = {"benchmark": "engine", **(header or {}), "config": asdict(config),
+               "model": model_label or str(model_dir), "device": str(runner.device),
+               "dtype": str(runner.dtype).removeprefix("torch."), "batches": []}
+    for batch_size in config.batch_sizes:
+        batch = bench_batch(config, runner, batch_size, max_tokens)
+        results["batches"].append(batch)
+        print(f"[bench engine] batch {batch_size}: {batch['total']['median_ms']:.2f} ms/step",
+              file=sys.stderr, flush=True)
+    if config.is_hf_compiled:
+        hf = bench_hf_compiled(config, model_dir, runner)
+        for batch in results["batches"]:
+            batch["hf_compiled"] = hf.get(batch["batch_size"])
+    out = Path(config.out)
+    results["outputs"] = {"json": str(out / "engine.json"), "png": str(out / "engine.png")}
+    report.plot(out / "engine.png", results)
+    from segserve.bench.report import write_json
+
+    write_json(out / "engine.json", results)
+    return results
+
+
+def run_engine(args: argparse.Namespace) -> dict:
+    """The CLI entry: run the benchmark, print the table, return the results."""
+    from segserve.bench.throughput import machine_info
+
+    config = config_from_args(args)
+    header = {"command": shlex.join(sys.argv), "machine": machine_info()}
+    if config.is_tiny:
+        with tempfile.TemporaryDirectory(prefix="segserve-tiny-") as tmp:
+            results = run_benchmark(config, build_tiny_gemma3(Path(tmp), config.seed), header,
+                                    "tiny random Gemma3 (--tiny)")
+    else:
+        from segserve.checkpoint import resolve_model
+
+        results = run_benchmark(config, resolve_model(config.model), header)
+    print(report.markdown_table(results))
+    return results

@@ -1,0 +1,42 @@
+"""`segserve bench engine` on the tiny model: every part per batch size, parts that add up, the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from segserve.bench.engine_report import PARTS
+from segserve.cli import main
+
+
+@pytest.mark.parametrize("extra", [[], ["--draft", "--repetition-penalty", "1.3"]], ids=["plain", "draft-penalty"])
+def test_engine_bench_reports_every_part_per_batch_size(tmp_path, capsys, extra):
+    out = tmp_path / "engine"
+    argv = ["bench", "engine", "--tiny", "--device", "cpu", "--batch-sizes", "1,4", "--steps", "3",
+            "--warmup-steps", "1", "--repeats", "2", "--out", str(out), *extra]
+    assert main(argv) == 0
+
+    results = json.loads((out / "engine.json").read_text())
+    assert (out / "engine.png").stat().st_size > 0
+    assert [b["batch_size"] for b in results["batches"]] == [1, 4]
+    for batch in results["batches"]:
+        assert set(batch["parts"]) == set(PARTS)
+        for part in PARTS:
+            stat = batch["parts"][part]
+            assert len(stat["rounds_ms"]) == 2
+            assert min(stat["rounds_ms"]) >= 0 and stat["min_ms"] <= stat["median_ms"] <= stat["max_ms"]
+        for round_index, total in enumerate(batch["total"]["rounds_ms"]):
+            parts_sum = sum(batch["parts"][part]["rounds_ms"][round_index] for part in PARTS)
+            assert total > 0 and abs(parts_sum - total) <= 0.1 * total
+        parts_sum = sum(batch["parts"][part]["median_ms"] for part in PARTS)
+        assert abs(parts_sum - batch["total"]["median_ms"]) <= 0.1 * batch["total"]["median_ms"]
+        excluding = batch["total"]["median_ms"] - batch["parts"]["forward"]["median_ms"]
+        assert batch["excluding_forward"]["median_ms"] == pytest.approx(excluding)
+        assert batch["tokens_per_step"] >= batch["batch_size"]  # one token per sequence, more with drafts
+        if "--draft" not in extra:
+            assert batch["parts"]["draft"]["max_ms"] == 0
+            assert batch["tokens_per_step"] == batch["batch_size"]
+    table = capsys.readouterr().out
+    assert "| batch |" in table and "excl. forward" in table
+    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][1:] == ["1", "4"]
