@@ -54,6 +54,9 @@ class StackConfig:
             raise ValueError("startup_timeout_s must be > 0")
 
 
+_ROUTER_PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -91,8 +94,7 @@ class Stack:
                                         port=cfg.scheduler.port or free_port())
         scheduler_address = f"{scheduler.host}:{scheduler.port}"
         router = dataclasses.replace(cfg.router, model=model_dir, scheduler_address=scheduler_address,
-                                     served_model_name=cfg.router.served_model_name or worker.served_model_name,
-                                     port=cfg.router.port or free_port())
+                                     served_model_name=cfg.router.served_model_name or worker.served_model_name)
         self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router, drafter=drafter)
         deadline = time.monotonic() + cfg.startup_timeout_s
         try:
@@ -103,8 +105,7 @@ class Stack:
                 self._wait_grpc_ready("drafter", drafter_pb2_grpc.DrafterStub, drafter_address, deadline)
             self._spawn("scheduler", scheduler)
             self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, scheduler_address, deadline)
-            self._spawn("router", router)
-            self._wait_http_ready(deadline)
+            self._start_router(router, deadline)
         except BaseException:
             self.stop()
             raise
@@ -134,6 +135,22 @@ class Stack:
                 if proc.poll() is not None:
                     return proc.returncode
             time.sleep(0.5)
+
+    def _start_router(self, router: RouterConfig, deadline: float) -> None:
+        """Spawn the router and wait for its /health. A port picked here (port 0) is picked just before the
+        spawn, and picked again if the router dies at start-up: while the other services started, any of
+        them (Ray opens ports of its own) may have bound the one picked earlier."""
+        attempts = 1 if router.port else _ROUTER_PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            config = router if router.port else dataclasses.replace(router, port=free_port())
+            self.config = dataclasses.replace(self.config, router=config)
+            self._spawn("router", config)
+            try:
+                self._wait_http_ready(deadline)
+                return
+            except RuntimeError:
+                if attempt == attempts or self.processes["router"].poll() is None:
+                    raise
 
     def _spawn(self, name: str, config) -> None:
         argv = [sys.executable, "-m", "segserve.cli", name, *to_argv(config)]
