@@ -38,6 +38,13 @@ def start_stack(model_dir: Path, log_dir: Path, max_num_seqs: int = 16, **worker
     return stack
 
 
+def served_model_name(stack: Stack) -> str:
+    """The model name the stack's router serves, from GET /v1/models."""
+    import httpx
+
+    return httpx.get(stack.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def scheduler_stats(stack: Stack):
     """The scheduler's SchedulerStats (num_running, num_waiting, num_used_kv_blocks, ...), over gRPC GetStats."""
     import grpc

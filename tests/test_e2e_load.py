@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.e2e_helpers import GreedyReference, scheduler_stats, start_stack, wait_until_idle
+from tests.e2e_helpers import GreedyReference, scheduler_stats, served_model_name, tiny_stack, wait_until_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -42,17 +42,14 @@ NUM_KV_BLOCKS = 32
 
 @pytest.fixture(scope="module")
 def stack(tiny_gemma3_dir, tmp_path_factory):
-    stack = start_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), max_num_seqs=MAX_NUM_SEQS,
-                        num_kv_blocks=NUM_KV_BLOCKS, block_size=16)
-    try:
+    with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), max_num_seqs=MAX_NUM_SEQS,
+                    num_kv_blocks=NUM_KV_BLOCKS, block_size=16) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def model_name(stack) -> str:
-    return httpx.get(stack.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    return served_model_name(stack)
 
 
 @pytest.fixture(scope="module")

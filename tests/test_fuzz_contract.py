@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e_helpers import GreedyReference, start_stack, wait_until_idle
+from tests.e2e_helpers import GreedyReference, served_model_name, tiny_stack, wait_until_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -98,16 +98,13 @@ grpc_requests = st.builds(
 
 @pytest.fixture(scope="module")
 def stack(tiny_gemma3_dir, tmp_path_factory):
-    stack = start_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), max_num_seqs=16)
-    try:
+    with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), max_num_seqs=16) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def model_name(stack) -> str:
-    return httpx.get(stack.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    return served_model_name(stack)
 
 
 @pytest.fixture(scope="module")
