@@ -250,6 +250,7 @@ def test_overlapping_slots_and_duplicates_reject_the_step(gemma3_runner):
     clash = [ScheduledSequence("x", (1, 2), 0, (5,)), ScheduledSequence("y", (3, 4), 0, (5,))]
     with pytest.raises(InvalidRequest, match="same KV-cache slot"):
         runner.step(StepRequest(clash, new))
+    assert not {"x", "y"} & set(runner.block_tables._rows)  # a refused step keeps no block-table rows
     twice = [ScheduledSequence("x", (1, 2), 0, (5,)), ScheduledSequence("x", (1, 2), 0, (6,))]
     with pytest.raises(InvalidRequest, match="scheduled twice"):
         runner.step(StepRequest(twice, new))

@@ -7,6 +7,13 @@ builds no mask of its own (the name is not a mask implementation); everything
 the attention needs travels as the `segserve_batch` forward kwarg, an
 `AttentionBatch` built once per step and shared by all layers.
 
+Building it is cheap and mostly on the device: the host computes a `StepLayout`
+(a few numpy arrays per step) and a `GroupPlan` per group of similar query
+counts, the runner uploads all of them in one copy (worker/upload.py), and the
+key slots, positions and masks are derived on the device from the persistent
+block tables (worker/block_tables.py). Key lengths are padded to a few bucketed
+sizes, so consecutive decode steps reuse tensor shapes.
+
 Per layer: write the new keys/values into their cache slots, then for each group
 of similarly sized sequences gather [R, KVH, L, D] keys/values from the cache
 and run one masked SDPA. Each query sees every cached position of its sequence
@@ -18,12 +25,13 @@ computed when they sit at their own position); a new key's is its Work position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from worker.kv_cache import PagedKVCache, slot_ids
+from worker.kv_cache import PagedKVCache
 from worker.work import Work
 
 ATTN_IMPLEMENTATION = "segserve_paged"
@@ -31,10 +39,10 @@ ATTN_IMPLEMENTATION = "segserve_paged"
 
 @dataclass
 class AttentionGroup:
-    """R sequences padded to Q queries and L keys, attended in one call."""
+    """R sequences padded to Q queries and L keys, attended in one call (every tensor on the model's device)."""
 
     query_index: torch.Tensor  # [R, Q] long: token index in the packed step row (0 for padding)
-    key_slots: torch.Tensor  # [R, L] long: cache slot of every key (0 for padding)
+    key_slots: torch.Tensor  # [R, L] long: cache slot of every key (a valid but masked slot for padding)
     mask: torch.Tensor  # [R, Q, L] bool: True where query may attend key (window not applied)
     query_pos: torch.Tensor  # [R, Q] long: rotary positions of queries
     key_pos: torch.Tensor  # [R, L] long: rotary positions of keys
@@ -42,10 +50,6 @@ class AttentionGroup:
     out_rows: torch.Tensor  # [M] long: flat r * Q + q of real queries
     out_tokens: torch.Tensor  # [M] long: their token index in the packed row
     _masks: dict = field(default_factory=dict)
-
-    def to(self, device) -> AttentionGroup:
-        tensors = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "_masks"}
-        return AttentionGroup(**tensors)
 
     def attn_mask(self, window: int | None, num_groups: int) -> torch.Tensor:
         """[R, 1, num_groups * Q, L] bool mask for a layer, cached per (window, num_groups)."""
@@ -71,59 +75,131 @@ class AttentionBatch:
     groups: list[AttentionGroup]
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each work of a step sits, as host arrays in work order (worker/planning.py builds it)."""
+
+    rows: np.ndarray  # [W] int64: the work's row in the block tables (worker/block_tables.py)
+    starts: np.ndarray  # [W] int64: num_computed_tokens
+    lengths: np.ndarray  # [W] int64: tokens computed this step
+    offsets: np.ndarray  # [W] int64: index of the work's first token in the packed row
+    slots: np.ndarray  # [T] int64: cache slot of every new token (storage position start + i)
+
+
+def step_layout(works: list[Work], rows: list[int], host_tables: np.ndarray, block_size: int) -> StepLayout:
+    """The layout of `works`, whose block tables are rows `rows` of host_tables [rows, max_blocks]."""
+    num_works = len(works)
+    lengths = np.fromiter((len(w.token_ids) for w in works), np.int64, num_works)
+    starts = np.fromiter((w.num_computed_tokens for w in works), np.int64, num_works)
+    offsets = np.cumsum(lengths) - lengths
+    rows_array = np.asarray(rows, dtype=np.int64)
+    num_tokens = int(lengths.sum())
+    token_work = np.repeat(np.arange(num_works), lengths)  # [T]
+    storage = starts[token_work] + np.arange(num_tokens) - offsets[token_work]  # [T]
+    blocks = host_tables[rows_array[token_work], storage // block_size].astype(np.int64)
+    return StepLayout(rows_array, starts, lengths, offsets, blocks * block_size + storage % block_size)
+
+
 def _bucket(num_queries: int) -> int:
     """Sequences whose query counts share a power-of-two bucket are padded together."""
     return 1 << (num_queries - 1).bit_length()
 
 
-def build_attention_batch(works: list[Work], kv_cache: PagedKVCache, device: torch.device) -> AttentionBatch:
-    """Lay out one step: the works' tokens are packed in order into the [1, T] row."""
-    block_size = kv_cache.block_size
-    new_slots, per_seq, offset = [], [], 0
-    for work in works:
-        n, start = len(work.token_ids), work.num_computed_tokens
-        table = torch.tensor(work.block_table, dtype=torch.long)
-        key_slots = slot_ids(table, 0, start + n, block_size)  # [L]
-        positions = torch.tensor(work.positions, dtype=torch.long)  # [n]
-        key_pos = torch.cat([torch.arange(start), positions])  # [L]
-        mask = torch.ones(n, start + n, dtype=torch.bool)
-        mask[:, start:] = work.attention_mask()  # [n, n]: causal, or the tree's paths
-        new_slots.append(key_slots[start:])
-        per_seq.append((offset, key_slots, positions, key_pos, mask))
-        offset += n
-    buckets: dict[int, list] = {}
-    for item in per_seq:
-        buckets.setdefault(_bucket(len(item[2])), []).append(item)
-    groups = [_pad_group(items).to(device) for _, items in sorted(buckets.items())]
-    slots = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.long)
-    return AttentionBatch(kv_cache, slots.to(device), groups)
+def _bucket_keys(num_keys: int) -> int:
+    """Key lengths are padded up to one of 8 sizes per power of two (at most 1/8 wasted), at least 16,
+    so that consecutive decode steps reuse shapes instead of growing one key per step."""
+    if num_keys <= 16:
+        return 16
+    step = 1 << (num_keys.bit_length() - 4)
+    return -(-num_keys // step) * step
 
 
-def _pad_group(items: list) -> AttentionGroup:
-    rows = len(items)
-    num_queries = max(len(positions) for _, _, positions, _, _ in items)
-    num_keys = max(len(key_slots) for _, key_slots, _, _, _ in items)
-    query_index = torch.zeros(rows, num_queries, dtype=torch.long)
-    key_slots_pad = torch.zeros(rows, num_keys, dtype=torch.long)
-    mask = torch.zeros(rows, num_queries, num_keys, dtype=torch.bool)
-    query_pos = torch.zeros(rows, num_queries, dtype=torch.long)
-    key_pos_pad = torch.zeros(rows, num_keys, dtype=torch.long)
-    is_pad = torch.ones(rows, num_queries, dtype=torch.bool)
-    out_rows, out_tokens = [], []
-    for r, (offset, key_slots, positions, key_pos, seq_mask) in enumerate(items):
-        n, length = len(positions), len(key_slots)
-        query_index[r, :n] = torch.arange(offset, offset + n)
-        key_slots_pad[r, :length] = key_slots
-        mask[r, :n, :length] = seq_mask
-        query_pos[r, :n] = positions
-        key_pos_pad[r, :length] = key_pos
-        is_pad[r, :n] = False
-        out_rows.append(torch.arange(r * num_queries, r * num_queries + n))
-        out_tokens.append(query_index[r, :n])
-    mask[:, :, 0] |= is_pad
-    return AttentionGroup(
-        query_index, key_slots_pad, mask, query_pos, key_pos_pad, is_pad, torch.cat(out_rows), torch.cat(out_tokens)
-    )
+@dataclass
+class GroupPlan:
+    """The host half of an AttentionGroup: which works, their sizes, and the int arrays to upload."""
+
+    num_queries: int  # Q
+    num_keys: int  # L, bucketed
+    per_row: np.ndarray  # [3, R]: block-table row, num_computed_tokens, tokens this step
+    depths: np.ndarray  # [R, Q]: depth of every new token (causal: its index; a tree: its node's depth)
+    sees: np.ndarray  # [R, Q, Q] bool: new token q sees new token j
+    is_pad: np.ndarray  # [R, Q] bool
+    query_index: np.ndarray  # [R, Q]: token index in the packed row (0 for padding)
+    out_rows: np.ndarray  # [M]: flat r * Q + q of real queries
+    out_tokens: np.ndarray  # [M]: their token index in the packed row
+
+    def arrays(self) -> list[np.ndarray]:
+        """What the device half needs, in the order to_group() takes it."""
+        return [self.per_row, self.depths, self.sees, self.is_pad, self.query_index, self.out_rows, self.out_tokens]
+
+
+def plan_groups(works: list[Work], layout: StepLayout) -> list[GroupPlan]:
+    """Group the works by query count (power-of-two buckets) and lay each group out on the host."""
+    query_buckets = np.fromiter((_bucket(int(n)) for n in layout.lengths), np.int64, len(works))
+    return [_plan_group(works, np.flatnonzero(query_buckets == q), int(q), layout) for q in np.unique(query_buckets)]
+
+
+def _plan_group(works: list[Work], members: np.ndarray, num_queries: int, layout: StepLayout) -> GroupPlan:
+    """The GroupPlan of works[members], padded to num_queries queries."""
+    rows, q = len(members), num_queries
+    starts, lengths, offsets = layout.starts[members], layout.lengths[members], layout.offsets[members]
+    depths = np.broadcast_to(np.arange(q), (rows, q)).copy()  # [R, Q]
+    sees = np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (rows, q, q)).copy()  # [R, Q, Q]
+    if q > 1:  # a tree has at least two nodes
+        for r, i in enumerate(members):
+            work = works[i]
+            if work.is_tree:
+                n = len(work.token_ids)
+                depths[r, :n] = work.node_depths
+                sees[r, :n, :n] = _tree_sees(work.node_parents)
+    is_pad = np.arange(q)[None, :] >= lengths[:, None]  # [R, Q]
+    query_index = np.where(is_pad, 0, offsets[:, None] + np.arange(q)[None, :])  # [R, Q]
+    out_rows = np.flatnonzero(~is_pad)  # [M]
+    return GroupPlan(q, _bucket_keys(int((starts + lengths).max())), np.stack([layout.rows[members], starts, lengths]),
+                     depths, sees, is_pad, query_index, out_rows, query_index.reshape(-1)[out_rows])
+
+
+def build_attention_batch(plans: list[GroupPlan], uploaded: list[torch.Tensor], slots: torch.Tensor,
+                          device_tables: torch.Tensor, kv_cache: PagedKVCache) -> AttentionBatch:
+    """The step's AttentionBatch from its group plans and their uploaded arrays (every plan's arrays()
+    in turn, on the device); key slots, masks and positions are computed on the device from the
+    persistent block tables (device_tables [rows, max_blocks] int32). slots: [T] long on the device."""
+    parts = iter(uploaded)
+    groups = [_to_group(plan, [next(parts) for _ in range(7)], device_tables, kv_cache.block_size) for plan in plans]
+    return AttentionBatch(kv_cache, slots, groups)
+
+
+def _to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.Tensor, block_size: int
+              ) -> AttentionGroup:
+    """The device half: key slots, positions and the mask of one group."""
+    per_row, depth, sees, is_pad, query_index, out_rows, out_tokens = arrays
+    rows, (q, num_keys) = per_row.shape[1], (plan.num_queries, plan.num_keys)
+    table_rows, start, length = per_row[0], per_row[1, :, None], per_row[2, :, None]  # [R], [R, 1], [R, 1]
+    key = torch.arange(num_keys, device=per_row.device)  # [L]
+    tables = device_tables.index_select(0, table_rows).long()  # [R, max_blocks]
+    block_col = (key // block_size).clamp_(max=tables.shape[1] - 1).expand(rows, num_keys)  # [R, L]
+    key_slots = tables.gather(1, block_col) * block_size + key % block_size  # [R, L]
+    rel = key[None, :] - start  # [R, L]: key index among the new tokens (< 0: cached context)
+    is_context = rel < 0
+    new_index = rel.clamp(0, q - 1)  # [R, L]
+    key_pos = torch.where(is_context, key[None, :], start + depth.gather(1, new_index))  # [R, L]
+    is_new = ~is_context & (rel < length)  # [R, L]
+    sees_key = sees.bool().gather(2, new_index[:, None, :].expand(rows, q, num_keys))  # [R, Q, L]
+    pad = is_pad.bool()  # [R, Q]
+    mask = (is_context[:, None, :] | (is_new[:, None, :] & sees_key)) & ~pad[:, :, None]  # [R, Q, L]
+    mask[:, :, 0] |= pad
+    return AttentionGroup(query_index=query_index, key_slots=key_slots, mask=mask, query_pos=start + depth,
+                          key_pos=key_pos, is_pad_query=pad, out_rows=out_rows, out_tokens=out_tokens)
+
+
+def _tree_sees(parents: tuple[int, ...]) -> np.ndarray:
+    """[n, n] bool: node i sees node j when j is i or one of its ancestors (parents come first)."""
+    n = len(parents)
+    sees = np.eye(n, dtype=bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            sees[node] |= sees[parent]
+    return sees
 
 
 def paged_attention_forward(

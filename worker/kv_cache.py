@@ -77,8 +77,3 @@ class PagedKVCache:
         value = self._flat_values[layer_idx].index_select(0, flat).view(dims)
         return key.transpose(1, 2), value.transpose(1, 2)
 
-
-def slot_ids(block_table: torch.Tensor, start: int, stop: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots [stop - start] of storage positions [start, stop); block_table: [num_blocks] long."""
-    positions = torch.arange(start, stop)
-    return block_table[positions // block_size] * block_size + positions % block_size

@@ -20,13 +20,16 @@ and sets the history to history[:num_computed] + root + accepted drafts.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
+from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch, plan_groups
+from worker.block_tables import BlockTables
 from segserve.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
@@ -39,6 +42,7 @@ from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.packed_linear import pack_linears
 from worker.planning import SequenceState, StepPlan, plan_step
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
+from worker.upload import Uploader
 from worker.sampler import SampleRow
 from worker.validation import InvalidRequest, StepLimits
 from worker.verify import Sampled, kv_moves, sample_works
@@ -99,6 +103,8 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
         )
+        self._uploader = Uploader(self.device)
+        self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
         self._states: dict[str, SequenceState] = {}
         self.is_ready = False
         self.timings: dict[str, float] | None = None
@@ -150,7 +156,11 @@ class ModelRunner:
         """Apply the request to the sequence states and return what to run (worker/planning.py).
 
         Nothing changes when the request as a whole is invalid (InvalidRequest)."""
-        self._states, plan = plan_step(request, self._states, self.limits, self.device)
+        try:
+            self._states, plan = plan_step(request, self._states, self.limits, self.block_tables)
+        except InvalidRequest:
+            self.block_tables.retain(self._states)  # rows staged for sequences the step would have added
+            raise
         return plan
 
     @torch.inference_mode()
@@ -161,18 +171,18 @@ class ModelRunner:
         if not works:
             self._lap("metadata")
             return torch.empty(0, self._info.vocab_size, device=self.device)
-        batch = build_attention_batch(works, self.kv_cache, self.device)
-        token_ids, positions, offsets, offset = [], [], [], 0
-        for work in works:
-            token_ids += work.token_ids
-            positions += work.positions
-            offsets.append(offset)
-            offset += len(work.token_ids)
-        keep = [start + i for start, work in zip(offsets, works) for i in work.sample_indices]
-        keep += [start + i for start, work in zip(offsets, works) for i in work.prompt_offsets]
-        input_ids = torch.tensor([token_ids], device=self.device)  # [1, T]
-        position_ids = torch.tensor([positions], device=self.device)  # [1, T]
-        logits_to_keep = torch.tensor(keep, dtype=torch.long, device=self.device)  # [N + R]
+        layout = plan.layout
+        num_tokens = len(layout.slots)
+        token_ids = np.fromiter(itertools.chain.from_iterable(w.token_ids for w in works), np.int64, num_tokens)
+        positions = np.fromiter(itertools.chain.from_iterable(w.positions for w in works), np.int64, num_tokens)
+        keep = np.concatenate([_kept_rows(works, layout.offsets, "sample_indices"),
+                               _kept_rows(works, layout.offsets, "prompt_offsets")])
+        groups = plan_groups(works, layout)
+        uploaded = self._uploader.upload([np.stack([token_ids, positions, layout.slots]), keep,
+                                          *(a for group in groups for a in group.arrays())])
+        inputs, logits_to_keep = uploaded[0], uploaded[1]  # [3, T], [N + R]
+        batch = build_attention_batch(groups, uploaded[2:], inputs[2], self.block_tables.device_table, self.kv_cache)
+        input_ids, position_ids = inputs[0:1], inputs[1:2]  # [1, T] each
         self._lap("metadata")
         output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             logits_to_keep=logits_to_keep, segserve_batch=batch)
@@ -257,6 +267,15 @@ class ModelRunner:
             self.kv_cache.move(src, dst)
         history = self._states[work.seq_id].history
         history[work.num_computed_tokens + 1:] = [work.token_ids[node] for node in accepted_nodes]
+
+
+def _kept_rows(works: list[Work], offsets: np.ndarray, field: str) -> np.ndarray:
+    """Packed-row index of every token listed in each work's `field` (sample_indices or prompt_offsets), in work
+    order. [K] int64."""
+    indices = [getattr(work, field) for work in works]
+    counts = np.fromiter((len(i) for i in indices), np.int64, len(works))
+    flat = np.fromiter(itertools.chain.from_iterable(indices), np.int64, int(counts.sum()))
+    return flat + np.repeat(offsets, counts)
 
 
 def _output_vocab_size(model) -> int:

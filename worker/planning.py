@@ -18,9 +18,11 @@ import torch
 
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import StepRequest
+from worker.attention import StepLayout, step_layout
+from worker.block_tables import BlockTables
 from worker.prompt_logprobs import PromptLogprobState, PromptPlan, plan
 from worker.sampler import make_generator
-from worker.validation import InvalidRequest, StepLimits, sequence_problem, validate_disjoint_slots
+from worker.validation import InvalidRequest, StepLimits, has_overlapping_slots, sequence_problem
 from worker.work import Work, expand
 
 
@@ -48,19 +50,25 @@ class StepPlan:
     """seq_id -> why that sequence was left out of the forward."""
     seq_ids: list[str] = field(default_factory=list)
     """Every scheduled sequence, in request order (the order of the outputs)."""
+    layout: StepLayout | None = None
+    """Where the works sit in the block tables and the packed row (None when nothing runs)."""
 
     @property
     def num_sample_rows(self) -> int:
         return sum(len(work.sample_indices) for work in self.works)
 
 
-def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: StepLimits, device: torch.device
+def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: StepLimits, tables: BlockTables
               ) -> tuple[dict[str, SequenceState], StepPlan]:
     """Forget finished sequences, register new ones, check every sequence, then record the tokens
-    of those that run. Returns the new states (`states` itself is not modified) and the plan."""
+    of those that run. Returns the new states (`states` itself is not modified) and the plan.
+
+    `tables` takes the block tables of the sequences that pass their checks, whether or not the
+    step as a whole is then refused (the caller drops the rows of sequences it does not keep)."""
     states = dict(states)
     for seq_id in request.finished_seq_ids:
         states.pop(seq_id, None)
+        tables.release(seq_id)
     for new in request.new_sequences:
         if any(t >= limits.input_vocab_size for t in new.prompt_token_ids):
             raise InvalidRequest(
@@ -69,7 +77,8 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
             new.sampling.num_prompt_logprobs)
         # The prompt starts the history: a first step may start past a cached prefix (prefix caching).
         states[new.seq_id] = SequenceState(new.sampling, new.num_prompt_tokens,
-                                           make_generator(new.sampling.seed, device), list(new.prompt_token_ids),
+                                           make_generator(new.sampling.seed, tables.device),
+                                           list(new.prompt_token_ids),
                                            prompt=prompt)
     seq_ids = [seq.seq_id for seq in request.sequences]
     if len(set(seq_ids)) != len(seq_ids):
@@ -81,15 +90,25 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
         state = states.get(seq.seq_id)
         problem = sequence_problem(seq, None if state is None else len(state.history), limits)
         if problem is None:
+            problem = tables.stage(seq, -(-seq.num_tokens // limits.block_size))
+            problem = None if problem is None else f"sequence {seq.seq_id!r}: {problem}"
+        if problem is None:
             runnable.append(seq)
         else:
             step_plan.rejected[seq.seq_id] = problem
-    validate_disjoint_slots(runnable, limits.block_size)
+    tables.flush()
     for seq in runnable:
         state = states[seq.seq_id]
-        del state.history[seq.num_computed_tokens:]
-        state.history.extend(seq.token_ids)
         prompt_plan = None if state.prompt is None else plan(seq, state.num_prompt_tokens, state.prompt)
         step_plan.works.append(expand(seq, () if prompt_plan is None else prompt_plan.offsets))
         step_plan.prompt_plans.append(prompt_plan)
+    if runnable:
+        step_plan.layout = step_layout(step_plan.works, [tables.row(seq.seq_id) for seq in runnable], tables.host,
+                                       limits.block_size)
+        if has_overlapping_slots(step_plan.layout.slots):
+            raise InvalidRequest("two scheduled tokens would write the same KV-cache slot (overlapping block tables)")
+    for seq in runnable:  # the step is accepted: record its tokens
+        history = states[seq.seq_id].history
+        del history[seq.num_computed_tokens:]
+        history.extend(seq.token_ids)
     return states, step_plan

@@ -5,18 +5,16 @@ Two kinds of failure:
   table, token out of the vocabulary, a malformed tree...); the runner leaves that sequence out
   of the forward and answers it with an error output, and the rest of the batch runs.
 - `InvalidRequest` is a step malformed as a whole (a sequence scheduled twice, two sequences
-  writing one KV slot); the gRPC server maps it to INVALID_ARGUMENT.
+  writing one KV slot: `has_overlapping_slots`); the gRPC server maps it to INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from protos.segserve.v1.step import ScheduledSequence
-from worker.kv_cache import slot_ids
 
 
 class InvalidRequest(ValueError):
@@ -51,22 +49,21 @@ def _problem(seq: ScheduledSequence, num_known_tokens: int | None, limits: StepL
     if seq.num_computed_tokens > num_known_tokens:
         return (f"num_computed_tokens={seq.num_computed_tokens} but the worker knows only {num_known_tokens} "
                 "of its tokens (restart it with a NewSequence)")
-    if any(t >= limits.input_vocab_size or t < 0 for t in seq.token_ids):
+    if min(seq.token_ids) < 0 or max(seq.token_ids) >= limits.input_vocab_size:
         return f"token_ids must be in [0, {limits.input_vocab_size})"
-    if any(i >= n or i < 0 for i in seq.sample_indices):
+    if seq.sample_indices and (min(seq.sample_indices) < 0 or max(seq.sample_indices) >= n):
         return f"sample_indices must be in [0, {n})"
     if seq.draft is not None:
         problem = _tree_problem(seq, limits)
         if problem is not None:
             return problem
-    if seq.num_tokens > limits.max_model_len:
-        return f"{seq.num_tokens} tokens exceed max_model_len={limits.max_model_len}"
-    needed_blocks = -(-seq.num_tokens // limits.block_size)
+    num_tokens = seq.num_tokens
+    if num_tokens > limits.max_model_len:
+        return f"{num_tokens} tokens exceed max_model_len={limits.max_model_len}"
+    needed_blocks = -(-num_tokens // limits.block_size)
     if len(seq.block_table) < needed_blocks:
-        return f"block_table has {len(seq.block_table)} blocks, {seq.num_tokens} tokens need {needed_blocks}"
-    if any(b >= limits.num_blocks or b < 0 for b in seq.block_table[:needed_blocks]):
-        return f"block ids must be in [0, {limits.num_blocks})"
-    return None
+        return f"block_table has {len(seq.block_table)} blocks, {num_tokens} tokens need {needed_blocks}"
+    return None  # block ids are checked as they enter the block tables (worker/block_tables.py)
 
 
 def _tree_problem(seq: ScheduledSequence, limits: StepLimits) -> str | None:
@@ -78,16 +75,6 @@ def _tree_problem(seq: ScheduledSequence, limits: StepLimits) -> str | None:
     return None if problem is None else f"invalid draft tree: {problem}"
 
 
-def validate_disjoint_slots(sequences: Sequence[ScheduledSequence], block_size: int) -> None:
-    """Raise InvalidRequest when two new tokens of one step would be written to the same cache slot.
-
-    Only for sequences that passed sequence_problem (their block tables cover their tokens).
-    """
-    if not sequences:
-        return
-    slots = torch.cat([
-        slot_ids(torch.tensor(seq.block_table, dtype=torch.long), seq.num_computed_tokens, seq.num_tokens, block_size)
-        for seq in sequences
-    ])
-    if slots.unique().numel() != slots.numel():
-        raise InvalidRequest("two scheduled tokens would write the same KV-cache slot (overlapping block tables)")
+def has_overlapping_slots(slots: np.ndarray) -> bool:
+    """Whether two new tokens of one step would be written to the same cache slot. slots: [T] (host)."""
+    return np.unique(slots).size != slots.size
