@@ -23,6 +23,10 @@ class DrafterConfig:
     """Longest suffix of a request's tokens matched against its own history."""
     history_min_key: int = 2
     """Shortest such suffix; shorter matches propose nothing."""
+    device: str = "auto"
+    """Device of the draft models: auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
+    dtype: str = "auto"
+    """Draft models' weights: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -31,3 +35,7 @@ class DrafterConfig:
             raise ValueError("max_requests must be > 0")
         if not 1 <= self.history_min_key <= self.history_max_key:
             raise ValueError("history keys need 1 <= history_min_key <= history_max_key")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -54,12 +54,20 @@ def load_tokenizer(tokenizer_dir: str | None) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model(tokenizer_dir)))
 
 
-def load_draft_models(segments: SegmentsConfig, target_dir: str | None) -> dict[str, ContinuationSource]:
-    """The draft model of every segment kind that configures one (self-speculative ones share the target's weights)."""
+def load_draft_models(segments: SegmentsConfig, target_dir: str | None, device: str = "cpu", dtype: str = "float32"
+                      ) -> dict[str, ContinuationSource]:
+    """The draft model of every segment kind that configures one (self-speculative ones share the target's weights),
+    on `device` with `dtype` weights ("auto": cuda and bfloat16 when a GPU is present, else cpu and float32)."""
+    import torch
+
     from drafter.draft_model import load_draft_model
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
     target = str(resolve_model(target_dir))
-    return {kind.name: load_draft_model(kind.draft_model.loader_spec(target))
+    return {kind.name: load_draft_model(kind.draft_model.loader_spec(target), device, getattr(torch, dtype))
             for kind in segments.all_kinds if kind.draft_model is not None}
 
 
@@ -92,7 +100,7 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
     """Load segments and corpora, serve until stopped, then save the corpora to corpus_dir."""
     segments = load_segments(config.segments_config, load_tokenizer(config.tokenizer))
     if draft_models is None:
-        draft_models = load_draft_models(segments, config.tokenizer)
+        draft_models = load_draft_models(segments, config.tokenizer, config.device, config.dtype)
     servicer = build_servicer(config, segments, draft_models)
     server, port = await start_server(servicer, config.host, config.port)
     logger.info("drafter listening on %s:%d with segments %s", config.host, port,

@@ -35,7 +35,8 @@ from worker.config import WorkerConfig
 _SERVE_WORKER_RENAME = {"host": "worker_host", "port": "worker_port"}
 _SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port"}
 _SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address"})
-_SERVE_DRAFTER_RENAME = {"host": "drafter_host", "port": "drafter_port"}
+_SERVE_DRAFTER_RENAME = {"host": "drafter_host", "port": "drafter_port", "device": "drafter_device",
+                         "dtype": "drafter_dtype"}
 _SERVE_DRAFTER_SKIP = frozenset({"tokenizer"})
 _CONSUME_RENAME = {"is_drain": "drain"}
 

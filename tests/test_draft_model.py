@@ -286,3 +286,26 @@ def test_drafter_loads_the_draft_model_its_segments_config_names(tiny_gemma3_dir
     models = load_draft_models(segments, str(tiny_gemma3_dir))
     assert set(models) == {"code"} and isinstance(models["code"], DraftModel)
     assert models["code"].propose([5, 6, 7], max_len=3, max_candidates=2)[0].token_ids
+
+
+def test_the_drafter_puts_its_draft_models_on_the_device_and_dtype_it_is_given(tiny_gemma3_dir, tmp_path):
+    import torch
+    from transformers import AutoTokenizer
+
+    from drafter.config import DrafterConfig
+    from drafter.segments import load_segments
+    from drafter.server import load_draft_models
+
+    config = tmp_path / "segments.toml"
+    config.write_text('[[segment]]\nname = "code"\nstart = "```"\nend = "```"\n'
+                      'draft_model = { kind = "self_speculative", num_layers = 1 }\n')
+    segments = load_segments(config, AutoTokenizer.from_pretrained(tiny_gemma3_dir))
+    model = load_draft_models(segments, str(tiny_gemma3_dir), "cpu", "bfloat16")["code"].model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.device.type == "cpu"
+    auto = load_draft_models(segments, str(tiny_gemma3_dir), "auto", "auto")["code"].model
+    expected = (torch.bfloat16, "cuda") if torch.cuda.is_available() else (torch.float32, "cpu")
+    assert (next(auto.parameters()).dtype, auto.device.type) == expected
+    with pytest.raises(ValueError, match="device"):
+        DrafterConfig(device="tpu")
+    with pytest.raises(ValueError, match="dtype"):
+        DrafterConfig(dtype="int8")
