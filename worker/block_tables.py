@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from protos.segserve.v1.step import ScheduledSequence
+from worker.upload import upload
 
 
 class BlockTables:
@@ -90,8 +91,8 @@ class BlockTables:
         cols = np.concatenate([np.arange(first, first + len(new)) for _, first, new in self._pending])
         values = np.concatenate([np.asarray(new, dtype=np.int32) for _, _, new in self._pending])
         self._pending.clear()
-        index = torch.from_numpy(np.stack([rows, cols])).to(self.device)  # [2, W]
-        self.device_table.index_put_((index[0], index[1]), torch.from_numpy(values).to(self.device))
+        index, values = upload([np.stack([rows, cols]), values], self.device)  # [2, W], [W]
+        self.device_table.index_put_((index[0], index[1]), values.to(torch.int32))
 
     def _grow(self) -> None:
         """Double the number of rows (both copies keep their contents)."""

@@ -42,7 +42,7 @@ from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.packed_linear import pack_linears
 from worker.planning import SequenceState, StepPlan, plan_step
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
-from worker.upload import Uploader
+from worker.upload import upload
 from worker.sampler import SampleRow
 from worker.validation import InvalidRequest, StepLimits
 from worker.verify import Sampled, kv_moves, sample_works
@@ -103,7 +103,6 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
         )
-        self._uploader = Uploader(self.device)
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
         self._states: dict[str, SequenceState] = {}
         self.is_ready = False
@@ -178,8 +177,8 @@ class ModelRunner:
         keep = np.concatenate([_kept_rows(works, layout.offsets, "sample_indices"),
                                _kept_rows(works, layout.offsets, "prompt_offsets")])
         groups = plan_groups(works, layout)
-        uploaded = self._uploader.upload([np.stack([token_ids, positions, layout.slots]), keep,
-                                          *(a for group in groups for a in group.arrays())])
+        uploaded = upload([np.stack([token_ids, positions, layout.slots]), keep,
+                           *(a for group in groups for a in group.arrays())], self.device)
         inputs, logits_to_keep = uploaded[0], uploaded[1]  # [3, T], [N + R]
         batch = build_attention_batch(groups, uploaded[2:], inputs[2], self.block_tables.device_table, self.kv_cache)
         input_ids, position_ids = inputs[0:1], inputs[1:2]  # [1, T] each
