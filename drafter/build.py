@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from drafter.memory import load_corpora, save_corpora
 from drafter.planner import DraftPlanner
 from drafter.segments import DEFAULT_SEGMENT, SegmentsConfig, load_segments
-from drafter.server import load_corpora, load_tokenizer, save_corpora
+from drafter.server import load_tokenizer
 from drafter.tracker import SegmentTracker
 
 

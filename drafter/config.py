@@ -16,13 +16,29 @@ class DrafterConfig:
     tokenizer: str | None = None
     """Model directory whose tokenizer resolves marker strings; None = the default model."""
     corpus_dir: str | None = None
-    """Directory of saved corpora (<segment>.corpus.npz): loaded at start, saved at shutdown; None = in memory only."""
+    """Directory of the corpora's snapshots (<segment>.corpus.npz + snapshot.json): loaded at start, saved every
+    snapshot_interval_s and at shutdown; None = in memory only."""
     max_requests: int = 4096
     """Most requests tracked at once; the least recently queried is dropped (it resyncs later)."""
     history_max_key: int = 8
     """Longest suffix of a request's tokens matched against its own history."""
     history_min_key: int = 2
     """Shortest such suffix; shorter matches propose nothing."""
+    redis_url: str | None = None
+    """Redis URL of the shared log of learned segments (a Redis Stream every replica appends to and reads);
+    None = a directory log (shared_log_dir)."""
+    redis_stream: str = "segserve:drafter:segments"
+    """The Redis Stream's key."""
+    shared_log_dir: str | None = None
+    """Directory of the shared log when there is no redis_url (replicas on one machine or one shared volume);
+    None = <corpus_dir>/log, or no sharing when there is no corpus_dir either."""
+    log_poll_interval_s: float = 0.2
+    """How often a replica applies what the others have published."""
+    snapshot_interval_s: float = 60.0
+    """How often the corpora (and the log position) are snapshotted to corpus_dir; also on SIGTERM. kill -9
+    loses nothing the log holds: a restarted replica replays it from its snapshot's position."""
+    replica_name: str = ""
+    """This replica's name in the log's records (default: the host name)."""
     device: str = "auto"
     """Device of the draft models: auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
     dtype: str = "auto"
@@ -35,6 +51,8 @@ class DrafterConfig:
             raise ValueError("max_requests must be > 0")
         if not 1 <= self.history_min_key <= self.history_max_key:
             raise ValueError("history keys need 1 <= history_min_key <= history_max_key")
+        if self.log_poll_interval_s <= 0 or self.snapshot_interval_s <= 0:
+            raise ValueError("log_poll_interval_s and snapshot_interval_s must be > 0")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -1,22 +1,27 @@
-"""Start the drafter: segments + corpora in, a grpc.aio server out; corpora saved at shutdown.
+"""Start the drafter: segments + corpora in, a grpc.aio server out; corpora shared and snapshotted.
 
-Corpora live in `corpus_dir` as `<segment>.corpus.npz` (drafter/corpus.py's format).
+Corpora are snapshotted to `corpus_dir` as `<segment>.corpus.npz` (drafter/corpus.py's format) with
+a manifest, periodically and at shutdown; learned segments are shared with the other replicas
+through a log (drafter/memory.py, drafter/segment_log.py).
 Draft models are handed in by the caller (`draft_models`, segment name ->
 ContinuationSource), built by the draft-model loader from each segment's spec.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 from pathlib import Path
 from typing import Any, Mapping
 
 import grpc
 
 from drafter.config import DrafterConfig
-from drafter.corpus import LookupCorpus
 from drafter.history import HistorySource
+from drafter.memory import SharedMemory, new_origin, restore
 from drafter.planner import DraftPlanner
+from drafter.segment_log import DirectorySegmentLog, RedisSegmentLog, SegmentLog
 from drafter.segments import SegmentsConfig, load_segments
 from drafter.service import DrafterServicer
 from drafter.state import RequestStates
@@ -25,27 +30,6 @@ from protos.segserve.v1 import drafter_pb2_grpc
 from segserve.checkpoint import resolve_model
 
 logger = logging.getLogger(__name__)
-CORPUS_SUFFIX = ".corpus.npz"
-
-
-def corpus_path(corpus_dir: str | Path, segment: str) -> Path:
-    return Path(corpus_dir) / f"{segment}{CORPUS_SUFFIX}"
-
-
-def load_corpora(segments: SegmentsConfig, corpus_dir: str | Path | None) -> dict[str, LookupCorpus]:
-    """One corpus per segment kind: loaded from corpus_dir when saved there, else empty."""
-    corpora = {}
-    for kind in segments.all_kinds:
-        path = corpus_path(corpus_dir, kind.name) if corpus_dir else None
-        is_saved = path is not None and path.is_file()
-        corpora[kind.name] = LookupCorpus.load(path, kind.corpus) if is_saved else LookupCorpus(kind.corpus)
-    return corpora
-
-
-def save_corpora(corpora: Mapping[str, LookupCorpus], corpus_dir: str | Path) -> None:
-    Path(corpus_dir).mkdir(parents=True, exist_ok=True)
-    for name, corpus in corpora.items():
-        corpus.save(corpus_path(corpus_dir, name))
 
 
 def load_tokenizer(tokenizer_dir: str | None) -> Any:
@@ -74,15 +58,46 @@ def load_draft_models(segments: SegmentsConfig, target_dir: str | None, device: 
 def build_servicer(
     config: DrafterConfig, segments: SegmentsConfig, draft_models: Mapping[str, ContinuationSource] | None = None
 ) -> DrafterServicer:
-    """Planner (corpora loaded from config.corpus_dir) + request states wired for online learning."""
-    planner = DraftPlanner(segments, load_corpora(segments, config.corpus_dir), draft_models)
+    """Planner (corpora restored from config.corpus_dir) + request states wired for online learning through the
+    shared memory (its log from the config; the log is not read yet: serve() catches up before serving)."""
+    origin = new_origin(config.replica_name or socket.gethostname())
+    log, log_name = open_segment_log(config, origin)
+    corpora, cursor = restore(config.corpus_dir, segments, log_name)
+    planner = DraftPlanner(segments, corpora, draft_models)
+    memory = SharedMemory(planner, log, config.corpus_dir, origin, log_name, cursor)
     states = RequestStates(
         segments,
-        on_segment_closed=planner.learn,
+        on_segment_closed=memory.learn,
         max_requests=config.max_requests,
         history_factory=lambda: HistorySource(config.history_max_key, config.history_min_key),
     )
-    return DrafterServicer(planner, states)
+    return DrafterServicer(planner, states, memory)
+
+
+def open_segment_log(config: DrafterConfig, origin: str) -> tuple[SegmentLog | None, str]:
+    """The shared log the config names, and a name for it that snapshots record ("" = none); a directory log
+    writes this process's records (origin) to a file of its own."""
+    if config.redis_url:
+        return RedisSegmentLog(config.redis_url, config.redis_stream), f"redis:{config.redis_stream}"
+    directory = config.shared_log_dir or (str(Path(config.corpus_dir) / "log") if config.corpus_dir else None)
+    if directory is None:
+        return None, ""
+    return DirectorySegmentLog(directory, origin), "directory"
+
+
+async def keep_memory(servicer: DrafterServicer, config: DrafterConfig) -> None:
+    """Forever: apply the others' segments every log_poll_interval_s, snapshot every snapshot_interval_s."""
+    loop = asyncio.get_running_loop()
+    next_snapshot = loop.time() + config.snapshot_interval_s
+    while True:
+        await asyncio.sleep(config.log_poll_interval_s)
+        try:
+            await servicer.sync_memory()
+            if loop.time() >= next_snapshot:
+                next_snapshot = loop.time() + config.snapshot_interval_s
+                await servicer.snapshot()
+        except Exception:  # the log or the disk failed: drafting goes on, the next round retries
+            logger.warning("keeping the shared memory failed", exc_info=True)
 
 
 async def start_server(servicer: DrafterServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
@@ -102,12 +117,16 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
     if draft_models is None:
         draft_models = load_draft_models(segments, config.tokenizer, config.device, config.dtype)
     servicer = build_servicer(config, segments, draft_models)
+    num_replayed = await asyncio.to_thread(servicer.memory.catch_up)
     server, port = await start_server(servicer, config.host, config.port)
-    logger.info("drafter listening on %s:%d with segments %s", config.host, port,
-                [k.name for k in segments.all_kinds])
+    logger.info("drafter listening on %s:%d with segments %s (%d log records replayed)", config.host, port,
+                [k.name for k in segments.all_kinds], num_replayed)
+    keeper = asyncio.create_task(keep_memory(servicer, config))
     try:
         await server.wait_for_termination()
     finally:
+        keeper.cancel()
         await server.stop(grace=1.0)
-        if config.corpus_dir:
-            save_corpora(servicer.planner.corpora, config.corpus_dir)
+        servicer.memory.snapshot()  # SIGTERM and Ctrl-C end here too
+        if servicer.memory.log is not None:
+            servicer.memory.log.close()

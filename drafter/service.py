@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from drafter.memory import SharedMemory
 from drafter.planner import DraftPlanner
 from drafter.state import RequestStates
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
@@ -59,9 +60,11 @@ def _status_errors(method):
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """Serves a DraftPlanner over per-request states."""
 
-    def __init__(self, planner: DraftPlanner, states: RequestStates):
+    def __init__(self, planner: DraftPlanner, states: RequestStates, memory: SharedMemory | None = None):
         self.planner = planner
         self.states = states
+        self.memory = memory
+        """The shared log and snapshots (drafter/memory.py); its learn() is the states' sink."""
         self._lock = asyncio.Lock()
 
     @_status_errors
@@ -75,6 +78,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     @_status_errors
     async def Health(self, request, context):
         return Health(is_ready=True).to_pb()  # corpora and draft models load before the server starts
+
+    async def sync_memory(self) -> int:
+        """Apply what other replicas published (between Draft calls); returns the records read."""
+        if self.memory is None:
+            return 0
+        async with self._lock:
+            return await asyncio.to_thread(self.memory.poll)
+
+    async def snapshot(self) -> None:
+        """Snapshot the corpora and the log position (between Draft calls)."""
+        if self.memory is not None:
+            async with self._lock:
+                await asyncio.to_thread(self.memory.snapshot)
 
     def draft_batch(self, queries: list[Query], finished: list[str]) -> list[drafter_pb2.DraftReply]:
         """Drop finished requests, then update and draft each query in order: one reply per query."""

@@ -68,7 +68,7 @@ def test_corpus_build_writes_per_segment_corpora(tiny_gemma3_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from drafter.corpus import LookupCorpus
-    from drafter.server import corpus_path
+    from drafter.memory import corpus_path
 
     code = LookupCorpus.load(corpus_path(out, "code"))
     tokenizer = AutoTokenizer.from_pretrained(tiny_gemma3_dir)

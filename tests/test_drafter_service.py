@@ -11,7 +11,8 @@ import pytest
 from drafter.build import build_corpus
 from drafter.config import DrafterConfig
 from drafter.segments import load_segments, parse_segments
-from drafter.server import build_servicer, corpus_path, load_corpora, save_corpora, start_server
+from drafter.memory import corpus_path, load_corpora, save_corpora
+from drafter.server import build_servicer, start_server
 from drafter.trees import BUILDERS
 from protos.segserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health

@@ -61,7 +61,7 @@ def test_corpus_build_from_reflow_learns_what_the_model_wrote(tiny_gemma3_dir, t
     from transformers import AutoTokenizer
 
     from drafter.corpus import LookupCorpus
-    from drafter.server import corpus_path
+    from drafter.memory import corpus_path
     from router.reflow.chunks import FinishState
     from tests.test_cli import _TINY_SEGMENTS
 

@@ -1,0 +1,150 @@
+"""One memory for every drafter replica: learned segments go through a shared log, corpora into snapshots.
+
+In: segments this replica learns (`learn`, the RequestStates sink), records the other replicas
+publish (`poll`). Out: the planner's corpora, which hold both, and periodic snapshots.
+
+- A segment learned here joins the local corpus at once and is appended to the log
+  (drafter/segment_log.py); a failed append is kept and retried at the next poll, up to a bound.
+- `poll` applies what the other replicas appended since the cursor. Each process has its own
+  origin id, so a replica skips only its own records of this run; after a restart every record
+  past the snapshot's cursor is replayed.
+- `snapshot` writes every corpus and then the manifest with the cursor, each to a temporary file
+  renamed over the old one, so a crash at any moment leaves complete files. A replica killed with
+  kill -9 restarts from its last snapshot and replays the log after it: it loses nothing the log
+  still holds. (A crash between the corpus renames and the manifest's replays a few segments
+  twice, which only raises their counts.)
+
+Not thread-safe: the servicer calls learn/poll/snapshot under its one lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from drafter.corpus import LookupCorpus
+from drafter.planner import DraftPlanner
+from drafter.segments import SegmentsConfig
+from drafter.segment_log import Cursor, LearnedSegment, SegmentLog
+
+logger = logging.getLogger(__name__)
+MANIFEST = "snapshot.json"
+CORPUS_SUFFIX = ".corpus.npz"
+MAX_UNPUBLISHED = 10_000
+
+
+def corpus_path(directory: str | Path, segment: str) -> Path:
+    return Path(directory) / f"{segment}{CORPUS_SUFFIX}"
+
+
+def new_origin(replica: str = "") -> str:
+    """A unique id for this process's records (the replica's name, when it has one, for readability)."""
+    return f"{replica or 'drafter'}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class SharedMemory:
+    """The planner's corpora, kept in step with the shared log and snapshotted to `snapshot_dir`."""
+
+    def __init__(self, planner: DraftPlanner, log: SegmentLog | None, snapshot_dir: str | Path | None,
+                 origin: str | None = None, log_name: str = "", cursor: Cursor = None):
+        self.planner = planner
+        self.log = log
+        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        self.origin = origin or new_origin()
+        self.log_name = log_name
+        """Which log the cursor belongs to (a cursor of another log is not used)."""
+        self.cursor = cursor
+        self._unpublished: deque[LearnedSegment] = deque(maxlen=MAX_UNPUBLISHED)
+        self.num_applied = 0
+        """Records of other replicas applied so far."""
+
+    def learn(self, segment: str, token_ids: Sequence[int]) -> None:
+        """A segment closed here: into the local corpus now, and onto the log for the others."""
+        self.planner.learn(segment, token_ids)
+        if self.log is not None:
+            self._unpublished.append(LearnedSegment(self.origin, segment, tuple(token_ids)))
+            self._publish()
+
+    def poll(self, max_records: int = 1000) -> int:
+        """Retry unpublished records, then apply the others' new records. Returns how many were read."""
+        if self.log is None:
+            return 0
+        self._publish()
+        records, self.cursor = self.log.read(self.cursor, max_records)
+        for record in records:
+            if record.origin != self.origin:
+                self.planner.learn(record.segment, record.token_ids)
+                self.num_applied += 1
+        return len(records)
+
+    def catch_up(self, max_records: int = 1000) -> int:
+        """Poll until the log has nothing new (at start-up, after restoring a snapshot). Returns records read."""
+        total = 0
+        while (read := self.poll(max_records)) > 0:
+            total += read
+        return total
+
+    def snapshot(self) -> Path | None:
+        """Write every corpus, then the manifest with the cursor, atomically; returns the manifest's path."""
+        if self.snapshot_dir is None:
+            return None
+        save_corpora(self.planner.corpora, self.snapshot_dir)
+        manifest = {"log": self.log_name, "cursor": self.cursor, "origin": self.origin, "saved_at": time.time(),
+                    "segments": sorted(self.planner.corpora)}
+        path = self.snapshot_dir / MANIFEST
+        _atomic(path, lambda p: Path(p).write_text(json.dumps(manifest)))
+        return path
+
+    def _publish(self) -> None:
+        while self._unpublished:
+            try:
+                self.log.append(self._unpublished[0])
+            except Exception as exc:  # the log is down: keep the record, drafting goes on
+                logger.warning("cannot publish a learned segment (%d waiting): %s", len(self._unpublished), exc)
+                return
+            self._unpublished.popleft()
+
+
+def load_corpora(segments: SegmentsConfig, directory: str | Path | None) -> dict[str, LookupCorpus]:
+    """One corpus per segment kind: loaded from `directory` when saved there, else empty."""
+    corpora = {}
+    for kind in segments.all_kinds:
+        path = corpus_path(directory, kind.name) if directory else None
+        is_saved = path is not None and path.is_file()
+        corpora[kind.name] = LookupCorpus.load(path, kind.corpus) if is_saved else LookupCorpus(kind.corpus)
+    return corpora
+
+
+def save_corpora(corpora: Mapping[str, LookupCorpus], directory: str | Path) -> None:
+    """Write every corpus to `directory`, each atomically (a temporary file renamed over the old one)."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    for name, corpus in corpora.items():
+        _atomic(corpus_path(directory, name), corpus.save)
+
+
+def restore(directory: str | Path | None, segments: SegmentsConfig, log_name: str
+            ) -> tuple[dict[str, LookupCorpus], Cursor]:
+    """The corpora saved in `directory` (empty ones for kinds not saved) and the cursor of its manifest
+    when it was taken on the same log (else None: replay the whole log)."""
+    corpora = load_corpora(segments, directory)
+    cursor = None
+    manifest = Path(directory) / MANIFEST if directory else None
+    if manifest is not None and manifest.is_file():
+        saved = json.loads(manifest.read_text())
+        cursor = saved.get("cursor") if saved.get("log") == log_name else None
+    return corpora, cursor
+
+
+def _atomic(path: Path, write) -> None:
+    """Call write(temporary path) next to `path`, flush it to disk, then rename it over `path`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
