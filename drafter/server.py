@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from drafter.config import DrafterConfig
 from drafter.history import HistorySource
@@ -26,7 +28,7 @@ from drafter.segments import SegmentsConfig, load_segments
 from drafter.service import DrafterServicer
 from drafter.state import RequestStates
 from drafter.types import ContinuationSource
-from protos.segserve.v1 import drafter_pb2_grpc
+from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from segserve.checkpoint import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -101,13 +103,19 @@ async def keep_memory(servicer: DrafterServicer, config: DrafterConfig) -> None:
 
 
 async def start_server(servicer: DrafterServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Bind and start a grpc.aio server; returns it and the bound port (port 0 = any free one)."""
+    """Bind and start a grpc.aio server with the Drafter, the standard health service (servicer.health: SERVING
+    once started) and reflection; returns it and the bound port (port 0 = any free one)."""
     server = grpc.aio.server()
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
+    service_names = (drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
+                     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(service_names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the drafter to {host}:{port}")
     await server.start()
+    await servicer.set_serving(True)
     return server, bound
 
 
@@ -126,6 +134,7 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
         await server.wait_for_termination()
     finally:
         keeper.cancel()
+        await servicer.set_serving(False)
         await server.stop(grace=1.0)
         servicer.memory.snapshot()  # SIGTERM and Ctrl-C end here too
         if servicer.memory.log is not None:

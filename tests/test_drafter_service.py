@@ -62,6 +62,26 @@ async def test_health(stub):
     assert Health.from_pb(await stub.Health(common_pb2.HealthRequest())) == Health(is_ready=True)
 
 
+async def test_the_standard_health_protocol_and_reflection_are_served(servicer):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    server, port = await start_server(servicer, "127.0.0.1", 0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for service in ("", "segserve.v1.Drafter"):
+            reply = await check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name async for reply in stream for s in reply.list_services_response.service}
+        assert {"segserve.v1.Drafter", "grpc.health.v1.Health"} <= names
+        await servicer.set_serving(False)  # shutting down: load balancers stop sending
+        reply = await check(health_pb2.HealthCheckRequest(service=""))
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    await server.stop(grace=None)
+
+
 async def test_trees_follow_the_requests_history(stub):
     response = await stub.Draft(drafter_pb2.DraftRequest(queries=[
         _query("a", PROMPT, len(PROMPT), len(PROMPT)),
