@@ -1,11 +1,18 @@
 """The scheduler's gRPC client to the drafter replicas; protobuf is converted here and nowhere deeper.
 
 In: DraftQuery dataclasses and ended request ids. Out: {request_id: DraftReply}
-for the queries some replica answered in time. Requests are spread over the
-replicas by a stable hash of their id, so one replica keeps a request's state.
-A replica that fails, runs past the deadline or answers out of shape is left
-out of that step and retried after a doubling backoff; failures are logged
-once per `_LOG_EVERY`. Nothing here raises to the step loop.
+for the queries some replica answered in time.
+
+Replicas: the targets are addresses or `dns:///name:port` names re-resolved every
+`refresh_s` (scheduler/discovery.py), so replicas can join and leave while it runs.
+Requests are placed by rendezvous hashing over the LIVE replicas (those not backing
+off after a failure): a joining replica takes over about 1/n of the requests and
+the others keep theirs. A request that lands on a replica without its state (it
+moved, or the replica restarted) gets needs_resync, the speculator sends it all its
+tokens again, and it decodes without speculation until then; the replica it left
+is told to drop it. A replica that fails, runs past the deadline or answers out of
+shape is left out and retried after a doubling backoff; failures are logged once
+per `_LOG_EVERY`. Nothing here raises to the step loop.
 """
 
 from __future__ import annotations
@@ -13,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +27,7 @@ import grpc
 
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.tree import CandidateTree
+from scheduler.discovery import is_dns_target, rendezvous, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +67,6 @@ class DraftReply:
         return cls(CandidateTree.from_pb(pb.tree), pb.segment, pb.needs_resync)
 
 
-def replica_of(request_id: str, num_replicas: int) -> int:
-    """The replica holding request_id's state: stable across processes and restarts."""
-    return zlib.crc32(request_id.encode()) % num_replicas
-
-
 class _Replica:
     def __init__(self, address: str):
         self.address = address
@@ -75,42 +77,97 @@ class _Replica:
         self.retry_at = 0.0
         self.pending_finished: list[str] = []
 
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Tell this replica, with its next call, that it may drop these requests."""
+        self.pending_finished = (self.pending_finished + list(request_ids))[-_MAX_PENDING_FINISHED:]
+
 
 class DrafterClient:
     """One channel per replica; create it on the event loop that uses it."""
 
-    def __init__(self, addresses: Sequence[str], timeout_s: float, retry_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic):
-        if not addresses:
+    def __init__(self, targets: Sequence[str], timeout_s: float, retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, refresh_s: float = 10.0):
+        if not targets:
             raise ValueError("DrafterClient needs at least one address")
+        self.targets = list(targets)
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.clock = clock
-        self._replicas = [_Replica(address) for address in addresses]
+        self.refresh_s = refresh_s
+        self._replicas: dict[str, _Replica] = {}
+        self._next_refresh = 0.0
+        if not any(is_dns_target(t) for t in self.targets):
+            self._replicas = {a: _Replica(a) for a in sorted(set(self.targets))}
+            self._next_refresh = float("inf")  # nothing to resolve
+        self._owners: dict[str, str] = {}
+        """Request id -> the replica its last query went to (the one holding its state)."""
+        self.num_moved = 0
+        """Requests whose replica changed (a replica left, joined or backs off)."""
 
     @property
     def num_failures(self) -> int:
-        return sum(r.num_failures for r in self._replicas)
+        return sum(r.num_failures for r in self._replicas.values())
+
+    @property
+    def addresses(self) -> list[str]:
+        """The replicas known now."""
+        return sorted(self._replicas)
 
     def is_available(self) -> bool:
-        """Whether any replica is out of its backoff."""
-        return any(self.clock() >= r.retry_at for r in self._replicas)
+        """Whether any replica is out of its backoff (before the first resolution: whether any target exists)."""
+        if not self._replicas:
+            return self._next_refresh <= self.clock()
+        return any(self.clock() >= r.retry_at for r in self._replicas.values())
+
+    def owner_of(self, request_id: str) -> str | None:
+        """The replica holding request_id's state, as far as this client knows."""
+        return self._owners.get(request_id)
 
     async def draft(self, queries: Sequence[DraftQuery], finished_ids: Sequence[str]) -> dict[str, DraftReply]:
-        """One batched call per replica (concurrently), each under the deadline."""
-        by_replica: list[list[DraftQuery]] = [[] for _ in self._replicas]
-        for query in queries:
-            by_replica[replica_of(query.request_id, len(self._replicas))].append(query)
+        """One batched call per live replica (concurrently), each under the deadline."""
+        await self._refresh()
         for request_id in finished_ids:
-            replica = self._replicas[replica_of(request_id, len(self._replicas))]
-            replica.pending_finished = (replica.pending_finished + [request_id])[-_MAX_PENDING_FINISHED:]
+            owner = self._replicas.get(self._owners.pop(request_id, ""))
+            if owner is not None:
+                owner.release([request_id])
         now = self.clock()
-        calls = [self._call(replica, mine) for replica, mine in zip(self._replicas, by_replica)
-                 if now >= replica.retry_at and (mine or replica.pending_finished)]
+        live = [address for address, replica in self._replicas.items() if now >= replica.retry_at]
+        by_replica: dict[str, list[DraftQuery]] = {address: [] for address in live}
+        if live:
+            for query in queries:
+                by_replica[self._place(query.request_id, live)].append(query)
+        calls = [self._call(self._replicas[address], mine) for address, mine in by_replica.items()
+                 if mine or self._replicas[address].pending_finished]
         replies: dict[str, DraftReply] = {}
         for answered in await asyncio.gather(*calls):
             replies.update(answered)
         return replies
+
+    def _place(self, request_id: str, live: list[str]) -> str:
+        """The live replica for request_id; when it differs from the last one, the last one drops it."""
+        address = rendezvous(request_id, live)
+        previous = self._owners.get(request_id)
+        if previous != address:
+            if previous is not None:
+                self.num_moved += 1
+                if previous in self._replicas:
+                    self._replicas[previous].release([request_id])
+            self._owners[request_id] = address
+        return address
+
+    async def _refresh(self) -> None:
+        """Resolve the targets again when it is time; add the new replicas, close the gone ones."""
+        if self.clock() < self._next_refresh:
+            return
+        self._next_refresh = self.clock() + self.refresh_s
+        addresses = set(await resolve(self.targets))
+        for address in addresses - set(self._replicas):
+            self._replicas[address] = _Replica(address)
+            logger.info("drafter replica %s joined (%d replicas)", address, len(self._replicas))
+        for address in set(self._replicas) - addresses:
+            replica = self._replicas.pop(address)
+            await replica.channel.close()
+            logger.info("drafter replica %s left (%d replicas)", address, len(self._replicas))
 
     async def _call(self, replica: _Replica, queries: list[DraftQuery]) -> dict[str, DraftReply]:
         finished, replica.pending_finished = replica.pending_finished, []
@@ -136,7 +193,7 @@ class DrafterClient:
                            replica.address, replica.num_failures, backoff, what)
 
     async def close(self) -> None:
-        for replica in self._replicas:
+        for replica in self._replicas.values():
             await replica.channel.close()
 
 

@@ -1,0 +1,62 @@
+"""Where the replicas of a service are: addresses as given, or DNS names that resolve to several.
+
+A target is either `host:port`, one replica reached as written, or gRPC's `dns:///name:port`,
+every address the name resolves to (a Kubernetes headless Service resolves to its ready pods),
+resolved again every `refresh_s` so that a scaled Deployment is picked up without a restart.
+
+`rendezvous` places a key on one replica of a set (highest random weight hashing): every key
+keeps its replica when replicas join or leave, except the keys of a replica that left and the
+share a new replica takes over, about 1/n of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+from collections.abc import Sequence
+
+DNS_SCHEME = "dns:///"
+
+
+def is_dns_target(target: str) -> bool:
+    return target.startswith(DNS_SCHEME)
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" or "[v6 address]:port"; ValueError when there is no port."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"{address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def resolve(targets: Sequence[str]) -> list[str]:
+    """Every replica address the targets name, sorted and deduplicated. A DNS target that does not
+    resolve names no replica for now (it may come back at the next refresh)."""
+    loop = asyncio.get_running_loop()
+    addresses: set[str] = set()
+    for target in targets:
+        if not is_dns_target(target):
+            addresses.add(target)
+            continue
+        host, port = split_host_port(target.removeprefix(DNS_SCHEME))
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            continue
+        addresses.update(join_host_port(info[4][0], port) for info in infos)
+    return sorted(addresses)
+
+
+def _weight(key: str, replica: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{replica}\x00{key}".encode(), digest_size=8).digest(), "big")
+
+
+def rendezvous(key: str, replicas: Sequence[str]) -> str:
+    """The replica of `key` among `replicas` (non-empty): the one with the highest weight for it."""
+    return max(replicas, key=lambda replica: _weight(key, replica))

@@ -1,0 +1,94 @@
+"""The scheduler's drafter client over several replicas: rendezvous placement, re-hashing, discovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from drafter.config import DrafterConfig
+from drafter.segments import parse_segments
+from drafter.server import build_servicer, start_server
+from scheduler.discovery import rendezvous, resolve
+from scheduler.drafter_client import DrafterClient, DraftQuery
+
+RAW = {"default": {"algorithm": "best_first", "max_nodes": 6}}
+PROMPT = [10, 11, 12, 13, 14, 15, 10, 11]
+
+
+def test_a_third_replica_takes_about_a_third_of_the_requests_and_nobody_else_moves():
+    keys = [f"request-{i}" for i in range(3000)]
+    two = {key: rendezvous(key, ["a:1", "b:1"]) for key in keys}
+    three = {key: rendezvous(key, ["a:1", "b:1", "c:1"]) for key in keys}
+    moved = [key for key in keys if two[key] != three[key]]
+    assert all(three[key] == "c:1" for key in moved)
+    assert 0.28 < len(moved) / len(keys) < 0.39
+    assert 0.4 < sum(owner == "a:1" for owner in two.values()) / len(keys) < 0.6
+    after_loss = {key: rendezvous(key, ["a:1", "c:1"]) for key in keys}  # b left: only its keys move
+    assert all(after_loss[key] == three[key] for key in keys if three[key] != "b:1")
+
+
+async def test_dns_targets_resolve_to_every_address_and_plain_ones_stay_as_written():
+    assert {"10.0.0.7:5", "127.0.0.1:50071"} <= set(await resolve(["10.0.0.7:5", "dns:///localhost:50071"]))
+    assert await resolve(["dns:///no-such-host.invalid:1"]) == []
+    with pytest.raises(ValueError, match="host:port"):
+        await resolve(["dns:///no-port"])
+
+
+def query(request_id: str, tokens: list[int], num_tokens: int, num_prompt: int = 0) -> DraftQuery:
+    return DraftQuery(request_id, tokens, num_tokens, num_prompt, max_nodes=8)
+
+
+async def test_requests_of_a_dead_replica_move_to_a_live_one_and_resync_there():
+    servers = {}
+    for _ in range(2):
+        servicer = build_servicer(DrafterConfig(), parse_segments(RAW))
+        server, port = await start_server(servicer, "127.0.0.1", 0)
+        servers[f"127.0.0.1:{port}"] = (server, servicer)
+    client = DrafterClient(list(servers), timeout_s=5.0, retry_s=60.0)
+    try:
+        ids = [f"r{i}" for i in range(12)]
+        replies = await client.draft([query(i, PROMPT, len(PROMPT), len(PROMPT)) for i in ids], [])
+        assert all(not r.needs_resync and r.tree.token_ids[:2] == (12, 13) for r in replies.values())
+        owners = {i: client.owner_of(i) for i in ids}
+        assert set(owners.values()) == set(servers)  # spread over both
+        dead = owners["r0"]
+        await servers[dead][0].stop(grace=None)
+        lost = [i for i in ids if owners[i] == dead]
+        await client.draft([query(i, [12], len(PROMPT) + 1) for i in ids], [])  # the dead one fails this step
+        replies = await client.draft([query(i, [13], len(PROMPT) + 2) for i in ids], [])
+        assert {client.owner_of(i) for i in ids} == set(servers) - {dead}
+        assert all(replies[i].needs_resync for i in lost)  # the survivor has no state for them
+        assert not any(replies[i].needs_resync for i in ids if i not in lost)
+        assert client.num_moved == len(lost)
+        resent = await client.draft([query(i, PROMPT + [12, 13], len(PROMPT) + 2, len(PROMPT)) for i in lost], [])
+        assert all(not r.needs_resync and r.tree.token_ids[:2] == (14, 15) for r in resent.values())
+        await client.draft([], ids)  # ended: each owner drops its requests
+        survivor = servers[next(a for a in servers if a != dead)][1]
+        assert not any(i in survivor.states for i in ids)
+    finally:
+        await client.close()
+        for server, _ in servers.values():
+            await server.stop(grace=None)
+
+
+async def test_a_dns_target_is_resolved_again_and_a_new_replica_joins(monkeypatch):
+    import scheduler.drafter_client as drafter_client
+
+    answers = [["10.0.0.1:9"], ["10.0.0.1:9", "10.0.0.2:9"]]
+
+    async def fake_resolve(targets):
+        assert targets == ["dns:///drafter:9"]
+        return answers[0] if len(answers) == 1 else answers.pop(0)
+
+    now = [0.0]
+    monkeypatch.setattr(drafter_client, "resolve", fake_resolve)
+    client = DrafterClient(["dns:///drafter:9"], timeout_s=0.01, clock=lambda: now[0], refresh_s=10.0)
+    assert client.is_available() and client.addresses == []
+    await client.draft([], [])
+    assert client.addresses == ["10.0.0.1:9"]
+    now[0] = 5.0
+    await client.draft([], [])
+    assert client.addresses == ["10.0.0.1:9"]  # not yet time to resolve again
+    now[0] = 11.0
+    await client.draft([], [])
+    assert client.addresses == ["10.0.0.1:9", "10.0.0.2:9"]
+    await client.close()
