@@ -29,6 +29,10 @@ class SchedulerActor:
         self._server, self._engine = await start_server(config)
         return self._server.bound_port
 
+    async def node_ip(self) -> str:
+        """The IP address of the Ray node the actor runs on."""
+        return ray.util.get_node_ip_address()
+
     async def stats(self) -> dict:
         """The engine's EngineStats as a dict (zeros before start)."""
         return dataclasses.asdict(self._engine.stats()) if self._engine else {}

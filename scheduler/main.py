@@ -1,10 +1,18 @@
-"""`segserve scheduler`: a local Ray instance hosting the SchedulerActor until SIGINT/SIGTERM."""
+"""`segserve scheduler`: a Ray actor hosting the scheduler until SIGINT/SIGTERM.
+
+Ray is a private instance on this machine by default, or an existing cluster with --ray-address
+(`ray start --head` on this machine, or a KubeRay cluster): the actor then runs there as a named
+actor in the "segserve" namespace, on this process's own node when this process is a cluster
+node (so its gRPC address is this host's), anywhere when connected through the Ray client
+(ray://...; its address is then logged). This process supervises it and stops it on exit.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -13,6 +21,7 @@ from scheduler.config import SchedulerConfig
 logger = logging.getLogger(__name__)
 
 _LIVENESS_CHECK_S = 5.0
+RAY_NAMESPACE = "segserve"
 
 
 def init_local_ray() -> None:
@@ -24,22 +33,48 @@ def init_local_ray() -> None:
              _node_ip_address="127.0.0.1", configure_logging=True)
 
 
+def init_cluster_ray(address: str) -> None:
+    """Join an existing Ray cluster (its GCS address, "auto" or a ray:// client address)."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.ERROR, configure_logging=True)
+
+
+def actor_options(config: SchedulerConfig) -> dict:
+    """The actor's name, and on a cluster node this node as its place."""
+    import ray
+
+    options = {"name": f"segserve-scheduler-{socket.gethostname()}-{os.getpid()}"}
+    if config.ray_address and not config.ray_address.startswith("ray://"):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node_id = ray.get_runtime_context().get_node_id()
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    return options
+
+
 def run(config: SchedulerConfig) -> None:
     """Serve the Scheduler gRPC API from a Ray actor; block until SIGINT/SIGTERM, then shut down."""
     import ray
 
     from scheduler.actor import SchedulerActor
 
-    init_local_ray()
+    if config.ray_address:
+        init_cluster_ray(config.ray_address)
+    else:
+        init_local_ray()
     # After ray.init, which installs its own SIGTERM handler.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     exit_code = 0
     try:
-        actor = SchedulerActor.options(name="segserve-scheduler").remote()
+        actor = SchedulerActor.options(**actor_options(config)).remote()
         port = ray.get(actor.start.remote(config))
-        logger.info("scheduler serving on %s:%d (worker %s)", config.host, port, config.worker_address)
+        node_ip = ray.get(actor.node_ip.remote())
+        logger.info("scheduler serving on %s:%d, Ray node %s (worker %s)", config.host, port, node_ip,
+                    config.worker_address)
         while not stop.wait(_LIVENESS_CHECK_S):
             try:
                 ray.get(actor.stats.remote(), timeout=60)
