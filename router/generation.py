@@ -6,7 +6,8 @@ it, per-token logprobs, prompt logprobs when asked for, and on the last one the
 finish reason and usage), a `GenerateError`, or `KEEPALIVE` when nothing arrived
 for a while (so
 a streaming endpoint can send an SSE comment). The gRPC stream is read by a pump
-task feeding a queue, so waiting with a timeout never disturbs it; closing the
+task feeding an inbox, so waiting with a timeout never disturbs it; token chunks
+that arrived while the consumer was busy are merged into one Delta; closing the
 iterator (client gone) cancels the pump, which cancels the gRPC call.
 """
 
@@ -142,42 +143,105 @@ async def generate_deltas(
     detokenizer: IncrementalDetokenizer,
     keepalive_s: float | None = None,
 ) -> AsyncIterator[Delta | GenerateError | KeepAlive]:
-    """Stream one request; ends after the Delta carrying finish_reason or after a GenerateError."""
-    queue: asyncio.Queue[GenerateEvent] = asyncio.Queue()
-    pump = asyncio.create_task(_pump(client, job, queue))
+    """Stream one request; ends after the Delta carrying finish_reason or after a GenerateError.
+
+    Token chunks that piled up while the consumer was busy (a slow client, a
+    loaded router) come out as one Delta, as vLLM merges the outputs of a
+    request its client has not read yet: one detokenization and one SSE event
+    for all of them.
+    """
+    inbox = _Inbox()
+    pump = asyncio.create_task(_pump(client, job, inbox))
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), keepalive_s)
-            except TimeoutError:
+            events = await inbox.take(keepalive_s)
+            if not events:
                 yield KEEPALIVE
                 continue
-            if isinstance(event, TokenChunk):
-                text_ids = [t for t in event.token_ids if t not in job.eos_token_ids]
-                logprobs = [] if job.num_top_logprobs is None else to_logprobs(event, job.num_top_logprobs)
-                yield Delta(text=detokenizer.add(text_ids), logprobs=logprobs, token_ids=event.token_ids,
-                            prompt_logprobs=event.prompt_logprobs, num_tokens=len(event.token_ids),
-                            batch_size=event.batch_size, queue_wait_us=event.queue_wait_us)
-            elif isinstance(event, GenerateComplete):
-                yield finish_delta(event, job, detokenizer.flush())
-                return
-            else:
-                yield event
-                return
+            for event in merge_chunks(events):
+                if isinstance(event, TokenChunk):
+                    yield _chunk_delta(event, job, detokenizer)
+                elif isinstance(event, GenerateComplete):
+                    yield finish_delta(event, job, detokenizer.flush())
+                    return
+                else:
+                    yield event
+                    return
     finally:
         pump.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pump
 
 
-async def _pump(client: SchedulerClient, job: GenerationJob, queue: asyncio.Queue) -> None:
+def _chunk_delta(chunk: TokenChunk, job: GenerationJob, detokenizer: IncrementalDetokenizer) -> Delta:
+    eos = job.eos_token_ids
+    token_ids = chunk.token_ids
+    text_ids = [t for t in token_ids if t not in eos] if eos.intersection(token_ids) else token_ids
+    logprobs = [] if job.num_top_logprobs is None else to_logprobs(chunk, job.num_top_logprobs)
+    return Delta(text=detokenizer.add(text_ids), logprobs=logprobs, token_ids=token_ids,
+                 prompt_logprobs=chunk.prompt_logprobs, num_tokens=len(token_ids), batch_size=chunk.batch_size,
+                 queue_wait_us=chunk.queue_wait_us)
+
+
+def merge_chunks(events: list[GenerateEvent]) -> list[GenerateEvent]:
+    """`events` with each run of consecutive TokenChunks joined into one (tokens, scores and top
+    logprobs in order; batch size and queue wait of the newest chunk that reported them). A chunk
+    with prompt logprobs stays apart: they are placed by their own chunk."""
+    merged: list[GenerateEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if (isinstance(event, TokenChunk) and isinstance(last, TokenChunk) and event.prompt_logprobs is None
+                and last.prompt_logprobs is None):
+            newest = event if event.batch_size else last  # 0 = not reported
+            merged[-1] = TokenChunk(last.token_ids + event.token_ids, last.scores + event.scores,
+                                    last.top_logprobs + event.top_logprobs, newest.batch_size, newest.queue_wait_us)
+        else:
+            merged.append(event)
+    return merged
+
+
+class _Inbox:
+    """The pump's events, handed to the consumer all at once: one future per wait, no task per event."""
+
+    def __init__(self) -> None:
+        self._events: list[GenerateEvent] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, event: GenerateEvent) -> None:
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self, timeout_s: float | None) -> list[GenerateEvent]:
+        """Every event not taken yet, waiting for one if there is none; [] after `timeout_s` without any."""
+        if not self._events:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        events, self._events = self._events, []
+        return events
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+async def _pump(client: SchedulerClient, job: GenerationJob, inbox: _Inbox) -> None:
     try:
         events = client.generate(job.request, timeout_s=job.timeout_s)
         async with contextlib.aclosing(events):
             async for event in events:
-                queue.put_nowait(event)
+                inbox.put(event)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a bug, not a scheduler answer: still end the stream
         logger.exception("generation %s failed", job.request_id)
-        queue.put_nowait(GenerateError("internal", f"router: {type(exc).__name__}: {exc}"))
+        inbox.put(GenerateError("internal", f"router: {type(exc).__name__}: {exc}"))

@@ -22,7 +22,9 @@ chunk of text.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -141,6 +143,27 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+_TEXT_SLOT = "\u0000segserve-text-slot\u0000"
+
+
+class TextTemplate:
+    """A streamed chunk's JSON with its text left open, so that a delta costs one string encoding, not a
+    pydantic model: built once per choice index from the model's own serialization of a placeholder text,
+    so the filled-in JSON is byte for byte what the model would give."""
+
+    def __init__(self, build: Callable[[int, str], BaseModel]) -> None:
+        self._build = build
+        self._parts: dict[int, tuple[str, str]] = {}
+
+    def fill(self, index: int, text: str) -> str:
+        """The JSON of `build(index, text)`."""
+        parts = self._parts.get(index)
+        if parts is None:
+            before, _, after = self._build(index, _TEXT_SLOT).model_dump_json().partition(json.dumps(_TEXT_SLOT))
+            parts = self._parts[index] = (before, after)
+        return parts[0] + json.dumps(text, ensure_ascii=False) + parts[1]
+
+
 def by_choice(deltas: list[Delta]) -> list[list[Delta]]:
     """The deltas of each choice, in index order."""
     choices: dict[int, list[Delta]] = {}
@@ -194,6 +217,7 @@ class CompletionRenderer(_Renderer):
         self._is_echoed = [echo is None] * self.num_choices
         # per choice: prompt position -> (its logprob, its alternatives), as the chunks bring them
         self._prompt_logprobs: list[dict[int, tuple[float, dict[int, float]]]] = [{} for _ in range(self.num_choices)]
+        self._text_chunk = TextTemplate(lambda index, text: self._body([CompletionChoice(index=index, text=text)]))
 
     def _take_prompt_logprobs(self, delta: Delta) -> None:
         prompt: PromptLogprobs | None = delta.prompt_logprobs
@@ -252,7 +276,11 @@ class CompletionRenderer(_Renderer):
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
                                   usage=Usage.of(usage) if usage else None)
 
-    def chunk(self, delta: Delta) -> CompletionResponse | None:
+    def chunk(self, delta: Delta) -> CompletionResponse | str | None:
+        """The stream's chunk for `delta` (as JSON text when it is only text), None when it has nothing to send."""
+        if (delta.text and delta.finish_reason is None and not self.want_logprobs and self._is_echoed[delta.index]
+                and delta.prompt_logprobs is None):
+            return self._text_chunk.fill(delta.index, delta.text)  # the common case, without a model per token
         self._take_prompt_logprobs(delta)
         if not self._has_content(delta):
             return None
@@ -284,6 +312,11 @@ class CompletionRenderer(_Renderer):
 class ChatRenderer(_Renderer):
     """/v1/chat/completions."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._text_chunk = TextTemplate(
+            lambda index, text: self._chunk([ChatStreamChoice(index=index, delta=ChatDelta(content=text))]))
+
     def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:
         if not self.want_logprobs:
             return None
@@ -303,7 +336,10 @@ class ChatRenderer(_Renderer):
         return [self._chunk([ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
                 for index in range(self.num_choices)]
 
-    def chunk(self, delta: Delta) -> ChatCompletionChunk | None:
+    def chunk(self, delta: Delta) -> ChatCompletionChunk | str | None:
+        """The stream's chunk for `delta` (as JSON text when it is only text), None when it has nothing to send."""
+        if delta.text and delta.finish_reason is None and not self.want_logprobs:
+            return self._text_chunk.fill(delta.index, delta.text)  # the common case, without a model per token
         if not self._has_content(delta):
             return None
         content = ChatDelta(content=delta.text) if delta.text or not delta.finish_reason else ChatDelta()

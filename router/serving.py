@@ -55,8 +55,12 @@ class ClientDisconnected(Exception):
     """The HTTP client closed the connection before the answer was ready."""
 
 
-def sse_data(payload: BaseModel | dict) -> str:
-    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+def sse_data(payload: BaseModel | dict | str) -> str:
+    """One SSE event carrying `payload` as JSON (a str is JSON already: a renderer's prebuilt chunk)."""
+    if isinstance(payload, str):
+        body = payload
+    else:
+        body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {body}\n\n"
 
 

@@ -52,6 +52,7 @@ from router.admission import bounds, check_request
 from router.errors import ErrorBody, bad_request, describe_validation_errors
 from router.generation import Delta, GenerationJob
 from router.prompts import output_budget
+from router.responses import TextTemplate
 from router.serving import respond
 from router.state import StateDep
 
@@ -186,6 +187,7 @@ class V2Renderer:
         self._first_token_s: float | None = None
         self._last_token_s = arrived_s
         self._pending_latencies_ms: list[float] = []  # tokens read but not yet sent in a body
+        self._text_event = TextTemplate(lambda _, text: self._body(text, None))
 
     def _read(self, delta: Delta) -> None:
         if not delta.num_tokens:
@@ -231,11 +233,13 @@ class V2Renderer:
     def start(self) -> list[BaseModel]:
         return []
 
-    def chunk(self, delta: Delta) -> GenerateResponse | None:
+    def chunk(self, delta: Delta) -> GenerateResponse | str | None:
         """One stream event; None while tokens have no final text yet (they count in the next event)."""
         self._read(delta)
         if not delta.text and delta.finish_reason is None:
             return None
+        if delta.finish_reason is None and not self.is_details and not self.is_perf_stat:
+            return self._text_event.fill(0, delta.text)  # the common case, without a model per token
         return self._body(delta.text, delta.complete)
 
     def response(self, deltas: list[Delta]) -> GenerateResponse:

@@ -4,13 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+AUTO_MAX_NUM_SEQS_RANGE = (16, 256)
+"""The least and the most sequences the automatic max_num_seqs picks: the top is vLLM's default max_num_seqs;
+the floor keeps a small pool batching short requests (the scheduler admits only what fits, so a cap above
+what the pool holds costs nothing but preemptions)."""
+TYPICAL_SEQ_LEN = 1024
+"""Tokens of a typical running sequence (a prompt with its history and the answer so far), for sizing the batch."""
+
+
+def auto_max_num_seqs(num_kv_blocks: int, block_size: int, max_model_len: int) -> int:
+    """As many sequences as the worker's KV pool holds at a typical length: num_kv_blocks // the blocks of
+    min(TYPICAL_SEQ_LEN, max_model_len) tokens, clamped to AUTO_MAX_NUM_SEQS_RANGE ([16, 256]).
+
+    E.g. 1,820 blocks of 16 tokens (gemma-3-270m, fp32, 1 GiB) hold 28 sequences of 1,024 tokens; a
+    pool that holds 256 such sequences or more gets 256. Sequences that grow past the typical length are
+    handled as always: the scheduler admits only what fits and preempts when the pool runs out."""
+    if num_kv_blocks <= 0 or block_size <= 0:
+        raise ValueError("num_kv_blocks and block_size must be > 0")
+    seq_len = min(TYPICAL_SEQ_LEN, max_model_len) if max_model_len > 0 else TYPICAL_SEQ_LEN
+    blocks_per_seq = -(-seq_len // block_size)
+    low, high = AUTO_MAX_NUM_SEQS_RANGE
+    return max(low, min(high, num_kv_blocks // blocks_per_seq))
+
 
 @dataclass
 class SchedulerConfig:
     worker_address: str = "127.0.0.1:50061"
     """gRPC address of the worker."""
-    max_num_seqs: int = 32
-    """Most sequences in one step."""
+    max_num_seqs: int | None = None
+    """Most sequences in one step; None (unset) = automatic, from the worker's KV memory once it answers: as
+    many sequences as its KV blocks hold at 1,024 tokens each (or max_model_len when shorter), from 16 to 256
+    (`auto_max_num_seqs`; the scheduler logs the value)."""
     max_num_batched_tokens: int = 256
     """Token budget of one step: prefill chunks, decode tokens and draft tokens together."""
     host: str = "127.0.0.1"
@@ -42,10 +66,13 @@ class SchedulerConfig:
     is_prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
     whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""
+    ray_address: str | None = None
+    """Ray cluster to run the scheduler actor on (e.g. 10.0.0.5:6379 of `ray start --head`, or "auto");
+    None = a private Ray instance on this machine."""
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0:
-            raise ValueError("max_num_seqs must be > 0")
+        if self.max_num_seqs is not None and self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be > 0 (or unset for automatic)")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be > 0")
         if self.max_num_waiting <= 0:
@@ -67,3 +94,9 @@ class SchedulerConfig:
             raise ValueError("spec_probe_interval must be > 0")
         if self.drafter_retry_s <= 0:
             raise ValueError("drafter_retry_s must be > 0")
+
+    def resolve_max_num_seqs(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> int:
+        """max_num_seqs when set, else the automatic value for the worker's KV pool (`auto_max_num_seqs`)."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return auto_max_num_seqs(num_kv_blocks, block_size, max_model_len)

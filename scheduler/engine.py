@@ -232,16 +232,18 @@ class Engine:
             policy = SpecPolicy(self.config.max_draft_nodes, self.config.spec_probe_interval,
                                 self.config.is_spec_adaptive)
             self.speculator = Speculator(self.drafter, policy, info.vocab_size)
+        max_num_seqs = self.config.resolve_max_num_seqs(info.num_kv_blocks, info.block_size, info.max_model_len)
         self.scheduler = Scheduler(
             num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
-            eos_token_ids=info.eos_token_ids, max_num_seqs=self.config.max_num_seqs,
+            eos_token_ids=info.eos_token_ids, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens, max_num_waiting=self.config.max_num_waiting,
             max_num_waiting_tokens=self.config.max_num_waiting_tokens,
             max_failed_steps=self.config.max_failed_steps, is_prefix_caching=self.config.is_prefix_caching,
             on_end=self.speculator.forget if self.speculator is not None else None)
         self.info = info
-        logger.info("connected to worker %s: %s, %d KV blocks of %d tokens", self.config.worker_address,
-                    info.model_name, info.num_kv_blocks, info.block_size)
+        logger.info("connected to worker %s: %s, %d KV blocks of %d tokens; max_num_seqs %d (%s)",
+                    self.config.worker_address, info.model_name, info.num_kv_blocks, info.block_size, max_num_seqs,
+                    "automatic, from the KV blocks" if self.config.max_num_seqs is None else "set")
 
     def _fail(self, request_ids: Iterable[str], code: str, message: str) -> None:
         for request_id in request_ids:
