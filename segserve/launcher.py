@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,10 @@ class StackConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     """The drafter's config; its tokenizer (the served model) is set by the launcher."""
     is_speculative: bool = True
-    """Run a drafter and decode speculatively; False = plain decoding, no drafter process."""
+    """Run drafters and decode speculatively; False = plain decoding, no drafter process."""
+    num_drafters: int = 1
+    """Drafter replicas; with more than one they share what they learn through a log in the drafter's
+    shared_log_dir (or <corpus_dir>/log, else a temporary directory of the stack's)."""
     startup_timeout_s: float = 300.0
     """How long to wait for every service to report ready."""
     log_dir: str | None = None
@@ -52,6 +56,8 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be > 0")
+        if self.num_drafters < 1:
+            raise ValueError("num_drafters must be >= 1")
 
 
 _ROUTER_PORT_ATTEMPTS = 3
@@ -63,13 +69,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def drafter_name(index: int) -> str:
+    """The process name of drafter replica `index`: drafter, drafter-1, drafter-2, ..."""
+    return "drafter" if index == 0 else f"drafter-{index}"
+
+
 class Stack:
     """Context manager running a whole segserve deployment on this machine."""
 
     def __init__(self, config: StackConfig):
         self.config = config
         self.processes: dict[str, subprocess.Popen] = {}
+        """Service name ("worker", "drafter", "drafter-1", ...) -> its process."""
         self._logs: list[IO] = []
+        self._shared_dir: tempfile.TemporaryDirectory | None = None
 
     @property
     def base_url(self) -> str:
@@ -87,22 +100,23 @@ class Stack:
         model_dir = str(resolve_model(cfg.worker.model))  # converts the default model once, with a progress bar
         worker = dataclasses.replace(cfg.worker, model=model_dir, port=cfg.worker.port or free_port())
         worker_address = f"{worker.host}:{worker.port}"
-        drafter = dataclasses.replace(cfg.drafter, tokenizer=model_dir, port=cfg.drafter.port or free_port())
-        drafter_address = f"{drafter.host}:{drafter.port}"
+        drafters = self._drafter_configs(model_dir) if cfg.is_speculative else []
+        drafter_addresses = [f"{d.host}:{d.port}" for d in drafters]
         scheduler = dataclasses.replace(cfg.scheduler, worker_address=worker_address,
-                                        drafter_addresses=[drafter_address] if cfg.is_speculative else [],
-                                        port=cfg.scheduler.port or free_port())
+                                        drafter_addresses=drafter_addresses, port=cfg.scheduler.port or free_port())
         scheduler_address = f"{scheduler.host}:{scheduler.port}"
         router = dataclasses.replace(cfg.router, model=model_dir, scheduler_address=scheduler_address,
                                      served_model_name=cfg.router.served_model_name or worker.served_model_name)
-        self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router, drafter=drafter)
+        self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router,
+                                          drafter=drafters[0] if drafters else cfg.drafter)
         deadline = time.monotonic() + cfg.startup_timeout_s
         try:
             self._spawn("worker", worker)
             self._wait_grpc_ready("worker", worker_pb2_grpc.WorkerStub, worker_address, deadline)
-            if cfg.is_speculative:
-                self._spawn("drafter", drafter)
-                self._wait_grpc_ready("drafter", drafter_pb2_grpc.DrafterStub, drafter_address, deadline)
+            for i, drafter in enumerate(drafters):
+                self._spawn(drafter_name(i), drafter, "drafter")
+            for i, (drafter, address) in enumerate(zip(drafters, drafter_addresses)):
+                self._wait_grpc_ready(drafter_name(i), drafter_pb2_grpc.DrafterStub, address, deadline)
             self._spawn("scheduler", scheduler)
             self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, scheduler_address, deadline)
             self._start_router(router, deadline)
@@ -110,12 +124,22 @@ class Stack:
             self.stop()
             raise
 
+    def _drafter_configs(self, model_dir: str) -> list[DrafterConfig]:
+        """One config per drafter replica: free ports, and one shared log when there are several."""
+        base = dataclasses.replace(self.config.drafter, tokenizer=model_dir)
+        if self.config.num_drafters > 1 and not (base.redis_url or base.shared_log_dir or base.corpus_dir):
+            self._shared_dir = tempfile.TemporaryDirectory(prefix="segserve-drafters-")
+            base = dataclasses.replace(base, shared_log_dir=self._shared_dir.name)
+        ports = [base.port] if base.port and self.config.num_drafters == 1 else [0] * self.config.num_drafters
+        return [dataclasses.replace(base, port=port or free_port(), replica_name=base.replica_name or drafter_name(i))
+                for i, port in enumerate(ports)]
+
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every service (router first), then SIGKILL whatever outlives the timeout."""
-        for name in ("router", "scheduler", "drafter", "worker"):
-            proc = self.processes.get(name)
-            if proc and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        for role in ("router", "scheduler", "drafter", "worker"):
+            for name, proc in self.processes.items():
+                if name.split("-")[0] == role and proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for proc in self.processes.values():
             try:
@@ -127,6 +151,9 @@ class Stack:
         for log in self._logs:
             log.close()
         self._logs.clear()
+        if self._shared_dir is not None:
+            self._shared_dir.cleanup()
+            self._shared_dir = None
 
     def wait(self) -> int:
         """Block until any service exits; return its exit code."""
@@ -152,8 +179,9 @@ class Stack:
                 if attempt == attempts or self.processes["router"].poll() is None:
                     raise
 
-    def _spawn(self, name: str, config) -> None:
-        argv = [sys.executable, "-m", "segserve.cli", name, *to_argv(config)]
+    def _spawn(self, name: str, config, command: str | None = None) -> None:
+        """Run `segserve <command or name>` with config's flags; its output goes to <log_dir>/<name>.log."""
+        argv = [sys.executable, "-m", "segserve.cli", command or name, *to_argv(config)]
         out = None
         if self.config.log_dir:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)

@@ -101,24 +101,33 @@ def test_more_requests_than_the_kv_cache_holds(tiny_gemma3_dir, tiny_references,
     assert outputs == [tiny_references[p] for p in PROMPTS]
 
 
-def test_killing_the_drafter_mid_stream_fails_no_request(tiny_gemma3_dir, tiny_references, tmp_path):
+@pytest.mark.parametrize("num_drafters", [1, 2])
+def test_killing_a_drafter_mid_stream_fails_no_request(tiny_gemma3_dir, tiny_references, tmp_path, num_drafters):
+    """SIGKILL of the only drafter: decoding goes on without speculation. Of one of two: its requests move to
+    the other one. 16 concurrent greedy streams either way, every output equal to its solo reference."""
     import threading
     import time
 
-    with tiny_stack(tiny_gemma3_dir, tmp_path) as stack:
+    prompts = PROMPTS * 2
+    with tiny_stack(tiny_gemma3_dir, tmp_path, num_drafters=num_drafters) as stack:
         client = _client(stack)
         model = client.models.list().data[0].id
         drafter = stack.processes["drafter"]
         killer = threading.Timer(0.3, drafter.kill)
         killer.start()
-        with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            outputs = list(pool.map(lambda p: complete(client, model, p, 40, stream=True), PROMPTS))
+        with futures.ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(lambda p: complete(client, model, p, 40, stream=True), prompts))
         killer.join()
         time.sleep(0.1)
         assert drafter.poll() is not None, "the drafter was not killed during the test"
-        # Decoding goes on without speculation.
-        assert outputs == [tiny_references[p] for p in PROMPTS]
-        assert complete(client, model, PROMPTS[0], 40) == tiny_references[PROMPTS[0]]
+        assert outputs == [tiny_references[p] for p in prompts]
+        drafted = spec_stats(stack).num_draft_tokens
+        with futures.ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda p: complete(client, model, p, 40), PROMPTS[:4]))
+        assert again == [tiny_references[p] for p in PROMPTS[:4]]
+        if num_drafters == 2:  # the survivor drafts for every request now
+            assert stack.processes["drafter-1"].poll() is None
+            assert spec_stats(stack).num_draft_tokens > drafted
 
 
 REAL_PROMPTS = [
