@@ -5,6 +5,11 @@ attribute docstring as help. A boolean is `--field-name/--no-field-name`; an
 `is_*` boolean also answers to its name without `is_` (`is_prefix_caching`:
 `--prefix-caching/--no-prefix-caching`). `to_argv` is the inverse, used by the launcher to
 start each service as its own process with the same config.
+
+Every flag also reads an environment variable, for container manifests: `SEGSERVE_` and the
+flag's name in capitals (`--max-num-seqs` -> SEGSERVE_MAX_NUM_SEQS, `--prefix-caching` ->
+SEGSERVE_PREFIX_CACHING). A flag given on the command line wins over its variable. Booleans take
+1/true/yes/on or 0/false/no/off; lists take comma-separated values.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
 import textwrap
 import typing
 from functools import cache
@@ -46,6 +52,39 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+ENV_PREFIX = "SEGSERVE_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_name(dest: str) -> str:
+    """The environment variable of the flag whose destination is `dest`."""
+    return ENV_PREFIX + dest.removeprefix("is_").upper()
+
+
+def env_names(cls: type, rename: dict[str, str] | None = None) -> set[str]:
+    """The environment variables that configure `cls`'s fields."""
+    rename = rename or {}
+    return {env_name(rename.get(f.name, f.name)) for f in dataclasses.fields(cls)}
+
+
+def _from_env(dest: str, kind: type) -> Any:
+    """The value of dest's environment variable as `kind`, or None when it is unset or empty."""
+    name = env_name(dest)
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        if kind is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"expected one of {'/'.join(_TRUE + _FALSE)}")
+            return text.lower() in _TRUE
+        if kind is list:
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return kind(text)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={text!r}: {exc}") from None
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] = frozenset(),
                        rename: dict[str, str] | None = None) -> None:
     """Add one flag per field of `cls` (defaults None, so unset flags keep the dataclass default)."""
@@ -58,7 +97,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozens
         dest = rename.get(field.name, field.name)
         kind = _base_type(hints[field.name])
         default = field.default if field.default is not dataclasses.MISSING else None
-        help_text = f"{docs.get(field.name, '')} (default: {default})"
+        help_text = f"{docs.get(field.name, '')} (default: {default}; env {env_name(dest)})"
         if kind is bool:
             names = [_flag(dest)] + ([_flag(dest.removeprefix("is_"))] if dest.startswith("is_") else [])
             parser.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=None,
@@ -70,11 +109,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozens
 
 
 def from_args(cls: type[T], args: argparse.Namespace, rename: dict[str, str] | None = None, **overrides) -> T:
-    """Build `cls` from parsed flags; flags left unset keep the dataclass defaults."""
+    """Build `cls` from parsed flags, then their environment variables; what neither sets keeps the dataclass
+    default. Raises ValueError naming the variable when one does not parse."""
     rename = rename or {}
+    hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
-        value = getattr(args, rename.get(field.name, field.name), None)
+        dest = rename.get(field.name, field.name)
+        value = getattr(args, dest, None)
+        if value is None:
+            value = _from_env(dest, _base_type(hints[field.name]))
         if value is not None:
             values[field.name] = value
     values.update(overrides)

@@ -27,7 +27,7 @@ from protos.segserve.v1 import common_pb2, drafter_pb2_grpc, scheduler_pb2_grpc,
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.checkpoint import resolve_model
-from segserve.flags import to_argv
+from segserve.flags import env_names, to_argv
 from worker.config import WorkerConfig
 
 
@@ -187,7 +187,11 @@ class Stack:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.config.log_dir) / f"{name}.log", "ab")
             self._logs.append(out)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        # The configs already hold what this process's SEGSERVE_* variables set; a child reading them again
+        # would take a value meant for another service (SEGSERVE_PORT is the router's in `segserve serve`).
+        flag_vars = env_names(type(config))
+        env = {k: v for k, v in os.environ.items() if k not in flag_vars}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.processes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
 
     def _check_alive(self, name: str) -> None:

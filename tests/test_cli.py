@@ -48,6 +48,46 @@ def test_prefix_caching_is_on_by_default_and_no_prefix_caching_turns_it_off(argv
     assert from_args(SchedulerConfig, parser.parse_args(["scheduler", *to_argv(off)])) == off
 
 
+def test_every_flag_has_an_environment_variable_and_the_command_line_wins(monkeypatch):
+    from drafter.config import DrafterConfig
+
+    monkeypatch.setenv("SEGSERVE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("SEGSERVE_PREFIX_CACHING", "off")
+    monkeypatch.setenv("SEGSERVE_DRAFTER_ADDRESSES", "10.0.0.1:1, dns:///drafter:2")
+    monkeypatch.setenv("SEGSERVE_WORKER_ADDRESS", "10.0.0.9:5")
+    parser = build_parser()
+    config = from_args(SchedulerConfig, parser.parse_args(["scheduler"]))
+    assert (config.max_num_seqs, config.is_prefix_caching) == (7, False)
+    assert config.drafter_addresses == ["10.0.0.1:1", "dns:///drafter:2"]
+    assert config.worker_address == "10.0.0.9:5"
+    assert from_args(SchedulerConfig, parser.parse_args(["scheduler", "--max-num-seqs", "3"])).max_num_seqs == 3
+    monkeypatch.setenv("SEGSERVE_SNAPSHOT_INTERVAL_S", "2.5")
+    assert from_args(DrafterConfig, parser.parse_args(["drafter"])).snapshot_interval_s == 2.5
+    monkeypatch.setenv("SEGSERVE_DRAFTER_PORT", "7001")  # `segserve serve` renames the drafter's port
+    assert from_args(DrafterConfig, parser.parse_args(["serve"]), {"port": "drafter_port"}).port == 7001
+    monkeypatch.setenv("SEGSERVE_MAX_NUM_SEQS", "many")
+    with pytest.raises(ValueError, match="SEGSERVE_MAX_NUM_SEQS='many'"):
+        from_args(SchedulerConfig, parser.parse_args(["scheduler"]))
+    monkeypatch.setenv("SEGSERVE_MAX_NUM_SEQS", "")
+    monkeypatch.setenv("SEGSERVE_PREFIX_CACHING", "maybe")
+    with pytest.raises(ValueError, match="SEGSERVE_PREFIX_CACHING"):
+        from_args(SchedulerConfig, parser.parse_args(["scheduler"]))
+
+
+def test_the_launcher_does_not_hand_its_flag_variables_to_the_services(monkeypatch, tmp_path):
+    import subprocess
+
+    from segserve.launcher import Stack, StackConfig
+
+    monkeypatch.setenv("SEGSERVE_PORT", "9000")  # meant for the router of `segserve serve`
+    monkeypatch.setenv("SEGSERVE_OTHER_SETTING", "kept")
+    seen = {}
+    monkeypatch.setattr(subprocess, "Popen", lambda argv, **kw: seen.update(argv=argv, env=kw["env"]))
+    Stack(StackConfig(log_dir=str(tmp_path)))._spawn("worker", WorkerConfig(port=5))
+    assert "SEGSERVE_PORT" not in seen["env"] and seen["env"]["SEGSERVE_OTHER_SETTING"] == "kept"
+    assert seen["argv"][-2:] == ["--port", "5"]
+
+
 def test_invalid_config_values_are_rejected():
     with pytest.raises(ValueError, match="block_size"):
         WorkerConfig(block_size=0)
