@@ -27,7 +27,7 @@ import grpc
 
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.tree import CandidateTree
-from scheduler.discovery import is_dns_target, rendezvous, resolve
+from segserve.discovery import is_dns_target, rendezvous, resolve
 
 logger = logging.getLogger(__name__)
 

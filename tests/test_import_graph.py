@@ -2,10 +2,10 @@
 
 router/, scheduler/, worker/ and drafter/ are separate gRPC services; they talk
 over the wire contracts in protos/, never through each other's Python. A
-service may import itself, protos, segserve.checkpoint (a leaf module: model
-resolution) and anything outside this repository (stdlib, third-party). protos
-imports none of the services nor segserve, and segserve/checkpoint.py none of
-the services.
+service may import itself, protos, the leaf modules segserve.checkpoint (model
+resolution) and segserve.discovery (replica addresses, rendezvous hashing), and
+anything outside this repository (stdlib, third-party). protos imports none of
+the services nor segserve, and the leaf modules import no first-party module.
 
 Every import counts, wherever it is written: module level, inside functions,
 classes, `if TYPE_CHECKING:` and try blocks; `import x` and `from x import y`
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = ("router", "scheduler", "worker", "drafter")
 # What a service may import from this repository besides itself (modules and their submodules).
-SERVICE_ALLOWED = ("protos", "segserve.checkpoint")
+SERVICE_ALLOWED = ("protos", "segserve.checkpoint", "segserve.discovery")
 
 
 @dataclass(frozen=True, order=True)
@@ -110,7 +110,7 @@ def bad_edges(root: Path, paths: list[Path], is_allowed) -> list[Edge]:
 
 
 def cross_service_edges(root: Path) -> list[Edge]:
-    """Every import by a service of a first-party module other than itself, protos and segserve.checkpoint."""
+    """Every import by a service of a first-party module other than itself, protos and the shared leaf modules."""
     def is_allowed(importer: str, imported: str) -> bool:
         own = importer.split(".")[0]
         return within(imported, own) or any(within(imported, allowed) for allowed in SERVICE_ALLOWED)
@@ -141,9 +141,10 @@ def test_protos_import_no_service_and_no_segserve():
     assert not edges, "protos/ imports a service or segserve:\n" + _report(edges)
 
 
-def test_segserve_checkpoint_is_a_leaf():
-    edges = edges_into(REPO, [REPO / "segserve" / "checkpoint.py"], SERVICES + ("tests",))
-    assert not edges, "segserve/checkpoint.py imports a service:\n" + _report(edges)
+def test_the_shared_segserve_modules_are_leaves():
+    for leaf in ("checkpoint.py", "discovery.py"):
+        edges = edges_into(REPO, [REPO / "segserve" / leaf], SERVICES + ("tests",))
+        assert not edges, f"segserve/{leaf} imports a service:\n" + _report(edges)
     # A service importing segserve.checkpoint also runs segserve/__init__.py: it must pull in nothing.
     init = ast.parse((REPO / "segserve" / "__init__.py").read_text(encoding="utf-8"))
     assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))], \
