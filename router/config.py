@@ -12,7 +12,8 @@ class RouterConfig:
     served_model_name: str | None = None
     """Model name clients send; defaults to the scheduler's (the worker's) name."""
     scheduler_address: str = "127.0.0.1:50051"
-    """gRPC address of the scheduler."""
+    """gRPC address of the scheduler; several comma-separated, or dns:///name:port for every address a name resolves
+    to (re-resolved every 10 s): requests are balanced over them by load, with prompt-prefix affinity."""
     host: str = "127.0.0.1"
     """HTTP bind address."""
     port: int = 8000

@@ -136,7 +136,7 @@ class RouterMetrics:
         """The exposition text, with the scheduler's stats read now."""
         try:
             self.scheduler.load = await client.get_stats()
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, ConnectionError):  # one scheduler, or every scheduler of a pool, is down
             self.scheduler.load = None
         return generate_latest(self.registry)
 

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from router.app import create_app
 from router.config import RouterConfig
-from router.scheduler_client import SchedulerClient
+from router.scheduler_pool import SchedulerPool, parse_targets
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,14 @@ def load_tokenizer(model: str | None):
 async def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     """The app, once the scheduler answers GetInfo (TimeoutError after config.scheduler_wait_s)."""
     tokenizer = tokenizer if tokenizer is not None else await asyncio.to_thread(load_tokenizer, config.model)
-    client = SchedulerClient(config.scheduler_address)
-    logger.info("waiting for the scheduler at %s", config.scheduler_address)
+    client = SchedulerPool(parse_targets(config.scheduler_address))
+    logger.info("waiting for a scheduler at %s", config.scheduler_address)
     try:
         model_info = await client.wait_ready(config.scheduler_wait_s)
     except BaseException:
         await client.close()
         raise
+    client.start()
     if model_info.vocab_size and len(tokenizer) > model_info.vocab_size:
         logger.warning("tokenizer has %d tokens, the model's vocabulary %d", len(tokenizer), model_info.vocab_size)
     logger.info("serving %s (max_model_len %d)", model_info.model_name, model_info.max_model_len)

@@ -10,7 +10,8 @@ after the first chunks), WORKER_ERROR (FinishReason.ERROR after the first chunk:
 that request alone failed in the worker), OVERLOAD (RESOURCE_EXHAUSTED at once),
 REJECT (an invalid_request error event at once). A request with
 num_prompt_logprobs first gets its prompt's logprobs (PROMPT_LOGPROB and
-alternatives), in two chunks without generated tokens.
+alternatives), in two chunks without generated tokens. GetStats reports the streams under
+way as running; is_refusing makes every Generate a full queue.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ def prompt_logprob(position: int) -> float:
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, tokenizer, model_name: str = "tiny-test", max_model_len: int = 256) -> None:
+    def __init__(self, tokenizer, model_name: str = "tiny-test", max_model_len: int = 256,
+                 is_refusing: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.is_refusing = is_refusing
+        """Answer every Generate with RESOURCE_EXHAUSTED (a full queue)."""
+        self.num_streaming = 0
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.output_ids: list[int] = tokenizer(OUTPUT_TEXT, add_special_tokens=False).input_ids
@@ -60,12 +65,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         with self._lock:
             self.requests.append(request)
         prompt = self.tokenizer.decode(request.prompt_token_ids)
-        if "OVERLOAD" in prompt:
+        if "OVERLOAD" in prompt or self.is_refusing:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full")
         if "REJECT" in prompt:
             yield GenerateError("invalid_request", "prompt rejected by the scheduler").to_pb()
             return
         arrived_s = time.monotonic()
+        with self._lock:
+            self.num_streaming += 1
         state = {"is_finished": False}
         context.add_callback(lambda: self._on_end(request.request_id, state))
         budget = request.stopping.max_tokens
@@ -102,7 +109,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             decode_us=_us(first_token_s, time.monotonic()), max_batch_size=1,  # each request runs alone
             error_message=WORKER_ERROR_MESSAGE if finish is FinishReason.ERROR else "").to_pb()
 
+    def GetStats(self, request, context) -> scheduler_pb2.SchedulerStats:
+        """num_running: the streams under way; the rest zeros."""
+        return scheduler_pb2.SchedulerStats(num_running=self.num_streaming, num_total_kv_blocks=64)
+
     def _on_end(self, request_id: str, state: dict) -> None:
+        with self._lock:
+            self.num_streaming -= 1
         with self._lock:
             (self.completed if state["is_finished"] else self.cancelled).append(request_id)
 

@@ -1,0 +1,247 @@
+"""Several schedulers behind the one client interface the routes use.
+
+In: the scheduler targets (`host:port`, or `dns:///name:port` resolving to every replica; re-resolved
+every `refresh_s`). Out: the same calls as one SchedulerClient (generate, get_info, get_stats, health,
+wait_ready, close), served by the pool.
+
+- Placement: a request goes to the scheduler its prompt's first tokens (`affinity_prefix`) hash to (rendezvous hashing
+  over the live schedulers), so the turns of a chat, which resend the same history, land where that
+  history's KV blocks are cached; unless that scheduler is busier than the least busy one by more than
+  `slack` requests, in which case the least busy one takes it. Busy = its running + waiting requests
+  from its stats (polled every `stats_interval_s`), or this router's requests in flight there when
+  that is more.
+- Retries: a request that a scheduler refuses (queue full) or that never reached it (unavailable)
+  before any token came back is sent to another one; a scheduler that was unavailable is left out
+  until its stats answer again. A stream already under way when its scheduler dies ends with the
+  error event, as with one scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from itertools import zip_longest
+
+from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk
+from protos.segserve.v1.info import Health, WorkerInfo
+from router.scheduler_client import SchedulerClient, SchedulerLoad, SpecTotals
+from segserve.discovery import is_dns_target, rendezvous, resolve
+
+logger = logging.getLogger(__name__)
+AFFINITY_TOKENS = 64
+"""At most this many leading prompt tokens choose a request's scheduler (a chat's turns share them)."""
+AFFINITY_ALIGN = 16
+"""The prefix is cut to a multiple of this many tokens, so that a later turn, which repeats the earlier
+ones and adds to them, keeps the same prefix once it is this long."""
+
+
+def affinity_prefix(prompt_token_ids: Sequence[int]) -> Sequence[int]:
+    """The leading tokens that choose a prompt's scheduler: up to AFFINITY_TOKENS, cut to a multiple of
+    AFFINITY_ALIGN (a prompt shorter than AFFINITY_ALIGN: all of it)."""
+    length = min(len(prompt_token_ids), AFFINITY_TOKENS)
+    if length >= AFFINITY_ALIGN:
+        length -= length % AFFINITY_ALIGN
+    return prompt_token_ids[:length]
+RETRIED_CODES = ("overloaded", "unavailable")
+
+
+def parse_targets(text: str) -> list[str]:
+    """The comma-separated scheduler targets of --scheduler-address."""
+    targets = [part.strip() for part in text.split(",") if part.strip()]
+    if not targets:
+        raise ValueError("scheduler_address names no scheduler")
+    return targets
+
+
+class SchedulerPool:
+    """A SchedulerClient per scheduler; create it on the event loop that uses it (start() begins polling)."""
+
+    def __init__(self, targets: Sequence[str], refresh_s: float = 10.0, stats_interval_s: float = 0.5,
+                 slack: int = 4):
+        self.targets = list(targets)
+        self.refresh_s = refresh_s
+        self.stats_interval_s = stats_interval_s
+        self.slack = slack
+        self._clients: dict[str, SchedulerClient] = {}
+        if not any(is_dns_target(t) for t in self.targets):
+            self._clients = {address: SchedulerClient(address) for address in dict.fromkeys(self.targets)}
+        self._loads: dict[str, SchedulerLoad] = {}
+        self._live: set[str] = set(self._clients)
+        self._in_flight: Counter[str] = Counter()
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return ",".join(self.targets)
+
+    @property
+    def addresses(self) -> list[str]:
+        return sorted(self._clients)
+
+    @property
+    def live(self) -> list[str]:
+        return sorted(self._live)
+
+    def start(self) -> None:
+        """Begin resolving targets and polling every scheduler's stats in the background."""
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll_forever())
+
+    async def generate(self, request: GenerateRequest, timeout_s: float | None = None
+                       ) -> AsyncIterator[GenerateEvent]:
+        """One request's events from the scheduler chosen for it; refused or unreachable ones are retried."""
+        tried: set[str] = set()
+        while True:
+            address = self.pick(request.prompt_token_ids, exclude=tried)
+            if address is None:
+                yield GenerateError("unavailable", "no scheduler is available")
+                return
+            tried.add(address)
+            self._in_flight[address] += 1
+            is_started, retry = False, False
+            try:
+                async with contextlib.aclosing(self._clients[address].generate(request, timeout_s)) as events:
+                    async for event in events:
+                        if isinstance(event, TokenChunk):
+                            is_started = True
+                        elif (isinstance(event, GenerateError) and not is_started and event.code in RETRIED_CODES
+                              and self.pick(request.prompt_token_ids, exclude=tried) is not None):
+                            retry = True
+                            if event.code == "unavailable":
+                                self._live.discard(address)
+                            logger.info("scheduler %s: %s; retrying request %s on another", address, event.message,
+                                        request.request_id)
+                            break
+                        yield event
+            finally:
+                self._in_flight[address] -= 1
+            if not retry:
+                return
+
+    def pick(self, prompt_token_ids: Sequence[int], exclude: set[str] = frozenset()) -> str | None:
+        """The scheduler for a prompt: its affinity choice unless that one is too busy, then the least busy;
+        None when every scheduler is excluded. Schedulers not known to be live are used when no live one is
+        left."""
+        candidates = [a for a in self._live if a in self._clients and a not in exclude]
+        candidates = candidates or [a for a in self._clients if a not in exclude]
+        if not candidates:
+            return None
+        key = ",".join(map(str, affinity_prefix(prompt_token_ids)))
+        preferred = rendezvous(key, candidates)
+        least = min(candidates, key=self._busy)
+        return preferred if self._busy(preferred) <= self._busy(least) + self.slack else least
+
+    def _busy(self, address: str) -> int:
+        load = self._loads.get(address)
+        polled = load.num_running + load.num_waiting if load is not None else 0
+        return max(polled, self._in_flight[address])
+
+    async def get_info(self, timeout_s: float = 5.0) -> WorkerInfo:
+        """The served model's facts, from a live scheduler (all schedulers serve one model)."""
+        last: Exception | None = None
+        for address in self.live or self.addresses:
+            try:
+                return await self._clients[address].get_info(timeout_s)
+            except Exception as exc:
+                last = exc
+        raise last or ConnectionError("no scheduler known yet")
+
+    async def get_stats(self, timeout_s: float = 2.0) -> SchedulerLoad:
+        """The live schedulers' stats, added up (raises when none answers)."""
+        await self._poll_stats(timeout_s)
+        loads = [self._loads[a] for a in self.live if a in self._loads]
+        if not loads:
+            raise ConnectionError("no scheduler answered GetStats")
+        return _total(loads)
+
+    async def health(self, timeout_s: float = 2.0) -> Health:
+        """Ready when any scheduler is; with several, the detail names how many are."""
+        addresses = self.addresses
+        if not addresses:
+            return Health(False, "no scheduler found")
+        healths = await asyncio.gather(*(self._clients[a].health(timeout_s) for a in addresses))
+        if len(healths) == 1:
+            return healths[0]
+        ready = [a for a, h in zip(addresses, healths) if h.is_ready]
+        if ready:
+            return Health(True, f"{len(ready)} of {len(addresses)} schedulers ready")
+        return Health(False, "; ".join(f"{a}: {h.detail or 'not ready'}" for a, h in zip(addresses, healths)))
+
+    async def wait_ready(self, timeout_s: float, retry_interval_s: float = 0.5) -> WorkerInfo:
+        """Resolve the targets and retry GetInfo until one scheduler answers; TimeoutError after timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            await self._refresh()
+            try:
+                return await self.get_info(timeout_s=max(0.1, min(5.0, deadline - loop.time())))
+            except Exception as exc:
+                if loop.time() + retry_interval_s >= deadline:
+                    raise TimeoutError(f"no scheduler at {self.address} answered GetInfo within {timeout_s:.0f}s "
+                                       f"(last error: {exc})") from exc
+            await asyncio.sleep(retry_interval_s)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        for client in self._clients.values():
+            await client.close()
+
+    async def _poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_refresh = loop.time() + self.refresh_s
+        while True:
+            if loop.time() >= next_refresh:
+                next_refresh = loop.time() + self.refresh_s
+                await self._refresh()
+            await self._poll_stats(min(2.0, 4 * self.stats_interval_s))
+            await asyncio.sleep(self.stats_interval_s)
+
+    async def _poll_stats(self, timeout_s: float) -> None:
+        """Ask every scheduler for its stats; those that answer are live, the others not."""
+        addresses = self.addresses
+        results = await asyncio.gather(*(self._clients[a].get_stats(timeout_s) for a in addresses),
+                                       return_exceptions=True)
+        for address, result in zip(addresses, results):
+            if isinstance(result, BaseException):
+                if address in self._live:
+                    logger.warning("scheduler %s does not answer: %s", address, result)
+                self._live.discard(address)
+                self._loads.pop(address, None)
+            else:
+                if address not in self._live:
+                    logger.info("scheduler %s is live", address)
+                self._live.add(address)
+                self._loads[address] = result
+
+    async def _refresh(self) -> None:
+        """Resolve the DNS targets again; add new schedulers, drop gone ones."""
+        if not any(is_dns_target(t) for t in self.targets):
+            return
+        addresses = set(await resolve(self.targets))
+        for address in addresses - set(self._clients):
+            self._clients[address] = SchedulerClient(address)
+            self._live.add(address)
+        for address in set(self._clients) - addresses:
+            if self._in_flight[address] == 0:
+                self._live.discard(address)
+                await self._clients.pop(address).close()
+
+
+def _total(loads: list[SchedulerLoad]) -> SchedulerLoad:
+    """Field-wise sums (per-depth acceptance counts added position by position)."""
+    numbers = {f.name: sum(getattr(load, f.name) for load in loads)
+               for f in dataclasses.fields(SchedulerLoad) if f.name != "spec"}
+    spec = SpecTotals(
+        sum(load.spec.num_drafts for load in loads), sum(load.spec.num_draft_tokens for load in loads),
+        sum(load.spec.num_accepted_tokens for load in loads),
+        tuple(sum(depth) for depth in zip_longest(*(load.spec.num_accepted_by_position for load in loads),
+                                                   fillvalue=0)))
+    return SchedulerLoad(spec=spec, **numbers)
