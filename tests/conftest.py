@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.devices import TEST_DEVICE
 from tests.tiny_models import build_tiny_gemma3, build_tiny_llama
 
 
@@ -23,3 +24,13 @@ def default_model_dir():
     from segserve.checkpoint import prepare_default_model
 
     return prepare_default_model()
+
+
+def pytest_configure(config):
+    if TEST_DEVICE not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"SEGSERVE_TEST_DEVICE must be cpu or cuda, not {TEST_DEVICE!r}")
+    if TEST_DEVICE == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("SEGSERVE_TEST_DEVICE=cuda, but torch sees no GPU")

@@ -12,6 +12,7 @@ from drafter.config import DrafterConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.launcher import Stack, StackConfig
+from tests.devices import TEST_DEVICE
 from worker.config import WorkerConfig
 
 
@@ -20,7 +21,7 @@ def tiny_stack(model_dir: Path, log_dir: Path, *, is_speculative: bool = True, m
     """The one stack the end-to-end tests run: worker, drafter, scheduler and router on free ports, not yet
     started (use it as a context manager, or call start()). `scheduler` overrides SchedulerConfig fields."""
     config = StackConfig(
-        worker=WorkerConfig(model=str(model_dir), port=0, **worker_overrides),
+        worker=WorkerConfig(**{"model": str(model_dir), "port": 0, "device": TEST_DEVICE, **worker_overrides}),
         scheduler=SchedulerConfig(**{"port": 0, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 128,
                                      **(scheduler or {})}),
         router=RouterConfig(port=0),

@@ -12,6 +12,7 @@ from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
+from tests.devices import TEST_DEVICE
 from worker.sampler import sample
 from worker.validation import InvalidRequest
 
@@ -21,7 +22,8 @@ PROMPT = [1, 50, 60, 70, 80, 90, 100, 33, 21, 7, 140]
 
 def make_runner(model_dir, num_kv_blocks: int = 64, block_size: int = BLOCK_SIZE) -> ModelRunner:
     # float32 everywhere (also on a GPU) so that greedy choices compare exactly with the reference
-    config = WorkerConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype="float32")
+    config = WorkerConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype="float32",
+                          device=TEST_DEVICE)
     runner = ModelRunner(config)
     runner.warm_up()
     return runner
