@@ -17,6 +17,7 @@ from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
 from protos.segserve.v1.tree import CandidateTree
 from tests.test_worker_runner import PROMPT, make_runner, reference_greedy, stock_attention
+from worker.attention import tree_sees
 from worker.server import WorkerServicer, start_server
 from worker.verify import TreeWalk, kv_moves
 from worker.work import expand
@@ -178,7 +179,7 @@ def test_walk_descends_on_agreement_and_moves_kv_to_depth():
     # root 9 -> {node 1: 10, node 2: 11}; 2 -> {3: 12}; 3 -> {4: 13}
     work = expand(ScheduledSequence("w", (9,), 5, (0, 1, 2), draft=CandidateTree((10, 11, 12, 13), (-1, -1, 1, 2))))
     assert work.node_depths == (0, 1, 1, 2, 3) and work.positions == (5, 6, 6, 7, 8)
-    assert work.attention_mask()[4].tolist() == [True, False, True, True, True]
+    assert tree_sees(work.node_parents)[4].tolist() == [True, False, True, True, True]
     assert work.sample_indices == (0, 1, 2, 3, 4) and work.visible_tokens(4) == [9, 11, 12, 13]
     walk = TreeWalk(work)
     for token in (11, 12, 50):

@@ -55,11 +55,19 @@ def synthetic_target(prefix: tuple[int, ...], vocab: int = 5) -> np.ndarray:
 SYNTHETIC_TREE = CandidateTree([0, 1, 2, 3, 4, 0], [-1, -1, 0, 0, 1, 2])  # wide at the root, deep on 0
 
 
+def children_tokens(work) -> list[list[int]]:
+    """Per node of a tree step, the tokens its children carry."""
+    children: list[list[int]] = [[] for _ in work.token_ids]
+    for node in range(1, len(work.token_ids)):
+        children[work.node_parents[node]].append(work.token_ids[node])
+    return children
+
+
 def draw_first_two(rng: np.random.Generator, biased: bool) -> int:
     """One speculative draw of (t1, t2) as index t1 * 5 + t2, via TreeWalk (or a biased rule)."""
     # the root 9 is the context's last token
     work = expand(ScheduledSequence("s", (9,), 0, (0,), draft=SYNTHETIC_TREE))
-    children, walk, out = work.children(), TreeWalk(work), []
+    children, walk, out = children_tokens(work), TreeWalk(work), []
     while len(out) < 2:
         p = synthetic_target(tuple(out))
         liked = [] if walk.is_done else [t for t in children[walk.node] if p[t] >= 0.3]

@@ -108,12 +108,12 @@ def broken_work(change):
 
 def failing_sampler(monkeypatch):
     """From FAULT_STEP on, the sampler raises whenever the faulty sequence's row is in its batch, after
-    it has drawn (so the other rows' generators have already moved)."""
+    it has sampled every row."""
     real = worker.faults.sample
     prompt = PROMPTS[FAULTY]
 
-    def flaky(logits, rows):
-        out = real(logits, rows)
+    def flaky(logits, rows, uniform=None):
+        out = real(logits, rows, uniform)
         if any(list(r.token_ids[:len(prompt)]) == prompt and len(r.token_ids) >= len(prompt) + FAULT_STEP
                for r in rows):
             raise RuntimeError("injected sampler failure")
@@ -176,7 +176,8 @@ def test_isolation_keeps_greedy_batch_on_its_fast_path(runner, monkeypatch):
     """No fault: the sampler is called once per step for the whole batch (no row-by-row retries)."""
     calls = []
     real = worker.faults.sample
-    monkeypatch.setattr(worker.faults, "sample", lambda logits, rows: calls.append(len(rows)) or real(logits, rows))
+    monkeypatch.setattr(worker.faults, "sample",
+                        lambda logits, rows, uniform=None: calls.append(len(rows)) or real(logits, rows, uniform))
     drive(runner, SEQ_IDS, GREEDY)
     assert calls == [len(SEQ_IDS)] * NUM_STEPS
 

@@ -151,7 +151,7 @@ def _plan_group(works: list[Work], members: np.ndarray, num_queries: int, layout
             if work.is_tree:
                 n = len(work.token_ids)
                 depths[r, :n] = work.node_depths
-                sees[r, :n, :n] = _tree_sees(work.node_parents)
+                sees[r, :n, :n] = tree_sees(work.node_parents)
     is_pad = np.arange(q)[None, :] >= lengths[:, None]  # [R, Q]
     query_index = np.where(is_pad, 0, offsets[:, None] + np.arange(q)[None, :])  # [R, Q]
     out_rows = np.flatnonzero(~is_pad)  # [M]
@@ -192,7 +192,7 @@ def _to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.
                           key_pos=key_pos, is_pad_query=pad, out_rows=out_rows, out_tokens=out_tokens)
 
 
-def _tree_sees(parents: tuple[int, ...]) -> np.ndarray:
+def tree_sees(parents: tuple[int, ...]) -> np.ndarray:
     """[n, n] bool: node i sees node j when j is i or one of its ancestors (parents come first)."""
     n = len(parents)
     sees = np.eye(n, dtype=bool)

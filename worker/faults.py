@@ -1,14 +1,15 @@
 """Per-sequence fault isolation after the forward: a fault tied to one sequence fails it alone.
 
-Two checks, both cheap on the normal path:
-- `non_finite_rows`: which logits rows cannot be sampled from (a NaN, +inf, or nothing but -inf;
-  one host transfer per step);
-  the runner fails the sequences those rows belong to before anything is sampled.
-- `sample_isolated`: sample a group of rows in one call; when the sampler raises, put every
-  row's generator back as it was and sample the rows one by one, so only the row that raises
-  again fails and every other row gets exactly the token it would have had (the sampler is
-  batch invariant, and a row draws one uniform from its own generator either way).
-An out-of-memory error is never blamed on one row: it fails the whole step.
+Two checks, both free on the normal path:
+- `non_finite_mask`: which logits rows cannot be sampled from (a NaN, +inf, or nothing but -inf),
+  computed on the device; the caller brings it to the host with the sampled tokens, in the step's
+  one transfer, and fails the sequences those rows belong to (their tokens are discarded).
+- `sample_isolated`: sample every row in one call; when the sampler raises, sample each sequence's
+  rows on their own, so only the sequence that raises again fails and every other one gets exactly
+  the tokens it would have had. Nothing is saved or restored for that: the uniforms are drawn
+  before the first call (worker/draws.py) and the retries reuse them, and the sampler is batch
+  invariant.
+An out-of-memory error is never blamed on one sequence: it fails the whole step.
 """
 
 from __future__ import annotations
@@ -18,16 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.sampler import SampleRow, sample
+from worker.sampler import SampleRow, SamplerOutput, sample
 
 logger = logging.getLogger(__name__)
 
-RowResult = tuple[int, float, "tuple[list[int], list[float]] | None"]
-"""(token id, score, top log-probabilities or None) of one sampled row."""
 
-
-def non_finite_rows(logits: torch.Tensor) -> list[bool]:
-    """Per row of logits [N, V]: whether it cannot be sampled from (one host transfer).
+def non_finite_mask(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of logits [N, V]: whether it cannot be sampled from, [N] bool on the logits' device.
 
     Tested on the row maxima: torch's max propagates NaN, so a row's max is NaN when any entry
     is, +inf when any entry is, and -inf only when every entry is. A -inf among finite logits
@@ -35,31 +33,37 @@ def non_finite_rows(logits: torch.Tensor) -> list[bool]:
     [N, V] mask.
     """
     if logits.shape[0] == 0:
-        return []
-    return (~torch.isfinite(logits.amax(dim=1))).tolist()  # [N]
+        return torch.zeros(0, dtype=torch.bool, device=logits.device)
+    return ~torch.isfinite(logits.amax(dim=1))  # [N]
 
 
-def sample_isolated(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[RowResult | str]:
-    """Sample rows [J, V] together; per row its result, or the error message when that row alone fails."""
-    generators = {id(row.generator): row.generator for row in rows if row.generator is not None}
-    saved = [(g, g.get_state()) for g in generators.values()]
+def non_finite_rows(logits: torch.Tensor) -> list[bool]:
+    """non_finite_mask on the host (one transfer of its own)."""
+    return non_finite_mask(logits).tolist()
+
+
+def sample_isolated(logits: torch.Tensor, rows: Sequence[SampleRow], uniform: torch.Tensor | None,
+                    groups: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, SamplerOutput]], dict[int, str]]:
+    """Sample rows [N, V] together; when that raises, each group of rows [start, end) (one sequence's) alone.
+
+    uniform: [N] or None, as sample() takes it. Returns (first row, output) parts that cover every row of
+    the groups that did not fail (normally one part: (0, the whole batch)), and group index -> error message.
+    """
     try:
-        out = sample(logits, rows)
-        return list(zip(out.token_ids, out.scores, out.top_logprobs))
+        return [(0, sample(logits, rows, uniform))], {}
     except torch.OutOfMemoryError:
         raise
     except Exception:
-        logger.warning("sampling %d rows failed; retrying row by row to find the faulty one", len(rows),
+        logger.warning("sampling %d rows failed; retrying sequence by sequence to find the faulty one", len(rows),
                        exc_info=True)
-    for generator, state in saved:
-        generator.set_state(state)
-    results: list[RowResult | str] = []
-    for j, row in enumerate(rows):
+    parts: list[tuple[int, SamplerOutput]] = []
+    failed: dict[int, str] = {}
+    for g, (start, end) in enumerate(groups):
         try:
-            out = sample(logits[j:j + 1], [row])
-            results.append((out.token_ids[0], out.scores[0], out.top_logprobs[0]))
+            part_uniform = None if uniform is None else uniform[start:end]
+            parts.append((start, sample(logits[start:end], rows[start:end], part_uniform)))
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            results.append(f"sampling failed: {type(exc).__name__}: {exc}")
-    return results
+            failed[g] = f"sampling failed: {type(exc).__name__}: {exc}"
+    return parts, failed

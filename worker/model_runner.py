@@ -37,15 +37,14 @@ from protos.segserve.v1.step import (
     NewSequence, PromptLogprobs, ScheduledSequence, SequenceOutput, StepRequest, TopLogprobs,
 )
 from worker.config import WorkerConfig
-from worker.faults import non_finite_rows
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.packed_linear import pack_linears
 from worker.planning import SequenceState, StepPlan, plan_step
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
-from worker.upload import upload
-from worker.sampler import SampleRow
+from worker.upload import to_device, upload
+from worker.sampler import PrefixedHistory, SampleRow
 from worker.validation import InvalidRequest, StepLimits
-from worker.verify import Sampled, kv_moves, sample_works
+from worker.verify import Sampled, kv_moves, sample_works, step_paths
 from worker.work import Work
 
 
@@ -207,14 +206,10 @@ class ModelRunner:
     def postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[SequenceOutput]:
         """Check the logits, sample, score prompt tokens, keep accepted tree KV; one output per
         sequence that has something to say, in request order. logits: [N + R, V] from execute()."""
-        works, num_sample_rows = plan.works, plan.num_sample_rows
-        owners = [i for i, w in enumerate(works) for _ in w.sample_indices]
-        owners += [i for i, w in enumerate(works) for _ in w.prompt_offsets]
-        # work index -> why it failed; sample_works adds the sampler's failures
-        failed = {owners[row]: "non-finite logits (NaN or infinity)"
-                  for row, is_bad in enumerate(non_finite_rows(logits)) if is_bad}
-        sampled = sample_works(works, logits[:num_sample_rows], failed, self.sample_row)
-        prompt = self._prompt_logprobs(plan, logits[num_sample_rows:], failed)
+        works = plan.works
+        # failed: work index -> why it failed (non-finite logits at any of its rows, a sampler error)
+        sampled, failed = sample_works(works, logits, self.sample_rows)
+        prompt = self._prompt_logprobs(plan, logits[plan.num_sample_rows:], failed)
         for i, out in sampled.items():
             if out.accepted_nodes is not None:
                 self._keep_accepted(works[i], out.accepted_nodes)
@@ -255,9 +250,17 @@ class ModelRunner:
     def sample_row(self, work: Work, index: int) -> SampleRow:
         """Token `index` of `work`, seeing the sequence's computed tokens and its own path or prefix."""
         state = self._states[work.seq_id]
-        context = state.history[: work.num_computed_tokens]
-        return SampleRow(state.params, context + work.visible_tokens(index), state.num_prompt_tokens,
-                         state.generator)
+        history = PrefixedHistory(state.history, work.num_computed_tokens, work.visible_tokens(index))
+        return SampleRow(state.params, history, state.num_prompt_tokens, state.generator)
+
+    def sample_rows(self, work: Work) -> list[SampleRow]:
+        """The rows of every sample index of `work`, in order; when the sampler reads no history (no penalty, no
+        watermark) they are one row, seeing the last index's path, so a tree costs no row per node."""
+        state = self._states[work.seq_id]
+        if not (state.params.has_penalty or state.params.watermark):
+            return [self.sample_row(work, work.sample_indices[-1])] * len(work.sample_indices)
+        return [SampleRow(state.params, PrefixedHistory(state.history, work.num_computed_tokens, path),
+                          state.num_prompt_tokens, state.generator) for path in step_paths(work)]
 
     def _keep_accepted(self, work: Work, accepted_nodes: list[int]) -> None:
         """Move the accepted nodes' KV to sequential slots; history = computed + root + accepted drafts."""
@@ -266,7 +269,7 @@ class ModelRunner:
             block_size, start = self.kv_cache.block_size, work.num_computed_tokens
             slots = [[work.block_table[p // block_size] * block_size + p % block_size
                       for p in (start + a, start + b)] for a, b in moves]
-            src, dst = torch.tensor(slots, dtype=torch.long, device=self.device).unbind(1)  # [M] each
+            src, dst = to_device(torch.tensor(slots, dtype=torch.long), self.device).unbind(1)  # [M] each
             self.kv_cache.move(src, dst)
         history = self._states[work.seq_id].history
         history[work.num_computed_tokens + 1:] = [work.token_ids[node] for node in accepted_nodes]

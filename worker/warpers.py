@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from protos.segserve.v1.sampling import SamplingParams
+from worker.upload import to_device
 
 _TOP_P_CANDIDATES = 1024
 """top_p first looks at this many most likely tokens per row, then 16x as many, and sorts the whole
@@ -28,24 +29,29 @@ def warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     """
     device, vocab_size = scores.device, scores.shape[1]
 
-    def column(values: list[float]) -> torch.Tensor:  # [S, 1]
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [S, 1]
+        return _on(values, dtype, device)[:, None]
 
     if any(p.temperature != 1.0 for p in params):
         scores.div_(column([p.temperature for p in params]))
     top_k = [p.top_k if p.top_k < vocab_size else 0 for p in params]  # k >= V keeps every token
     if any(top_k):
         values = torch.topk(scores, max(top_k), dim=-1).values  # [S, k_max], descending
-        kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in top_k], device=device)[:, None])
-        is_off = torch.tensor([k == 0 for k in top_k], device=device)[:, None]
+        kth = values.gather(1, column([max(k, 1) - 1 for k in top_k], torch.long))
+        is_off = column([k == 0 for k in top_k], torch.bool)
         kth = kth.masked_fill(is_off, -math.inf)  # [S, 1]
         scores.masked_fill_(scores < kth, -math.inf)
     if any(p.top_p < 1.0 for p in params):
         scores = _top_p(scores, [p.top_p for p in params], _TOP_P_CANDIDATES)
     if any(p.typical_p < 1.0 for p in params):
-        is_on = torch.tensor([p.typical_p < 1.0 for p in params], device=device)[:, None]
+        is_on = column([p.typical_p < 1.0 for p in params], torch.bool)
         scores.masked_fill_(_typical_removed(scores, column([p.typical_p for p in params])) & is_on, -math.inf)
     return scores
+
+
+def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values as a tensor on device, without making the host wait (worker/upload.py)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _top_p(scores: torch.Tensor, top_p: list[float], num_candidates: int) -> torch.Tensor:
@@ -59,13 +65,15 @@ def _top_p(scores: torch.Tensor, top_p: list[float], num_candidates: int) -> tor
     # float32 sum is accurate to ~1e-7 (a dtype=float64 sum would copy the whole tensor first).
     cand_probs = probs.gather(1, cand_idx).double() / probs.sum(dim=-1, keepdim=True).double()
     mass_above = cand_probs.cumsum(dim=-1) - cand_probs  # [S, C]: mass of more likely candidates
-    p = torch.tensor(top_p, dtype=torch.float64, device=device)[:, None]  # [S, 1]
-    num_keep = (mass_above < p).sum(dim=-1, keepdim=True)  # [S, 1], >= 1
+    p = _on(top_p, torch.float64, device)[:, None]  # [S, 1]
+    # [S, 1], >= 1 (the clamp only matters for a row with NaN logits: its token is discarded, but an index of -1
+    # would raise here, and on a GPU abort the process)
+    num_keep = (mass_above < p).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = cand_logits.gather(1, num_keep - 1)  # [S, 1]: least likely kept logit
     threshold = threshold.masked_fill(p >= 1.0, -math.inf)
     # The candidates settle a row unless all of them are kept and more tokens exist.
     unsettled = ((num_keep == num_candidates) & (p < 1.0)).squeeze(1) & (num_candidates < vocab_size)
-    if bool(unsettled.any()):
+    if bool(unsettled.any()):  # on a GPU a wait for the device (known; only batches with a top_p row pay it)
         index = unsettled.nonzero().squeeze(1)
         rest, unsettled_scores = [top_p[i] for i in index.tolist()], scores[index]  # a copy
         if num_candidates == _TOP_P_CANDIDATES:  # first try: a 16x wider look, then the full sort
@@ -80,7 +88,7 @@ def _top_p_sorted(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """The full-sort form of _top_p, as transformers computes it. scores: [R, V]."""
     sorted_logits, sorted_idx = torch.sort(scores, descending=False)  # [R, V]
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    limit = torch.tensor([1.0 - p for p in top_p], dtype=torch.float32, device=scores.device)[:, None]
+    limit = _on([1.0 - p for p in top_p], torch.float32, scores.device)[:, None]
     sorted_remove = cumulative <= limit
     sorted_remove[:, -1] = False
     return scores.masked_fill_(sorted_remove.scatter(1, sorted_idx, sorted_remove), -math.inf)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from protos.segserve.v1.step import ScheduledSequence
 from protos.segserve.v1.tree import ROOT, CandidateTree
 
@@ -51,18 +49,6 @@ class Work:
     def is_tree(self) -> bool:
         return bool(self.node_parents)
 
-    def attention_mask(self) -> torch.Tensor:
-        """[n, n] bool over token_ids: token i may attend to token j (causal, or the tree's paths)."""
-        n = len(self.token_ids)
-        if not self.is_tree:
-            return torch.ones(n, n, dtype=torch.bool).tril()
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for node, parent in enumerate(self.node_parents):
-            if parent >= 0:
-                mask[node] = mask[parent]  # parents come first, so their rows are complete
-            mask[node, node] = True
-        return mask
-
     def visible_tokens(self, index: int) -> list[int]:
         """The step's tokens that token `index` sees, itself included, in order: its path or its prefix."""
         if not self.is_tree:
@@ -72,13 +58,6 @@ class Work:
             path.append(self.token_ids[index])
             index = self.node_parents[index]
         return path[::-1]
-
-    def children(self) -> list[dict[int, list[int]]]:
-        """Tree steps, per node: child token -> the child nodes carrying it (siblings may share a token)."""
-        children: list[dict[int, list[int]]] = [{} for _ in self.token_ids]
-        for node in range(1, len(self.token_ids)):
-            children[self.node_parents[node]].setdefault(self.token_ids[node], []).append(node)
-        return children
 
 
 def expand(seq: ScheduledSequence, prompt_offsets: tuple[int, ...] = ()) -> Work:
