@@ -109,7 +109,8 @@ def test_killing_a_drafter_mid_stream_fails_no_request(tiny_gemma3_dir, tiny_ref
     import time
 
     prompts = PROMPTS * 2
-    with tiny_stack(tiny_gemma3_dir, tmp_path, num_drafters=num_drafters) as stack:
+    # drafting never turned off by the cost gate, so that the survivor's drafts can be counted
+    with tiny_stack(tiny_gemma3_dir, tmp_path, num_drafters=num_drafters, scheduler={"is_spec_adaptive": False}) as stack:
         client = _client(stack)
         model = client.models.list().data[0].id
         drafter = stack.processes["drafter"]
