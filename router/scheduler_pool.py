@@ -4,7 +4,7 @@ In: the scheduler targets (`host:port`, or `dns:///name:port` resolving to every
 every `refresh_s`). Out: the same calls as one SchedulerClient (generate, get_info, get_stats, health,
 wait_ready, close), served by the pool.
 
-- Placement: a request goes to the scheduler its prompt's first tokens (`affinity_prefix`) hash to (rendezvous hashing
+- Placement: a request goes to the scheduler its prompt's first tokens (`affinity_key`) hash to (rendezvous hashing
   over the live schedulers), so the turns of a chat, which resend the same history, land where that
   history's KV blocks are cached; unless that scheduler is busier than the least busy one by more than
   `slack` requests, in which case the least busy one takes it. Busy = its running + waiting requests
@@ -29,23 +29,9 @@ from itertools import zip_longest
 from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk
 from protos.segserve.v1.info import Health, WorkerInfo
 from router.scheduler_client import SchedulerClient, SchedulerLoad, SpecTotals
-from segserve.discovery import is_dns_target, rendezvous, resolve
+from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve
 
 logger = logging.getLogger(__name__)
-AFFINITY_TOKENS = 64
-"""At most this many leading prompt tokens choose a request's scheduler (a chat's turns share them)."""
-AFFINITY_ALIGN = 16
-"""The prefix is cut to a multiple of this many tokens, so that a later turn, which repeats the earlier
-ones and adds to them, keeps the same prefix once it is this long."""
-
-
-def affinity_prefix(prompt_token_ids: Sequence[int]) -> Sequence[int]:
-    """The leading tokens that choose a prompt's scheduler: up to AFFINITY_TOKENS, cut to a multiple of
-    AFFINITY_ALIGN (a prompt shorter than AFFINITY_ALIGN: all of it)."""
-    length = min(len(prompt_token_ids), AFFINITY_TOKENS)
-    if length >= AFFINITY_ALIGN:
-        length -= length % AFFINITY_ALIGN
-    return prompt_token_ids[:length]
 RETRIED_CODES = ("overloaded", "unavailable")
 
 
@@ -130,7 +116,7 @@ class SchedulerPool:
         candidates = candidates or [a for a in self._clients if a not in exclude]
         if not candidates:
             return None
-        key = ",".join(map(str, affinity_prefix(prompt_token_ids)))
+        key = affinity_key(prompt_token_ids)
         preferred = rendezvous(key, candidates)
         least = min(candidates, key=self._busy)
         return preferred if self._busy(preferred) <= self._busy(least) + self.slack else least

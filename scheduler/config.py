@@ -30,7 +30,8 @@ def auto_max_num_seqs(num_kv_blocks: int, block_size: int, max_model_len: int) -
 @dataclass
 class SchedulerConfig:
     worker_address: str = "127.0.0.1:50061"
-    """gRPC address of the worker."""
+    """gRPC address of the worker; several comma-separated (data parallel: each has its own KV pool), or
+    dns:///name:port for every address a name resolves to, re-resolved every 10 s."""
     max_num_seqs: int | None = None
     """Most sequences in one step; None (unset) = automatic, from the worker's KV memory once it answers: as
     many sequences as its KV blocks hold at 1,024 tokens each (or max_model_len when shorter), from 16 to 256

@@ -17,7 +17,9 @@ def stats_to_pb(stats: EngineStats) -> scheduler_pb2.SchedulerStats:
         num_used_kv_blocks=stats.num_used_kv_blocks, num_total_kv_blocks=stats.num_total_kv_blocks,
         num_preemptions=stats.num_preemptions, num_steps=stats.num_steps, spec=_spec_to_pb("", stats.spec),
         spec_segments=[_spec_to_pb(name, segment) for name, segment in sorted(stats.spec_segments.items())],
-        num_prefix_cache_queries=stats.num_prefix_cache_queries, num_prefix_cache_hits=stats.num_prefix_cache_hits)
+        num_prefix_cache_queries=stats.num_prefix_cache_queries, num_prefix_cache_hits=stats.num_prefix_cache_hits,
+        num_workers=stats.num_workers, num_live_workers=stats.num_live_workers,
+        num_moved_requests=stats.num_moved_requests)
 
 
 def _spec_to_pb(segment: str, stats: SegmentStats) -> scheduler_pb2.SpecStats:

@@ -16,7 +16,7 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +71,11 @@ class EngineStats:
     """Tokens of admitted sequences looked up in the prefix cache since start."""
     num_prefix_cache_hits: int = 0
     """Of those, tokens found in cached KV blocks."""
+    num_workers: int = 1
+    num_live_workers: int = 0
+    """Workers connected now."""
+    num_moved_requests: int = 0
+    """Requests moved from a lost worker to another one."""
 
 
 def is_terminal(event: GenerateEvent) -> bool:
@@ -99,17 +104,37 @@ class RequestStream:
         return event
 
 
+LostHandler = Callable[["Engine", list[tuple[Sequence, RequestStream]], str], None]
+"""Called when an engine's worker is lost, with the sequences it held (reset for recomputation), their streams
+and the reason."""
+
+
+class _WorkerLost(Exception):
+    """The worker stopped answering: hand the requests over and reconnect."""
+
+
 class Engine:
-    def __init__(self, config: SchedulerConfig, worker: Worker, drafter: Drafter | None = None):
+    """One worker's step loop. With `on_lost` (an EngineGroup), a worker that stops answering hands its requests
+    to the handler, and the engine reconnects when the worker comes back; without, they fail."""
+
+    def __init__(self, config: SchedulerConfig, worker: Worker, drafter: Drafter | None = None,
+                 on_lost: LostHandler | None = None, health_interval_s: float = 2.0):
         self.config = config
         self.worker = worker
         self.drafter = drafter
+        self.on_lost = on_lost
+        self.health_interval_s = health_interval_s
+        """How often an idle engine checks that its worker is still there."""
         self.speculator: Speculator | None = None
         self.info: WorkerInfo | None = None
         self.scheduler: Scheduler | None = None
+        self.num_lost = 0
+        """Times the worker was lost (and its requests handed over)."""
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stale_ids: list[str] = []
+        """Sequences handed over when the worker was lost, released on it once it is back."""
 
     @property
     def is_connected(self) -> bool:
@@ -133,11 +158,23 @@ class Engine:
     def add_request(self, request: GenerateRequest) -> RequestStream:
         """Queue a validated request; raises EngineNotReady, QueueFull (retry later), or RequestRejected."""
         if self.scheduler is None:
-            raise EngineNotReady(f"the worker at {self.config.worker_address} has not answered yet")
+            raise EngineNotReady(f"the worker at {self.address} has not answered yet")
         self.scheduler.add(Sequence.of(request))
         stream = self._streams[request.request_id] = RequestStream(request.request_id)
         self._wakeup.set()
         return stream
+
+    def adopt(self, seq: Sequence, stream: RequestStream) -> None:
+        """Go on with a request another engine's lost worker held (its stream keeps every token sent so far)."""
+        if self.scheduler is None:
+            raise EngineNotReady(f"the worker at {self.address} is not connected")
+        self.scheduler.resume(seq)
+        self._streams[seq.request_id] = stream
+        self._wakeup.set()
+
+    @property
+    def address(self) -> str:
+        return getattr(self.worker, "address", self.config.worker_address)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a live request: its blocks are free at once; its stream ends with "cancelled"."""
@@ -155,28 +192,57 @@ class Engine:
                            s.block_manager.num_total_blocks, s.num_preemptions, s.num_steps, s.num_failed_steps,
                            copy.deepcopy(acceptance.total) if acceptance else SegmentStats(),
                            copy.deepcopy(acceptance.segments) if acceptance else {},
-                           s.block_manager.num_prefix_cache_queries, s.block_manager.num_prefix_cache_hits)
+                           s.block_manager.num_prefix_cache_queries, s.block_manager.num_prefix_cache_hits,
+                           num_live_workers=1)
 
     async def _run(self) -> None:
         try:
-            await self._connect()
             while True:
-                if not self.scheduler.has_work:
-                    if self.speculator is not None:
-                        await self.speculator.flush_ended()
-                    # Clear, then look again: a request added during the flush (an await) has set
-                    # the event already, and clearing after it without looking would sleep on it.
-                    self._wakeup.clear()
-                    if not self.scheduler.has_work:
-                        await self._wakeup.wait()
-                    continue
-                await self._step()
+                await self._connect()
+                try:
+                    await self._serve()
+                except _WorkerLost as exc:
+                    self._hand_over(str(exc))
         except asyncio.CancelledError:
             raise
         except BaseException:
             logger.exception("scheduler loop died")
             self._fail(list(self._streams), "internal", "the scheduler loop died; see the scheduler's log")
             raise
+
+    async def _serve(self) -> None:
+        """Step while there is work; when idle, wait for work and check on the worker. Raises _WorkerLost."""
+        while True:
+            if not self.scheduler.has_work:
+                if self.speculator is not None:
+                    await self.speculator.flush_ended()
+                # Clear, then look again: a request added during the flush (an await) has set
+                # the event already, and clearing after it without looking would sleep on it.
+                self._wakeup.clear()
+                if not self.scheduler.has_work:
+                    await self._idle()
+                continue
+            await self._step()
+
+    async def _idle(self) -> None:
+        """Wait for work; every health_interval_s without any, make sure the worker is still there."""
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), self.health_interval_s)
+        except TimeoutError:
+            if self.on_lost is not None:
+                health = await self.worker.health()
+                if not health.is_ready:
+                    raise _WorkerLost(health.detail or "the worker is not ready") from None
+
+    def _hand_over(self, reason: str) -> None:
+        """The worker is lost: give every live request to on_lost, and forget this worker's state."""
+        self.num_lost += 1
+        evicted = self.scheduler.evict_all()
+        items = [(seq, self._streams.pop(seq.request_id)) for seq in evicted if seq.request_id in self._streams]
+        logger.warning("worker %s lost (%s): %d requests move to other workers", self.address, reason, len(items))
+        self._stale_ids = [seq.request_id for seq in evicted]
+        self.scheduler = None  # admits nothing until the worker is back (_connect)
+        self.on_lost(self, items, reason)
 
     async def _step(self) -> None:
         """schedule -> draft -> worker step -> apply outputs -> deliver."""
@@ -210,6 +276,9 @@ class Engine:
     def _on_failed_step(self, request: StepRequest, exc: WorkerError) -> list[RequestEvent]:
         """An unreachable worker's state is unknown: the step's requests fail (GenerateError "internal").
         Any other failure preempts the step's sequences for a retry at a smaller batch size."""
+        if exc.is_unreachable and self.on_lost is not None:
+            self.scheduler.discard(request)
+            raise _WorkerLost(str(exc))
         if exc.is_unreachable:
             self._fail(self.scheduler.discard(request), "internal", str(exc))
             self.scheduler.block_manager.reset_prefix_cache()  # a restarted worker's KV cache is empty
@@ -225,7 +294,7 @@ class Engine:
                 break
             except WorkerError as exc:
                 if not is_logged:
-                    logger.warning("waiting for the worker at %s: %s", self.config.worker_address, exc)
+                    logger.warning("waiting for the worker at %s: %s", self.address, exc)
                     is_logged = True
                 await asyncio.sleep(_CONNECT_RETRY_S)
         if self.drafter is not None and self.config.max_draft_nodes > 0:
@@ -240,9 +309,11 @@ class Engine:
             max_num_waiting_tokens=self.config.max_num_waiting_tokens,
             max_failed_steps=self.config.max_failed_steps, is_prefix_caching=self.config.is_prefix_caching,
             on_end=self.speculator.forget if self.speculator is not None else None)
+        self.scheduler.release_later(self._stale_ids)
+        self._stale_ids = []
         self.info = info
         logger.info("connected to worker %s: %s, %d KV blocks of %d tokens; max_num_seqs %d (%s)",
-                    self.config.worker_address, info.model_name, info.num_kv_blocks, info.block_size, max_num_seqs,
+                    self.address, info.model_name, info.num_kv_blocks, info.block_size, max_num_seqs,
                     "automatic, from the KV blocks" if self.config.max_num_seqs is None else "set")
 
     def _fail(self, request_ids: Iterable[str], code: str, message: str) -> None:

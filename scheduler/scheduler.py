@@ -275,6 +275,42 @@ class Scheduler:
             self._preempt(seq)
         return events
 
+    def evict_all(self) -> list[Sequence]:
+        """The worker is lost: every live sequence leaves, reset to be recomputed on another worker (no blocks,
+        nothing computed, unknown to any worker; the tokens generated so far are kept). Running ones first, in
+        admission order, then the waiting ones in queue order. Their requests have not ended (no on_end)."""
+        seqs = [*self.running, *self.waiting]
+        for seq in seqs:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.is_known_to_worker = False
+            seq.status = SequenceStatus.WAITING
+        self.running.clear()
+        self.waiting.clear()
+        self.requests.clear()
+        self._in_flight.clear()
+        self._finished_seq_ids.clear()
+        self.block_manager.reset_prefix_cache()
+        return seqs
+
+    def resume(self, seq: Sequence) -> None:
+        """Take over a sequence another scheduler evicted (evict_all): it goes ahead of the new requests, with
+        no queue bound (it was admitted once already)."""
+        if seq.request_id in self.requests:
+            raise RequestRejected("request_id", f"{seq.request_id!r} is already live")
+        if seq.request_id in self._finished_seq_ids:
+            self._finished_seq_ids.remove(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
+        index = next((i for i, w in enumerate(self.waiting) if w.num_computed_tokens == 0 and not w.output_token_ids),
+                     len(self.waiting))
+        self.waiting.insert(index, seq)
+
+    def release_later(self, seq_ids: Iterable[str]) -> None:
+        """Tell the worker with the next step that it may forget these sequences (e.g. ones evicted while it
+        did not answer: if it comes back with its state, that state is stale)."""
+        self._finished_seq_ids.extend(s for s in seq_ids if s not in self.requests)
+
     def discard(self, request: StepRequest) -> list[str]:
         """Forget a step that failed; returns the ids of its sequences still live (the caller aborts them)."""
         in_flight, self._in_flight = self._in_flight, {}

@@ -20,6 +20,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.convert import stats_to_pb
 from scheduler.drafter_client import DrafterClient
 from scheduler.engine import Engine, EngineNotReady
+from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
 from scheduler.worker_client import WorkerClient
 
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine | EngineGroup):
         self.engine = engine
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -61,15 +62,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return (await self.engine.health()).to_pb()
 
 
-async def start_server(config: SchedulerConfig, engine: Engine | None = None) -> tuple[grpc.aio.Server, Engine]:
-    """Start the engine (connecting to config.worker_address in the background) and serve on host:port.
+async def start_server(config: SchedulerConfig, engine: Engine | EngineGroup | None = None
+                       ) -> tuple[grpc.aio.Server, Engine | EngineGroup]:
+    """Start the engine (by default an EngineGroup over config.worker_address's workers, connecting in the
+    background) and serve on host:port.
 
     The bound port (useful with port 0) is in `server.bound_port`.
     """
     if engine is None:
         drafter = (DrafterClient(config.drafter_addresses, config.draft_timeout_ms / 1000, config.drafter_retry_s)
                    if config.drafter_addresses else None)
-        engine = Engine(config, WorkerClient(config.worker_address, config.worker_step_timeout_s), drafter)
+        engine = EngineGroup(config, lambda address: WorkerClient(address, config.worker_step_timeout_s), drafter)
     engine.start()
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
@@ -83,9 +86,12 @@ async def start_server(config: SchedulerConfig, engine: Engine | None = None) ->
     return server, engine
 
 
-async def stop_server(server: grpc.aio.Server, engine: Engine, grace_s: float = 2.0) -> None:
+async def stop_server(server: grpc.aio.Server, engine: Engine | EngineGroup, grace_s: float = 2.0) -> None:
     await engine.stop()
     await server.stop(grace_s)
+    if isinstance(engine, EngineGroup):
+        await engine.close()
+        return
     for client in (engine.worker, engine.drafter):
         close = getattr(client, "close", None)
         if close is not None:

@@ -50,6 +50,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         router=from_args(RouterConfig, args, served_model_name=args.served_model_name),
         drafter=from_args(DrafterConfig, args, _SERVE_DRAFTER_RENAME),
         is_speculative=args.speculation,
+        num_workers=args.workers,
         num_drafters=args.drafters,
         log_dir=args.log_dir,
     )
@@ -202,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
                        help="run a drafter and decode speculatively (default: on)")
     add_dataclass_args(serve, RouterConfig, skip=_SERVE_ROUTER_SKIP)
+    serve.add_argument("--workers", type=int, default=1,
+                       help="worker processes, each with the model and its own KV pool (default: 1)")
     serve.add_argument("--drafters", type=int, default=1,
                        help="drafter replicas; several share what they learn through one log (default: 1)")
     serve.add_argument("--log-dir", default=None, help="write each service's log to this directory")

@@ -4,7 +4,7 @@ A target is either `host:port`, one replica reached as written, or gRPC's `dns:/
 every address the name resolves to (a Kubernetes headless Service resolves to its ready pods),
 resolved again every `refresh_s` so that a scaled Deployment is picked up without a restart.
 
-`rendezvous` places a key on one replica of a set (highest random weight hashing): every key
+`rendezvous` places a key (e.g. `affinity_key` of a prompt) on one replica of a set (highest random weight hashing): every key
 keeps its replica when replicas join or leave, except the keys of a replica that left and the
 share a new replica takes over, about 1/n of them.
 """
@@ -60,3 +60,19 @@ def _weight(key: str, replica: str) -> int:
 def rendezvous(key: str, replicas: Sequence[str]) -> str:
     """The replica of `key` among `replicas` (non-empty): the one with the highest weight for it."""
     return max(replicas, key=lambda replica: _weight(key, replica))
+
+
+AFFINITY_TOKENS = 64
+"""At most this many leading prompt tokens choose a request's replica (a chat's turns share them)."""
+AFFINITY_ALIGN = 16
+"""The prefix is cut to a multiple of this many tokens, so that a later turn, which repeats the earlier ones and
+adds to them, keeps the same prefix once it is this long."""
+
+
+def affinity_key(prompt_token_ids: Sequence[int]) -> str:
+    """The leading prompt tokens that choose a prompt's replica, as a rendezvous key: up to AFFINITY_TOKENS,
+    cut to a multiple of AFFINITY_ALIGN (a prompt shorter than AFFINITY_ALIGN: all of it)."""
+    length = min(len(prompt_token_ids), AFFINITY_TOKENS)
+    if length >= AFFINITY_ALIGN:
+        length -= length % AFFINITY_ALIGN
+    return ",".join(map(str, prompt_token_ids[:length]))

@@ -45,6 +45,8 @@ class StackConfig:
     """The drafter's config; its tokenizer (the served model) is set by the launcher."""
     is_speculative: bool = True
     """Run drafters and decode speculatively; False = plain decoding, no drafter process."""
+    num_workers: int = 1
+    """Worker processes (data parallel: each loads the model and has its own KV pool); the scheduler drives all."""
     num_drafters: int = 1
     """Drafter replicas; with more than one they share what they learn through a log in the drafter's
     shared_log_dir (or <corpus_dir>/log, else a temporary directory of the stack's)."""
@@ -56,8 +58,8 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be > 0")
-        if self.num_drafters < 1:
-            raise ValueError("num_drafters must be >= 1")
+        if self.num_drafters < 1 or self.num_workers < 1:
+            raise ValueError("num_workers and num_drafters must be >= 1")
 
 
 _ROUTER_PORT_ATTEMPTS = 3
@@ -69,9 +71,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def drafter_name(index: int) -> str:
-    """The process name of drafter replica `index`: drafter, drafter-1, drafter-2, ..."""
-    return "drafter" if index == 0 else f"drafter-{index}"
+def replica_name(service: str, index: int) -> str:
+    """The process name of a service's replica `index`: worker, worker-1, worker-2, ..."""
+    return service if index == 0 else f"{service}-{index}"
 
 
 class Stack:
@@ -83,6 +85,8 @@ class Stack:
         """Service name ("worker", "drafter", "drafter-1", ...) -> its process."""
         self._logs: list[IO] = []
         self._shared_dir: tempfile.TemporaryDirectory | None = None
+        self.worker_configs: list[WorkerConfig] = []
+        """Every worker's config as started (worker i is process replica_name("worker", i))."""
 
     @property
     def base_url(self) -> str:
@@ -98,8 +102,12 @@ class Stack:
     def start(self) -> None:
         cfg = self.config
         model_dir = str(resolve_model(cfg.worker.model))  # converts the default model once, with a progress bar
-        worker = dataclasses.replace(cfg.worker, model=model_dir, port=cfg.worker.port or free_port())
-        worker_address = f"{worker.host}:{worker.port}"
+        ports = [cfg.worker.port] if cfg.worker.port and cfg.num_workers == 1 else [0] * cfg.num_workers
+        workers = [dataclasses.replace(cfg.worker, model=model_dir, port=port or free_port()) for port in ports]
+        worker = workers[0]
+        self.worker_configs = workers
+        worker_addresses = [f"{w.host}:{w.port}" for w in workers]
+        worker_address = ",".join(worker_addresses)
         drafters = self._drafter_configs(model_dir) if cfg.is_speculative else []
         drafter_addresses = [f"{d.host}:{d.port}" for d in drafters]
         scheduler = dataclasses.replace(cfg.scheduler, worker_address=worker_address,
@@ -111,12 +119,14 @@ class Stack:
                                           drafter=drafters[0] if drafters else cfg.drafter)
         deadline = time.monotonic() + cfg.startup_timeout_s
         try:
-            self._spawn("worker", worker)
-            self._wait_grpc_ready("worker", worker_pb2_grpc.WorkerStub, worker_address, deadline)
+            for i, config in enumerate(workers):
+                self._spawn(replica_name("worker", i), config, "worker")
+            for i, address in enumerate(worker_addresses):
+                self._wait_grpc_ready(replica_name("worker", i), worker_pb2_grpc.WorkerStub, address, deadline)
             for i, drafter in enumerate(drafters):
-                self._spawn(drafter_name(i), drafter, "drafter")
+                self._spawn(replica_name("drafter", i), drafter, "drafter")
             for i, (drafter, address) in enumerate(zip(drafters, drafter_addresses)):
-                self._wait_grpc_ready(drafter_name(i), drafter_pb2_grpc.DrafterStub, address, deadline)
+                self._wait_grpc_ready(replica_name("drafter", i), drafter_pb2_grpc.DrafterStub, address, deadline)
             self._spawn("scheduler", scheduler)
             self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, scheduler_address, deadline)
             self._start_router(router, deadline)
@@ -131,7 +141,8 @@ class Stack:
             self._shared_dir = tempfile.TemporaryDirectory(prefix="segserve-drafters-")
             base = dataclasses.replace(base, shared_log_dir=self._shared_dir.name)
         ports = [base.port] if base.port and self.config.num_drafters == 1 else [0] * self.config.num_drafters
-        return [dataclasses.replace(base, port=port or free_port(), replica_name=base.replica_name or drafter_name(i))
+        return [dataclasses.replace(base, port=port or free_port(),
+                                    replica_name=base.replica_name or replica_name("drafter", i))
                 for i, port in enumerate(ports)]
 
     def stop(self, timeout_s: float = 20.0) -> None:
@@ -178,6 +189,11 @@ class Stack:
             except RuntimeError:
                 if attempt == attempts or self.processes["router"].poll() is None:
                     raise
+
+    def restart(self, name: str) -> None:
+        """Start a stopped worker replica again with its config (e.g. after a test killed it)."""
+        index = 0 if name == "worker" else int(name.removeprefix("worker-"))
+        self._spawn(name, self.worker_configs[index], "worker")
 
     def _spawn(self, name: str, config, command: str | None = None) -> None:
         """Run `segserve <command or name>` with config's flags; its output goes to <log_dir>/<name>.log."""

@@ -17,7 +17,8 @@ from worker.config import WorkerConfig
 
 
 def tiny_stack(model_dir: Path, log_dir: Path, *, is_speculative: bool = True, max_num_seqs: int = 16,
-               scheduler: dict | None = None, num_drafters: int = 1, **worker_overrides) -> Stack:
+               scheduler: dict | None = None, num_drafters: int = 1, num_workers: int = 1,
+               **worker_overrides) -> Stack:
     """The one stack the end-to-end tests run: worker, drafter, scheduler and router on free ports, not yet
     started (use it as a context manager, or call start()). `scheduler` overrides SchedulerConfig fields."""
     config = StackConfig(
@@ -28,6 +29,7 @@ def tiny_stack(model_dir: Path, log_dir: Path, *, is_speculative: bool = True, m
         drafter=DrafterConfig(port=0),
         is_speculative=is_speculative,
         num_drafters=num_drafters,
+        num_workers=num_workers,
         log_dir=str(log_dir),
     )
     return Stack(config)

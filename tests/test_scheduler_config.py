@@ -66,7 +66,7 @@ async def _engine_max_num_seqs(worker: FakeWorker, **config) -> int:
     try:
         for _ in range(500):
             if engine.is_connected:
-                return engine.scheduler.max_num_seqs
+                return engine.connected[0].scheduler.max_num_seqs
             await asyncio.sleep(0.01)
         raise AssertionError("the scheduler did not connect to the fake worker")
     finally:

@@ -23,7 +23,7 @@ from tests.test_scheduler_spec import EOS, RULE, VOCAB, reference
 
 @contextlib.asynccontextmanager
 async def spec_stack(**config):
-    """(scheduler stub, fake worker, fake drafter servicer, drafter server, engine)."""
+    """(scheduler stub, fake worker, fake drafter servicer, drafter server, the worker's engine)."""
     worker = FakeWorker(RULE, VOCAB, [EOS], num_kv_blocks=128, max_model_len=256)
     drafter = FakeDrafterServicer(FakeDrafter(RULE, VOCAB, num_right=5))
     worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(worker))
@@ -34,7 +34,8 @@ async def spec_stack(**config):
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
             await wait_until(lambda: engine.is_connected)
-            yield scheduler_pb2_grpc.SchedulerStub(channel), worker, drafter, drafter_server, engine
+            (lane,) = engine.connected  # the one worker's Engine
+            yield scheduler_pb2_grpc.SchedulerStub(channel), worker, drafter, drafter_server, lane
     finally:
         await stop_server(server, engine)
         await drafter_server.stop(None)

@@ -106,7 +106,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps", "spec", "spec_segments", "num_prefix_cache_queries", "num_prefix_cache_hits")
+    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps", "spec", "spec_segments", "num_prefix_cache_queries", "num_prefix_cache_hits", "num_workers", "num_live_workers", "num_moved_requests")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,9 @@ class SchedulerStats(_message.Message):
     SPEC_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MOVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_used_kv_blocks: int
@@ -127,7 +130,10 @@ class SchedulerStats(_message.Message):
     spec_segments: _containers.RepeatedCompositeFieldContainer[SpecStats]
     num_prefix_cache_queries: int
     num_prefix_cache_hits: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., spec_segments: _Optional[_Iterable[_Union[SpecStats, _Mapping]]] = ..., num_prefix_cache_queries: _Optional[int] = ..., num_prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    num_workers: int
+    num_live_workers: int
+    num_moved_requests: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., spec_segments: _Optional[_Iterable[_Union[SpecStats, _Mapping]]] = ..., num_prefix_cache_queries: _Optional[int] = ..., num_prefix_cache_hits: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_moved_requests: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth", "num_accepted_by_depth")
