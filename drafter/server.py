@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from drafter.config import DrafterConfig
 from drafter.history import HistorySource
@@ -28,8 +26,9 @@ from drafter.segments import SegmentsConfig, load_segments
 from drafter.service import DrafterServicer
 from drafter.state import RequestStates
 from drafter.types import ContinuationSource
-from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.segserve.v1 import drafter_pb2_grpc
 from segserve.checkpoint import resolve_model
+from segserve.health import add_health_and_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +106,7 @@ async def start_server(servicer: DrafterServicer, host: str, port: int) -> tuple
     once started) and reflection; returns it and the bound port (port 0 = any free one)."""
     server = grpc.aio.server()
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
-    service_names = (drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
-                     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(service_names, server)
+    add_health_and_reflection(server, servicer.serving)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the drafter to {host}:{port}")

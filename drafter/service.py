@@ -17,7 +17,6 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2
 
 from drafter.memory import SharedMemory
 from drafter.planner import DraftPlanner
@@ -25,6 +24,7 @@ from drafter.state import RequestStates
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.tree import CandidateTree
+from segserve.health import Serving
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +67,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.memory = memory
         """The shared log and snapshots (drafter/memory.py); its learn() is the states' sink."""
         self._lock = asyncio.Lock()
-        self.health = health.aio.HealthServicer()
-        """The standard grpc.health.v1 service: SERVING while the server takes requests (start_server)."""
+        self.serving = Serving([drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name])
+        """The standard grpc.health.v1 status: SERVING while the server takes requests (start_server)."""
 
     async def set_serving(self, is_serving: bool) -> None:
-        """Report the server (the "" service) and the Drafter as SERVING or NOT_SERVING."""
-        status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name):
-            await self.health.set(name, status)
+        """Report the server and the Drafter as SERVING or NOT_SERVING."""
+        await self.serving.set(is_serving)
 
     @_status_errors
     async def Draft(self, request, context):

@@ -23,6 +23,7 @@ from scheduler.engine import Engine, EngineNotReady
 from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
 from scheduler.worker_client import WorkerClient
+from segserve.health import Serving, add_health_and_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine | EngineGroup):
         self.engine = engine
+        self.serving = Serving([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+        """The standard grpc.health.v1 status: SERVING while the server is up (start_server to stop_server);
+        the Health RPC says whether a worker is ready."""
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.engine.info is None:
@@ -75,18 +79,23 @@ async def start_server(config: SchedulerConfig, engine: Engine | EngineGroup | N
         engine = EngineGroup(config, lambda address: WorkerClient(address, config.worker_step_timeout_s), drafter)
     engine.start()
     server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
+    servicer = SchedulerServicer(engine)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    add_health_and_reflection(server, servicer.serving)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         await engine.stop()
         raise RuntimeError(f"cannot bind the scheduler's gRPC server to {config.host}:{config.port}")
     server.bound_port = port
+    server.serving = servicer.serving
     await server.start()
+    await servicer.serving.set(True)
     logger.info("scheduler listening on %s:%d", config.host, port)
     return server, engine
 
 
 async def stop_server(server: grpc.aio.Server, engine: Engine | EngineGroup, grace_s: float = 2.0) -> None:
+    await server.serving.set(False)
     await engine.stop()
     await server.stop(grace_s)
     if isinstance(engine, EngineGroup):

@@ -19,9 +19,10 @@ import time
 import grpc
 import torch
 
-from protos.segserve.v1 import worker_pb2_grpc
+from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.step import StepRequest, StepResult
+from segserve.health import Serving, add_health_and_reflection
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.validation import InvalidRequest
@@ -61,6 +62,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._runner: ModelRunner | None = None
         self._detail = "loading the model"
         self._step_lock = asyncio.Lock()
+        self.serving = Serving([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
+        """The standard grpc.health.v1 status: SERVING only once the model is loaded and warmed up."""
         if runner is not None:
             self.attach(runner)
 
@@ -69,6 +72,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not runner.is_ready:
             raise ValueError("attach a runner only after warm_up() succeeded")
         self._runner = runner
+
+    @property
+    def is_ready(self) -> bool:
+        return self._runner is not None
 
     def mark_failed(self, detail: str) -> None:
         self._detail = detail
@@ -106,10 +113,12 @@ async def start_server(servicer: WorkerServicer, host: str, port: int) -> tuple[
         ("grpc.max_send_message_length", 64 * 2**20),
     ])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    add_health_and_reflection(server, servicer.serving)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the worker to {host}:{port}")
     await server.start()
+    await servicer.serving.set(servicer.is_ready)
     return server, bound
 
 
@@ -132,10 +141,12 @@ async def serve(config: WorkerConfig) -> None:
         await server.stop(grace=None)
         raise
     servicer.attach(runner)
+    await servicer.serving.set(True)
     info = runner.info()
     logger.info("worker ready: %s, %d KV blocks of %d tokens on %s/%s", info.model_name, info.num_kv_blocks,
                 info.block_size, info.device, info.dtype)
     try:
         await server.wait_for_termination()
     finally:
+        await servicer.serving.set(False)
         await server.stop(grace=1.0)

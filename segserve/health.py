@@ -1,0 +1,36 @@
+"""The standard gRPC health protocol and server reflection, as every segserve gRPC server serves them.
+
+A leaf module (stdlib and grpc only), so every service may import it. `add_health_and_reflection`
+registers grpc.health.v1.Health and reflection on a server; `Serving` sets the overall status ("")
+and each named service's together: NOT_SERVING while a worker loads its model or any server shuts
+down, SERVING in between. Kubernetes probes (`grpc:` probes) and grpcurl read these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+class Serving:
+    """The health status of one server's services."""
+
+    def __init__(self, service_names: Sequence[str]):
+        self.service_names = list(service_names)
+        self.servicer = health.aio.HealthServicer()
+
+    async def set(self, is_serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.servicer.set(name, status)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, serving: Serving) -> None:
+    """Serve `serving`'s health and reflection of its services (plus health and reflection themselves)."""
+    health_pb2_grpc.add_HealthServicer_to_server(serving.servicer, server)
+    reflection.enable_server_reflection((*serving.service_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
