@@ -51,6 +51,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         drafter=from_args(DrafterConfig, args, _SERVE_DRAFTER_RENAME),
         is_speculative=args.speculation,
         num_workers=args.workers,
+        is_ray_workers=args.ray_workers,
         num_drafters=args.drafters,
         log_dir=args.log_dir,
     )
@@ -205,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(serve, RouterConfig, skip=_SERVE_ROUTER_SKIP)
     serve.add_argument("--workers", type=int, default=1,
                        help="worker processes, each with the model and its own KV pool (default: 1)")
+    serve.add_argument("--ray-workers", action="store_true",
+                       help="run the workers as Ray actors on the --ray-address cluster (a GPU each when it has GPUs)")
     serve.add_argument("--drafters", type=int, default=1,
                        help="drafter replicas; several share what they learn through one log (default: 1)")
     serve.add_argument("--log-dir", default=None, help="write each service's log to this directory")

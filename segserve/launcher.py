@@ -47,6 +47,9 @@ class StackConfig:
     """Run drafters and decode speculatively; False = plain decoding, no drafter process."""
     num_workers: int = 1
     """Worker processes (data parallel: each loads the model and has its own KV pool); the scheduler drives all."""
+    is_ray_workers: bool = False
+    """Run the workers as Ray actors on the scheduler's --ray-address cluster (one GPU each when the cluster has
+    GPUs) instead of local processes."""
     num_drafters: int = 1
     """Drafter replicas; with more than one they share what they learn through a log in the drafter's
     shared_log_dir (or <corpus_dir>/log, else a temporary directory of the stack's)."""
@@ -60,6 +63,8 @@ class StackConfig:
             raise ValueError("startup_timeout_s must be > 0")
         if self.num_drafters < 1 or self.num_workers < 1:
             raise ValueError("num_workers and num_drafters must be >= 1")
+        if self.is_ray_workers and not self.scheduler.ray_address:
+            raise ValueError("Ray workers need the scheduler's ray_address (--ray-address)")
 
 
 _ROUTER_PORT_ATTEMPTS = 3
@@ -85,6 +90,8 @@ class Stack:
         """Service name ("worker", "drafter", "drafter-1", ...) -> its process."""
         self._logs: list[IO] = []
         self._shared_dir: tempfile.TemporaryDirectory | None = None
+        self._ray_actors: list = []
+        """Worker actors, with is_ray_workers."""
         self.worker_configs: list[WorkerConfig] = []
         """Every worker's config as started (worker i is process replica_name("worker", i))."""
 
@@ -103,10 +110,15 @@ class Stack:
         cfg = self.config
         model_dir = str(resolve_model(cfg.worker.model))  # converts the default model once, with a progress bar
         ports = [cfg.worker.port] if cfg.worker.port and cfg.num_workers == 1 else [0] * cfg.num_workers
-        workers = [dataclasses.replace(cfg.worker, model=model_dir, port=port or free_port()) for port in ports]
+        workers = [dataclasses.replace(cfg.worker, model=model_dir, port=port or (0 if cfg.is_ray_workers else
+                                                                                   free_port())) for port in ports]
         worker = workers[0]
         self.worker_configs = workers
-        worker_addresses = [f"{w.host}:{w.port}" for w in workers]
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        if cfg.is_ray_workers:
+            worker_addresses = self._start_ray_workers(workers, deadline)
+        else:
+            worker_addresses = [f"{w.host}:{w.port}" for w in workers]
         worker_address = ",".join(worker_addresses)
         drafters = self._drafter_configs(model_dir) if cfg.is_speculative else []
         drafter_addresses = [f"{d.host}:{d.port}" for d in drafters]
@@ -117,12 +129,12 @@ class Stack:
                                      served_model_name=cfg.router.served_model_name or worker.served_model_name)
         self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router,
                                           drafter=drafters[0] if drafters else cfg.drafter)
-        deadline = time.monotonic() + cfg.startup_timeout_s
         try:
-            for i, config in enumerate(workers):
-                self._spawn(replica_name("worker", i), config, "worker")
-            for i, address in enumerate(worker_addresses):
-                self._wait_grpc_ready(replica_name("worker", i), worker_pb2_grpc.WorkerStub, address, deadline)
+            if not cfg.is_ray_workers:
+                for i, config in enumerate(workers):
+                    self._spawn(replica_name("worker", i), config, "worker")
+                for i, address in enumerate(worker_addresses):
+                    self._wait_grpc_ready(replica_name("worker", i), worker_pb2_grpc.WorkerStub, address, deadline)
             for i, drafter in enumerate(drafters):
                 self._spawn(replica_name("drafter", i), drafter, "drafter")
             for i, (drafter, address) in enumerate(zip(drafters, drafter_addresses)):
@@ -133,6 +145,32 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+
+    def _start_ray_workers(self, workers: list[WorkerConfig], deadline: float) -> list[str]:
+        """Start one WorkerActor per config on the scheduler's Ray cluster; their addresses once all are ready."""
+        import ray
+
+        from worker.actor import WorkerActor
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(address=self.config.scheduler.ray_address, namespace="segserve", logging_level="ERROR")
+        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        self._ray_actors = [WorkerActor.options(name=f"segserve-worker-{os.getpid()}-{i}", num_gpus=num_gpus).remote()
+                            for i in range(len(workers))]
+        starts = [actor.start.remote(config) for actor, config in zip(self._ray_actors, workers)]
+        return ray.get(starts, timeout=max(1.0, deadline - time.monotonic()))
+
+    def _stop_ray_workers(self) -> None:
+        import ray
+
+        try:
+            ray.get([actor.stop.remote() for actor in self._ray_actors], timeout=10)
+        except Exception:  # stopping anyway
+            pass
+        for actor in self._ray_actors:
+            ray.kill(actor)
+        self._ray_actors = []
+        ray.shutdown()
 
     def _drafter_configs(self, model_dir: str) -> list[DrafterConfig]:
         """One config per drafter replica: free ports, and one shared log when there are several."""
@@ -165,6 +203,8 @@ class Stack:
         if self._shared_dir is not None:
             self._shared_dir.cleanup()
             self._shared_dir = None
+        if self._ray_actors:
+            self._stop_ray_workers()
 
     def wait(self) -> int:
         """Block until any service exits; return its exit code."""

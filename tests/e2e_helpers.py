@@ -18,7 +18,7 @@ from worker.config import WorkerConfig
 
 def tiny_stack(model_dir: Path, log_dir: Path, *, is_speculative: bool = True, max_num_seqs: int = 16,
                scheduler: dict | None = None, num_drafters: int = 1, num_workers: int = 1,
-               **worker_overrides) -> Stack:
+               is_ray_workers: bool = False, **worker_overrides) -> Stack:
     """The one stack the end-to-end tests run: worker, drafter, scheduler and router on free ports, not yet
     started (use it as a context manager, or call start()). `scheduler` overrides SchedulerConfig fields."""
     config = StackConfig(
@@ -30,6 +30,7 @@ def tiny_stack(model_dir: Path, log_dir: Path, *, is_speculative: bool = True, m
         is_speculative=is_speculative,
         num_drafters=num_drafters,
         num_workers=num_workers,
+        is_ray_workers=is_ray_workers,
         log_dir=str(log_dir),
     )
     return Stack(config)

@@ -1,4 +1,5 @@
-"""The whole stack on a Ray cluster started with `ray start --head`, joined through --ray-address."""
+"""The whole stack on a Ray cluster started with `ray start --head`, joined through --ray-address: the scheduler
+and two workers run there as Ray actors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e_helpers import served_model_name, tiny_stack
+from tests.e2e_helpers import scheduler_stats, served_model_name, tiny_stack
 from tests.router_server import free_port
 
 
@@ -58,16 +59,19 @@ def test_the_stack_runs_on_a_ray_start_head_cluster(tiny_gemma3_dir, tmp_path, m
         monkeypatch.setenv(name, value)  # the launched scheduler joins with the cluster's token
     head, address = ray_head(tmp_path, env)
     try:
-        with tiny_stack(tiny_gemma3_dir, tmp_path, is_speculative=False, scheduler={"ray_address": address}) as stack:
+        with tiny_stack(tiny_gemma3_dir, tmp_path, is_speculative=False, scheduler={"ray_address": address},
+                        num_workers=2, is_ray_workers=True) as stack:
             body = {"model": served_model_name(stack), "prompt": "Hello", "max_tokens": 5, "temperature": 0}
             response = httpx.post(stack.base_url + "/v1/completions", json=body, timeout=120)
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+            assert scheduler_stats(stack).num_live_workers == 2  # both worker actors serve
             probe = subprocess.run(
                 [sys.executable, "-c",
                  "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
                  "print([a['name'] for a in ray.util.list_named_actors(all_namespaces=True)])", address],
                 capture_output=True, text=True, timeout=120)
-            assert "segserve-scheduler-" in probe.stdout, probe.stderr  # the actor runs on the cluster
+            assert "segserve-scheduler-" in probe.stdout, probe.stderr  # the actors run on the cluster
+            assert probe.stdout.count("segserve-worker-") == 2 and not stack.processes.get("worker")
             log = (tmp_path / "scheduler.log").read_text()
             assert "scheduler serving on" in log and "Ray node " in log
     finally:
