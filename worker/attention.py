@@ -179,6 +179,11 @@ def _to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.
     tables = device_tables.index_select(0, table_rows).long()  # [R, max_blocks]
     block_col = (key // block_size).clamp_(max=tables.shape[1] - 1).expand(rows, num_keys)  # [R, L]
     key_slots = tables.gather(1, block_col) * block_size + key % block_size  # [R, L]
+    if q == 1:  # decode: one query per row, at position start, seeing keys 0..start (no padding queries)
+        mask = (key[None, :] <= start)[:, None, :]  # [R, 1, L]
+        return AttentionGroup(query_index=query_index, key_slots=key_slots, mask=mask, query_pos=start + depth,
+                              key_pos=key.expand(rows, num_keys), is_pad_query=is_pad.bool(), out_rows=out_rows,
+                              out_tokens=out_tokens)
     rel = key[None, :] - start  # [R, L]: key index among the new tokens (< 0: cached context)
     is_context = rel < 0
     new_index = rel.clamp(0, q - 1)  # [R, L]
