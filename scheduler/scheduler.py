@@ -396,8 +396,10 @@ class Scheduler:
                 sample_indices=(num_new - 1,) if is_at_end else (),
             ))
             if not seq.is_known_to_worker:
+                # every token so far: a sequence moved from a lost worker may start past a cached prefix that
+                # covers some of its output too
                 request.new_sequences.append(NewSequence(seq.request_id, seq.sampling, seq.num_prompt_tokens,
-                                                         tuple(seq.prompt_token_ids)))
+                                                         tuple(seq.token_ids)))
                 seq.is_known_to_worker = True
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now

@@ -301,3 +301,30 @@ async def test_speculation_with_cached_prefixes_stays_lossless(num_right):
     assert {k: v[0] for k, v in results.items()} == {k: expected(p, 20) for k, p in prompts.items()}
     assert sum(r.num_draft_tokens for r in worker.requests) > 0
     assert first_work(worker, "c").num_computed_tokens >= 20  # a's prompt and output, from the cache
+
+
+def test_a_sequence_moved_from_a_lost_worker_may_start_past_a_prefix_that_covers_its_output():
+    """The new worker's cache holds the prompt and the first outputs (another request with the same tokens ran
+    there): the moved sequence starts past them, so its NewSequence must carry every token it has, not just the
+    prompt, for the worker to know what it skips."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    other = make_scheduler()
+    other_worker = make_worker(other)
+    run(other, other_worker, [make_seq("warm", prompt, max_tokens=8)])  # caches prompt + output blocks
+    lost = make_scheduler()
+    lost_worker = make_worker(lost)
+    lost.add(make_seq("moved", prompt, max_tokens=8))
+    for _ in range(4):  # prefill, then 3 decode steps: 4 tokens out
+        lost.postprocess(request := lost.schedule(), lost_worker.step_sync(request))
+    (seq,) = lost.evict_all()
+    assert seq.num_computed_tokens == 0 and len(seq.output_token_ids) == 4 and not lost.has_work
+    other.resume(seq)
+    results: dict = {}
+    while other.has_work:
+        request = other.schedule()
+        collect_events(other.postprocess(request, other_worker.step_sync(request)), results)
+    assert other_worker.problems == []
+    work = next(work for r in other_worker.requests if any(w.seq_id == "moved" for w in r.sequences)
+                for work in r.sequences if work.seq_id == "moved")
+    assert work.num_computed_tokens > len(prompt)  # it started inside its own output, from the cache
+    assert seq.output_token_ids == expected(prompt, 8)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e_helpers import scheduler_stats, served_model_name, tiny_stack
 from tests.router_server import free_port
 
 
@@ -53,27 +52,59 @@ def stop_group(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
-def test_the_stack_runs_on_a_ray_start_head_cluster(tiny_gemma3_dir, tmp_path, monkeypatch):
-    env = cluster_env(tmp_path)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)  # the launched scheduler joins with the cluster's token
+def scheduler_stats(address: str):
+    import grpc
+
+    from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+
+
+def test_the_stack_runs_on_a_ray_start_head_cluster(tiny_gemma3_dir, tmp_path):
+    """`segserve serve --ray-address ... --ray-workers --workers 2`, as its own process (a Ray driver of its own:
+    joining a cluster leaves process-wide Ray state behind, which the test process must not carry)."""
+    env = {**os.environ, **cluster_env(tmp_path)}
     head, address = ray_head(tmp_path, env)
+    port, scheduler_port = free_port(), free_port()
+    log = open(tmp_path / "serve.log", "ab")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "segserve.cli", "serve", "--model", str(tiny_gemma3_dir), "--port", str(port),
+         "--scheduler-port", str(scheduler_port), "--ray-address", address, "--ray-workers", "--workers", "2",
+         "--no-speculation", "--num-kv-blocks", "64", "--log-dir", str(tmp_path)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
     try:
-        with tiny_stack(tiny_gemma3_dir, tmp_path, is_speculative=False, scheduler={"ray_address": address},
-                        num_workers=2, is_ray_workers=True) as stack:
-            body = {"model": served_model_name(stack), "prompt": "Hello", "max_tokens": 5, "temperature": 0}
-            response = httpx.post(stack.base_url + "/v1/completions", json=body, timeout=120)
-            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
-            assert scheduler_stats(stack).num_live_workers == 2  # both worker actors serve
-            probe = subprocess.run(
-                [sys.executable, "-c",
-                 "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-                 "print([a['name'] for a in ray.util.list_named_actors(all_namespaces=True)])", address],
-                capture_output=True, text=True, timeout=120)
-            assert "segserve-scheduler-" in probe.stdout, probe.stderr  # the actors run on the cluster
-            assert probe.stdout.count("segserve-worker-") == 2 and not stack.processes.get("worker")
-            log = (tmp_path / "scheduler.log").read_text()
-            assert "scheduler serving on" in log and "Ray node " in log
+        deadline = time.monotonic() + 240
+        while not _is_up(base_url + "/ready"):
+            assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "segserve serve on the Ray cluster did not become ready"
+            time.sleep(0.5)
+        model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        response = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+        assert scheduler_stats(f"127.0.0.1:{scheduler_port}").num_live_workers == 2  # both worker actors serve
+        probe = subprocess.run(
+            [sys.executable, "-c",
+             "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+             "print([a['name'] for a in ray.util.list_named_actors(all_namespaces=True)])", address],
+            capture_output=True, text=True, timeout=120, env=env)
+        assert "segserve-scheduler-" in probe.stdout, probe.stderr  # the actors run on the cluster
+        assert probe.stdout.count("segserve-worker-") == 2
+        assert "scheduler serving on" in (tmp_path / "scheduler.log").read_text()
     finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
         stop_group(head)
 
+
+def _is_up(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

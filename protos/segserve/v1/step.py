@@ -27,8 +27,9 @@ class NewSequence:
     num_prompt_tokens: int
     """Penalties that look at "the output" start here."""
     prompt_token_ids: tuple[int, ...] = ()
-    """The prompt (empty = not sent): the worker's token history starts from it, so a first step may start
-    at num_computed_tokens = a cached prefix's length (prefix caching)."""
+    """The sequence's tokens so far (empty = not sent): the prompt, followed by the output already generated
+    when the sequence moved here from a lost worker. The worker's token history starts from them, so a first
+    step may start at num_computed_tokens = a cached prefix's length (prefix caching)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
