@@ -99,6 +99,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq's block table to cover num_computed_tokens + num_new_tokens positions."""
         missing = self.num_missing_blocks(seq, num_new_tokens)
+        if not missing:
+            return
         if missing > self.num_free_blocks:
             raise RuntimeError(f"{seq.request_id}: {missing} KV blocks needed, {self.num_free_blocks} free")
         seq.block_table.extend(self._take_free_block() for _ in range(missing))
@@ -155,6 +157,8 @@ class BlockManager:
         if not self.is_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if num_full <= seq.num_hashed_blocks:  # most steps: no block became full
+            return
         hashes = self._block_hashes(seq, num_full)
         for index in range(seq.num_hashed_blocks, num_full):
             block_hash, block_id = hashes[index], seq.block_table[index]

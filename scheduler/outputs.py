@@ -37,10 +37,13 @@ def token_chunk(seq: Sequence, output: SequenceOutput, num_kept: int) -> TokenCh
     prompt_logprobs = unsent_prompt_logprobs(seq, output.prompt_logprobs)
     if num_kept == 0 and prompt_logprobs is None:
         return None
-    metrics = RequestMetrics.of(seq)
-    return TokenChunk(output.token_ids[:num_kept], output.scores[:num_kept], output.top_logprobs[:num_kept],
-                      batch_size=metrics.max_batch_size, queue_wait_us=metrics.queue_wait_us,
-                      prompt_logprobs=prompt_logprobs)
+    if num_kept == len(output.token_ids):  # the usual case: no copies
+        token_ids, scores, top_logprobs = output.token_ids, output.scores, output.top_logprobs
+    else:
+        token_ids, scores = output.token_ids[:num_kept], output.scores[:num_kept]
+        top_logprobs = output.top_logprobs[:num_kept]
+    return TokenChunk(token_ids, scores, top_logprobs, batch_size=seq.max_batch_size,
+                      queue_wait_us=seq.queue_wait_us, prompt_logprobs=prompt_logprobs)
 
 
 def unsent_prompt_logprobs(seq: Sequence, prompt: PromptLogprobs | None) -> PromptLogprobs | None:

@@ -38,7 +38,7 @@ from protos.segserve.v1.step import NewSequence, ScheduledSequence, SequenceOutp
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.block_manager import BlockManager
 from scheduler.outputs import RequestEvent, completion, token_chunk
-from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.sequence import RequestMetrics, Sequence, SequenceStatus
 from scheduler.stopping import append_tokens
 
 _CAP_GROWTH_STEPS = 16
@@ -403,6 +403,7 @@ class Scheduler:
                 seq.is_known_to_worker = True
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+                seq.queue_wait_us = RequestMetrics.of(seq).queue_wait_us
             seq.max_batch_size = max(seq.max_batch_size, len(chosen))
             self._in_flight[seq.request_id] = seq
         request.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []

@@ -64,6 +64,8 @@ class Sequence:
     next_prompt_logprob_index: int = 1
     """First prompt index whose log-probability has not been streamed (recomputation repeats them)."""
     first_scheduled_time: float | None = None
+    queue_wait_us: int = 0
+    """Arrival to first scheduling, kept from the first scheduling on (every token chunk reports it)."""
     first_token_time: float | None = None
     last_token_time: float | None = None
     max_batch_size: int = 0

@@ -105,6 +105,12 @@ def _bucket(num_queries: int) -> int:
     return 1 << (num_queries - 1).bit_length()
 
 
+def _buckets(num_queries: np.ndarray) -> np.ndarray:
+    """_bucket of every entry of num_queries [W] (int64, each >= 1), without a Python loop."""
+    exponents = np.ceil(np.log2(num_queries.astype(np.float64))).astype(np.int64)  # exact at powers of two
+    return np.left_shift(1, exponents)
+
+
 def _bucket_keys(num_keys: int) -> int:
     """Key lengths are padded up to one of 8 sizes per power of two (at most 1/8 wasted), at least 16,
     so that consecutive decode steps reuse shapes instead of growing one key per step."""
@@ -135,7 +141,7 @@ class GroupPlan:
 
 def plan_groups(works: list[Work], layout: StepLayout) -> list[GroupPlan]:
     """Group the works by query count (power-of-two buckets) and lay each group out on the host."""
-    query_buckets = np.fromiter((_bucket(int(n)) for n in layout.lengths), np.int64, len(works))
+    query_buckets = _buckets(layout.lengths)
     return [_plan_group(works, np.flatnonzero(query_buckets == q), int(q), layout) for q in np.unique(query_buckets)]
 
 

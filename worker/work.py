@@ -64,7 +64,7 @@ def expand(seq: ScheduledSequence, prompt_offsets: tuple[int, ...] = ()) -> Work
     """The Work of a validated sequence (a tree must have passed CandidateTree.problem())."""
     start = seq.num_computed_tokens
     if seq.draft is None:
-        positions = tuple(range(start, start + len(seq.token_ids)))
+        positions = (start,) if len(seq.token_ids) == 1 else tuple(range(start, start + len(seq.token_ids)))
         return Work(seq, seq.token_ids, positions, seq.sample_indices, prompt_offsets=prompt_offsets)
     parents, depths = tree_nodes(seq.draft)
     return Work(seq, seq.token_ids + seq.draft.token_ids, tuple(start + d for d in depths),

@@ -99,7 +99,8 @@ class TokenChunk:
 
     def __post_init__(self) -> None:
         for name in ("token_ids", "scores", "top_logprobs"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if type(value := getattr(self, name)) is not tuple:
+                object.__setattr__(self, name, tuple(value))
 
     def to_pb(self) -> scheduler_pb2.GenerateResponse:
         chunk = scheduler_pb2.TokenChunk(

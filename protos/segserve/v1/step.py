@@ -62,7 +62,8 @@ class ScheduledSequence:
 
     def __post_init__(self) -> None:
         for name in ("token_ids", "block_table", "sample_indices"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if type(value := getattr(self, name)) is not tuple:
+                object.__setattr__(self, name, tuple(value))
 
     @property
     def is_sampled(self) -> bool:
@@ -178,7 +179,8 @@ class SequenceOutput:
 
     def __post_init__(self) -> None:
         for name in ("token_ids", "scores", "top_logprobs"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if type(value := getattr(self, name)) is not tuple:
+                object.__setattr__(self, name, tuple(value))
 
     def to_pb(self) -> worker_pb2.SequenceOutput:
         return worker_pb2.SequenceOutput(
