@@ -30,6 +30,8 @@ from tests.test_router import _free_port
 MODEL = "tiny-test"
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+HTTP = ("protocol", "http")
+"""The label of the request metrics of requests that came over HTTP."""
 MAX_BODY = 16 * 1024
 STATS = scheduler_pb2.SchedulerStats(
     num_running=3, num_waiting=2, num_used_kv_blocks=16, num_total_kv_blocks=64, num_preemptions=1,
@@ -170,7 +172,7 @@ def test_an_overloaded_scheduler_gives_429_with_retry_after(router_url):
         reply = httpx.post(f"{router_url}/v2/models/{MODEL}/{suffix}", json={"text_input": "OVERLOAD"},
                            headers=AUTH)
         assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
-    failures = ("segserve:request_failure_total", (("code", "overloaded"),))
+    failures = ("segserve:request_failure_total", (("code", "overloaded"), HTTP))
     assert scrape(router_url)[failures] - before.get(failures, 0) == 4
 
 
@@ -183,7 +185,8 @@ def test_metrics_observe_requests_with_vllm_names(router_url, scheduler):
     after = scrape(router_url)
 
     def delta(name: str, *labels: tuple[str, str]) -> float:
-        return after[(name, labels)] - before.get((name, labels), 0.0)
+        key = (name, tuple(sorted((*labels, HTTP))))  # requests over HTTP are labelled so
+        return after[key] - before.get(key, 0.0)
 
     for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
                       "vllm:request_queue_time_seconds"):
@@ -219,7 +222,7 @@ def test_metrics_report_the_schedulers_load_and_speculation(router_url, schedule
         fake.has_stats = True
     assert samples[("segserve:scheduler_up", ())] == 0
     assert ("vllm:num_requests_running", ()) not in samples
-    assert ("vllm:time_to_first_token_seconds_count", ()) in samples  # the router's own metrics stay
+    assert ("vllm:time_to_first_token_seconds_count", (HTTP,)) in samples  # the router's own metrics stay
 
 
 def test_apps_have_their_own_metrics_registries(tokenizer):
