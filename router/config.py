@@ -18,6 +18,16 @@ class RouterConfig:
     """HTTP bind address."""
     port: int = 8000
     """HTTP port (0 = any free port, chosen by the launcher)."""
+    is_grpc_api: bool = True
+    """Serve the public gRPC API (segserve.v1.Generation, with health and reflection) on grpc_port."""
+    grpc_port: int = 8001
+    """Port of the public gRPC API, on the HTTP bind address (0 = any free port, chosen by the launcher)."""
+    grpc_max_message_bytes: int = 4 * 1024 * 1024
+    """Largest gRPC message received or sent by the public gRPC API; a larger one is RESOURCE_EXHAUSTED."""
+    grpc_keepalive_time_s: float = 30.0
+    """The gRPC API pings a connection after this many idle seconds, so load balancers keep long streams open."""
+    grpc_keepalive_timeout_s: float = 10.0
+    """A connection that does not answer a keep-alive ping within this many seconds is closed."""
     default_max_tokens: int = 256
     """max_tokens when a request gives none (bounded by the context left)."""
     keepalive_interval_s: float = 10.0
@@ -39,6 +49,12 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in 0..65535")
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError("grpc_port must be in 0..65535")
+        if self.grpc_max_message_bytes <= 0:
+            raise ValueError("grpc_max_message_bytes must be > 0")
+        if self.grpc_keepalive_time_s <= 0 or self.grpc_keepalive_timeout_s <= 0:
+            raise ValueError("grpc_keepalive_time_s and grpc_keepalive_timeout_s must be > 0")
         if self.default_max_tokens <= 0:
             raise ValueError("default_max_tokens must be > 0")
         if self.keepalive_interval_s <= 0:

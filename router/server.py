@@ -1,8 +1,11 @@
-"""Start the router: load the tokenizer, wait for the scheduler, serve HTTP with uvicorn.
+"""Start the router: load the tokenizer, wait for the scheduler, serve HTTP with uvicorn and the public
+gRPC API (grpc_api.py) beside it, on one event loop and one RouterState.
 
 `run(config)` blocks until the server stops. `build_app(config)` does the
 start-up (tokenizer, bounded wait for the scheduler's GetInfo) and returns the
-app; `make_server` wraps an app in a uvicorn server that tests can stop.
+app; `make_server` wraps an app in a uvicorn server that tests can stop, which,
+given the gRPC API, stops it first when it shuts down (before the app's
+shutdown closes the scheduler client the gRPC calls use).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from fastapi import FastAPI
 
 from router.app import create_app
 from router.config import RouterConfig
+from router.grpc_api import GrpcApi, start_grpc_server
 from router.scheduler_pool import SchedulerPool, parse_targets
 
 logger = logging.getLogger(__name__)
@@ -46,15 +50,36 @@ async def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     return create_app(config, client, tokenizer, model_info)
 
 
-def make_server(config: RouterConfig, app: FastAPI, log_level: str = "info") -> uvicorn.Server:
+class RouterServer(uvicorn.Server):
+    """uvicorn's server, stopping the gRPC API (when there is one) before its own shutdown."""
+
+    def __init__(self, config: uvicorn.Config, grpc_api: GrpcApi | None = None) -> None:
+        super().__init__(config)
+        self.grpc_api = grpc_api
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.grpc_api is not None:
+            await self.grpc_api.stop()
+        await super().shutdown(sockets)
+
+
+def make_server(config: RouterConfig, app: FastAPI, log_level: str = "info",
+                grpc_api: GrpcApi | None = None) -> RouterServer:
     # Streams rely on our own keep-alives; uvicorn's default 5 s idle timeout only
     # concerns idle keep-alive connections between requests.
-    return uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                         timeout_graceful_shutdown=5))
+    return RouterServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                       timeout_graceful_shutdown=5), grpc_api)
 
 
 async def serve(config: RouterConfig) -> None:
-    await make_server(config, await build_app(config)).serve()
+    """HTTP, and the gRPC API unless config turns it off, until a signal stops both."""
+    app = await build_app(config)
+    grpc_api = await start_grpc_server(app.state.router, config) if config.is_grpc_api else None
+    try:
+        await make_server(config, app, grpc_api=grpc_api).serve()
+    finally:
+        if grpc_api is not None:
+            await grpc_api.stop()  # HTTP failed to start, or an error ended it before its shutdown
 
 
 def run(config: RouterConfig) -> None:
