@@ -59,7 +59,9 @@ def _serve_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with Stack(config) as stack:
         model_name = stack.config.worker.served_model_name or Path(stack.config.worker.model).name
-        print(f"segserve is ready: {stack.base_url}/v1 serving {model_name!r}; Ctrl-C stops it", flush=True)
+        grpc_api = f", gRPC API on {stack.grpc_address}" if stack.grpc_address else ""
+        print(f"segserve is ready: {stack.base_url}/v1 serving {model_name!r}{grpc_api}; Ctrl-C stops it",
+              flush=True)
         try:
             return stack.wait()
         except KeyboardInterrupt:

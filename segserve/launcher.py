@@ -99,6 +99,12 @@ class Stack:
     def base_url(self) -> str:
         return f"http://{self.config.router.host}:{self.config.router.port}"
 
+    @property
+    def grpc_address(self) -> str | None:
+        """host:port of the router's public gRPC API; None when it is turned off."""
+        router = self.config.router
+        return f"{router.host}:{router.grpc_port}" if router.is_grpc_api else None
+
     def __enter__(self) -> "Stack":
         self.start()
         return self
@@ -215,12 +221,15 @@ class Stack:
             time.sleep(0.5)
 
     def _start_router(self, router: RouterConfig, deadline: float) -> None:
-        """Spawn the router and wait for its /health. A port picked here (port 0) is picked just before the
-        spawn, and picked again if the router dies at start-up: while the other services started, any of
-        them (Ray opens ports of its own) may have bound the one picked earlier."""
-        attempts = 1 if router.port else _ROUTER_PORT_ATTEMPTS
+        """Spawn the router and wait for its /health. A port picked here (port 0, HTTP or gRPC) is picked just
+        before the spawn, and picked again if the router dies at start-up: while the other services started,
+        any of them (Ray opens ports of its own) may have bound the one picked earlier."""
+        is_grpc_picked = router.is_grpc_api and not router.grpc_port
+        attempts = _ROUTER_PORT_ATTEMPTS if not router.port or is_grpc_picked else 1
         for attempt in range(1, attempts + 1):
             config = router if router.port else dataclasses.replace(router, port=free_port())
+            if is_grpc_picked:
+                config = dataclasses.replace(config, grpc_port=free_port())
             self.config = dataclasses.replace(self.config, router=config)
             self._spawn("router", config)
             try:

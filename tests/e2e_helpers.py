@@ -25,7 +25,7 @@ def tiny_stack(model_dir: Path, log_dir: Path, *, is_speculative: bool = True, m
         worker=WorkerConfig(**{"model": str(model_dir), "port": 0, "device": TEST_DEVICE, **worker_overrides}),
         scheduler=SchedulerConfig(**{"port": 0, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 128,
                                      **(scheduler or {})}),
-        router=RouterConfig(port=0),
+        router=RouterConfig(port=0, grpc_port=0),
         drafter=DrafterConfig(port=0),
         is_speculative=is_speculative,
         num_drafters=num_drafters,
