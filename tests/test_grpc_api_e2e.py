@@ -6,12 +6,20 @@ server reflection alone streams the greedy text /v1/completions gives; 64
 concurrent streams, a third of them cancelled or past their deadline, leave
 the scheduler with nothing running, waiting or holding KV blocks; Generate,
 Tokenize, Detokenize and ListModels agree with the HTTP API; the metrics count
-gRPC requests under protocol="grpc".
+gRPC requests under protocol="grpc". Last, the fuzz of the HTTP APIs
+(test_fuzz_contract.py) at every RPC: hypothesis draws requests with
+non-finite and huge numbers, empty, oversized (past the context, past the
+message limit) and conflicting inputs, unknown models, bad n, stop strings and
+logprobs, while greedy witness streams run beside them; no call may end
+UNKNOWN, INTERNAL or hang, INVALID_ARGUMENT names the field, the witnesses
+stay token-identical to plain greedy decoding and the scheduler ends idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import math
 import re
 
 import grpc
@@ -20,8 +28,11 @@ import pytest
 from google.protobuf import json_format, message_factory
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tests.e2e_helpers import served_model_name, tiny_stack, wait_until_idle
+from tests.e2e_helpers import GreedyReference, served_model_name, tiny_stack, wait_until_idle
+from tests.test_fuzz_contract import WITNESS_PROMPTS, WITNESS_TOKENS, Witnesses
 
 pytestmark = pytest.mark.e2e
 
@@ -216,3 +227,110 @@ def test_metrics_count_grpc_requests_under_their_protocol(stack):
                           re.MULTILINE)
     assert grpc_ttft is not None and float(grpc_ttft.group(1)) >= 1
     assert http_ttft is not None and float(http_ttft.group(1)) >= 1
+
+
+# --- fuzz: hostile values at every RPC while greedy requests run beside them ------------------------------------
+
+HOSTILE_DOUBLES = [math.inf, -math.inf, math.nan, 1e39, -1e39, 1e308, -1.0, 0.0, 1e-300, 0.5, 1.0, 2.5]
+HOSTILE_UINT32 = [0, 1, 2, 20, 21, 400, 2**31, 2**32 - 1]
+HOSTILE_UINT64 = [0, 1, 7, 2**63, 2**64 - 1]
+LONG_PROMPT = "word " * 2000  # past the tiny model's 512-token context
+OVERSIZED_PROMPT = "x " * (3 * 2**20)  # past the 4 MiB message limit
+FUZZ_EXAMPLES = 60
+
+
+def _parameters() -> st.SearchStrategy:
+    doubles, uint32s = st.sampled_from(HOSTILE_DOUBLES), st.sampled_from(HOSTILE_UINT32)
+    fields = {
+        "max_tokens": st.sampled_from([1, 4, 0, 10**6, 2**32 - 1]), "do_sample": st.booleans(),
+        "temperature": doubles, "top_k": uint32s, "top_p": doubles, "typical_p": doubles,
+        "repetition_penalty": doubles, "frequency_penalty": doubles, "presence_penalty": doubles,
+        "seed": st.sampled_from(HOSTILE_UINT64),
+        "stop": st.lists(st.sampled_from(["", "\n", "e", "🙂", "x" * 10_000]), max_size=6),
+        "stop_token_ids": st.lists(st.sampled_from([0, 1, 2**32 - 1]), max_size=3) | st.just([1] * 65),
+        "ignore_eos": st.booleans(), "n": st.sampled_from([0, 1, 2, 16, 17, 2**32 - 1]),
+        "logprobs": uint32s, "prompt_logprobs": uint32s,
+        "logit_bias": st.dictionaries(st.sampled_from([0, 5, 399, 400, 2**32 - 1]), doubles, max_size=2),
+        "watermark": st.booleans(), "details": st.booleans(),
+    }
+    return st.fixed_dictionaries({}, optional=fields)
+
+
+def _messages() -> st.SearchStrategy:
+    return st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "assistant", "system", "tool", "robot", ""]),
+        "content": st.sampled_from(["Hi", "", "x" * 2000, "🙂"])}), max_size=3)
+
+
+@st.composite
+def generation_requests(draw, model: str) -> dict:
+    """The fields of a GenerationRequest: hostile, absent or valid, in any combination."""
+    request = {"model": draw(st.sampled_from([model, "", "nope", "x" * 1000])),
+               "parameters": draw(_parameters()),
+               "request_id": draw(st.sampled_from(["", "fuzz-1", "x" * 1000])),
+               "session_id": draw(st.sampled_from(["", "s-fuzz"]))}
+    kind = draw(st.sampled_from(["prompt", "messages", "both", "neither"]))
+    if kind in ("prompt", "both"):
+        request["prompt"] = draw(st.sampled_from(["Hello", "", "\x00", "🙂" * 5, LONG_PROMPT, OVERSIZED_PROMPT]))
+    if kind in ("messages", "both"):
+        request["messages"] = draw(_messages())
+    return request
+
+
+def test_hostile_requests_never_end_unknown_or_internal_nor_disturb_co_batched_requests(
+        stack, model, tiny_gemma3_dir):
+    from protos.segserve.v1 import generation_pb2 as pb
+    from protos.segserve.v1 import generation_pb2_grpc
+
+    reference = GreedyReference(tiny_gemma3_dir)
+    witness_texts = {prompt: reference.completion(prompt, WITNESS_TOKENS) for prompt in WITNESS_PROMPTS}
+    failures: list[str] = []
+    outcomes: collections.Counter[str] = collections.Counter()
+
+    def call(rpc, request, is_stream: bool = False) -> None:
+        try:
+            if is_stream:
+                for _ in rpc(request, timeout=CALL_TIMEOUT_S):
+                    pass
+            else:
+                rpc(request, timeout=CALL_TIMEOUT_S)
+            outcomes["OK"] += 1
+        except grpc.RpcError as exc:
+            code, trailers = exc.code(), dict(exc.trailing_metadata() or ())
+            outcomes[code.name] += 1
+            if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED):
+                failures.append(f"{str(request)[:300]} -> {code.name}: {exc.details()}")
+            elif code is grpc.StatusCode.INVALID_ARGUMENT and not (exc.details() and trailers.get("invalid-field")):
+                failures.append(f"{str(request)[:300]} -> INVALID_ARGUMENT without naming the field")
+
+    with Witnesses(stack.base_url, model, witness_texts) as witnesses, \
+            grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(generation_requests(model), st.booleans())
+        def fuzz_generate(fields: dict, is_stream: bool):
+            request = pb.GenerationRequest(**{**fields, "parameters": pb.GenerationParameters(**fields["parameters"]),
+                                              "messages": [pb.ChatMessage(**m) for m in fields.get("messages", [])]})
+            call(stub.GenerateStream if is_stream else stub.Generate, request, is_stream)
+
+        @settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.sampled_from([model, "", "nope"]), st.sampled_from(["", "Hello", OVERSIZED_PROMPT]), _messages(),
+               st.lists(st.sampled_from([0, 1, 399, 400, 2**32 - 1]), max_size=4), st.booleans())
+        def fuzz_tokens(model_name: str, text: str, messages: list[dict], token_ids: list[int], skip: bool):
+            chat = [pb.ChatMessage(**m) for m in messages]
+            call(stub.Tokenize, pb.TokenizeRequest(model=model_name, text=text, messages=chat))
+            call(stub.Detokenize, pb.DetokenizeRequest(model=model_name, token_ids=token_ids, skip_special_tokens=skip))
+
+        fuzz_generate()
+        fuzz_tokens()
+    assert not failures, "\n".join(failures[:10])
+    # The draw reaches both sides: admitted requests (batched with the witnesses) and every kind of refusal.
+    assert outcomes["OK"] >= 10 and outcomes["INVALID_ARGUMENT"] >= 10, outcomes
+    assert outcomes["NOT_FOUND"] and outcomes["RESOURCE_EXHAUSTED"], outcomes
+    assert witnesses.num_done >= len(WITNESS_PROMPTS), "the witnesses never finished a round"
+    assert not witnesses.wrong, witnesses.wrong[:3]
+    stats = wait_until_idle(stack, timeout_s=10.0)
+    assert (stats.num_running, stats.num_waiting, stats.num_used_kv_blocks) == (0, 0, 0)
