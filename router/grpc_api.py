@@ -158,7 +158,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @_rpc
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         self.state.check_model(request.model or None)
-        token_ids = prompt_of(self.state, request.text, request.messages).token_ids
+        token_ids = prompt_of(self.state, request.text, request.messages, "text").token_ids
         return pb.TokenizeResponse(token_ids=token_ids, tokens=[self.state.token_texts.get(t)[0] for t in token_ids],
                                    max_model_len=self.state.model_info.max_model_len)
 

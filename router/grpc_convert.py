@@ -37,7 +37,7 @@ from protos.segserve.v1.sampling import RANGES, SamplingParams, StoppingCriteria
 from protos.segserve.v1.step import PromptLogprobs
 from router.admission import check_request
 from router.choices import MAX_CHOICES
-from router.errors import bad_request
+from router.errors import APIError, bad_request
 from router.generation import Delta, GenerationJob, TokenLogprob, Usage
 from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from router.protocol import MAX_STOP_STRINGS, choice_seed, sampling_temperature
@@ -70,10 +70,11 @@ class Prompt:
     """The request field it came from ("prompt" or "messages"), named in errors."""
 
 
-def prompt_of(state: RouterState, text: str, messages) -> Prompt:
-    """The token ids of a completion prompt or a chat (exactly one given), as /v1 tokenizes them."""
+def prompt_of(state: RouterState, text: str, messages, text_field: str = "prompt") -> Prompt:
+    """The token ids of a completion text or a chat (exactly one given), as /v1 tokenizes them; errors name
+    `text_field` (the request's name for the text) or `messages`."""
     if text and messages:
-        raise bad_request("Invalid request: set one of `prompt` and `messages`, not both", "prompt")
+        raise bad_request(f"Invalid request: set one of `{text_field}` and `messages`, not both", text_field)
     if messages:
         for index, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
@@ -83,8 +84,12 @@ def prompt_of(state: RouterState, text: str, messages) -> Prompt:
         template = [{"role": m.role, "content": m.content} for m in messages]
         return Prompt(chat_prompt_ids(state.tokenizer, template), "messages")
     if not text:
-        raise bad_request("Invalid request: `prompt` (or `messages`) is required and must not be empty", "prompt")
-    return Prompt(completion_prompt_ids(state.tokenizer, text), "prompt")
+        raise bad_request(f"Invalid request: `{text_field}` (or `messages`) is required and must not be empty",
+                          text_field)
+    try:
+        return Prompt(completion_prompt_ids(state.tokenizer, text), text_field)
+    except APIError as exc:  # it tokenizes to nothing
+        raise bad_request(exc.message.replace("the prompt", f"`{text_field}`"), text_field) from None
 
 
 def to_sampling(params: pb.GenerationParameters, choice_index: int) -> SamplingParams:

@@ -260,9 +260,12 @@ def test_chat_and_tokenize_use_the_chat_template(stub, scheduler, tokenizer):
                                              tokenize=False)
     assert list(tokens.token_ids) == tokenizer(template, add_special_tokens=False).input_ids
     assert fake.requests[-1].prompt_token_ids == tuple(tokens.token_ids)
-    error = _error(stub.Detokenize, pb.DetokenizeRequest(token_ids=[len(tokenizer)]), metadata=AUTH, timeout=10)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert dict(error.trailing_metadata())["invalid-field"] == "token_ids"
+    for call, request, field in [(stub.Detokenize, pb.DetokenizeRequest(token_ids=[len(tokenizer)]), "token_ids"),
+                                 (stub.Tokenize, pb.TokenizeRequest(text=""), "text"),
+                                 (stub.Tokenize, pb.TokenizeRequest(text="hi", messages=messages), "text")]:
+        error = _error(call, request, metadata=AUTH, timeout=10)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(error.trailing_metadata())["invalid-field"] == field
 
 
 def test_metrics_label_grpc_requests(router, stub):
