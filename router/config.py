@@ -15,7 +15,7 @@ class RouterConfig:
     """gRPC address of the scheduler; several comma-separated, or dns:///name:port for every address a name resolves
     to (re-resolved every 10 s): requests are balanced over them by load, with prompt-prefix affinity."""
     host: str = "127.0.0.1"
-    """HTTP bind address."""
+    """Bind address of HTTP and of the public gRPC API."""
     port: int = 8000
     """HTTP port (0 = any free port, chosen by the launcher)."""
     is_grpc_api: bool = True
