@@ -9,9 +9,9 @@ generation.py (after stop strings and the merge of n choices) as stream events
 or as the one Generate answer.
 
 Sampling, as one contract for both HTTP APIs' callers: `do_sample` samples;
-so does setting temperature (other than 0), top_k, top_p or typical_p (SPEC:
-given sampling parameters make do_sample true); temperature in [0, 1e-5) is
-greedy, as OpenAI's 0 (protocol.sampling_temperature). Choice i's seed is
+so does a temperature other than 0, or a top_k, top_p or typical_p that is not
+off (SPEC: given sampling parameters make do_sample true); a temperature in
+[0, 1e-5) is greedy, as OpenAI's 0 (protocol.sampling_temperature). Choice i's seed is
 seed + i (protocol.choice_seed).
 
 Speculative decoding shows in `step_num_tokens`: the scheduler sends one chunk
@@ -94,7 +94,8 @@ def prompt_of(state: RouterState, text: str, messages, text_field: str = "prompt
 
 def to_sampling(params: pb.GenerationParameters, choice_index: int) -> SamplingParams:
     """The contract's sampling for choice `choice_index` (rules in the module docstring); unchecked."""
-    is_sampled = params.do_sample or any(params.HasField(name) for name in ("top_k", "top_p", "typical_p"))
+    is_sampled = params.do_sample or params.top_k > 0 or any(
+        params.HasField(name) and getattr(params, name) != 1.0 for name in ("top_p", "typical_p"))
     temperature = 1.0
     if params.HasField("temperature"):
         is_sampled, temperature = sampling_temperature(params.temperature)

@@ -331,3 +331,22 @@ def test_grpc_turns_merge_with_http_turns_in_the_reflow_export(scheduler, tiny_g
     merged = [*follow_up, {"role": "assistant", "content": second.choices[0].text}]
     assert merged in examples
     assert [*opening, {"role": "assistant", "content": reply}] not in examples  # the gRPC turn extends it
+
+
+@pytest.mark.parametrize(("parameters", "is_sampled", "temperature"), [
+    ({}, False, 1.0),
+    ({"do_sample": True}, True, 1.0),
+    ({"temperature": 0.0}, False, 1.0),
+    ({"temperature": 0.0, "do_sample": True}, False, 1.0),  # OpenAI's 0 is greedy whatever else is set
+    ({"temperature": 0.7}, True, 0.7),
+    ({"top_k": 5}, True, 1.0),
+    ({"top_k": 0}, False, 1.0),
+    ({"top_p": 0.9}, True, 1.0),
+    ({"top_p": 1.0}, False, 1.0),
+    ({"typical_p": 0.5}, True, 1.0),
+])
+def test_sampling_parameters_make_do_sample_true(parameters, is_sampled, temperature):
+    from router.grpc_convert import to_sampling
+
+    sampling = to_sampling(pb.GenerationParameters(**parameters), 0)
+    assert (sampling.do_sample, sampling.temperature) == (is_sampled, temperature)
