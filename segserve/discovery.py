@@ -3,6 +3,8 @@
 A target is either `host:port`, one replica reached as written, or gRPC's `dns:///name:port`,
 every address the name resolves to (a Kubernetes headless Service resolves to its ready pods),
 resolved again every `refresh_s` so that a scaled Deployment is picked up without a restart.
+`resolve_names` also tells which name each address came from (over TLS, the name its certificate
+must carry; segserve/tls.py).
 
 `rendezvous` places a key (e.g. `affinity_key` of a prompt) on one replica of a set (highest random weight hashing): every key
 keeps its replica when replicas join or leave, except the keys of a replica that left and the
@@ -38,19 +40,26 @@ def join_host_port(host: str, port: int) -> str:
 async def resolve(targets: Sequence[str]) -> list[str]:
     """Every replica address the targets name, sorted and deduplicated. A DNS target that does not
     resolve names no replica for now (it may come back at the next refresh)."""
+    return sorted(await resolve_names(targets))
+
+
+async def resolve_names(targets: Sequence[str]) -> dict[str, str | None]:
+    """`resolve`'s addresses, each with the DNS name it was resolved from (None for an address given as
+    is): the name a replica's TLS certificate is checked against, as gRPC checks a `dns:///` target's."""
     loop = asyncio.get_running_loop()
-    addresses: set[str] = set()
+    addresses: dict[str, str | None] = {}
     for target in targets:
         if not is_dns_target(target):
-            addresses.add(target)
+            addresses.setdefault(target, None)
             continue
         host, port = split_host_port(target.removeprefix(DNS_SCHEME))
         try:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror:
             continue
-        addresses.update(join_host_port(info[4][0], port) for info in infos)
-    return sorted(addresses)
+        for info in infos:
+            addresses.setdefault(join_host_port(info[4][0], port), host)
+    return addresses
 
 
 def _weight(key: str, replica: str) -> int:
