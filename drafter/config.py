@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from segserve.tls import internal_tls
+
 
 @dataclass
 class DrafterConfig:
@@ -11,6 +13,13 @@ class DrafterConfig:
     """Address the gRPC server binds to (localhost by default)."""
     port: int = 50071
     """gRPC port (0 = any free port)."""
+    internal_tls_cert_file: str = ""
+    """PEM certificate the drafter's gRPC server presents; with internal_tls_key_file and internal_tls_ca_file it
+    turns on mutual TLS (all three empty = plaintext)."""
+    internal_tls_key_file: str = ""
+    """PEM private key of internal_tls_cert_file."""
+    internal_tls_ca_file: str = ""
+    """PEM CA bundle: a client (the scheduler) must present a certificate it signed."""
     segments_config: str | None = None
     """Segments TOML file; None = drafter/segments/default.toml (for the default model)."""
     tokenizer: str | None = None
@@ -57,3 +66,4 @@ class DrafterConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        internal_tls(self)  # ValueError naming the fields when only some are given

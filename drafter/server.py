@@ -29,6 +29,7 @@ from drafter.types import ContinuationSource
 from protos.segserve.v1 import drafter_pb2_grpc
 from segserve.checkpoint import resolve_model
 from segserve.health import add_health_and_reflection
+from segserve.tls import TlsFiles, add_port, internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,15 @@ async def keep_memory(servicer: DrafterServicer, config: DrafterConfig) -> None:
             logger.warning("keeping the shared memory failed", exc_info=True)
 
 
-async def start_server(servicer: DrafterServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_server(servicer: DrafterServicer, host: str, port: int,
+                       tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
     """Bind and start a grpc.aio server with the Drafter, the standard health service (servicer.health: SERVING
-    once started) and reflection; returns it and the bound port (port 0 = any free one)."""
+    once started) and reflection; returns it and the bound port (port 0 = any free one). With `tls`
+    (segserve.tls.internal_tls of the config), clients must present a certificate its CA signed."""
     server = grpc.aio.server()
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     add_health_and_reflection(server, servicer.serving)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind the drafter to {host}:{port}")
     await server.start()
@@ -117,14 +120,17 @@ async def start_server(servicer: DrafterServicer, host: str, port: int) -> tuple
 
 async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSource] | None = None) -> None:
     """Load segments and corpora, serve until stopped, then save the corpora to corpus_dir."""
+    tls = internal_tls(config)
+    if tls is not None:
+        tls.check()  # before the slow loading
     segments = load_segments(config.segments_config, load_tokenizer(config.tokenizer))
     if draft_models is None:
         draft_models = load_draft_models(segments, config.tokenizer, config.device, config.dtype)
     servicer = build_servicer(config, segments, draft_models)
     num_replayed = await asyncio.to_thread(servicer.memory.catch_up)
-    server, port = await start_server(servicer, config.host, config.port)
-    logger.info("drafter listening on %s:%d with segments %s (%d log records replayed)", config.host, port,
-                [k.name for k in segments.all_kinds], num_replayed)
+    server, port = await start_server(servicer, config.host, config.port, tls)
+    logger.info("drafter listening on %s:%d%s with segments %s (%d log records replayed)", config.host, port,
+                " (mutual TLS)" if tls else "", [k.name for k in segments.all_kinds], num_replayed)
     keeper = asyncio.create_task(keep_memory(servicer, config))
     try:
         await server.wait_for_termination()

@@ -11,6 +11,7 @@ import asyncio
 
 import ray
 
+from segserve.tls import internal_tls
 from worker.config import WorkerConfig
 from worker.server import WorkerServicer, load_runner, start_server
 
@@ -27,7 +28,7 @@ class WorkerActor:
         """Bind the gRPC server, load and warm up the model, report SERVING; returns the address to dial."""
         if self._server is not None:
             raise RuntimeError("the worker actor is already started")
-        self._server, port = await start_server(self._servicer, config.host, config.port)
+        self._server, port = await start_server(self._servicer, config.host, config.port, internal_tls(config))
         runner = await asyncio.to_thread(load_runner, config)
         self._servicer.attach(runner)
         await self._servicer.serving.set(True)

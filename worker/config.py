@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from segserve.tls import internal_tls
+
 
 @dataclass
 class WorkerConfig:
@@ -32,6 +34,13 @@ class WorkerConfig:
     """Address the gRPC server binds to (localhost by default)."""
     port: int = 50061
     """gRPC port."""
+    internal_tls_cert_file: str = ""
+    """PEM certificate the worker's gRPC server presents; with internal_tls_key_file and internal_tls_ca_file it
+    turns on mutual TLS (all three empty = plaintext)."""
+    internal_tls_key_file: str = ""
+    """PEM private key of internal_tls_cert_file."""
+    internal_tls_ca_file: str = ""
+    """PEM CA bundle: a client (the scheduler) must present a certificate it signed."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -42,3 +51,4 @@ class WorkerConfig:
             raise ValueError("num_kv_blocks, max_model_len and num_threads must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        internal_tls(self)  # ValueError naming the fields when only some are given

@@ -23,6 +23,7 @@ from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.step import StepRequest, StepResult
 from segserve.health import Serving, add_health_and_reflection
+from segserve.tls import TlsFiles, add_port, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.validation import InvalidRequest
@@ -106,15 +107,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return Health(is_ready=True).to_pb()
 
 
-async def start_server(servicer: WorkerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Bind and start a grpc.aio server for `servicer`; returns it and the bound port (port 0 = any free one)."""
+async def start_server(servicer: WorkerServicer, host: str, port: int,
+                       tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
+    """Bind and start a grpc.aio server for `servicer`; returns it and the bound port (port 0 = any free one).
+    With `tls` (segserve.tls.internal_tls of the config), clients must present a certificate its CA signed."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 64 * 2**20),
         ("grpc.max_send_message_length", 64 * 2**20),
     ])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     add_health_and_reflection(server, servicer.serving)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind the worker to {host}:{port}")
     await server.start()
@@ -132,8 +135,9 @@ def load_runner(config: WorkerConfig) -> ModelRunner:
 async def serve(config: WorkerConfig) -> None:
     """Bind first (Health answers "not ready" while loading), load and warm up, then serve until stopped."""
     servicer = WorkerServicer()
-    server, port = await start_server(servicer, config.host, config.port)
-    logger.info("worker listening on %s:%d, loading the model", config.host, port)
+    tls = internal_tls(config)
+    server, port = await start_server(servicer, config.host, config.port, tls)
+    logger.info("worker listening on %s:%d%s, loading the model", config.host, port, " (mutual TLS)" if tls else "")
     try:
         runner = await asyncio.to_thread(load_runner, config)
     except Exception as exc:
