@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from segserve.tls import internal_tls
+
 AUTO_MAX_NUM_SEQS_RANGE = (16, 256)
 """The least and the most sequences the automatic max_num_seqs picks: the top is vLLM's default max_num_seqs;
 the floor keeps a small pool batching short requests (the scheduler admits only what fits, so a cap above
@@ -70,6 +72,14 @@ class SchedulerConfig:
     ray_address: str | None = None
     """Ray cluster to run the scheduler actor on (e.g. 10.0.0.5:6379 of `ray start --head`, or "auto");
     None = a private Ray instance on this machine."""
+    internal_tls_cert_file: str = ""
+    """PEM certificate the scheduler presents, as the router's server and as the workers' and drafters' client;
+    with internal_tls_key_file and internal_tls_ca_file it turns on mutual TLS (all three empty = plaintext)."""
+    internal_tls_key_file: str = ""
+    """PEM private key of internal_tls_cert_file."""
+    internal_tls_ca_file: str = ""
+    """PEM CA bundle: clients (the router) must present a certificate it signed, and so must the workers and
+    drafters the scheduler dials."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:
@@ -95,6 +105,7 @@ class SchedulerConfig:
             raise ValueError("spec_probe_interval must be > 0")
         if self.drafter_retry_s <= 0:
             raise ValueError("drafter_retry_s must be > 0")
+        internal_tls(self)  # ValueError naming the fields when only some are given
 
     def resolve_max_num_seqs(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> int:
         """max_num_seqs when set, else the automatic value for the worker's KV pool (`auto_max_num_seqs`)."""

@@ -27,7 +27,8 @@ import grpc
 
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.tree import CandidateTree
-from segserve.discovery import is_dns_target, rendezvous, resolve
+from segserve.discovery import is_dns_target, rendezvous, resolve_names
+from segserve.tls import TlsFiles, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,9 @@ class DraftReply:
 
 
 class _Replica:
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: TlsFiles | None, server_name: str | None = None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = open_channel(address, tls, server_name=server_name)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.num_failures = 0
         self.num_consecutive_failures = 0
@@ -83,10 +84,10 @@ class _Replica:
 
 
 class DrafterClient:
-    """One channel per replica; create it on the event loop that uses it."""
+    """One channel per replica (mutual TLS with `tls`); create it on the event loop that uses it."""
 
     def __init__(self, targets: Sequence[str], timeout_s: float, retry_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, refresh_s: float = 10.0):
+                 clock: Callable[[], float] = time.monotonic, refresh_s: float = 10.0, tls: TlsFiles | None = None):
         if not targets:
             raise ValueError("DrafterClient needs at least one address")
         self.targets = list(targets)
@@ -94,10 +95,11 @@ class DrafterClient:
         self.retry_s = retry_s
         self.clock = clock
         self.refresh_s = refresh_s
+        self.tls = tls
         self._replicas: dict[str, _Replica] = {}
         self._next_refresh = 0.0
         if not any(is_dns_target(t) for t in self.targets):
-            self._replicas = {a: _Replica(a) for a in sorted(set(self.targets))}
+            self._replicas = {a: _Replica(a, tls) for a in sorted(set(self.targets))}
             self._next_refresh = float("inf")  # nothing to resolve
         self._owners: dict[str, str] = {}
         """Request id -> the replica its last query went to (the one holding its state)."""
@@ -160,9 +162,10 @@ class DrafterClient:
         if self.clock() < self._next_refresh:
             return
         self._next_refresh = self.clock() + self.refresh_s
-        addresses = set(await resolve(self.targets))
+        names = await resolve_names(self.targets)
+        addresses = set(names)
         for address in addresses - set(self._replicas):
-            self._replicas[address] = _Replica(address)
+            self._replicas[address] = _Replica(address, self.tls, names[address])
             logger.info("drafter replica %s joined (%d replicas)", address, len(self._replicas))
         for address in set(self._replicas) - addresses:
             replica = self._replicas.pop(address)

@@ -33,7 +33,7 @@ from scheduler.engine import Engine, EngineNotReady, EngineStats, RequestStream,
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SegmentStats
 from scheduler.speculator import Drafter
-from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve
+from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ def parse_targets(text: str) -> list[str]:
 class EngineGroup:
     """Several Engines behind the interface of one."""
 
-    def __init__(self, config: SchedulerConfig, make_worker: Callable[[str], Worker], drafter: Drafter | None = None,
-                 refresh_s: float = 10.0, slack: int = 4):
+    def __init__(self, config: SchedulerConfig, make_worker: Callable[[str, str | None], Worker],
+                 drafter: Drafter | None = None, refresh_s: float = 10.0, slack: int = 4):
         self.config = config
         self.make_worker = make_worker
         self.drafter = drafter
@@ -168,8 +168,9 @@ class EngineGroup:
             self._owner[seq.request_id] = engine
             self.num_moved += 1
 
-    def _add_engine(self, address: str) -> None:
-        engine = Engine(self.config, self.make_worker(address), self.drafter, on_lost=self._on_lost)
+    def _add_engine(self, address: str, server_name: str | None = None) -> None:
+        """An engine for the worker at `address` (`server_name`: the DNS name it was resolved from, for TLS)."""
+        engine = Engine(self.config, self.make_worker(address, server_name), self.drafter, on_lost=self._on_lost)
         self.engines[address] = engine
         engine.start()
         logger.info("worker %s joined (%d workers)", address, len(self.engines))
@@ -188,9 +189,10 @@ class EngineGroup:
 
     async def _refresh_forever(self) -> None:
         while True:
-            addresses = set(await resolve(self.targets))
+            names = await resolve_names(self.targets)
+            addresses = set(names)
             for address in sorted(addresses - set(self.engines)):
-                self._add_engine(address)
+                self._add_engine(address, names[address])
             for address in sorted(set(self.engines) - addresses):
                 await self._remove_engine(address)
             await asyncio.sleep(self.refresh_s)

@@ -17,6 +17,7 @@ import sys
 import threading
 
 from scheduler.config import SchedulerConfig
+from segserve.tls import internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ def run(config: SchedulerConfig) -> None:
 
     from scheduler.actor import SchedulerActor
 
+    tls = internal_tls(config)
+    if tls is not None and not (config.ray_address or "").startswith("ray://"):
+        tls.check()  # the actor runs on this node and reads them there: a clear error before Ray starts
     if config.ray_address:
         init_cluster_ray(config.ray_address)
     else:

@@ -24,6 +24,7 @@ from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
 from scheduler.worker_client import WorkerClient
 from segserve.health import Serving, add_health_and_reflection
+from segserve.tls import add_port, internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +72,23 @@ async def start_server(config: SchedulerConfig, engine: Engine | EngineGroup | N
     """Start the engine (by default an EngineGroup over config.worker_address's workers, connecting in the
     background) and serve on host:port.
 
-    The bound port (useful with port 0) is in `server.bound_port`.
+    The bound port (useful with port 0) is in `server.bound_port`. With the config's internal TLS, the server
+    requires client certificates and the worker and drafter clients present one (mutual TLS both ways).
     """
+    tls = internal_tls(config)
+    if tls is not None:
+        tls.check()
     if engine is None:
-        drafter = (DrafterClient(config.drafter_addresses, config.draft_timeout_ms / 1000, config.drafter_retry_s)
-                   if config.drafter_addresses else None)
-        engine = EngineGroup(config, lambda address: WorkerClient(address, config.worker_step_timeout_s), drafter)
+        drafter = (DrafterClient(config.drafter_addresses, config.draft_timeout_ms / 1000, config.drafter_retry_s,
+                                 tls=tls) if config.drafter_addresses else None)
+        engine = EngineGroup(config, lambda address, server_name: WorkerClient(
+            address, config.worker_step_timeout_s, tls, server_name), drafter)
     engine.start()
     server = grpc.aio.server()
     servicer = SchedulerServicer(engine)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     add_health_and_reflection(server, servicer.serving)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", tls)
     if port == 0:
         await engine.stop()
         raise RuntimeError(f"cannot bind the scheduler's gRPC server to {config.host}:{config.port}")
@@ -90,7 +96,7 @@ async def start_server(config: SchedulerConfig, engine: Engine | EngineGroup | N
     server.serving = servicer.serving
     await server.start()
     await servicer.serving.set(True)
-    logger.info("scheduler listening on %s:%d", config.host, port)
+    logger.info("scheduler listening on %s:%d%s", config.host, port, " (mutual TLS)" if tls else "")
     return server, engine
 
 

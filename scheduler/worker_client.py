@@ -13,6 +13,7 @@ import grpc
 from protos.segserve.v1 import common_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.step import StepRequest, StepResult
+from segserve.tls import TlsFiles, open_channel
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 _UNREACHABLE_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})
@@ -36,12 +37,14 @@ def _rpc_error(what: str, exc: grpc.aio.AioRpcError) -> WorkerError:
 
 
 class WorkerClient:
-    """One grpc.aio channel to the worker; create it on the event loop that uses it."""
+    """One grpc.aio channel to the worker; create it on the event loop that uses it. With `tls`, mutual TLS
+    (server_name: the DNS name the worker's certificate carries when `address` is one it resolved to)."""
 
-    def __init__(self, address: str, step_timeout_s: float | None = None):
+    def __init__(self, address: str, step_timeout_s: float | None = None, tls: TlsFiles | None = None,
+                 server_name: str | None = None):
         self.address = address
         self.step_timeout_s = step_timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = open_channel(address, tls, _CHANNEL_OPTIONS, server_name)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     async def get_info(self, timeout_s: float = 10.0) -> WorkerInfo:

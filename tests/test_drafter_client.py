@@ -75,12 +75,12 @@ async def test_a_dns_target_is_resolved_again_and_a_new_replica_joins(monkeypatc
 
     answers = [["10.0.0.1:9"], ["10.0.0.1:9", "10.0.0.2:9"]]
 
-    async def fake_resolve(targets):
+    async def fake_resolve_names(targets):
         assert targets == ["dns:///drafter:9"]
-        return answers[0] if len(answers) == 1 else answers.pop(0)
+        return dict.fromkeys(answers[0] if len(answers) == 1 else answers.pop(0), "drafter")
 
     now = [0.0]
-    monkeypatch.setattr(drafter_client, "resolve", fake_resolve)
+    monkeypatch.setattr(drafter_client, "resolve_names", fake_resolve_names)
     client = DrafterClient(["dns:///drafter:9"], timeout_s=0.01, clock=lambda: now[0], refresh_s=10.0)
     assert client.is_available() and client.addresses == []
     await client.draft([], [])
