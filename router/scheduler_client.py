@@ -20,6 +20,7 @@ import grpc
 from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk, event_from_pb
 from protos.segserve.v1.info import Health, WorkerInfo
+from segserve.tls import TlsFiles, open_channel
 
 # gRPC status -> the failure codes the router maps to HTTP statuses (errors.py).
 _FAILURE_CODES = {
@@ -67,16 +68,19 @@ def load_from_pb(stats: scheduler_pb2.SchedulerStats) -> SchedulerLoad:
 
 
 class SchedulerClient:
-    """Async client of one scheduler. The channel is opened lazily in the running event loop."""
+    """Async client of one scheduler. The channel is opened lazily in the running event loop; with `tls`, mutual
+    TLS (server_name: the DNS name the scheduler's certificate carries when `address` is one it resolved to)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None, server_name: str | None = None) -> None:
         self.address = address
+        self.tls = tls
+        self.server_name = server_name
         self._channel: grpc.aio.Channel | None = None
         self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
 
     def _get_stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = open_channel(self.address, self.tls, server_name=self.server_name)
             self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         return self._stub
 

@@ -29,7 +29,8 @@ from itertools import zip_longest
 from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk
 from protos.segserve.v1.info import Health, WorkerInfo
 from router.scheduler_client import SchedulerClient, SchedulerLoad, SpecTotals
-from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve
+from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
+from segserve.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 RETRIED_CODES = ("overloaded", "unavailable")
@@ -44,17 +45,19 @@ def parse_targets(text: str) -> list[str]:
 
 
 class SchedulerPool:
-    """A SchedulerClient per scheduler; create it on the event loop that uses it (start() begins polling)."""
+    """A SchedulerClient per scheduler (mutual TLS with `tls`); create it on the event loop that uses it (start()
+    begins polling)."""
 
     def __init__(self, targets: Sequence[str], refresh_s: float = 10.0, stats_interval_s: float = 0.5,
-                 slack: int = 4):
+                 slack: int = 4, tls: TlsFiles | None = None):
         self.targets = list(targets)
+        self.tls = tls
         self.refresh_s = refresh_s
         self.stats_interval_s = stats_interval_s
         self.slack = slack
         self._clients: dict[str, SchedulerClient] = {}
         if not any(is_dns_target(t) for t in self.targets):
-            self._clients = {address: SchedulerClient(address) for address in dict.fromkeys(self.targets)}
+            self._clients = {address: SchedulerClient(address, tls) for address in dict.fromkeys(self.targets)}
         self._loads: dict[str, SchedulerLoad] = {}
         self._live: set[str] = set(self._clients)
         self._in_flight: Counter[str] = Counter()
@@ -211,9 +214,10 @@ class SchedulerPool:
         """Resolve the DNS targets again; add new schedulers, drop gone ones."""
         if not any(is_dns_target(t) for t in self.targets):
             return
-        addresses = set(await resolve(self.targets))
+        names = await resolve_names(self.targets)
+        addresses = set(names)
         for address in addresses - set(self._clients):
-            self._clients[address] = SchedulerClient(address)
+            self._clients[address] = SchedulerClient(address, self.tls, names[address])
             self._live.add(address)
         for address in set(self._clients) - addresses:
             if self._in_flight[address] == 0:
