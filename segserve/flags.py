@@ -10,6 +10,10 @@ Every flag also reads an environment variable, for container manifests: `SEGSERV
 flag's name in capitals (`--max-num-seqs` -> SEGSERVE_MAX_NUM_SEQS, `--prefix-caching` ->
 SEGSERVE_PREFIX_CACHING). A flag given on the command line wins over its variable. Booleans take
 1/true/yes/on or 0/false/no/off; lists take comma-separated values.
+
+A secret (the router's api_keys) is a field with `metadata={ENV_ONLY: True}`: it gets no flag, since
+flags show in `ps` and /proc/<pid>/cmdline, only its environment variable sets it, `to_argv` leaves
+it out and `to_env` gives it to a child process in its environment instead.
 """
 
 from __future__ import annotations
@@ -53,7 +57,13 @@ def _flag(name: str) -> str:
 
 
 ENV_PREFIX = "SEGSERVE_"
+ENV_ONLY = "env_only"
+"""The field metadata key of a secret: set only by its environment variable, never a flag (module docstring)."""
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def is_env_only(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get(ENV_ONLY))
 
 
 def env_name(dest: str) -> str:
@@ -87,12 +97,13 @@ def _from_env(dest: str, kind: type) -> Any:
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] = frozenset(),
                        rename: dict[str, str] | None = None) -> None:
-    """Add one flag per field of `cls` (defaults None, so unset flags keep the dataclass default)."""
+    """Add one flag per field of `cls` (defaults None, so unset flags keep the dataclass default); none for
+    `skip`'s fields and the env-only ones."""
     rename = rename or {}
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for field in dataclasses.fields(cls):
-        if field.name in skip:
+        if field.name in skip or is_env_only(field):
             continue
         dest = rename.get(field.name, field.name)
         kind = _base_type(hints[field.name])
@@ -126,11 +137,12 @@ def from_args(cls: type[T], args: argparse.Namespace, rename: dict[str, str] | N
 
 
 def to_argv(config: Any) -> list[str]:
-    """Flags that reproduce `config` when parsed by add_dataclass_args/from_args."""
+    """Flags that reproduce `config` when parsed by add_dataclass_args/from_args, but for its env-only fields
+    (`to_env`)."""
     argv = []
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if value is None or value == field.default:
+        if is_env_only(field) or value is None or value == field.default:
             continue
         if isinstance(value, bool):
             argv.append(_flag(field.name) if value else "--no-" + field.name.replace("_", "-"))
@@ -139,3 +151,19 @@ def to_argv(config: Any) -> list[str]:
         else:
             argv += [_flag(field.name), str(value)]
     return argv
+
+
+def to_env(config: Any) -> dict[str, str]:
+    """The environment variables that give a child process `config`'s env-only fields (set ones only); with
+    `to_argv`'s flags, from_args rebuilds `config` there."""
+    env = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if not is_env_only(field) or not value:
+            continue
+        if isinstance(value, (list, tuple)):
+            if any("," in str(item) for item in value):
+                raise ValueError(f"{field.name}: a value holds a comma, which {env_name(field.name)} cannot carry")
+            value = ",".join(map(str, value))
+        env[env_name(field.name)] = str(value)
+    return env
