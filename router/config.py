@@ -1,8 +1,11 @@
-"""The router's typed configuration; CLI flags derive from these fields."""
+"""The router's typed configuration; CLI flags derive from these fields (api_keys excepted: a secret)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from segserve.tls import TlsFiles, internal_tls
 
 
 @dataclass
@@ -36,8 +39,25 @@ class RouterConfig:
     """Deadline of one request from arrival; past it the stream ends with an error event. 0 = none."""
     scheduler_wait_s: float = 300.0
     """How long start-up waits for the scheduler to answer GetInfo before giving up."""
-    api_keys: list[str] = field(default_factory=list)
-    """Keys clients must send as `Authorization: Bearer <key>` on /v1 and /v2 routes; none = no auth."""
+    api_keys: list[str] = field(default_factory=list, metadata={"env_only": True})  # segserve.flags.ENV_ONLY
+    """Keys clients must send as `Authorization: Bearer <key>` on /v1 and /v2 routes and on the gRPC API; none = no
+    auth. A secret, so never a flag (flags show in `ps`): SEGSERVE_API_KEYS (comma-separated) sets it, and
+    api_key_file's keys are added to it."""
+    api_key_file: str = ""
+    """File of API keys, one a line (blank lines and '#' comments skipped), added to api_keys at start-up; a missing
+    or unreadable file, or one without a key, stops the start-up. Empty = none."""
+    tls_cert_file: str = ""
+    """PEM certificate (chain) of HTTPS; with tls_key_file, HTTP is served over TLS only (both empty = plaintext).
+    Needs is_grpc_api off for now: the public gRPC API serves plaintext only."""
+    tls_key_file: str = ""
+    """PEM private key of tls_cert_file."""
+    internal_tls_cert_file: str = ""
+    """PEM certificate the router presents to the schedulers; with internal_tls_key_file and internal_tls_ca_file it
+    turns on mutual TLS to them (all three empty = plaintext)."""
+    internal_tls_key_file: str = ""
+    """PEM private key of internal_tls_cert_file."""
+    internal_tls_ca_file: str = ""
+    """PEM CA bundle the schedulers' certificates must be signed by."""
     max_request_body_bytes: int = 4 * 1024 * 1024
     """Largest request body accepted; a larger one gets 413 before it is parsed."""
     reflow_queue_url: str = ""
@@ -63,6 +83,36 @@ class RouterConfig:
             raise ValueError("request_timeout_s must be >= 0 (0 = no deadline)")
         if self.scheduler_wait_s <= 0:
             raise ValueError("scheduler_wait_s must be > 0")
-        self.api_keys = [key for key in self.api_keys if key]
+        keys = [*self.api_keys, *(read_api_key_file(self.api_key_file) if self.api_key_file else [])]
+        self.api_keys = list(dict.fromkeys(key.strip() for key in keys if key.strip()))
+        if any(char.isspace() or char == "," for key in self.api_keys for char in key):
+            raise ValueError("api_keys: a key holds no whitespace or comma")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file are given together or not at all")
+        if self.tls_cert_file and self.is_grpc_api:
+            # grpc_api.start_grpc_server binds a plaintext port: refused rather than left open beside HTTPS.
+            raise ValueError("tls_cert_file: the public gRPC API has no TLS yet; turn it off (--no-grpc-api) "
+                             "to serve HTTPS")
+        internal_tls(self)  # ValueError naming the fields when only some are given
         if self.max_request_body_bytes <= 0:
             raise ValueError("max_request_body_bytes must be > 0")
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """HTTPS's certificate and key; None = plaintext."""
+        return TlsFiles(self.tls_cert_file, self.tls_key_file) if self.tls_cert_file else None
+
+
+def read_api_key_file(path: str) -> list[str]:
+    """The keys of an API key file: one a line, blank lines and '#' comments skipped; ValueError naming the file
+    when it cannot be read or holds no key."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"api_key_file {path!r} cannot be read: {reason}") from None
+    keys = [line.partition("#")[0].strip() for line in text.splitlines()]
+    keys = [key for key in keys if key]
+    if not keys:
+        raise ValueError(f"api_key_file {path!r} holds no key")
+    return keys

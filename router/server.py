@@ -2,10 +2,11 @@
 gRPC API (grpc_api.py) beside it, on one event loop and one RouterState.
 
 `run(config)` blocks until the server stops. `build_app(config)` does the
-start-up (tokenizer, bounded wait for the scheduler's GetInfo) and returns the
-app; `make_server` wraps an app in a uvicorn server that tests can stop, which,
-given the gRPC API, stops it first when it shuts down (before the app's
-shutdown closes the scheduler client the gRPC calls use).
+start-up (tokenizer, bounded wait for the scheduler's GetInfo, over mutual TLS
+with the config's internal_tls_* files) and returns the app; `make_server` wraps
+an app in a uvicorn server (HTTPS with tls_cert_file/tls_key_file) that tests
+can stop, which, given the gRPC API, stops it first when it shuts down (before
+the app's shutdown closes the scheduler client the gRPC calls use).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.grpc_api import GrpcApi, start_grpc_server
 from router.scheduler_pool import SchedulerPool, parse_targets
+from segserve.tls import internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ def load_tokenizer(model: str | None):
 async def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     """The app, once the scheduler answers GetInfo (TimeoutError after config.scheduler_wait_s)."""
     tokenizer = tokenizer if tokenizer is not None else await asyncio.to_thread(load_tokenizer, config.model)
-    client = SchedulerPool(parse_targets(config.scheduler_address))
+    client = SchedulerPool(parse_targets(config.scheduler_address), tls=internal_tls(config))
     logger.info("waiting for a scheduler at %s", config.scheduler_address)
     try:
         model_info = await client.wait_ready(config.scheduler_wait_s)
@@ -67,12 +69,15 @@ def make_server(config: RouterConfig, app: FastAPI, log_level: str = "info",
                 grpc_api: GrpcApi | None = None) -> RouterServer:
     # Streams rely on our own keep-alives; uvicorn's default 5 s idle timeout only
     # concerns idle keep-alive connections between requests.
+    tls = config.tls
     return RouterServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                       timeout_graceful_shutdown=5), grpc_api)
+                                       timeout_graceful_shutdown=5, ssl_certfile=tls.cert_file if tls else None,
+                                       ssl_keyfile=tls.key_file if tls else None), grpc_api)
 
 
 async def serve(config: RouterConfig) -> None:
     """HTTP, and the gRPC API unless config turns it off, until a signal stops both."""
+    check_tls(config)
     app = await build_app(config)
     grpc_api = await start_grpc_server(app.state.router, config) if config.is_grpc_api else None
     try:
@@ -80,6 +85,13 @@ async def serve(config: RouterConfig) -> None:
     finally:
         if grpc_api is not None:
             await grpc_api.stop()  # HTTP failed to start, or an error ended it before its shutdown
+
+
+def check_tls(config: RouterConfig) -> None:
+    """ValueError naming the file when a TLS file cannot be used; before the tokenizer loads and anything binds."""
+    for tls in (config.tls, internal_tls(config)):
+        if tls is not None:
+            tls.check()
 
 
 def run(config: RouterConfig) -> None:

@@ -232,11 +232,48 @@ def test_apps_have_their_own_metrics_registries(tokenizer):
         create_app(RouterConfig(), SchedulerClient("127.0.0.1:1"), tokenizer, info)
 
 
-def test_api_keys_and_body_limit_are_flags():
+def test_api_keys_come_from_the_environment_or_a_file_never_a_flag(monkeypatch, tmp_path):
     parser = argparse.ArgumentParser()
     add_dataclass_args(parser, RouterConfig)
-    config = from_args(RouterConfig, parser.parse_args(["--api-keys", "a", "b", "--max-request-body-bytes", "99"]))
-    assert config.api_keys == ["a", "b"] and config.max_request_body_bytes == 99
+    assert "--api-keys" not in parser.format_help()  # a flag would show the keys in `ps`
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--api-keys", "a"])
+    key_file = tmp_path / "keys"
+    key_file.write_text("# rotated in May\nsk-c\n\n  sk-d  # the batch jobs' key\nsk-a\n")
+    monkeypatch.setenv("SEGSERVE_API_KEYS", "sk-a, sk-b")
+    config = from_args(RouterConfig, parser.parse_args(["--api-key-file", str(key_file),
+                                                         "--max-request-body-bytes", "99"]))
+    assert config.api_keys == ["sk-a", "sk-b", "sk-c", "sk-d"] and config.max_request_body_bytes == 99
+    monkeypatch.delenv("SEGSERVE_API_KEYS")
+    assert from_args(RouterConfig, parser.parse_args([])).api_keys == []
     assert RouterConfig().api_keys == [] and RouterConfig().max_request_body_bytes == 4 * 1024 * 1024
     with pytest.raises(ValueError, match="max_request_body_bytes"):
         RouterConfig(max_request_body_bytes=0)
+    with pytest.raises(ValueError, match="api_keys: a key holds no whitespace or comma"):
+        RouterConfig(api_keys=["sk a"])
+
+
+def test_a_missing_unreadable_or_empty_key_file_stops_the_start_up(tmp_path, capsys):
+    from segserve.cli import main
+
+    comments_only = tmp_path / "empty-keys"
+    comments_only.write_text("# no key yet\n\n")
+    for path, error in [(tmp_path / "missing", "cannot be read: No such file or directory"),
+                        (tmp_path, "cannot be read: Is a directory"), (comments_only, "holds no key")]:
+        assert main(["router", "--api-key-file", str(path)]) == 2
+        assert f"segserve: error: api_key_file '{path}' {error}" in capsys.readouterr().err
+
+
+def test_the_launcher_gives_the_router_its_keys_in_the_environment_not_its_command_line(monkeypatch, tmp_path):
+    import subprocess
+
+    from segserve.launcher import Stack, StackConfig
+
+    monkeypatch.setenv("SEGSERVE_API_KEYS", "sk-of-the-parent")  # already read into the configs
+    seen = {}
+    monkeypatch.setattr(subprocess, "Popen", lambda argv, **kw: seen.update(argv=argv, env=kw["env"]))
+    stack = Stack(StackConfig(log_dir=str(tmp_path)))
+    stack._spawn("router", RouterConfig(api_keys=[KEY, "sk-other"]))
+    assert not any(KEY in arg for arg in seen["argv"]) and seen["env"]["SEGSERVE_API_KEYS"] == f"{KEY},sk-other"
+    stack._spawn("router", RouterConfig())
+    assert "SEGSERVE_API_KEYS" not in seen["env"]
