@@ -27,17 +27,28 @@ from pathlib import Path
 from drafter.config import DrafterConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
-from segserve.flags import add_dataclass_args, from_args
+from segserve.flags import add_dataclass_args, env_name, from_args
 from segserve.reflow.config import ConsumerConfig
+from segserve.tls import INTERNAL_FIELDS
 from worker.config import WorkerConfig
 
-# `serve` takes every service's flags; the names that clash get a service prefix.
+# `serve` takes every service's flags; the names that clash get a service prefix, and the internal hops' TLS
+# files are one set of flags for every service (each config's from_args reads the same values).
+_SERVE_SHARED = frozenset(INTERNAL_FIELDS)
+_SERVE_SHARED_HELP = (
+    "PEM certificate every service presents on the internal gRPC hops (router -> scheduler -> workers and "
+    "drafters), as server and as client; with the key and the CA it turns on mutual TLS",
+    "PEM private key of --internal-tls-cert-file",
+    "PEM CA bundle that signed the services' certificates: every internal server requires a client certificate "
+    "it signed, and every client checks the server's against it",
+)
 _SERVE_WORKER_RENAME = {"host": "worker_host", "port": "worker_port"}
 _SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port"}
-_SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address"})
+_SERVE_SCHEDULER_SKIP = frozenset({"worker_address", "drafter_addresses"}) | _SERVE_SHARED
+_SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address"}) | _SERVE_SHARED
 _SERVE_DRAFTER_RENAME = {"host": "drafter_host", "port": "drafter_port", "device": "drafter_device",
                          "dtype": "drafter_dtype"}
-_SERVE_DRAFTER_SKIP = frozenset({"tokenizer"})
+_SERVE_DRAFTER_SKIP = frozenset({"tokenizer"}) | _SERVE_SHARED
 _CONSUME_RENAME = {"is_drain": "drain"}
 
 
@@ -199,13 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run router, scheduler and worker on this machine")
-    add_dataclass_args(serve, WorkerConfig, rename=_SERVE_WORKER_RENAME)
-    add_dataclass_args(serve, SchedulerConfig, skip=frozenset({"worker_address", "drafter_addresses"}),
-                       rename=_SERVE_SCHEDULER_RENAME)
+    add_dataclass_args(serve, WorkerConfig, skip=_SERVE_SHARED, rename=_SERVE_WORKER_RENAME)
+    add_dataclass_args(serve, SchedulerConfig, skip=_SERVE_SCHEDULER_SKIP, rename=_SERVE_SCHEDULER_RENAME)
     add_dataclass_args(serve, DrafterConfig, skip=_SERVE_DRAFTER_SKIP, rename=_SERVE_DRAFTER_RENAME)
     serve.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
                        help="run a drafter and decode speculatively (default: on)")
     add_dataclass_args(serve, RouterConfig, skip=_SERVE_ROUTER_SKIP)
+    for name, help_text in zip(INTERNAL_FIELDS, _SERVE_SHARED_HELP):
+        serve.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                           help=f"{help_text} (default: none, plaintext; env {env_name(name)})")
     serve.add_argument("--workers", type=int, default=1,
                        help="worker processes, each with the model and its own KV pool (default: 1)")
     serve.add_argument("--ray-workers", action="store_true",

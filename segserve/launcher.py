@@ -2,7 +2,10 @@
 
 `segserve serve` and the end-to-end tests and benchmarks use the same `Stack`.
 Each service runs as `python -m segserve.cli <service> <flags>` so that the local
-stack is the same code path as a pod on a cluster.
+stack is the same code path as a pod on a cluster; secrets (the router's API keys)
+go in the child's environment, never on its command line. Each config's internal
+TLS files reach its process as flags; the launcher's own readiness checks dial each
+service with that service's files.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from protos.segserve.v1 import common_pb2, drafter_pb2_grpc, scheduler_pb2_grpc,
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.checkpoint import resolve_model
-from segserve.flags import env_names, to_argv
+from segserve.flags import env_names, to_argv, to_env
+from segserve.tls import internal_tls, open_blocking_channel
 from worker.config import WorkerConfig
 
 
@@ -97,7 +101,8 @@ class Stack:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.config.router.host}:{self.config.router.port}"
+        scheme = "https" if self.config.router.tls else "http"
+        return f"{scheme}://{self.config.router.host}:{self.config.router.port}"
 
     @property
     def grpc_address(self) -> str | None:
@@ -140,13 +145,16 @@ class Stack:
                 for i, config in enumerate(workers):
                     self._spawn(replica_name("worker", i), config, "worker")
                 for i, address in enumerate(worker_addresses):
-                    self._wait_grpc_ready(replica_name("worker", i), worker_pb2_grpc.WorkerStub, address, deadline)
+                    self._wait_grpc_ready(replica_name("worker", i), worker_pb2_grpc.WorkerStub, address, deadline,
+                                          workers[i])
             for i, drafter in enumerate(drafters):
                 self._spawn(replica_name("drafter", i), drafter, "drafter")
             for i, (drafter, address) in enumerate(zip(drafters, drafter_addresses)):
-                self._wait_grpc_ready(replica_name("drafter", i), drafter_pb2_grpc.DrafterStub, address, deadline)
+                self._wait_grpc_ready(replica_name("drafter", i), drafter_pb2_grpc.DrafterStub, address, deadline,
+                                      drafter)
             self._spawn("scheduler", scheduler)
-            self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, scheduler_address, deadline)
+            self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, scheduler_address, deadline,
+                                  scheduler)
             self._start_router(router, deadline)
         except BaseException:
             self.stop()
@@ -256,7 +264,7 @@ class Stack:
         # would take a value meant for another service (SEGSERVE_PORT is the router's in `segserve serve`).
         flag_vars = env_names(type(config))
         env = {k: v for k, v in os.environ.items() if k not in flag_vars}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.update(to_env(config), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.processes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
 
     def _check_alive(self, name: str) -> None:
@@ -265,8 +273,9 @@ class Stack:
             where = f" (see {self.config.log_dir}/{name}.log)" if self.config.log_dir else ""
             raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up{where}")
 
-    def _wait_grpc_ready(self, name: str, stub_cls, address: str, deadline: float) -> None:
-        with grpc.insecure_channel(address) as channel:
+    def _wait_grpc_ready(self, name: str, stub_cls, address: str, deadline: float, config) -> None:
+        """Poll the Health RPC of the service `config` configures (over its internal TLS, when it has one)."""
+        with open_blocking_channel(address, internal_tls(config)) as channel:
             stub = stub_cls(channel)
             while time.monotonic() < deadline:
                 self._check_alive(name)
@@ -282,7 +291,9 @@ class Stack:
         while time.monotonic() < deadline:
             self._check_alive("router")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                # A liveness poll of the process started here, sending nothing secret: the router's certificate
+                # is for the names its clients use, which need not include the bind address dialled here.
+                if httpx.get(self.base_url + "/health", timeout=2.0, verify=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

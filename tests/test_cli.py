@@ -88,6 +88,47 @@ def test_the_launcher_does_not_hand_its_flag_variables_to_the_services(monkeypat
     assert seen["argv"][-2:] == ["--port", "5"]
 
 
+def test_an_env_only_field_gets_no_flag_and_reaches_a_child_in_its_environment(monkeypatch):
+    import argparse
+    from dataclasses import dataclass, field
+
+    from segserve.flags import ENV_ONLY, to_env
+
+    @dataclass
+    class Secretive:
+        name: str = ""
+        """A plain setting."""
+        tokens: list[str] = field(default_factory=list, metadata={ENV_ONLY: True})
+        """A secret."""
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, Secretive)
+    assert "--tokens" not in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tokens", "t1"])
+    config = Secretive(name="n", tokens=["t1", "t2"])
+    assert to_argv(config) == ["--name", "n"] and to_env(config) == {"SEGSERVE_TOKENS": "t1,t2"}
+    monkeypatch.setenv("SEGSERVE_TOKENS", to_env(config)["SEGSERVE_TOKENS"])
+    assert from_args(Secretive, parser.parse_args(to_argv(config))) == config
+    assert to_env(Secretive()) == {}
+    with pytest.raises(ValueError, match="comma"):
+        to_env(Secretive(tokens=["a,b"]))
+
+
+def test_serve_takes_the_internal_tls_files_once_for_every_service():
+    from drafter.config import DrafterConfig
+    from segserve.cli import _SERVE_DRAFTER_RENAME, _SERVE_SCHEDULER_RENAME, _SERVE_WORKER_RENAME
+    from segserve.tls import TlsFiles, internal_tls
+
+    args = build_parser().parse_args(["serve", "--internal-tls-cert-file", "s.pem", "--internal-tls-key-file",
+                                      "s.key", "--internal-tls-ca-file", "ca.pem"])
+    configs = [from_args(WorkerConfig, args, _SERVE_WORKER_RENAME),
+               from_args(SchedulerConfig, args, _SERVE_SCHEDULER_RENAME),
+               from_args(DrafterConfig, args, _SERVE_DRAFTER_RENAME), from_args(RouterConfig, args)]
+    assert [internal_tls(c) for c in configs] == [TlsFiles("s.pem", "s.key", "ca.pem")] * 4
+    assert ["--internal-tls-cert-file", "s.pem"] == to_argv(configs[0])[-6:-4]  # how each process gets them
+
+
 def test_invalid_config_values_are_rejected():
     with pytest.raises(ValueError, match="block_size"):
         WorkerConfig(block_size=0)
