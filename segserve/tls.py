@@ -111,7 +111,7 @@ def check_key_pair(cert_file: str, key_file: str) -> None:
 def _read_ca(ca_file: str) -> bytes:
     data = read_pem(ca_file, "CA file")
     try:
-        ssl.create_default_context(cadata=data.decode("ascii", errors="replace"))
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=data.decode("ascii", errors="replace"))
     except ssl.SSLError as exc:
         raise ValueError(f"the TLS CA file {ca_file!r} holds no usable certificate: {exc.reason or exc}") from None
     return data
