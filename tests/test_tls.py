@@ -1,9 +1,9 @@
-"""TLS on the router's public ports and mutual TLS on the internal hops, with certificates made per run.
+"""HTTPS on the router and mutual TLS on the internal hops, with certificates made per run.
 
 A real worker (tiny model), drafter and scheduler run in process on a background event loop, every one
 requiring client certificates from the test CA; a router in front of them serves HTTPS. A generation
 through the router crosses every hop; each internal server refuses a client without a certificate, with
-one from another CA, or in plaintext. The worker is dialled through `dns:///localhost:PORT` with a
+one from another CA, or in plaintext, and a client refuses a server its CA did not sign. The worker is dialled through `dns:///localhost:PORT` with a
 certificate that names only `localhost`, so that hop also shows a resolved replica checked against the
 DNS name.
 """
@@ -39,7 +39,6 @@ from tests.devices import TEST_DEVICE
 from tests.router_server import free_port, serve_router
 from worker.config import WorkerConfig
 from worker.server import WorkerServicer, load_runner, start_server as start_worker
-
 
 
 @dataclass(frozen=True)
