@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from segserve.bench import grpc_direct, loadgen, peers, report, throughput
+from segserve.bench import grpc_direct, grpc_public, loadgen, peers, report, throughput
 from segserve.bench.loadgen import LoadSpec, RequestRecord
 from tests.fake_scheduler import start_fake_scheduler
 
@@ -251,8 +251,9 @@ def test_throughput_flags_build_a_validated_config():
     args = parser.parse_args(["--concurrency", "16,1,4", "--max-tokens", "32", "--peer", "batched-generate"])
     config = throughput.config_from_args(args)
     assert config.concurrency == (1, 4, 16) and config.max_tokens == 32 and config.peer == "batched-generate"
-    assert config.router_overhead is True
+    assert config.router_overhead is True and config.grpc_api is True
     assert throughput.config_from_args(parser.parse_args(["--no-router-overhead"])).router_overhead is False
+    assert throughput.config_from_args(parser.parse_args(["--no-grpc-api"])).grpc_api is False
     assert parser.parse_args([]).out == "bench-results"
     with pytest.raises(ValueError):
         throughput.ThroughputConfig(concurrency=(0, 4))
@@ -301,6 +302,7 @@ def test_run_throughput_writes_json_png_and_table(tiny_gemma3_dir, fake_server, 
     assert saved["machine"]["cpu_count"] >= 1 and saved["baseline"]["tokens_per_s"] > 0
     assert set(saved["systems"]) == {"segserve", "peer"} and saved["systems"]["peer"]["kind"] == "batched-generate"
     assert "router_overhead" not in saved and "no scheduler" in saved["systems"]["segserve"]["notes"][0]
+    assert "no gRPC port" in saved["systems"]["segserve"]["notes"][1]
     ours = saved["systems"]["segserve"]["levels"]
     assert [level["summary"]["total_tokens"] for level in ours] == [4, 8]
     assert all(len(r["event_times"]) == 4 for level in ours for r in level["records"])
@@ -338,6 +340,60 @@ def test_router_overhead_against_the_schedulers_grpc(tiny_gemma3_dir, fake_serve
             assert all(level[side][key] > 0 for key in report.OVERHEAD_KEYS)
         # The fake router sleeps 10 ms per token; the fake scheduler does not sleep at all.
         assert level["overhead_ms_per_token"] > 5 and level["ttft_ms_p50_difference"] > 5
+
+
+def test_grpc_api_level_through_a_real_router(tiny_gemma3_dir, tmp_path):
+    # A real router (HTTP and its public gRPC API) in front of the fake scheduler: every level over HTTP, over
+    # GenerateStream and straight to the scheduler, with the same prompts, tokens, greedy and ignore_eos.
+    from transformers import AutoTokenizer
+
+    from router.config import RouterConfig
+    from tests.router_server import free_port, serve_router_and_grpc
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gemma3_dir)
+    server, scheduler, port = start_fake_scheduler(tokenizer)
+    router = RouterConfig(model=str(tiny_gemma3_dir), scheduler_address=f"127.0.0.1:{port}", port=free_port(),
+                          grpc_port=0, scheduler_wait_s=10)  # fmt: skip
+    config = throughput.ThroughputConfig(concurrency=(1, 3), max_tokens=10, requests_per_stream=2)
+    try:
+        with serve_router_and_grpc(router, tokenizer) as (url, grpc_address):
+            systems = throughput.bench_router_and_scheduler(config, tiny_gemma3_dir, url, f"127.0.0.1:{port}",
+                                                            grpc_address)  # fmt: skip
+    finally:
+        server.stop(grace=None)
+    assert list(systems) == ["segserve", "segserve_grpc_api", "segserve_grpc"]
+    api = systems["segserve_grpc_api"]
+    assert api["kind"] == "grpc-api" and "error" not in api and [lv["concurrency"] for lv in api["levels"]] == [1, 3]
+    measured = [request for request in scheduler.requests if request.stopping.max_tokens == 10]
+    assert len(measured) == 3 * 2 * (1 + 3)  # HTTP, gRPC API, direct; the warm-ups ask for 4 and 8 tokens
+    prompt_ids = {tuple(ids) for ids in grpc_direct.tokenize_prompts(tiny_gemma3_dir, throughput.PROMPTS)}
+    assert {tuple(r.prompt_token_ids) for r in measured} <= prompt_ids
+    assert all(r.stopping.ignore_eos and not r.sampling.do_sample for r in measured)
+    for system in systems.values():
+        for level in system["levels"]:
+            summary = level["summary"]
+            assert summary["num_errors"] == 0 and summary["total_tokens"] == 10 * level["concurrency"] * 2
+            assert all(r["finish_reason"] == "length" and r["event_times"] for r in level["records"])
+    # At most one text event per scheduler chunk (the fake sends two tokens per chunk).
+    assert all(1 <= len(r["event_times"]) <= 5 for level in api["levels"] for r in level["records"])
+    results = {"systems": systems, "model": "tiny",
+               "router_overhead": report.router_overhead(systems["segserve"], systems["segserve_grpc"]),
+               "grpc_api_overhead": report.router_overhead(api, systems["segserve_grpc"])}  # fmt: skip
+    assert [level["concurrency"] for level in results["grpc_api_overhead"]] == [1, 3]
+    assert all(level["overhead_ms_per_token"] is not None for level in results["grpc_api_overhead"])
+    table = report.markdown_table(results)
+    assert "| segserve gRPC API | 3 |" in table and "router overhead (gRPC API) ms/token" in table
+    assert "TTFT p50 ms gRPC API / gRPC" in table and "TTFT p50 ms router / gRPC" in table
+    assert report.plot(tmp_path / "t.png", results).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_grpc_api_load_refuses_non_loopback_and_counts_errors():
+    with pytest.raises(ValueError, match="loopback"):
+        grpc_public.PublicGrpcLoadSpec(address="10.0.0.1:8001", prompts=["x"], max_tokens=4, concurrency=1)
+    spec = grpc_public.PublicGrpcLoadSpec(address=f"127.0.0.1:{peers.free_port()}", prompts=["x"], max_tokens=4,
+                                          concurrency=2, request_timeout_s=10)  # fmt: skip
+    run = asyncio.run(grpc_public.run_load(spec))  # nothing listens there
+    assert len(run.records) == 2 and all(r.error.startswith("UNAVAILABLE") for r in run.records)
 
 
 @pytest.mark.e2e

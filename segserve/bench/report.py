@@ -12,9 +12,10 @@ throughput in generated tokens per second.
 - Decode tokens/s of one request: (tokens - 1) / (last event - first event).
 - Time per output token (TPOT) of one request: the inverse, in ms; the mean
   over a level's requests is what the router overhead compares.
-- Router overhead per token: segserve's TPOT through the router (HTTP/SSE) minus
-  its TPOT calling the scheduler's gRPC directly in the same run; the TTFT
-  difference is reported beside it (the per-request part of the overhead).
+- Router overhead per token: segserve's TPOT through the router (HTTP/SSE, and
+  its public gRPC API's GenerateStream) minus its TPOT calling the scheduler's
+  gRPC directly in the same run; the TTFT difference is reported beside it (the
+  per-request part of the overhead).
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ def markdown_table(results: dict) -> str:
             f"{_fmt(baseline['itl_ms_p50'], 0)} | {_fmt(baseline['itl_ms_p99'], 0)} | |"
         )
     lines += overhead_table(results.get("router_overhead") or [])
+    lines += overhead_table(results.get("grpc_api_overhead") or [], via="gRPC API")
     lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
     for goal in results.get("goals", []):
         verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
@@ -188,13 +190,15 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def overhead_table(levels: list[dict]) -> list[str]:
-    """Markdown lines: router (HTTP/SSE) vs the scheduler's gRPC, "router / gRPC" per cell; [] if not measured."""
+def overhead_table(levels: list[dict], via: str = "router") -> list[str]:
+    """Markdown lines: through the router (`via`: "router" for HTTP/SSE, "gRPC API") vs the scheduler's gRPC
+    called directly, "<via> / gRPC" per cell; [] if not measured."""
     if not levels:
         return []
-    header = " | ".join(f"{name} router / gRPC" for name in ("TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                                                            "ITL p99 ms", "ms/token"))  # fmt: skip
-    lines = ["", f"| streams | {header} | router overhead ms/token | TTFT p50 diff ms |",
+    header = " | ".join(f"{name} {via} / gRPC" for name in ("TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                                                           "ITL p99 ms", "ms/token"))  # fmt: skip
+    overhead = "router overhead ms/token" if via == "router" else f"router overhead ({via}) ms/token"
+    lines = ["", f"| streams | {header} | {overhead} | TTFT p50 diff ms |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for level in levels:
         pairs = " | ".join(f"{_fmt(level['router'][key], 1 if key == 'tpot_ms_mean' else 0)} / "
@@ -212,17 +216,18 @@ def write_json(path: Path, results: dict) -> Path:
 
 
 def plot(path: Path, results: dict) -> Path:
-    """Aggregate tokens/s, TTFT and ITL against concurrency, one line per system (Agg backend)."""
+    """Aggregate tokens/s, TTFT, ITL and time per token against concurrency, one line per system (Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     panels = [
         (axes[0], "aggregate tokens/s", [("aggregate_tokens_per_s", "")]),
         (axes[1], "TTFT (ms)", [("ttft_ms_p50", " p50"), ("ttft_ms_p99", " p99")]),
         (axes[2], "inter-token latency (ms)", [("itl_ms_p50", " p50"), ("itl_ms_p99", " p99")]),
+        (axes[3], "time per output token, mean (ms)", [("tpot_ms_mean", "")]),
     ]
     systems = [system for system in results.get("systems", {}).values() if system.get("levels")]
     ticks = sorted({level["concurrency"] for system in systems for level in system["levels"]})

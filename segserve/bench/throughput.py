@@ -2,9 +2,11 @@
 
 Order (nothing else of ours runs while a system is measured): plain `generate()`
 baseline in this process -> segserve (launched with `segserve.launcher.Stack`,
-or an already running one via --segserve-url) -> the launched stack's scheduler
-called directly over gRPC (`grpc_direct`, for the router's own overhead; skipped
-with --no-router-overhead or --segserve-url) -> the peer (`transformers serve
+or an already running one via --segserve-url) -> the launched stack's router
+through its public gRPC API (`grpc_public`, GenerateStream; skipped with
+--no-grpc-api or --segserve-url) -> the launched stack's scheduler
+called directly over gRPC (`grpc_direct`, for the router's own overhead over
+HTTP and over gRPC; skipped with --no-router-overhead or --segserve-url) -> the peer (`transformers serve
 --continuous-batching`, or batched `generate()` when that cannot start). Each
 server is warmed up first (a short request, then a short batched round).
 Outputs go to --out: throughput.json, throughput.png, the peer's log; the
@@ -23,7 +25,7 @@ import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from segserve.bench import grpc_direct, loadgen, peers, report
+from segserve.bench import grpc_direct, grpc_public, loadgen, peers, report
 
 # Open-ended prompts of similar length: a base model continues them for long
 # stretches, and requests additionally ask the server to ignore EOS.
@@ -60,6 +62,8 @@ class ThroughputConfig:
     """Measure only the baseline and the peer."""
     router_overhead: bool = True
     """Also drive the launched stack's scheduler over gRPC directly, for the router's overhead per token."""
+    grpc_api: bool = True
+    """Also drive the launched stack's router through its public gRPC API (GenerateStream) at every level."""
     baseline_runs: int = 2
     """Measured runs of plain generate() (after one warm-up); the median is reported."""
     level_time_limit_s: float = 600.0
@@ -109,6 +113,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-segserve", action="store_true")
     parser.add_argument("--router-overhead", action=argparse.BooleanOptionalAction, default=defaults.router_overhead,
                         help="also call the scheduler's gRPC directly to measure the router's overhead")  # fmt: skip
+    parser.add_argument("--grpc-api", action=argparse.BooleanOptionalAction, default=defaults.grpc_api,
+                        help="also stream through the router's public gRPC API (GenerateStream)")  # fmt: skip
     parser.add_argument("--baseline-runs", type=int, default=defaults.baseline_runs)
     parser.add_argument("--level-time-limit-s", type=float, default=defaults.level_time_limit_s)
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
@@ -180,6 +186,8 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
         system = bench_http("segserve", config.segserve_url, model, extra_body, config)
         if config.router_overhead:
             system.setdefault("notes", []).append("router overhead not measured: --segserve-url names no scheduler")
+        if config.grpc_api:
+            system.setdefault("notes", []).append("gRPC API not measured: --segserve-url names no gRPC port")
         return {"segserve": system}
     try:
         from router.config import RouterConfig
@@ -190,20 +198,31 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
         stack_config = StackConfig(
             worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0),  # 0 = the launcher picks
             scheduler=SchedulerConfig(port=0),
-            router=RouterConfig(port=peers.free_port()),
+            router=RouterConfig(port=peers.free_port(), is_grpc_api=config.grpc_api, grpc_port=0),  # 0: picked
             startup_timeout_s=config.startup_timeout_s,
             log_dir=str(out / "segserve-logs"),
         )
         with Stack(stack_config) as stack:
-            return bench_router_and_scheduler(config, model_dir, stack.base_url, stack.config.router.scheduler_address)
+            return bench_router_and_scheduler(config, model_dir, stack.base_url, stack.config.router.scheduler_address,
+                                              stack.grpc_address)  # fmt: skip
     except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
         return {"segserve": {"name": "segserve", "error": f"{type(exc).__name__}: {exc}", "levels": []}}
 
 
-def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_url: str, scheduler_address: str):
-    """One running stack: every level through the router, then (router_overhead) straight to its scheduler."""
+def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_url: str, scheduler_address: str,
+                               grpc_address: str | None = None):
+    """One running stack: every level through the router over HTTP, then (grpc_api) through its public gRPC API
+    at `grpc_address`, then (router_overhead) straight to its scheduler."""
     model = asyncio.run(loadgen.fetch_model_name(base_url))
     systems = {"segserve": bench_http("segserve", base_url, model, {"ignore_eos": True}, config)}
+    if config.grpc_api and grpc_address:
+        try:
+            public = grpc_public.bench_public_grpc(grpc_address, PROMPTS, model, config)
+        except Exception as exc:  # keep the other systems' numbers when this one fails
+            public = {"name": grpc_public.NAME, "error": f"{type(exc).__name__}: {exc}", "levels": []}
+        for level in public["levels"]:
+            _progress(public["name"], level)
+        systems["segserve_grpc_api"] = public
     if config.router_overhead:
         try:
             prompt_token_ids = grpc_direct.tokenize_prompts(model_dir, PROMPTS)
@@ -286,6 +305,9 @@ def run_throughput(args: argparse.Namespace) -> dict:
     systems = results["systems"]
     if "segserve_grpc" in systems:
         results["router_overhead"] = report.router_overhead(systems["segserve"], systems["segserve_grpc"])
+        if "segserve_grpc_api" in systems:
+            api, direct = systems["segserve_grpc_api"], systems["segserve_grpc"]
+            results["grpc_api_overhead"] = report.router_overhead(api, direct)
     low, high = config.concurrency[0], config.concurrency[-1]
     results["goals"] = report.evaluate_goals(results["baseline"], results["systems"].get("segserve"), peer, low, high)
     results["machine"]["loadavg_end"] = list(os.getloadavg())
