@@ -47,8 +47,8 @@ class RouterConfig:
     """File of API keys, one a line (blank lines and '#' comments skipped), added to api_keys at start-up; a missing
     or unreadable file, or one without a key, stops the start-up. Empty = none."""
     tls_cert_file: str = ""
-    """PEM certificate (chain) of HTTPS; with tls_key_file, HTTP is served over TLS only (both empty = plaintext).
-    Needs is_grpc_api off for now: the public gRPC API serves plaintext only."""
+    """PEM certificate (chain) of the router's public ports; with tls_key_file, HTTP and the public gRPC API are
+    served over TLS only (both empty = plaintext)."""
     tls_key_file: str = ""
     """PEM private key of tls_cert_file."""
     internal_tls_cert_file: str = ""
@@ -89,10 +89,6 @@ class RouterConfig:
             raise ValueError("api_keys: a key holds no whitespace or comma")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file are given together or not at all")
-        if self.tls_cert_file and self.is_grpc_api:
-            # grpc_api.start_grpc_server binds a plaintext port: refused rather than left open beside HTTPS.
-            raise ValueError("tls_cert_file: the public gRPC API has no TLS yet; turn it off (--no-grpc-api) "
-                             "to serve HTTPS")
         internal_tls(self)  # ValueError naming the fields when only some are given
         if self.max_request_body_bytes <= 0:
             raise ValueError("max_request_body_bytes must be > 0")

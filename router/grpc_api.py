@@ -52,6 +52,7 @@ from router.reflow.recorder import RequestRecording
 from router.state import RouterState
 from router.stop import stop_at_strings
 from segserve.health import Serving, add_health_and_reflection
+from segserve.tls import add_port
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +263,11 @@ def _metadata(context) -> dict[str, str]:
 def server_options(config: RouterConfig) -> list[tuple[str, int]]:
     """Message limits, and keep-alive settings that let long streams live behind load balancers: the server
     pings idle connections, accepts the clients' own pings (with or without calls under way, every 10 s at
-    most) and keeps pinging a stream that sends no data for a long time (prefill, a long queue)."""
+    most) and keeps pinging a stream that sends no data for a long time (prefill, a long queue). The port is
+    bound without SO_REUSEPORT (gRPC's default on Linux), so a second router on a taken port fails to start
+    as it does on HTTP's, instead of sharing the port's connections with the first."""
     return [
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", config.grpc_max_message_bytes),
         ("grpc.max_send_message_length", config.grpc_max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.grpc_keepalive_time_s * 1000)),
@@ -292,19 +296,20 @@ class GrpcApi:
 
 async def start_grpc_server(state: RouterState, config: RouterConfig) -> GrpcApi:
     """Serve the public gRPC API on config.host:config.grpc_port (in the running event loop, the one of
-    `state`'s scheduler client). Credentials: a plain port; a secure one replaces add_insecure_port here."""
+    `state`'s scheduler client): over TLS with the HTTPS certificate and key when the router has them
+    (config.tls), in plaintext otherwise."""
     server = grpc.aio.server(options=server_options(config))
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
     serving = Serving([SERVICE_NAME])
     add_health_and_reflection(server, serving)
     address = f"{config.host}:{config.grpc_port}"
     try:
-        port = server.add_insecure_port(address)
+        port = add_port(server, address, config.tls)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot bind the gRPC API to {address}: {exc}") from exc
     if port == 0:
         raise RuntimeError(f"cannot bind the gRPC API to {address}")
     await server.start()
     await serving.set(True)
-    logger.info("public gRPC API on %s:%d", config.host, port)
+    logger.info("public gRPC API on %s:%d (%s)", config.host, port, "TLS" if config.tls else "plaintext")
     return GrpcApi(server, serving, port)

@@ -11,8 +11,10 @@ same port, and data reflow merging gRPC and HTTP turns into one session.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -24,7 +26,8 @@ from transformers import AutoTokenizer
 from protos.segserve.v1 import generation_pb2 as pb
 from protos.segserve.v1 import generation_pb2_grpc
 from router.config import RouterConfig
-from router.grpc_api import server_options
+from router.grpc_api import server_options, start_grpc_server
+from router.ops import RouterMetrics
 from segserve.reflow.config import ConsumerConfig
 from segserve.reflow.consumer import consume
 from segserve.reflow.export import export
@@ -290,6 +293,15 @@ def test_keepalive_and_message_limits_are_the_configs():
     assert options["grpc.keepalive_permit_without_calls"] == 1 and options["grpc.http2.max_pings_without_data"] == 0
     with pytest.raises(ValueError, match="grpc_port"):
         RouterConfig(grpc_port=70000)
+
+
+def test_a_taken_grpc_port_stops_a_second_router(router):
+    """Not shared with SO_REUSEPORT: a second router would take half the first one's connections."""
+    taken = int(router[1].rsplit(":", 1)[1])
+    config = RouterConfig(host="127.0.0.1", grpc_port=taken)
+    state = SimpleNamespace(config=config, scheduler=None, metrics=RouterMetrics("tiny"))
+    with pytest.raises(RuntimeError, match=f"cannot bind the gRPC API to 127.0.0.1:{taken}"):
+        asyncio.run(start_grpc_server(state, config))
 
 
 # --- data reflow ----------------------------------------------------------------------------------------------

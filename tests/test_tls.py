@@ -3,9 +3,10 @@
 A real worker (tiny model), drafter and scheduler run in process on a background event loop, every one
 requiring client certificates from the test CA; a router in front of them serves HTTPS. A generation
 through the router crosses every hop; each internal server refuses a client without a certificate, with
-one from another CA, or in plaintext, and a client refuses a server its CA did not sign. The worker is dialled through `dns:///localhost:PORT` with a
-certificate that names only `localhost`, so that hop also shows a resolved replica checked against the
-DNS name.
+one from another CA, or in plaintext, and a client refuses a server its CA did not sign. The worker is
+dialled through `dns:///localhost:PORT` with a certificate that names only `localhost`, so that hop also
+shows a resolved replica checked against the DNS name. The router's public gRPC API serves TLS with the
+HTTPS certificate: segserve.client generates through it, and plaintext or untrusting callers are refused.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from protos.segserve.v1 import drafter_pb2_grpc
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server as start_scheduler, stop_server
+from segserve.client import Client, RetryPolicy, SegserveError
 from segserve.discovery import resolve_names
 from segserve.launcher import Stack, StackConfig
 from segserve.tls import TlsFiles, add_port, internal_tls, open_blocking_channel
 from tests.certs import CertificateAuthority, Issued
 from tests.devices import TEST_DEVICE
-from tests.router_server import free_port, serve_router
+from tests.router_server import free_port, serve_router_and_grpc
 from worker.config import WorkerConfig
 from worker.server import WorkerServicer, load_runner, start_server as start_worker
 
@@ -82,13 +84,14 @@ def test_internal_tls_takes_all_three_files_or_none(cls, pki):
     assert internal_tls(cls(**pki.internal_fields(pki.service))) == pki.mutual(pki.service)
 
 
-def test_https_with_the_grpc_api_on_is_refused_while_that_port_has_no_tls(pki):
-    with pytest.raises(ValueError, match="no-grpc-api"):
-        RouterConfig(tls_cert_file=pki.service.cert_file, tls_key_file=pki.service.key_file)
+def test_the_router_takes_a_certificate_with_its_key(pki):
     with pytest.raises(ValueError, match="tls_cert_file and tls_key_file"):
-        RouterConfig(tls_cert_file=pki.service.cert_file, is_grpc_api=False)
-    assert RouterConfig(tls_cert_file=pki.service.cert_file, tls_key_file=pki.service.key_file,
-                        is_grpc_api=False).tls == TlsFiles(pki.service.cert_file, pki.service.key_file)
+        RouterConfig(tls_cert_file=pki.service.cert_file)
+    with pytest.raises(ValueError, match="tls_cert_file and tls_key_file"):
+        RouterConfig(tls_key_file=pki.service.key_file, is_grpc_api=False)
+    assert RouterConfig(tls_cert_file=pki.service.cert_file, tls_key_file=pki.service.key_file
+                        ).tls == TlsFiles(pki.service.cert_file, pki.service.key_file)
+    assert RouterConfig().tls is None
 
 
 def test_unreadable_or_mismatched_files_are_clear_errors(pki, tmp_path):
@@ -185,6 +188,7 @@ class TlsStack:
     drafter: str
     scheduler: str
     router_url: str
+    router_grpc: str
     draft_calls: list[int]
     router: RouterConfig
 
@@ -220,11 +224,11 @@ def stack(pki, tiny_gemma3_dir):
     servers, (worker_port, drafter_port, scheduler_port) = loop.run(start())
     router = RouterConfig(model=str(tiny_gemma3_dir), scheduler_address=f"127.0.0.1:{scheduler_port}",
                           port=free_port(), scheduler_wait_s=60, tls_cert_file=pki.service.cert_file,
-                          tls_key_file=pki.service.key_file, is_grpc_api=False, **pki.internal_fields(pki.client))
+                          tls_key_file=pki.service.key_file, grpc_port=0, **pki.internal_fields(pki.client))
     try:
-        with serve_router(router) as url:
+        with serve_router_and_grpc(router) as (url, grpc_target):
             yield TlsStack(f"127.0.0.1:{worker_port}", f"127.0.0.1:{drafter_port}", f"127.0.0.1:{scheduler_port}",
-                           url.replace("http://", "https://"), draft_calls, router)
+                           url.replace("http://", "https://"), grpc_target, draft_calls, router)
     finally:
         worker_server, drafter_server, scheduler_server, engine = servers
 
@@ -255,6 +259,24 @@ def test_https_needs_a_client_that_trusts_the_ca_and_plain_http_is_refused(stack
         httpx.get(f"{stack.router_url}/health", verify=ssl.create_default_context(cafile=pki.other_ca.ca_file))
     with pytest.raises(httpx.HTTPError):  # the TLS port answers no plaintext request
         httpx.get(stack.router_url.replace("https://", "http://") + "/health", timeout=10)
+
+
+def test_the_public_grpc_api_serves_tls_with_the_https_certificate(stack, pki):
+    prompt = "one two three one two three one two"
+    with Client(stack.router_grpc, ca_file=pki.ca.ca_file, timeout_s=60) as client:
+        result = client.generate(prompt, max_tokens=12, temperature=0)
+    https = httpx.post(f"{stack.router_url}/v1/completions", verify=trusting(pki), timeout=60,
+                       json={"prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+    assert result.usage.completion_tokens == 12
+    assert result.text == https["choices"][0]["text"]
+    never_retry = RetryPolicy(max_attempts=1)
+    for refused in ({}, {"ca_file": pki.other_ca.ca_file}):  # plaintext; TLS not trusting the server's CA
+        with Client(stack.router_grpc, retry=never_retry, timeout_s=10, **refused) as client:
+            with pytest.raises(SegserveError) as failure:
+                client.list_models()
+        assert failure.value.code == "UNAVAILABLE", refused
+    with open_blocking_channel(stack.router_grpc, TlsFiles(ca_file=pki.ca.ca_file)) as channel:
+        assert health_code(channel) == grpc.StatusCode.OK  # grpc.health.v1 on the same TLS port
 
 
 @pytest.mark.parametrize("hop", ["worker", "drafter", "scheduler"])
