@@ -6,7 +6,8 @@ Routes: the OpenAI-compatible /v1 routes (openai_routes.py), the MindIE-style
 scheduler client, tokenizer, model facts, metrics, reflow recorder) and fetched
 by a FastAPI dependency (state.py); the running of a generation is serving.py's.
 Middleware, outermost first: the request guard (API keys, body limit; ops.py),
-then data reflow's recording when configured (reflow/gateway.py).
+then data reflow's recording when configured (reflow/gateway.py), then the drain
+guard (drain.py: requests under way counted, new ones refused once shutting down).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi import FastAPI
 from protos.segserve.v1.info import WorkerInfo
 from router import openai_routes, ops, v2
 from router.config import RouterConfig
+from router.drain import DrainGuard
 from router.errors import ERROR_RESPONSES, install_error_handlers
 from router.ops import MeteredClient, RequestGuard, RouterMetrics
 from router.reflow import RecorderConfig, open_recorder
@@ -43,6 +45,7 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
     app.state.router = state
     app.state.metrics_registry = state.metrics.registry  # for other collectors
     install_error_handlers(app)
+    app.add_middleware(DrainGuard, drain=state.drain)  # innermost: a refusal is recorded like any answer
     if state.recorder is not None:  # added before the guard, so it runs inside it
         app.add_middleware(ReflowMiddleware, recorder=state.recorder, service_id=state.served_name)
         state.metrics.registry.register(ReflowCollector(state.recorder))

@@ -39,6 +39,10 @@ class RouterConfig:
     """Deadline of one request from arrival; past it the stream ends with an error event. 0 = none."""
     scheduler_wait_s: float = 300.0
     """How long start-up waits for the scheduler to answer GetInfo before giving up."""
+    drain_timeout_s: float = 10.0
+    """Graceful shutdown: from SIGTERM, /ready answers 503, the gRPC API's health NOT_SERVING, new requests are
+    refused (HTTP 503, gRPC UNAVAILABLE), and the requests under way get this many seconds to finish before the
+    server stops (a pod's terminationGracePeriodSeconds must cover it)."""
     api_keys: list[str] = field(default_factory=list, metadata={"env_only": True})  # segserve.flags.ENV_ONLY
     """Keys clients must send as `Authorization: Bearer <key>` on /v1 and /v2 routes and on the gRPC API; none = no
     auth. A secret, so never a flag (flags show in `ps`): SEGSERVE_API_KEYS (comma-separated) sets it, and
@@ -83,6 +87,8 @@ class RouterConfig:
             raise ValueError("request_timeout_s must be >= 0 (0 = no deadline)")
         if self.scheduler_wait_s <= 0:
             raise ValueError("scheduler_wait_s must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         keys = [*self.api_keys, *(read_api_key_file(self.api_key_file) if self.api_key_file else [])]
         self.api_keys = list(dict.fromkeys(key.strip() for key in keys if key.strip()))
         if any(char.isspace() or char == "," for key in self.api_keys for char in key):

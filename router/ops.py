@@ -3,7 +3,8 @@
 In: the app's RouterState (state.py). Out: `router`, an APIRouter with
 - GET /health: liveness, 200 while this process serves.
 - GET /ready: 200 once the scheduler reports its worker loaded and warmed up by a
-  real forward (the worker's Health), else 503 with the reason.
+  real forward (the worker's Health), else 503 with the reason; 503 from the
+  router's SIGTERM on (drain.py).
 - GET /metrics: Prometheus text under vLLM's names, so existing dashboards work.
   Request histograms and counters are observed where the router reads the
   scheduler's stream (`MeteredClient`, under every endpoint), labelled with the
@@ -294,6 +295,8 @@ async def health() -> dict:
     "type": "object", "properties": {"status": {"const": "not_ready"}, "reason": {"type": "string"}},
     "required": ["status", "reason"]}}}}})
 async def ready(state: StateDep) -> JSONResponse:
+    if state.drain.is_draining:
+        return JSONResponse({"status": "not_ready", "reason": "shutting down"}, status_code=503)
     health = await state.scheduler.health()
     if health.is_ready:
         return JSONResponse({"status": "ready"})

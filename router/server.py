@@ -7,6 +7,10 @@ with the config's internal_tls_* files) and returns the app; `make_server` wraps
 an app in a uvicorn server (HTTPS with tls_cert_file/tls_key_file) that tests
 can stop, which, given the gRPC API, stops it first when it shuts down (before
 the app's shutdown closes the scheduler client the gRPC calls use).
+
+Shutdown (SIGTERM, SIGINT) drains first: /ready turns 503 and the gRPC API's health NOT_SERVING, new requests
+are refused on both, and the requests under way get config.drain_timeout_s to finish (drain.py) before the
+listening sockets close.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from fastapi import FastAPI
 
 from router.app import create_app
 from router.config import RouterConfig
+from router.drain import Drain
 from router.grpc_api import GrpcApi, start_grpc_server
 from router.scheduler_pool import SchedulerPool, parse_targets
 from segserve.tls import internal_tls
@@ -55,13 +60,25 @@ async def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
 class RouterServer(uvicorn.Server):
     """uvicorn's server, stopping the gRPC API (when there is one) before its own shutdown."""
 
-    def __init__(self, config: uvicorn.Config, grpc_api: GrpcApi | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, grpc_api: GrpcApi | None = None, drain: Drain | None = None,
+                 drain_timeout_s: float = 0.0) -> None:
         super().__init__(config)
         self.grpc_api = grpc_api
+        self.drain = drain
+        self.drain_timeout_s = drain_timeout_s
 
     async def shutdown(self, sockets=None) -> None:
-        if self.grpc_api is not None:
-            await self.grpc_api.stop()
+        """Drain (HTTP and the gRPC API together, for at most drain_timeout_s), then uvicorn's own shutdown."""
+        grpc_stop = None
+        if self.grpc_api is not None:  # NOT_SERVING, new calls refused, calls under way get the timeout
+            grpc_stop = asyncio.create_task(self.grpc_api.stop(grace_s=self.drain_timeout_s))
+        if self.drain is not None:
+            self.drain.start()
+            if not await self.drain.wait_idle(self.drain_timeout_s):
+                logger.warning("%d requests still under way after %.0f s of draining; stopping anyway",
+                               self.drain.num_in_flight, self.drain_timeout_s)
+        if grpc_stop is not None:
+            await grpc_stop
         await super().shutdown(sockets)
 
 
@@ -69,10 +86,13 @@ def make_server(config: RouterConfig, app: FastAPI, log_level: str = "info",
                 grpc_api: GrpcApi | None = None) -> RouterServer:
     # Streams rely on our own keep-alives; uvicorn's default 5 s idle timeout only
     # concerns idle keep-alive connections between requests.
+    # The drain (RouterServer.shutdown) has waited for the requests under way; uvicorn's own graceful shutdown
+    # then only closes connections, with a few seconds for a response being written.
     tls = config.tls
     return RouterServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                                        timeout_graceful_shutdown=5, ssl_certfile=tls.cert_file if tls else None,
-                                       ssl_keyfile=tls.key_file if tls else None), grpc_api)
+                                       ssl_keyfile=tls.key_file if tls else None), grpc_api,
+                        app.state.router.drain, config.drain_timeout_s)
 
 
 async def serve(config: RouterConfig) -> None:

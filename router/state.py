@@ -17,6 +17,7 @@ from fastapi import Depends, Request
 from protos.segserve.v1.info import WorkerInfo
 from router.config import RouterConfig
 from router.detokenizer import TokenTexts
+from router.drain import Drain
 from router.errors import model_not_found
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class RouterState:
     """Unix time the app was built (the model card's `created`)."""
     recorder: Recorder | None = None
     """Data reflow's recorder, when configured."""
+    drain: Drain = field(default_factory=Drain)
+    """Graceful shutdown: set draining on SIGTERM (server.py); /ready and DrainGuard read it."""
     token_texts: TokenTexts = field(init=False)
     eos_token_ids: frozenset[int] = field(init=False)
 

@@ -21,12 +21,14 @@ class SchedulerActor:
     def __init__(self):
         self._server = None
         self._engine = None
+        self._drain_timeout_s = 0.0
 
     async def start(self, config: SchedulerConfig) -> int:
         """Build the engine, serve gRPC on config.host:config.port; returns the bound port."""
         if self._server is not None:
             raise RuntimeError("the scheduler actor is already started")
         self._server, self._engine = await start_server(config)
+        self._drain_timeout_s = config.drain_timeout_s
         return self._server.bound_port
 
     async def node_ip(self) -> str:
@@ -38,6 +40,7 @@ class SchedulerActor:
         return dataclasses.asdict(self._engine.stats()) if self._engine else {}
 
     async def stop(self) -> None:
+        """Drain (config.drain_timeout_s for the requests under way; new ones refused), then stop."""
         if self._server is not None:
-            await stop_server(self._server, self._engine)
+            await stop_server(self._server, self._engine, drain_timeout_s=self._drain_timeout_s)
             self._server = self._engine = None

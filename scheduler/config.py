@@ -69,6 +69,10 @@ class SchedulerConfig:
     is_prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
     whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""
+    drain_timeout_s: float = 10.0
+    """Graceful shutdown: from SIGTERM, health is NOT_SERVING, new Generate calls are refused with UNAVAILABLE (a
+    router retries them on another scheduler), and the requests under way get this many seconds to finish before
+    the engine stops (a pod's terminationGracePeriodSeconds must cover it)."""
     ray_address: str | None = None
     """Ray cluster to run the scheduler actor on (e.g. 10.0.0.5:6379 of `ray start --head`, or "auto");
     None = a private Ray instance on this machine."""
@@ -105,6 +109,8 @@ class SchedulerConfig:
             raise ValueError("spec_probe_interval must be > 0")
         if self.drafter_retry_s <= 0:
             raise ValueError("drafter_retry_s must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         internal_tls(self)  # ValueError naming the fields when only some are given
 
     def resolve_max_num_seqs(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> int:

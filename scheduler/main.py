@@ -1,4 +1,5 @@
-"""`segserve scheduler`: a Ray actor hosting the scheduler until SIGINT/SIGTERM.
+"""`segserve scheduler`: a Ray actor hosting the scheduler until SIGINT/SIGTERM, which drain it first
+(NOT_SERVING, new requests refused, config.drain_timeout_s for those under way; servicer.stop_server).
 
 Ray is a private instance on this machine by default, or an existing cluster with --ray-address
 (`ray start --head` on this machine, or a KubeRay cluster): the actor then runs there as a named
@@ -87,7 +88,7 @@ def run(config: SchedulerConfig) -> None:
                 exit_code = 1
                 break
         if exit_code == 0:
-            ray.get(actor.stop.remote(), timeout=10)
+            ray.get(actor.stop.remote(), timeout=config.drain_timeout_s + 10)
     finally:
         ray.shutdown()
     if exit_code:

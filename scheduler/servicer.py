@@ -9,6 +9,7 @@ frees the slot and KV blocks at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -32,11 +33,15 @@ logger = logging.getLogger(__name__)
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine | EngineGroup):
         self.engine = engine
+        self.is_draining = False
+        """Set by stop_server: new Generate calls are refused while the requests under way finish."""
         self.serving = Serving([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
         """The standard grpc.health.v1 status: SERVING while the server is up (start_server to stop_server);
         the Health RPC says whether a worker is ready."""
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.is_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
         if self.engine.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is not connected to its worker yet")
         generate = GenerateRequest.from_pb(request)
@@ -94,14 +99,21 @@ async def start_server(config: SchedulerConfig, engine: Engine | EngineGroup | N
         raise RuntimeError(f"cannot bind the scheduler's gRPC server to {config.host}:{config.port}")
     server.bound_port = port
     server.serving = servicer.serving
+    server.servicer = servicer
     await server.start()
     await servicer.serving.set(True)
     logger.info("scheduler listening on %s:%d%s", config.host, port, " (mutual TLS)" if tls else "")
     return server, engine
 
 
-async def stop_server(server: grpc.aio.Server, engine: Engine | EngineGroup, grace_s: float = 2.0) -> None:
+async def stop_server(server: grpc.aio.Server, engine: Engine | EngineGroup, grace_s: float = 2.0,
+                      drain_timeout_s: float = 0.0) -> None:
+    """Drain, then stop: NOT_SERVING and new requests refused at once; the requests under way get
+    `drain_timeout_s` to finish; then the engine stops (ending whatever is left with an error event)."""
     await server.serving.set(False)
+    server.servicer.is_draining = True
+    if not await wait_idle(engine, drain_timeout_s):
+        logger.warning("requests still under way after %.0f s of draining; stopping anyway", drain_timeout_s)
     await engine.stop()
     await server.stop(grace_s)
     if isinstance(engine, EngineGroup):
@@ -111,3 +123,16 @@ async def stop_server(server: grpc.aio.Server, engine: Engine | EngineGroup, gra
         close = getattr(client, "close", None)
         if close is not None:
             await close()
+
+
+async def wait_idle(engine: Engine | EngineGroup, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """True once the engine runs and queues nothing; False when `timeout_s` passed first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)

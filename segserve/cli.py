@@ -43,7 +43,8 @@ _SERVE_SHARED_HELP = (
     "it signed, and every client checks the server's against it",
 )
 _SERVE_WORKER_RENAME = {"host": "worker_host", "port": "worker_port"}
-_SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port"}
+_SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port",
+                           "drain_timeout_s": "scheduler_drain_timeout_s"}
 _SERVE_SCHEDULER_SKIP = frozenset({"worker_address", "drafter_addresses"}) | _SERVE_SHARED
 _SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address"}) | _SERVE_SHARED
 _SERVE_DRAFTER_RENAME = {"host": "drafter_host", "port": "drafter_port", "device": "drafter_device",
@@ -83,6 +84,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 def _worker_command(args: argparse.Namespace) -> int:
     from worker.server import serve
 
+    _stop_on_sigterm()  # so that serve() turns NOT_SERVING and lets the step under way finish
     asyncio.run(serve(from_args(WorkerConfig, args)))
     return 0
 
