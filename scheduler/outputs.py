@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateEvent, TokenChunk
 from protos.segserve.v1.step import PromptLogprobs, SequenceOutput
+from protos.segserve.v1.tree import CandidateTree
 from scheduler.sequence import RequestMetrics, Sequence
 
 
@@ -32,8 +33,13 @@ class RequestEvent:
         return len(self.event.token_ids) if isinstance(self.event, TokenChunk) else 0
 
 
-def token_chunk(seq: Sequence, output: SequenceOutput, num_kept: int) -> TokenChunk | None:
-    """The first num_kept tokens of output and its not yet streamed prompt log-probabilities (None: nothing)."""
+def token_chunk(seq: Sequence, output: SequenceOutput, num_kept: int,
+                draft: CandidateTree | None = None) -> TokenChunk | None:
+    """The first num_kept tokens of output and its not yet streamed prompt log-probabilities (None: nothing).
+
+    With `draft` (the tree this step verified), the chunk says how big and deep it was and how many of its
+    tokens are accepted drafts: all of output's tokens but the last (the target model's own), as far as kept.
+    """
     prompt_logprobs = unsent_prompt_logprobs(seq, output.prompt_logprobs)
     if num_kept == 0 and prompt_logprobs is None:
         return None
@@ -42,8 +48,11 @@ def token_chunk(seq: Sequence, output: SequenceOutput, num_kept: int) -> TokenCh
     else:
         token_ids, scores = output.token_ids[:num_kept], output.scores[:num_kept]
         top_logprobs = output.top_logprobs[:num_kept]
+    num_accepted = 0 if draft is None else min(num_kept, len(output.token_ids) - 1)
     return TokenChunk(token_ids, scores, top_logprobs, batch_size=seq.max_batch_size,
-                      queue_wait_us=seq.queue_wait_us, prompt_logprobs=prompt_logprobs)
+                      queue_wait_us=seq.queue_wait_us, prompt_logprobs=prompt_logprobs, segment=seq.segment,
+                      num_draft_tokens=0 if draft is None else len(draft),
+                      draft_depth=0 if draft is None else draft.max_depth, num_accepted_draft_tokens=num_accepted)
 
 
 def unsent_prompt_logprobs(seq: Sequence, prompt: PromptLogprobs | None) -> PromptLogprobs | None:

@@ -335,7 +335,7 @@ class Scheduler:
         num_kept, reason = (append_tokens(seq, output.token_ids, now, self.eos_token_ids, self.max_len)
                             if work.is_sampled else (0, None))
         self.block_manager.commit(seq)  # after the append: accepted drafts' blocks are full of known tokens
-        chunk = token_chunk(seq, output, num_kept)
+        chunk = token_chunk(seq, output, num_kept, work.draft)
         events = [] if chunk is None else [RequestEvent(seq.request_id, chunk)]
         if reason is not None:
             self._end(seq, SequenceStatus.FINISHED, reason)

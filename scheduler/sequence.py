@@ -70,6 +70,8 @@ class Sequence:
     last_token_time: float | None = None
     max_batch_size: int = 0
     """Largest number of sequences in a step this one ran in."""
+    segment: str = ""
+    """The segment kind the drafter last placed this request in ("" = not known); the speculator sets it."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -151,7 +151,7 @@ class Speculator:
                 self._num_synced[request_id] = 0  # its state is suspect: resend everything
                 continue
             self._num_synced[request_id] = seq.num_tokens
-            self._segments[request_id] = reply.segment
+            self._segments[request_id] = seq.segment = reply.segment
             if reply.tree:
                 trees[request_id] = reply.tree
         return trees

@@ -103,7 +103,7 @@ def test_generate_request_without_sampling_is_greedy_defaults():
 
 @given(st.one_of(
     st.builds(TokenChunk, token_ids, st.lists(float32s, max_size=8), st.lists(top_logprobs, max_size=3), uint32,
-              uint64, st.none() | prompt_logprobs),
+              uint64, st.none() | prompt_logprobs, st.text(), uint32, uint32, uint32),
     st.builds(GenerateComplete, st.sampled_from(FinishReason), uint32, uint32, uint64, uint64, uint64, uint32,
               st.text(), uint32),
     st.builds(GenerateError, st.text(min_size=1), st.text())))

@@ -111,6 +111,27 @@ async def test_acceptance_stats_per_segment_and_depth():
     assert speculator.acceptance.total.num_verified == stats.num_verified
 
 
+async def test_token_chunks_say_which_tokens_were_drafts_of_which_tree_and_segment():
+    scheduler, speculator = make_pair(make_drafter(num_right=2, segment="json"), max_nodes=6)
+    worker = FakeWorker(RULE, VOCAB, [EOS], num_kv_blocks=64, block_size=4)
+    scheduler.add(Sequence("a", [5, 6, 7], stopping=StoppingCriteria(30)))
+    chunks = []
+    while scheduler.has_work:
+        request = scheduler.schedule()
+        await speculator.propose(scheduler, request)
+        result = worker.step_sync(request)
+        speculator.observe_step(request, result, 0.01)
+        chunks += [e.event for e in scheduler.postprocess(request, result) if not e.is_terminal]
+    first, *rest = chunks
+    assert (first.segment, first.num_draft_tokens, first.draft_depth, first.num_accepted_draft_tokens) == ("", 0, 0, 0)
+    # A wrong sibling and a chain of 5 of which the first 2 are right: 2 drafts, then the model's own token.
+    assert [(c.num_draft_tokens, c.draft_depth, c.num_accepted_draft_tokens, len(c.token_ids)) for c in rest[:3]] \
+        == [(6, 5, 2, 3)] * 3
+    assert all(c.segment == "json" for c in rest)
+    assert all(c.num_accepted_draft_tokens <= len(c.token_ids) for c in chunks)
+    assert [t for c in chunks for t in c.token_ids] == reference([5, 6, 7], 30)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
 async def test_multi_token_acceptance_stops_exactly_at_max_tokens(max_tokens):
     prompts = {"a": [5, 6, 7], "b": [40]}

@@ -96,6 +96,14 @@ class TokenChunk:
     """Arrival to first scheduling."""
     prompt_logprobs: PromptLogprobs | None = None
     """Prompt tokens' log-probabilities computed this step, when asked for."""
+    segment: str = ""
+    """The segment kind the drafter last placed the request in ("" = not known)."""
+    num_draft_tokens: int = 0
+    """Draft tokens in the candidate tree verified this step (0 = no tree)."""
+    draft_depth: int = 0
+    """Depth of that tree's deepest draft (0 = no tree)."""
+    num_accepted_draft_tokens: int = 0
+    """The first this many token_ids are accepted drafts; the rest are the target model's own."""
 
     def __post_init__(self) -> None:
         for name in ("token_ids", "scores", "top_logprobs"):
@@ -106,7 +114,9 @@ class TokenChunk:
         chunk = scheduler_pb2.TokenChunk(
             token_ids=self.token_ids, scores=self.scores, top_logprobs=[t.to_pb() for t in self.top_logprobs],
             batch_size=self.batch_size, queue_wait_us=self.queue_wait_us,
-            prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.to_pb())
+            prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.to_pb(),
+            segment=self.segment, num_draft_tokens=self.num_draft_tokens, draft_depth=self.draft_depth,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens)
         return scheduler_pb2.GenerateResponse(chunk=chunk)
 
 
@@ -159,7 +169,8 @@ def event_from_pb(pb: scheduler_pb2.GenerateResponse) -> GenerateEvent:
         c = pb.chunk
         prompt = PromptLogprobs.from_pb(c.prompt_logprobs) if c.HasField("prompt_logprobs") else None
         return TokenChunk(tuple(c.token_ids), tuple(c.scores), tuple(TopLogprobs.from_pb(t) for t in c.top_logprobs),
-                          c.batch_size, c.queue_wait_us, prompt)
+                          c.batch_size, c.queue_wait_us, prompt, c.segment, c.num_draft_tokens, c.draft_depth,
+                          c.num_accepted_draft_tokens)
     if kind == "complete":
         d = pb.complete
         return GenerateComplete(_FINISH_FROM_PB.get(d.finish_reason, FinishReason.UNSPECIFIED), d.num_prompt_tokens,

@@ -36,20 +36,28 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_common_pb2.StoppingCriteria, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "scores", "top_logprobs", "batch_size", "queue_wait_us", "prompt_logprobs")
+    __slots__ = ("token_ids", "scores", "top_logprobs", "batch_size", "queue_wait_us", "prompt_logprobs", "segment", "num_draft_tokens", "draft_depth", "num_accepted_draft_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     batch_size: int
     queue_wait_us: int
     prompt_logprobs: _common_pb2.PromptLogprobs
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., batch_size: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
+    segment: str
+    num_draft_tokens: int
+    draft_depth: int
+    num_accepted_draft_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., batch_size: _Optional[int] = ..., queue_wait_us: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ..., segment: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., draft_depth: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
     __slots__ = ("finish_reason", "num_prompt_tokens", "num_generated_tokens", "queue_wait_us", "first_token_us", "decode_us", "max_batch_size", "error_message", "num_cached_prompt_tokens")
