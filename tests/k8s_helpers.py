@@ -130,6 +130,8 @@ class Mount:
 
 def mounts(workload: dict, container: dict) -> list[Mount]:
     volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+    for claim in workload["spec"].get("volumeClaimTemplates", []):  # a StatefulSet's own volumes
+        volumes[claim["metadata"]["name"]] = {"name": claim["metadata"]["name"], "persistentVolumeClaim": {}}
     return [Mount(m["mountPath"], volumes[m["name"]]) for m in container.get("volumeMounts", [])]
 
 
