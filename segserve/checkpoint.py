@@ -11,6 +11,7 @@ directory and reused afterwards. Nothing here touches the network.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -51,10 +52,23 @@ def resolve_model(model: str | None) -> Path:
 
 
 def prepare_default_model(target: Path | None = None) -> Path:
-    """Convert the packaged GGUF into a plain checkpoint once; return its directory."""
+    """Convert the packaged GGUF into a plain checkpoint once; return its directory.
+
+    Processes that prepare the same target at once (a test run's services, pods sharing a volume) take
+    turns on a lock file beside it: the first converts, the others find its finished checkpoint."""
     target = target or default_model_dir()
     if (target / _DONE_MARKER).is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not (target / _DONE_MARKER).is_file():
+            _convert(target)
+    return target
+
+
+def _convert(target: Path) -> None:
+    """The GGUF's tokenizer and dequantized weights, saved as a transformers checkpoint at `target`."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,4 +109,3 @@ def prepare_default_model(target: Path | None = None) -> Path:
     partial.rename(target)
     steps.update()
     steps.close()
-    return target
