@@ -31,6 +31,7 @@ from protos.segserve.v1.generate import (
 from protos.segserve.v1.step import PromptLogprobs
 from router.detokenizer import IncrementalDetokenizer
 from router.scheduler_client import SchedulerClient
+from router.speculation import Speculation, StepQueue
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class Delta:
     """The largest batch the request has run in so far, per the scheduler (0 = not reported)."""
     queue_wait_us: int = 0
     """Arrival to first scheduling, per the scheduler."""
+    speculation: Speculation | None = None
+    """Each token's text, origin and step, when the job asked for them (include_speculation)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class GenerationJob:
     num_top_logprobs: int | None = None
     """Alternatives per token in the response; None = no logprobs."""
     timeout_s: float | None = None
+    include_speculation: bool = False
+    """Give each Delta its Speculation (speculation.py): per-token text, origin and step."""
 
     @property
     def request_id(self) -> str:
@@ -152,15 +157,18 @@ async def generate_deltas(
     """
     inbox = _Inbox()
     pump = asyncio.create_task(_pump(client, job, inbox))
+    steps = StepQueue() if job.include_speculation else None
     try:
         while True:
             events = await inbox.take(keepalive_s)
             if not events:
                 yield KEEPALIVE
                 continue
+            if steps is not None:
+                steps.note(events)
             for event in merge_chunks(events):
                 if isinstance(event, TokenChunk):
-                    yield _chunk_delta(event, job, detokenizer)
+                    yield _chunk_delta(event, job, detokenizer, steps)
                 elif isinstance(event, GenerateComplete):
                     yield finish_delta(event, job, detokenizer.flush())
                     return
@@ -173,14 +181,22 @@ async def generate_deltas(
             await pump
 
 
-def _chunk_delta(chunk: TokenChunk, job: GenerationJob, detokenizer: IncrementalDetokenizer) -> Delta:
+def _chunk_delta(chunk: TokenChunk, job: GenerationJob, detokenizer: IncrementalDetokenizer,
+                 steps: StepQueue | None = None) -> Delta:
     eos = job.eos_token_ids
     token_ids = chunk.token_ids
-    text_ids = [t for t in token_ids if t not in eos] if eos.intersection(token_ids) else token_ids
     logprobs = [] if job.num_top_logprobs is None else to_logprobs(chunk, job.num_top_logprobs)
-    return Delta(text=detokenizer.add(text_ids), logprobs=logprobs, token_ids=token_ids,
-                 prompt_logprobs=chunk.prompt_logprobs, num_tokens=len(token_ids), batch_size=chunk.batch_size,
-                 queue_wait_us=chunk.queue_wait_us)
+    speculation = None
+    if steps is None:
+        text_ids = [t for t in token_ids if t not in eos] if eos.intersection(token_ids) else token_ids
+        text = detokenizer.add(text_ids)
+    else:  # token by token, so that each token's text is known (an EOS token's is "")
+        token_texts = tuple("" if t in eos else detokenizer.add((t,)) for t in token_ids)
+        text = "".join(token_texts)
+        speculation = Speculation(token_texts, steps.take(len(token_ids)))
+    return Delta(text=text, logprobs=logprobs, token_ids=token_ids, prompt_logprobs=chunk.prompt_logprobs,
+                 num_tokens=len(token_ids), batch_size=chunk.batch_size, queue_wait_us=chunk.queue_wait_us,
+                 speculation=speculation)
 
 
 def merge_chunks(events: list[GenerateEvent]) -> list[GenerateEvent]:

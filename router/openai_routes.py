@@ -99,7 +99,7 @@ def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int]
     return [
         GenerationJob(request=dataclasses.replace(r, stopping=dataclasses.replace(r.stopping, max_tokens=budget)),
                       eos_token_ids=state.eos_token_ids, num_top_logprobs=body.num_top_logprobs,
-                      timeout_s=state.config.request_timeout_s or None)
+                      timeout_s=state.config.request_timeout_s or None, include_speculation=body.include_speculation)
         for r in requests
     ]
 

@@ -50,6 +50,10 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = False
     """Send a last chunk with token usage before [DONE]."""
+    include_speculation: bool | None = False
+    """segserve's extension: every chunk gets a `segserve` object saying how each token came about (accepted
+    draft or the model's own), in which segment kind, and the size and depth of each step's candidate tree
+    (router/speculation.py)."""
 
 
 def _bounded(field: str, **changes: float | None):
@@ -136,6 +140,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_speculation(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_speculation)
 
     @property
     def num_top_logprobs(self) -> int | None:

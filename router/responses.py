@@ -193,6 +193,10 @@ class _Renderer:
         """Chunks sent before the first delta."""
         return []
 
+    def text_chunk(self, index: int, text: str) -> str:
+        """The JSON of a stream chunk carrying only `text` for choice `index`."""
+        return self._text_chunk.fill(index, text)
+
     def _has_content(self, delta: Delta) -> bool:
         return bool(delta.text or delta.finish_reason or (self.want_logprobs and delta.logprobs))
 

@@ -36,6 +36,7 @@ from router.detokenizer import IncrementalDetokenizer
 from router.errors import SERVER_ERROR, error_body, from_failure
 from router.generation import Delta, GenerationJob, KeepAlive, generate_deltas
 from router.reflow.gateway import STATE_KEY, record_deltas
+from router.speculation import with_extension
 from router.state import RouterState
 
 SSE_HEADERS = {
@@ -57,11 +58,13 @@ class ClientDisconnected(Exception):
 
 def sse_data(payload: BaseModel | dict | str) -> str:
     """One SSE event carrying `payload` as JSON (a str is JSON already: a renderer's prebuilt chunk)."""
+    return f"data: {_json(payload)}\n\n"
+
+
+def _json(payload: BaseModel | dict | str) -> str:
     if isinstance(payload, str):
-        body = payload
-    else:
-        body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
+        return payload
+    return payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
 
 
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
@@ -109,6 +112,10 @@ async def sse_events(first, events: AsyncIterator, renderer, include_usage: bool
                 break
             else:
                 chunk = renderer.chunk(event)
+                if event.speculation is not None and (chunk is not None or event.speculation.steps):
+                    # Tokens without text of their own (held back, EOS) still get their chunk.
+                    chunk = with_extension(_json(chunk if chunk is not None else renderer.text_chunk(event.index, "")),
+                                           event.speculation)
                 if chunk is not None:
                     yield sse_data(chunk)
                 message = worker_error(event)

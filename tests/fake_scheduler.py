@@ -33,6 +33,10 @@ TOP_LOGPROB = -0.25  # the chosen token's logprob in the top list
 WORKER_ERROR_MESSAGE = "non-finite logits in this sequence"
 
 
+FAKE_SEGMENT = "code"
+"""The segment kind every chunk of the fake reports."""
+
+
 def prompt_logprob(position: int) -> float:
     """The fake's logprob of the prompt token at `position` (>= 1)."""
     return -1.0 - position / 100
@@ -141,7 +145,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         scores = [TOP_LOGPROB if sampling.do_sample else GREEDY_LOGIT] * len(token_ids)
         top = [self._alternatives(t, sampling.num_top_logprobs, TOP_LOGPROB) for t in token_ids] \
             if sampling.num_top_logprobs else []
-        return TokenChunk(tuple(token_ids), tuple(scores), tuple(top), batch_size=1, queue_wait_us=queue_wait_us)
+        # Each chunk is a step whose tree of 4 drafts (depth 2) gave all but its last token.
+        return TokenChunk(tuple(token_ids), tuple(scores), tuple(top), batch_size=1, queue_wait_us=queue_wait_us,
+                          segment=FAKE_SEGMENT, num_draft_tokens=4, draft_depth=2,
+                          num_accepted_draft_tokens=len(token_ids) - 1)
 
     def GetInfo(self, request, context):
         info = WorkerInfo(self.model_name, num_kv_blocks=64, block_size=16, max_model_len=self.max_model_len,
