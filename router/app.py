@@ -1,8 +1,8 @@
 """create_app: the router's FastAPI app, assembled from its route modules around one RouterState.
 
 Routes: the OpenAI-compatible /v1 routes (openai_routes.py), the MindIE-style
-/v2/models/{model}/generate[_stream] routes (v2.py), and GET /health, /ready,
-/metrics (ops.py). They share nothing but the `RouterState` built here (config,
+/v2/models/{model}/generate[_stream] routes (v2.py), GET /health, /ready,
+/metrics (ops.py), and the browser playground at GET /playground (playground/). They share nothing but the `RouterState` built here (config,
 scheduler client, tokenizer, model facts, metrics, reflow recorder) and fetched
 by a FastAPI dependency (state.py); the running of a generation is serving.py's.
 Middleware, outermost first: the request guard (API keys, body limit; ops.py),
@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from protos.segserve.v1.info import WorkerInfo
-from router import openai_routes, ops, v2
+from router import openai_routes, ops, playground, v2
 from router.config import RouterConfig
 from router.drain import DrainGuard
 from router.errors import ERROR_RESPONSES, install_error_handlers
@@ -53,6 +53,7 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
     app.include_router(v2.router_for(state.served_name))
+    app.include_router(playground.router)
     return app
 
 
