@@ -2,7 +2,8 @@
 
 Routes: the OpenAI-compatible /v1 routes (openai_routes.py), the MindIE-style
 /v2/models/{model}/generate[_stream] routes (v2.py), GET /health, /ready,
-/metrics (ops.py), and the browser playground at GET /playground (playground/). They share nothing but the `RouterState` built here (config,
+/metrics (ops.py), GET /status (status.py: the live view's JSON), and the browser
+playground at GET /playground (playground/). They share nothing but the `RouterState` built here (config,
 scheduler client, tokenizer, model facts, metrics, reflow recorder) and fetched
 by a FastAPI dependency (state.py); the running of a generation is serving.py's.
 Middleware, outermost first: the request guard (API keys, body limit; ops.py),
@@ -18,7 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from protos.segserve.v1.info import WorkerInfo
-from router import openai_routes, ops, playground, v2
+from router import openai_routes, ops, playground, status, v2
 from router.config import RouterConfig
 from router.drain import DrainGuard
 from router.errors import ERROR_RESPONSES, install_error_handlers
@@ -53,6 +54,7 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
     app.include_router(v2.router_for(state.served_name))
+    app.include_router(status.router)
     app.include_router(playground.router)
     return app
 

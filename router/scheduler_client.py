@@ -45,6 +45,16 @@ class SpecTotals:
 
 
 @dataclass(frozen=True)
+class SegmentLoad:
+    """Speculative decoding of one segment kind since the scheduler started ("" = not yet known)."""
+
+    segment: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclass(frozen=True)
 class SchedulerLoad:
     """The scheduler's GetStats: current load, and counters since it started."""
 
@@ -58,13 +68,21 @@ class SchedulerLoad:
     """Tokens looked up in the prefix cache since start."""
     num_prefix_cache_hits: int = 0
     """Of those, tokens found cached."""
+    num_workers: int = 0
+    num_live_workers: int = 0
+    """Workers the scheduler drives, and how many of them are connected."""
+    segments: tuple[SegmentLoad, ...] = ()
+    """Speculation per segment kind, by name."""
 
 
 def load_from_pb(stats: scheduler_pb2.SchedulerStats) -> SchedulerLoad:
     spec = SpecTotals(stats.spec.num_verified, stats.spec.num_draft_tokens, stats.spec.num_accepted_tokens,
                       tuple(stats.spec.num_accepted_by_depth))
+    segments = tuple(SegmentLoad(s.segment, s.num_verified, s.num_draft_tokens, s.num_accepted_tokens)
+                     for s in stats.spec_segments)
     return SchedulerLoad(stats.num_running, stats.num_waiting, stats.num_used_kv_blocks, stats.num_total_kv_blocks,
-                         stats.num_preemptions, spec, stats.num_prefix_cache_queries, stats.num_prefix_cache_hits)
+                         stats.num_preemptions, spec, stats.num_prefix_cache_queries, stats.num_prefix_cache_hits,
+                         stats.num_workers, stats.num_live_workers, segments)
 
 
 class SchedulerClient:

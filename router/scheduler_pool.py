@@ -28,7 +28,7 @@ from itertools import zip_longest
 
 from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk
 from protos.segserve.v1.info import Health, WorkerInfo
-from router.scheduler_client import SchedulerClient, SchedulerLoad, SpecTotals
+from router.scheduler_client import SchedulerClient, SchedulerLoad, SegmentLoad, SpecTotals
 from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
 from segserve.tls import TlsFiles
 
@@ -228,10 +228,16 @@ class SchedulerPool:
 def _total(loads: list[SchedulerLoad]) -> SchedulerLoad:
     """Field-wise sums (per-depth acceptance counts added position by position)."""
     numbers = {f.name: sum(getattr(load, f.name) for load in loads)
-               for f in dataclasses.fields(SchedulerLoad) if f.name != "spec"}
+               for f in dataclasses.fields(SchedulerLoad) if f.name not in ("spec", "segments")}
     spec = SpecTotals(
         sum(load.spec.num_drafts for load in loads), sum(load.spec.num_draft_tokens for load in loads),
         sum(load.spec.num_accepted_tokens for load in loads),
         tuple(sum(depth) for depth in zip_longest(*(load.spec.num_accepted_by_position for load in loads),
                                                    fillvalue=0)))
-    return SchedulerLoad(spec=spec, **numbers)
+    segments: dict[str, list[int]] = {}
+    for segment in (s for load in loads for s in load.segments):
+        counts = segments.setdefault(segment.segment, [0, 0, 0])
+        for i, value in enumerate((segment.num_drafts, segment.num_draft_tokens, segment.num_accepted_tokens)):
+            counts[i] += value
+    return SchedulerLoad(spec=spec, segments=tuple(SegmentLoad(name, *counts) for name, counts in sorted(
+        segments.items())), **numbers)

@@ -138,6 +138,14 @@ def _reflow_export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _top_command(args: argparse.Namespace) -> int:
+    from segserve.top import run
+
+    if args.interval_s <= 0:
+        raise SystemExit("--interval-s must be > 0")
+    return run(args.url, args.interval_s, args.api_key)
+
+
 def _watermark_detect_command(args: argparse.Namespace) -> int:
     import json
 
@@ -269,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--model", default=None, help="model directory of the tokenizer (default model if unset)")
     detect.add_argument("--z-threshold", type=float, default=4.0, help="z-score above which text is watermarked")
     detect.set_defaults(func=_watermark_detect_command)
+
+    top = commands.add_parser("top", help="live view of a running stack (the router's GET /status)")
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
+    top.add_argument("--interval-s", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--api-key", default=None, help="sent as a Bearer token (GET /status itself is open)")
+    top.set_defaults(func=_top_command)
 
     prepare = commands.add_parser("prepare-model", help="convert the default model into the cache")
     prepare.set_defaults(func=_prepare_model_command)

@@ -1,0 +1,65 @@
+"""GET /status (router/status.py) and the playground's pages with API keys on: both open, the API not.
+
+Through real HTTP against test_router_ops.py's router (API keys on) and its fake scheduler.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from router.scheduler_client import SchedulerLoad, SegmentLoad, SpecTotals
+from router.status import status_body
+from tests.test_router_ops import router_url, scheduler, tokenizer  # noqa: F401
+
+
+def test_the_playground_is_served_with_api_keys_on_and_the_api_still_asks_for_one(router_url):
+    page = httpx.get(router_url + "/playground", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'id="api-key"' in page.text and "/playground/playground.js" in page.text
+    for name, kind in (("playground.js", "text/javascript"), ("playground.css", "text/css")):
+        asset = httpx.get(f"{router_url}/playground/{name}", timeout=10)
+        assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind) and asset.text
+    assert httpx.get(router_url + "/playground/../app.py", timeout=10).status_code == 404
+    assert httpx.get(router_url + "/playground/app.py", timeout=10).status_code == 404
+    assert httpx.get(router_url + "/v1/models", timeout=10).status_code == 401
+    # Nothing on the page comes from anywhere but the router.
+    assert "http://" not in page.text and "https://" not in page.text
+
+
+def test_status_is_open_and_reports_the_scheduler(router_url):
+    response = httpx.get(router_url + "/status", timeout=10)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["components"]["router"] == "ok" and body["components"]["scheduler"] == "ready"
+    # test_router_ops.STATS, as the scheduler sent them
+    assert body["requests"] == {"running": 3, "waiting": 2, "preemptions": 1}
+    assert body["kv_cache"] == {"used_blocks": 16, "total_blocks": 64, "usage": 0.25}
+    assert body["prefix_cache"] == {"queries": 900, "hits": 640, "hit_rate": 640 / 900}
+    assert body["speculation"]["acceptance"] == 12 / 40 and body["speculation"]["segments"] == []
+    assert body["reflow"] is None
+
+
+def test_status_with_the_scheduler_down_still_answers(router_url, scheduler):
+    fake, _ = scheduler
+    fake.has_stats = False
+    try:
+        body = httpx.get(router_url + "/status", timeout=10).json()
+    finally:
+        fake.has_stats = True
+    assert body["components"]["scheduler"] == "unreachable" and body["requests"] is None
+
+
+def test_status_body_rates_per_segment_and_an_unreachable_scheduler():
+    load = SchedulerLoad(2, 3, 16, 64, 1, SpecTotals(4, 40, 10, ()), num_prefix_cache_queries=100,
+                         num_prefix_cache_hits=25, num_workers=2, num_live_workers=1,
+                         segments=(SegmentLoad("code", 4, 40, 10),))
+    body = status_body(load, True, "", False)
+    assert body["components"] == {"router": "ok", "scheduler": "ready", "workers": "1/2 live"}
+    assert body["requests"] == {"running": 2, "waiting": 3, "preemptions": 1}
+    assert body["kv_cache"]["usage"] == 0.25 and body["prefix_cache"]["hit_rate"] == 0.25
+    assert body["speculation"]["segments"] == [{"segment": "code", "num_drafts": 4, "num_draft_tokens": 40,
+                                                "num_accepted_tokens": 10, "acceptance": 0.25,
+                                                "accepted_per_draft": 2.5}]
+    down = status_body(None, False, "scheduler unreachable: UNAVAILABLE", True)
+    assert down["components"] == {"router": "draining", "scheduler": "unreachable", "workers": None}
+    assert down["requests"] is None and down["detail"] == "scheduler unreachable: UNAVAILABLE"
