@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, pinned: a bare `torch` would resolve to a CUDA build of several GB.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test protos clean
+.PHONY: install serve test test-debs protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,17 @@ REFLOW_QUEUE ?= sqlite:///reflow/queue.db
 serve: install
 	$(BIN)/segserve serve --reflow-queue-url $(REFLOW_QUEUE) --reflow-spill-dir reflow/spill $(ARGS)
 
-test: install
+# Debian packages some tests run: the playground's headless browser and `segserve top`'s terminal. Installed
+# when missing and running as root (a fresh container); otherwise those tests say what to install.
+TEST_DEBS := chromium:chromium chromedriver:chromium-driver tmux:tmux
+
+test-debs:
+	@missing="$$(for pair in $(TEST_DEBS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done)"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+test: install test-debs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 protos: install
