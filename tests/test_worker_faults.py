@@ -106,16 +106,18 @@ def broken_work(change):
     return fault
 
 
-def failing_sampler(monkeypatch):
+def failing_sampler(runner, monkeypatch):
     """From FAULT_STEP on, the sampler raises whenever the faulty sequence's row is in its batch, after
-    it has sampled every row."""
+    it has sampled every row. Its rows are those holding its state's params (a row without penalties
+    carries no history to tell it by)."""
     real = worker.faults.sample
     prompt = PROMPTS[FAULTY]
 
     def flaky(logits, rows, uniform=None):
         out = real(logits, rows, uniform)
-        if any(list(r.token_ids[:len(prompt)]) == prompt and len(r.token_ids) >= len(prompt) + FAULT_STEP
-               for r in rows):
+        state = runner._states.get(FAULTY)
+        if (state is not None and len(state.history) >= len(prompt) + FAULT_STEP
+                and any(r.params is state.params for r in rows)):
             raise RuntimeError("injected sampler failure")
         return out
 
@@ -133,7 +135,7 @@ def solo(runner):
 FAULTS = {
     "nan-logits": (lambda runner, mp: non_finite_logits(runner, float("nan")), "non-finite logits"),
     "inf-logits": (lambda runner, mp: non_finite_logits(runner, float("inf")), "non-finite logits"),
-    "sampler-exception": (lambda runner, mp: failing_sampler(mp), "injected sampler failure"),
+    "sampler-exception": (lambda runner, mp: failing_sampler(runner, mp), "injected sampler failure"),
     "invalid-tree": (lambda runner, mp: broken_work(lambda w: dataclasses.replace(
         w, sample_indices=(), draft=CandidateTree((1, 2), (-1, 5)))), "invalid draft tree"),
     "out-of-vocab-token": (lambda runner, mp: broken_work(lambda w: dataclasses.replace(

@@ -182,8 +182,9 @@ def _to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.
     rows, (q, num_keys) = per_row.shape[1], (plan.num_queries, plan.num_keys)
     table_rows, start, length = per_row[0], per_row[1, :, None], per_row[2, :, None]  # [R], [R, 1], [R, 1]
     key = torch.arange(num_keys, device=per_row.device)  # [L]
-    tables = device_tables.index_select(0, table_rows).long()  # [R, max_blocks]
-    block_col = (key // block_size).clamp_(max=tables.shape[1] - 1).expand(rows, num_keys)  # [R, L]
+    num_cols = min(-(-num_keys // block_size), device_tables.shape[1])  # only the blocks the keys reach
+    tables = device_tables[:, :num_cols].index_select(0, table_rows).long()  # [R, num_cols]
+    block_col = (key // block_size).clamp_(max=num_cols - 1).expand(rows, num_keys)  # [R, L]
     key_slots = tables.gather(1, block_col) * block_size + key % block_size  # [R, L]
     if q == 1:  # decode: one query per row, at position start, seeing keys 0..start (no padding queries)
         mask = (key[None, :] <= start)[:, None, :]  # [R, 1, L]

@@ -237,6 +237,8 @@ class ModelRunner:
                          ) -> dict[int, PromptLogprobs]:
         """Work index -> PromptLogprobs for every work that scores prompt tokens and did not fail.
         logits: [R, V], the prompt rows of every work in turn."""
+        if not any(plan.prompt_plans):
+            return {}
         items, indices, row = [], [], 0
         for i, (work, prompt_plan) in enumerate(zip(plan.works, plan.prompt_plans)):
             kept = logits[row:row + len(work.prompt_offsets)]  # [K, V]
@@ -255,10 +257,13 @@ class ModelRunner:
 
     def sample_rows(self, work: Work) -> list[SampleRow]:
         """The rows of every sample index of `work`, in order; when the sampler reads no history (no penalty, no
-        watermark) they are one row, seeing the last index's path, so a tree costs no row per node."""
+        watermark) they are one row, kept on the sequence's state, with no history, so a tree costs no row per
+        node and a decode step builds no row."""
         state = self._states[work.seq_id]
         if not (state.params.has_penalty or state.params.watermark):
-            return [self.sample_row(work, work.sample_indices[-1])] * len(work.sample_indices)
+            if state.plain_row is None:  # the sampler reads no history: one row object for the sequence's life
+                state.plain_row = SampleRow(state.params, (), state.num_prompt_tokens, state.generator)
+            return [state.plain_row] * len(work.sample_indices)
         return [SampleRow(state.params, PrefixedHistory(state.history, work.num_computed_tokens, path),
                           state.num_prompt_tokens, state.generator) for path in step_paths(work)]
 

@@ -21,7 +21,7 @@ from protos.segserve.v1.step import StepRequest
 from worker.attention import StepLayout, step_layout
 from worker.block_tables import BlockTables
 from worker.prompt_logprobs import PromptLogprobState, PromptPlan, plan
-from worker.sampler import make_generator
+from worker.sampler import SampleRow, make_generator
 from worker.validation import InvalidRequest, StepLimits, has_overlapping_slots, sequence_problem
 from worker.work import Work, expand
 
@@ -37,6 +37,9 @@ class SequenceState:
     """Every token of the sequence up to the end of its last step (prompt, output, step tokens)."""
     prompt: PromptLogprobState | None = None
     """Set when the sequence asked for prompt log-probabilities."""
+    plain_row: SampleRow | None = None
+    """The sequence's SampleRow without history, made once, for parameters that read none (no penalty,
+    no watermark)."""
 
 
 @dataclass
