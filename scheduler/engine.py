@@ -78,6 +78,12 @@ class EngineStats:
     """Requests moved from a lost worker to another one."""
 
 
+async def _settle(task: asyncio.Task | None) -> None:
+    """Wait for a step whose result is not wanted (a dropped step ahead), whatever its outcome."""
+    if task is not None:
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def is_terminal(event: GenerateEvent) -> bool:
     return not isinstance(event, TokenChunk)
 
@@ -245,7 +251,11 @@ class Engine:
         self.on_lost(self, items, reason)
 
     async def _step(self) -> None:
-        """schedule -> draft -> worker step -> apply outputs -> deliver."""
+        """schedule -> draft -> worker step -> apply outputs -> deliver.
+
+        With async scheduling, the step after a decode step is built and sent before that step's result is
+        back (Scheduler.schedule_ahead), and so on while the batch stays in the steady decode state: the
+        worker goes from one step to the next without waiting for this loop's round trip."""
         cycle_start = time.perf_counter()
         request = self.scheduler.schedule()
         if not request.sequences:  # only right after a preemption left nothing runnable; retry next turn
@@ -253,24 +263,52 @@ class Engine:
             return
         if self.speculator is not None:
             await self.speculator.propose(self.scheduler, request)
-        events = await self._run_step(request)
-        for event in events:
-            self._deliver(event)
-        if self.speculator is not None:
-            self.speculator.observe_cycle(sum(e.num_tokens for e in events), time.perf_counter() - cycle_start)
+        sent = self._send(request)
+        while True:
+            ahead = self.scheduler.schedule_ahead(request) if self._is_async else None
+            ahead_sent = None if ahead is None else self._send(ahead)
+            try:
+                events = await self._run_step(request, sent)
+            except BaseException as exc:
+                if ahead_sent is not None and isinstance(exc, asyncio.CancelledError):
+                    ahead_sent.cancel()
+                await _settle(ahead_sent)
+                raise
+            for event in events:
+                self._deliver(event)
+            if self.speculator is not None:
+                self.speculator.observe_cycle(sum(e.num_tokens for e in events), time.perf_counter() - cycle_start)
+            if ahead is None:
+                return
+            if self.scheduler.current_step is not ahead:  # dropped: the step before it failed
+                await _settle(ahead_sent)
+                return
+            request, sent = ahead, ahead_sent
 
-    async def _run_step(self, request: StepRequest) -> list[RequestEvent]:
-        """The worker's step with its outputs applied; a failed step is retried or fails its requests."""
+    @property
+    def _is_async(self) -> bool:
+        return self.config.is_async_scheduling and self.speculator is None
+
+    def _send(self, request: StepRequest) -> asyncio.Task:
+        """The worker's step, under way (steps reach the worker in the order they are sent)."""
+        return asyncio.ensure_future(self._timed_step(request))
+
+    async def _timed_step(self, request: StepRequest) -> tuple[StepResult, float]:
         start = time.perf_counter()
+        result = await self.worker.step(request)
+        return result, time.perf_counter() - start
+
+    async def _run_step(self, request: StepRequest, sent: asyncio.Task) -> list[RequestEvent]:
+        """The worker's step with its outputs applied; a failed step is retried or fails its requests."""
         try:
-            result = await self.worker.step(request)
+            result, seconds = await sent
         except WorkerError as exc:
             return self._on_failed_step(request, exc)
         except Exception as exc:  # a bug on this side of the wire: handled like a failed step
             logger.exception("worker step failed")
             return self._on_failed_step(request, WorkerError(f"step failed: {type(exc).__name__}: {exc}"))
         if self.speculator is not None:
-            self.speculator.observe_step(request, result, time.perf_counter() - start)
+            self.speculator.observe_step(request, result, seconds)
         return self.scheduler.postprocess(request, result)
 
     def _on_failed_step(self, request: StepRequest, exc: WorkerError) -> list[RequestEvent]:

@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 from protos.segserve.v1.generate import FinishReason
 from protos.segserve.v1.sampling import InvalidParameter
-from protos.segserve.v1.step import NewSequence, ScheduledSequence, SequenceOutput, StepRequest, StepResult, \
-    output_problem
+from protos.segserve.v1.step import (
+    CONTINUATION_REFUSED, NewSequence, ScheduledSequence, SequenceOutput, StepRequest, StepResult, output_problem,
+)
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.block_manager import BlockManager
 from scheduler.outputs import RequestEvent, completion, token_chunk
@@ -104,6 +105,13 @@ class Scheduler:
         self._num_ok_steps = 0  # successful steps since the last failed one
         self._finished_seq_ids: list[str] = []
         self._in_flight: dict[str, Sequence] = {}
+        self.current_step: StepRequest | None = None
+        """The step in flight: the last one schedule() built, or the step ahead once its predecessor is
+        postprocessed; None once postprocessed, failed or discarded."""
+        self._ahead: StepRequest | None = None
+        """The step schedule_ahead() built while the one in flight runs; it becomes the one in flight when that
+        one's postprocess() ends."""
+        self._ahead_seqs: dict[str, Sequence] = {}
         self._is_preempting = False  # whether the current schedule() has preempted anything
 
     @property
@@ -186,6 +194,58 @@ class Scheduler:
             budget -= num_new
         return self._build_request(chosen)
 
+    def schedule_ahead(self, request: StepRequest) -> StepRequest | None:
+        """Async scheduling: the step after `request` (in flight, not yet postprocessed), or None.
+
+        Only in the steady decode state, where the next step's input is nothing but the tokens `request`
+        samples: nobody waits, `request` holds every running sequence, each plain and sampled at its
+        sequence's end, the last step succeeded, and the next KV slots are free without preempting anyone.
+        Each sequence continues
+        with one placeholder (ScheduledSequence.is_continuation) that the worker replaces with the token it
+        samples in `request`; a sequence that `request` brings to its length limit is left out (a stop the
+        scheduler cannot foresee, EOS or a stop token, only wastes its slot in the step ahead). Then
+        postprocess() `request`'s result, then this step's; a failed `request` drops it (fail_step, discard).
+        """
+        if (self.waiting or self._ahead is not None or len(request.sequences) != len(self.running)
+                or self._num_ok_steps == 0):  # not right after a failed step, nor before the first success
+            return None
+        chosen: list[tuple[Sequence, ScheduledSequence]] = []
+        num_missing = 0
+        for work in request.sequences:
+            seq = self._in_flight.get(work.seq_id)
+            if (seq is None or seq.is_finished or work.draft is not None
+                    or work.sample_indices != (len(work.token_ids) - 1,)
+                    or work.num_computed_tokens + len(work.token_ids) != seq.num_tokens):
+                return None
+            if seq.num_output_tokens + 1 >= seq.stopping.max_tokens or seq.num_tokens + 1 >= self.max_len:
+                continue
+            chosen.append((seq, work))
+            num_missing += self.block_manager.num_missing_blocks(seq, len(work.token_ids) + 1)
+        if not chosen or num_missing > self.block_manager.num_free_blocks:
+            return None
+        ahead = StepRequest()
+        for seq, work in chosen:
+            self.block_manager.allocate(seq, len(work.token_ids) + 1)
+            ahead.sequences.append(ScheduledSequence(seq.request_id, (0,), seq.num_tokens, tuple(seq.block_table),
+                                                     (0,), is_continuation=True))
+            seq.max_batch_size = max(seq.max_batch_size, len(chosen))
+        ahead.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
+        self._ahead, self._ahead_seqs = ahead, {seq.request_id: seq for seq, _ in chosen}
+        self.num_steps += 1
+        return ahead
+
+    @property
+    def ahead(self) -> StepRequest | None:
+        """The step schedule_ahead() built, until it is the one in flight (or dropped)."""
+        return self._ahead
+
+    def _drop_ahead(self) -> None:
+        """The step ahead will not be postprocessed: the worker may or may not take in its releases."""
+        if self._ahead is not None:
+            self._finished_seq_ids += [seq_id for seq_id in self._ahead.finished_seq_ids
+                                       if seq_id not in self.requests and seq_id not in self._finished_seq_ids]
+        self._ahead, self._ahead_seqs = None, {}
+
     def draft_candidates(self, request: StepRequest) -> list[Sequence]:
         """This step's decode sequences: their only uncomputed token is the last sampled one."""
         return [seq for work in request.sequences
@@ -235,6 +295,8 @@ class Scheduler:
             seq = in_flight.get(work.seq_id)
             if seq is not None and not seq.is_finished:
                 events += self._apply(seq, work, outputs.get(work.seq_id), now)
+        self.current_step, self._in_flight = self._ahead, self._ahead_seqs  # the step ahead is next, if any
+        self._ahead, self._ahead_seqs = None, {}
         self._num_ok_steps += 1
         if self._num_ok_steps % _CAP_GROWTH_STEPS == 0:
             self.num_seqs_cap = min(self.max_num_seqs, self.num_seqs_cap + 1)
@@ -249,6 +311,8 @@ class Scheduler:
         steps in a row, ends with FinishReason.ERROR and `message`: returns those events.
         """
         in_flight, self._in_flight = self._in_flight, {}
+        self._drop_ahead()  # its sequences are retried from scratch with the others
+        self.current_step = None
         self.num_failed_steps += 1
         self._num_ok_steps = 0
         self.num_seqs_cap = max(1, min(self.num_seqs_cap, len(request.sequences)) // 2)
@@ -289,6 +353,7 @@ class Scheduler:
         self.waiting.clear()
         self.requests.clear()
         self._in_flight.clear()
+        self._ahead, self._ahead_seqs, self.current_step = None, {}, None
         self._finished_seq_ids.clear()
         self.block_manager.reset_prefix_cache()
         return seqs
@@ -314,12 +379,19 @@ class Scheduler:
     def discard(self, request: StepRequest) -> list[str]:
         """Forget a step that failed; returns the ids of its sequences still live (the caller aborts them)."""
         in_flight, self._in_flight = self._in_flight, {}
+        self._drop_ahead()
+        self.current_step = None
         return [work.seq_id for work in request.sequences
                 if (seq := in_flight.get(work.seq_id)) is not None and not seq.is_finished]
 
     def _apply(self, seq: Sequence, work: ScheduledSequence, output: SequenceOutput | None,
                now: float) -> list[RequestEvent]:
         """One sequence's share of a successful step: computed tokens, sampled tokens, stop, events."""
+        if output is not None and output.error and work.is_continuation and output.error.endswith(
+                CONTINUATION_REFUSED):  # the worker did not have its token (steps out of order): recompute it
+            self.running.remove(seq)
+            self._preempt(seq)
+            return []
         if output is not None and output.error:  # this sequence alone failed
             self._end(seq, SequenceStatus.FINISHED, FinishReason.ERROR, output.error)
             return [RequestEvent(seq.request_id, completion(seq))]
@@ -408,6 +480,7 @@ class Scheduler:
             self._in_flight[seq.request_id] = seq
         request.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         self.num_steps += 1
+        self.current_step = request
         return request
 
 

@@ -27,6 +27,7 @@ follows the rule for `num_right` nodes; `mode` scripts its failures.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -35,6 +36,7 @@ from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc, worker_pb2_grpc
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import (
+    CONTINUATION_REFUSED,
     PromptLogprobs,
     ScheduledSequence,
     SequenceOutput,
@@ -124,6 +126,13 @@ class FakeWorker:
         self.num_malformed_answers = 0
         """The next steps answer one token too many for their first sampled sequence."""
         self._num_sampled: dict[str, int] = {}
+        self.last_sampled: dict[str, int] = {}
+        """seq id -> the token its last step sampled at its end (what a continuation computes next)."""
+        self.num_continuations = 0
+        """Continuations (async scheduling) received and resolved."""
+        self.refused_continuations: list[str] = []
+        """Ids of continuations that could not be resolved (their sequence failed or ended in the step before)."""
+        self._step_lock = asyncio.Lock()
 
     async def get_info(self) -> WorkerInfo:
         return self.info
@@ -132,19 +141,26 @@ class FakeWorker:
         return Health(True)
 
     async def step(self, request: StepRequest) -> StepResult:
-        if self.step_delay_s:
-            await asyncio.sleep(self.step_delay_s)
-        return self.step_sync(request)
+        async with self._step_lock:  # like the real worker: steps run one at a time, in the order they came
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)
+            return self.step_sync(request)
 
     def step_sync(self, request: StepRequest) -> StepResult:
         """Apply the request like the real worker (state first, then the forward); raise InjectedFailure
         for an injected whole-step failure, AssertionError for a contract violation."""
         self.requests.append(request)
-        problem = self._register(request) or self._check(request)
+        problem = self._register(request)
+        refused: list[str] = []
+        if problem is None:
+            request, refused = self._continued(request)
+        problem = problem or self._check(request)
         if problem is not None:
             self.problems.append(problem)
             raise AssertionError(problem)
         failure = self._injected_failure(request)
+        for work in request.sequences:
+            self.last_sampled.pop(work.seq_id, None)  # until this step samples
         if failure is not None:  # like an out-of-memory forward: announcements and releases were taken in,
             for work in request.sequences:  # and the step's own slots may hold garbage
                 for position in range(work.num_computed_tokens, work.num_tokens):
@@ -153,6 +169,10 @@ class FakeWorker:
         self.max_batch = max(self.max_batch, len(request.sequences))
         self.max_tokens_per_step = max(self.max_tokens_per_step, request.num_scheduled_tokens)
         outputs = [output for work in request.sequences if (output := self._run(work)) is not None]
+        outputs += [SequenceOutput(seq_id, error=f"sequence {seq_id!r}: {CONTINUATION_REFUSED}") for seq_id in refused]
+        for output in outputs:
+            if output.token_ids:
+                self.last_sampled[output.seq_id] = output.token_ids[-1]
         sampled = [i for i, output in enumerate(outputs) if output.token_ids]
         if self.num_malformed_answers and sampled:
             self.num_malformed_answers -= 1
@@ -173,6 +193,27 @@ class FakeWorker:
             self.sampling[new.seq_id] = new.sampling
             self.num_prompt_tokens[new.seq_id] = new.num_prompt_tokens
         return None
+
+    def _continued(self, request: StepRequest) -> tuple[StepRequest, list[str]]:
+        """A copy of the request with the token each continuation's previous step sampled in place of its
+        placeholder, as the real worker resolves them before its checks, and the ids of continuations it
+        cannot resolve (left out; they get an error output, as from the real worker)."""
+        if not any(work.is_continuation for work in request.sequences):
+            return request, []
+        sequences, refused = [], []
+        for work in request.sequences:
+            if work.is_continuation:
+                token_id = self.last_sampled.get(work.seq_id)
+                known = self.kv.get(work.seq_id)
+                if token_id is None or len(work.token_ids) != 1 or known is None \
+                        or work.num_computed_tokens != len(known):
+                    refused.append(work.seq_id)
+                    self.refused_continuations.append(work.seq_id)
+                    continue
+                work = dataclasses.replace(work, token_ids=(token_id,), is_continuation=False)
+                self.num_continuations += 1
+            sequences.append(work)
+        return dataclasses.replace(request, sequences=sequences), refused
 
     def _check(self, request: StepRequest) -> str | None:
         seen: set[str] = set()

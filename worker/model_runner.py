@@ -213,6 +213,8 @@ class ModelRunner:
         for i, out in sampled.items():
             if out.accepted_nodes is not None:
                 self._keep_accepted(works[i], out.accepted_nodes)
+            if out.accepted_nodes is not None or works[i].sample_indices[-1] == len(works[i].token_ids) - 1:
+                self._states[works[i].seq_id].last_sampled = out.token_ids[-1]  # what a continuation computes
         by_id = {work.seq_id: i for i, work in enumerate(works)}
         outputs = []
         for seq_id in plan.seq_ids:

@@ -12,12 +12,13 @@ and the token history, which after every step is `history[:num_computed_tokens] 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from protos.segserve.v1.sampling import SamplingParams
-from protos.segserve.v1.step import StepRequest
+from protos.segserve.v1.step import CONTINUATION_REFUSED, ScheduledSequence, StepRequest
 from worker.attention import StepLayout, step_layout
 from worker.block_tables import BlockTables
 from worker.prompt_logprobs import PromptLogprobState, PromptPlan, plan
@@ -37,6 +38,9 @@ class SequenceState:
     """Every token of the sequence up to the end of its last step (prompt, output, step tokens)."""
     prompt: PromptLogprobState | None = None
     """Set when the sequence asked for prompt log-probabilities."""
+    last_sampled: int | None = None
+    """The token the sequence's last step sampled at its end, which a continuation (async scheduling) computes
+    next; None when that step sampled nothing there or failed."""
     plain_row: SampleRow | None = None
     """The sequence's SampleRow without history, made once, for parameters that read none (no penalty,
     no watermark)."""
@@ -91,7 +95,11 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
     runnable = []
     for seq in request.sequences:
         state = states.get(seq.seq_id)
-        problem = sequence_problem(seq, None if state is None else len(state.history), limits)
+        if seq.is_continuation:
+            seq, problem = _continued(seq, state)
+        else:
+            problem = None
+        problem = problem or sequence_problem(seq, None if state is None else len(state.history), limits)
         if problem is None:
             problem = tables.stage(seq, -(-seq.num_tokens // limits.block_size))
             problem = None if problem is None else f"sequence {seq.seq_id!r}: {problem}"
@@ -111,7 +119,17 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
         if has_overlapping_slots(step_plan.layout.slots):
             raise InvalidRequest("two scheduled tokens would write the same KV-cache slot (overlapping block tables)")
     for seq in runnable:  # the step is accepted: record its tokens
-        history = states[seq.seq_id].history
-        del history[seq.num_computed_tokens:]
-        history.extend(seq.token_ids)
+        state = states[seq.seq_id]
+        del state.history[seq.num_computed_tokens:]
+        state.history.extend(seq.token_ids)
+        state.last_sampled = None  # until this step samples
     return states, step_plan
+
+
+def _continued(seq: ScheduledSequence, state: SequenceState | None) -> tuple[ScheduledSequence, str | None]:
+    """A continuation with its placeholder replaced by the token the sequence's previous step sampled, or why
+    it cannot be (it must follow that step directly: one token, at the end of the history, sampled there)."""
+    if (state is None or state.last_sampled is None or len(seq.token_ids) != 1 or seq.draft is not None
+            or seq.num_computed_tokens != len(state.history)):
+        return seq, f"sequence {seq.seq_id!r}: {CONTINUATION_REFUSED}"
+    return dataclasses.replace(seq, token_ids=(state.last_sampled,), is_continuation=False), None

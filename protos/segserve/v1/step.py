@@ -43,6 +43,11 @@ class NewSequence:
         return cls(pb.seq_id, SamplingParams.from_pb(pb.sampling), pb.num_prompt_tokens, tuple(pb.prompt_token_ids))
 
 
+CONTINUATION_REFUSED = "a continuation must directly follow a step that sampled the sequence's next token"
+"""The end of the error a worker answers for a continuation it cannot resolve (a step out of order): the
+scheduler recomputes such a sequence rather than failing its request."""
+
+
 @dataclass(frozen=True)
 class ScheduledSequence:
     """One sequence's work in one step."""
@@ -59,6 +64,9 @@ class ScheduledSequence:
     and for a tree step."""
     draft: CandidateTree | None = None
     """A candidate tree to verify after token_ids (then exactly one token, the root)."""
+    is_continuation: bool = False
+    """Async scheduling: token_ids is one placeholder for the token the worker sampled for this sequence in its
+    previous step, which the worker puts in its place (worker.proto)."""
 
     def __post_init__(self) -> None:
         for name in ("token_ids", "block_table", "sample_indices"):
@@ -83,13 +91,13 @@ class ScheduledSequence:
         return worker_pb2.ScheduledSequence(
             seq_id=self.seq_id, token_ids=self.token_ids, num_computed_tokens=self.num_computed_tokens,
             block_table=self.block_table, sample_indices=self.sample_indices,
-            draft=None if self.draft is None else self.draft.to_pb())
+            draft=None if self.draft is None else self.draft.to_pb(), is_continuation=self.is_continuation)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.ScheduledSequence) -> ScheduledSequence:
         draft = CandidateTree.from_pb(pb.draft) if pb.HasField("draft") and pb.draft.token_ids else None
         return cls(pb.seq_id, tuple(pb.token_ids), pb.num_computed_tokens, tuple(pb.block_table),
-                   tuple(pb.sample_indices), draft)
+                   tuple(pb.sample_indices), draft, pb.is_continuation)
 
 
 @dataclass

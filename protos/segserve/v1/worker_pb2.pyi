@@ -20,20 +20,22 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "block_table", "sample_indices", "draft")
+    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "block_table", "sample_indices", "draft", "is_continuation")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDICES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    IS_CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
     sample_indices: _containers.RepeatedScalarFieldContainer[int]
     draft: _common_pb2.CandidateTree
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ...) -> None: ...
+    is_continuation: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., is_continuation: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("new_sequences", "sequences", "finished_seq_ids")
