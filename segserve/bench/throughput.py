@@ -74,6 +74,10 @@ class ThroughputConfig:
     """Longest a server may take to become ready."""
     dtype: str = "auto"
     """Weights dtype for every system: auto = bfloat16 on cuda, float32 on cpu."""
+    speculation: bool = True
+    """Run the launched stack with drafters and speculative decoding (False: plain decoding, as the baseline)."""
+    async_scheduling: bool = True
+    """The launched scheduler's async scheduling (the next decode step sent while one runs; speculation off only)."""
     out: str = "bench-results"
     """Directory for throughput.json, throughput.png and logs."""
 
@@ -120,6 +124,10 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=defaults.dtype)
+    parser.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=defaults.speculation,
+                        help="drafters and speculative decoding in the launched stack")  # fmt: skip
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=defaults.async_scheduling, help="the launched scheduler's async scheduling")
     parser.add_argument("--out", default=defaults.out, help="output directory (default: bench-results/)")
 
 
@@ -197,7 +205,8 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
 
         stack_config = StackConfig(
             worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0),  # 0 = the launcher picks
-            scheduler=SchedulerConfig(port=0),
+            scheduler=SchedulerConfig(port=0, is_async_scheduling=config.async_scheduling),
+            is_speculative=config.speculation,
             router=RouterConfig(port=peers.free_port(), is_grpc_api=config.grpc_api, grpc_port=0),  # 0: picked
             startup_timeout_s=config.startup_timeout_s,
             log_dir=str(out / "segserve-logs"),
