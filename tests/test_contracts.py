@@ -44,6 +44,7 @@ from protos.segserve.v1.step import (
     TopLogprobs,
     output_problem,
 )
+from protos.segserve.v1.stats import DrafterReplicaStats, DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.tree import ROOT, CandidateTree
 
 uint32 = st.integers(0, 2**32 - 1)
@@ -141,6 +142,24 @@ def test_info_and_health_round_trip(info, is_ready, detail):
     assert Health.from_pb(wire(Health(is_ready, detail).to_pb())) == Health(is_ready, detail)
 
 
+drafter_stats = st.builds(DrafterStats, st.lists(st.builds(DrafterSegmentStats, st.text(), uint64, uint64, uint32),
+                                                  max_size=3).map(tuple), uint32)
+
+
+@given(st.text(), st.booleans(), st.none() | drafter_stats)
+def test_drafter_stats_round_trip(address, is_live, stats):
+    replica = DrafterReplicaStats(address, is_live, stats)
+    assert DrafterReplicaStats.from_pb(wire(replica.to_pb())) == replica
+    if stats is not None:
+        assert DrafterStats.from_pb(wire(stats.to_pb())) == stats
+
+
+def test_a_drafter_that_answered_nothing_is_told_from_one_with_empty_stats():
+    silent, empty = DrafterReplicaStats("a:1", False), DrafterReplicaStats("a:1", True, DrafterStats())
+    assert DrafterReplicaStats.from_pb(wire(silent.to_pb())).stats is None
+    assert DrafterReplicaStats.from_pb(wire(empty.to_pb())).stats == DrafterStats()
+
+
 FLOAT_FIELDS = ["temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty"]
 
 
@@ -230,7 +249,8 @@ def test_output_problem_checks_an_answer_against_its_work():
 CONTRACT_CLASSES = {
     "SamplingParams", "StoppingCriteria", "GenerateRequest", "TokenChunk", "GenerateComplete", "GenerateError",
     "FinishReason", "NewSequence", "ScheduledSequence", "StepRequest", "SequenceOutput", "StepResult",
-    "TopLogprobs", "PromptLogprobs", "CandidateTree", "WorkerInfo", "Health",
+    "TopLogprobs", "PromptLogprobs", "CandidateTree", "WorkerInfo", "Health", "DrafterSegmentStats", "DrafterStats",
+    "DrafterReplicaStats",
     # Former duplicates, under their old names: none may come back.
     "GenerateParams", "ModelInfo", "SampledTokens", "DraftTree", "WorkerHealth", "GenerateFailure",
 }

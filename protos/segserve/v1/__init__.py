@@ -7,5 +7,6 @@ conversion (`to_pb` / `from_pb`) next to it; every service imports them from her
 - generate.py: the router <-> scheduler Generate request and its stream events;
 - step.py: the scheduler <-> worker Step request and result;
 - tree.py: CandidateTree, the one encoding of a draft tree;
-- info.py: WorkerInfo and Health.
+- info.py: WorkerInfo and Health;
+- stats.py: the drafter's GetStats answer and the scheduler's view of each drafter replica.
 """

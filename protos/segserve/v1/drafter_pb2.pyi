@@ -46,3 +46,27 @@ class DraftResponse(_message.Message):
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[DraftReply]
     def __init__(self, replies: _Optional[_Iterable[_Union[DraftReply, _Mapping]]] = ...) -> None: ...
+
+class DrafterStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterSegmentStats(_message.Message):
+    __slots__ = ("segment", "num_corpus_entries", "num_corpus_bytes", "num_requests")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CORPUS_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CORPUS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    num_corpus_entries: int
+    num_corpus_bytes: int
+    num_requests: int
+    def __init__(self, segment: _Optional[str] = ..., num_corpus_entries: _Optional[int] = ..., num_corpus_bytes: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
+class DrafterStats(_message.Message):
+    __slots__ = ("segments", "num_requests")
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[DrafterSegmentStats]
+    num_requests: int
+    def __init__(self, segments: _Optional[_Iterable[_Union[DrafterSegmentStats, _Mapping]]] = ..., num_requests: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,11 @@ class DrafterStub:
                 request_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
                 response_deserializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/segserve.v1.Drafter/GetStats',
+                request_serializer=protos_dot_segserve_dot_v1_dot_drafter__pb2.DrafterStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_segserve_dot_v1_dot_drafter__pb2.DrafterStats.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -64,6 +69,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """What the drafter holds now, for operators (the scheduler's GetStats): corpus
+        sizes per segment kind and the requests it tracks. Counters only, no corpus walk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.FromString,
                     response_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=protos_dot_segserve_dot_v1_dot_drafter__pb2.DrafterStatsRequest.FromString,
+                    response_serializer=protos_dot_segserve_dot_v1_dot_drafter__pb2.DrafterStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +150,33 @@ class Drafter:
             '/segserve.v1.Drafter/Health',
             protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
             protos_dot_segserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/segserve.v1.Drafter/GetStats',
+            protos_dot_segserve_dot_v1_dot_drafter__pb2.DrafterStatsRequest.SerializeToString,
+            protos_dot_segserve_dot_v1_dot_drafter__pb2.DrafterStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
 from protos.segserve.v1 import common_pb2 as _common_pb2
+from protos.segserve.v1 import drafter_pb2 as _drafter_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -114,7 +115,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps", "spec", "spec_segments", "num_prefix_cache_queries", "num_prefix_cache_hits", "num_workers", "num_live_workers", "num_moved_requests")
+    __slots__ = ("num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions", "num_steps", "spec", "spec_segments", "num_prefix_cache_queries", "num_prefix_cache_hits", "num_workers", "num_live_workers", "num_moved_requests", "drafters")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +129,7 @@ class SchedulerStats(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_MOVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_used_kv_blocks: int
@@ -141,20 +143,37 @@ class SchedulerStats(_message.Message):
     num_workers: int
     num_live_workers: int
     num_moved_requests: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., spec_segments: _Optional[_Iterable[_Union[SpecStats, _Mapping]]] = ..., num_prefix_cache_queries: _Optional[int] = ..., num_prefix_cache_hits: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_moved_requests: _Optional[int] = ...) -> None: ...
+    drafters: _containers.RepeatedCompositeFieldContainer[DrafterReplicaStats]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., spec_segments: _Optional[_Iterable[_Union[SpecStats, _Mapping]]] = ..., num_prefix_cache_queries: _Optional[int] = ..., num_prefix_cache_hits: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_moved_requests: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DrafterReplicaStats, _Mapping]]] = ...) -> None: ...
+
+class DrafterReplicaStats(_message.Message):
+    __slots__ = ("address", "is_live", "stats")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    IS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    is_live: bool
+    stats: _drafter_pb2.DrafterStats
+    def __init__(self, address: _Optional[str] = ..., is_live: _Optional[bool] = ..., stats: _Optional[_Union[_drafter_pb2.DrafterStats, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth", "num_accepted_by_depth")
+    __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth", "num_accepted_by_depth", "is_drafting", "num_budget_nodes", "gate_batch_bucket")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_BY_DEPTH_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_BY_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAFTING_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUDGET_NODES_FIELD_NUMBER: _ClassVar[int]
+    GATE_BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
     segment: str
     num_verified: int
     num_draft_tokens: int
     num_accepted_tokens: int
     acceptance_rate_by_depth: _containers.RepeatedScalarFieldContainer[float]
     num_accepted_by_depth: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segment: _Optional[str] = ..., num_verified: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate_by_depth: _Optional[_Iterable[float]] = ..., num_accepted_by_depth: _Optional[_Iterable[int]] = ...) -> None: ...
+    is_drafting: bool
+    num_budget_nodes: int
+    gate_batch_bucket: int
+    def __init__(self, segment: _Optional[str] = ..., num_verified: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate_by_depth: _Optional[_Iterable[float]] = ..., num_accepted_by_depth: _Optional[_Iterable[int]] = ..., is_drafting: _Optional[bool] = ..., num_budget_nodes: _Optional[int] = ..., gate_batch_bucket: _Optional[int] = ...) -> None: ...
