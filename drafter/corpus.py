@@ -31,6 +31,9 @@ from drafter.types import Continuation
 FORMAT = "segserve-corpus"
 VERSION = 1
 LOW_WATER = 0.9
+# Memory per trie node, measured with tracemalloc on corpora of 10^5 nodes (CPython 3.11): the _Node, its
+# count, its children dict and its slot in its parent's dict. For the stats only.
+BYTES_PER_ENTRY = 280
 
 
 class _Node:
@@ -48,6 +51,11 @@ class LookupCorpus:
         self.limits = limits or CorpusLimits()
         self._root = _Node()
         self.num_entries = 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Estimated memory held by the trie."""
+        return self.num_entries * BYTES_PER_ENTRY
 
     def add(self, token_ids: Sequence[int]) -> None:
         """Count every suffix of token_ids (cut at max_depth), then evict if over the bound."""

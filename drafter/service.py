@@ -1,4 +1,4 @@
-"""The Drafter gRPC servicer: batched Draft (state updates + trees) and Health.
+"""The Drafter gRPC servicer: batched Draft (state updates + trees), Health and GetStats.
 
 Protobuf is converted here only: queries become `Query`s, the planner's
 CandidateTrees leave as drafter_pb2.DraftReply (tree via CandidateTree.to_pb), and
@@ -23,6 +23,7 @@ from drafter.planner import DraftPlanner
 from drafter.state import RequestStates
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health
+from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
 from segserve.health import Serving
 
@@ -85,6 +86,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     @_status_errors
     async def Health(self, request, context):
         return Health(is_ready=True).to_pb()  # corpora and draft models load before the server starts
+
+    @_status_errors
+    async def GetStats(self, request, context):
+        async with self._lock:  # the states and corpora change inside Draft's thread
+            return self.stats().to_pb()
+
+    def stats(self) -> DrafterStats:
+        """Corpus sizes per segment kind and the tracked requests: counters, no corpus walk."""
+        requests = self.states.count_by_segment()
+        return DrafterStats(tuple(DrafterSegmentStats(name, corpus.num_entries, corpus.num_bytes, requests[name])
+                                  for name, corpus in sorted(self.planner.corpora.items())), len(self.states))
 
     async def sync_memory(self) -> int:
         """Apply what other replicas published (between Draft calls); returns the records read."""

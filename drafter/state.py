@@ -9,7 +9,7 @@ which adds them to that kind's corpus. A resync rebuilds state without learning.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -71,6 +71,10 @@ class RequestStates:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
+
+    def count_by_segment(self) -> Counter[str]:
+        """Tracked requests per current segment kind."""
+        return Counter(state.segment for state in self._states.values())
 
     def update(
         self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int

@@ -1,4 +1,4 @@
-"""The Drafter over in-process gRPC: trees, resync, finished ids, online learning; corpus files.
+"""The Drafter over in-process gRPC: trees, resync, finished ids, online learning, GetStats; corpus files.
 
 Replies carry the contract's CandidateTree (protos.segserve.v1.tree); Health the contract's Health.
 """
@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from drafter.build import build_corpus
+from drafter.corpus import BYTES_PER_ENTRY
 from drafter.config import DrafterConfig
 from drafter.segments import load_segments, parse_segments
 from drafter.memory import corpus_path, load_corpora, save_corpora
@@ -16,6 +17,7 @@ from drafter.server import build_servicer, start_server
 from drafter.trees import BUILDERS
 from protos.segserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health
+from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
 
 RAW = {
@@ -113,6 +115,25 @@ async def test_online_learning_over_grpc(stub):
     request = drafter_pb2.DraftRequest(queries=[_query("b", [20, 1, 30], 3, 1)], finished_request_ids=["a"])
     (reply,) = (await stub.Draft(request)).replies
     assert reply.segment == "code" and _tree(reply).token_ids[:5] == (31, 32, 33, 34, 35)
+
+
+async def test_get_stats_counts_corpus_entries_and_requests_per_segment(servicer, stub):
+    empty = DrafterStats.from_pb(await stub.GetStats(drafter_pb2.DrafterStatsRequest()))
+    assert empty == DrafterStats((DrafterSegmentStats("code"), DrafterSegmentStats("default")), 0)
+    block = [1, 30, 31, 32, 33, 34, 35, 1]
+    await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [10], 1, 1, max_nodes=0)]))
+    await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", block, 9, max_nodes=0)]))  # learns the block
+    await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("b", [20, 1, 30], 3, 1), _query("c", [5], 1, 1)]))
+    stats = DrafterStats.from_pb(await stub.GetStats(drafter_pb2.DrafterStatsRequest()))
+    code, default = stats.segments
+    assert code.segment == "code" and code.num_corpus_entries == servicer.planner.corpora["code"].num_entries > 0
+    assert code.num_corpus_bytes == code.num_corpus_entries * BYTES_PER_ENTRY
+    assert (default.segment, default.num_corpus_entries) == ("default", 0)
+    # "b" is inside a code block; "a" (its block closed) and "c" are in the default segment.
+    assert (stats.num_requests, code.num_requests, default.num_requests) == (3, 1, 2)
+    await stub.Draft(drafter_pb2.DraftRequest(finished_request_ids=["a", "b", "c"]))
+    after = DrafterStats.from_pb(await stub.GetStats(drafter_pb2.DrafterStatsRequest()))
+    assert after.num_requests == 0 and after.segments[0].num_corpus_entries == code.num_corpus_entries
 
 
 @pytest.mark.parametrize("raw_segments", [{"default": {"algorithm": name, "max_nodes": 6}}
