@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.segserve.v1.stats import DrafterReplicaStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
 from segserve.discovery import is_dns_target, rendezvous, resolve_names
 from segserve.tls import TlsFiles, open_channel
@@ -145,6 +146,15 @@ class DrafterClient:
             replies.update(answered)
         return replies
 
+    async def replica_stats(self, timeout_s: float = 0.5) -> list[DrafterReplicaStats]:
+        """Every known replica by address: live or backing off, and its GetStats asked now (all at once, each
+        under timeout_s; None where it did not answer). Only Draft calls decide backoff, never this."""
+        replicas = sorted(self._replicas.items())
+        answers = await asyncio.gather(*(_get_stats(replica, timeout_s) for _, replica in replicas))
+        now = self.clock()
+        return [DrafterReplicaStats(address, now >= replica.retry_at, stats)
+                for (address, replica), stats in zip(replicas, answers)]
+
     def _place(self, request_id: str, live: list[str]) -> str:
         """The live replica for request_id; when it differs from the last one, the last one drops it."""
         address = rendezvous(request_id, live)
@@ -198,6 +208,13 @@ class DrafterClient:
     async def close(self) -> None:
         for replica in self._replicas.values():
             await replica.channel.close()
+
+
+async def _get_stats(replica: _Replica, timeout_s: float) -> DrafterStats | None:
+    try:
+        return DrafterStats.from_pb(await replica.stub.GetStats(drafter_pb2.DrafterStatsRequest(), timeout=timeout_s))
+    except grpc.aio.AioRpcError:
+        return None
 
 
 def _replies_from_pb(response: drafter_pb2.DraftResponse, queries: list[DraftQuery]) -> dict[str, DraftReply]:

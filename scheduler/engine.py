@@ -76,6 +76,10 @@ class EngineStats:
     """Workers connected now."""
     num_moved_requests: int = 0
     """Requests moved from a lost worker to another one."""
+    spec_budgets: dict[str, int] = field(default_factory=dict)
+    """The policy's latest node budget per segment kind (0 = drafting off for it)."""
+    gate_decision: tuple[int, bool] | None = None
+    """The speculation gate's latest (batch-size bucket, whether to speculate); None before its first."""
 
 
 async def _settle(task: asyncio.Task | None) -> None:
@@ -193,13 +197,15 @@ class Engine:
         if self.scheduler is None:
             return EngineStats()
         s = self.scheduler
-        acceptance = self.speculator.acceptance if self.speculator is not None else None
+        policy = self.speculator.policy if self.speculator is not None else None
+        acceptance = policy.acceptance if policy else None
         return EngineStats(len(s.running), len(s.waiting), s.block_manager.num_used_blocks,
                            s.block_manager.num_total_blocks, s.num_preemptions, s.num_steps, s.num_failed_steps,
                            copy.deepcopy(acceptance.total) if acceptance else SegmentStats(),
                            copy.deepcopy(acceptance.segments) if acceptance else {},
                            s.block_manager.num_prefix_cache_queries, s.block_manager.num_prefix_cache_hits,
-                           num_live_workers=1)
+                           num_live_workers=1, spec_budgets=dict(policy.last_budgets) if policy else {},
+                           gate_decision=policy.gate.last_decision if policy else None)
 
     async def _run(self) -> None:
         try:

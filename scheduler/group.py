@@ -144,8 +144,15 @@ class EngineGroup:
         numbers = {name: sum(getattr(p, name) for p in parts) for name in (
             "num_running", "num_waiting", "num_used_kv_blocks", "num_total_kv_blocks", "num_preemptions",
             "num_steps", "num_failed_steps", "num_prefix_cache_queries", "num_prefix_cache_hits")}
+        budgets: dict[str, int] = {}
+        for part in parts:  # a segment drafts where any worker's policy lets it
+            for name, budget in part.spec_budgets.items():
+                budgets[name] = max(budget, budgets.get(name, 0))
+        decisions = [p.gate_decision for p in parts if p.gate_decision is not None]
+        gate = max(decisions, key=lambda d: (d[1], d[0])) if decisions else None  # open wins, then the largest bucket
         return EngineStats(**numbers, spec=spec, spec_segments=segments, num_workers=len(self.engines),
-                           num_live_workers=len(self.connected), num_moved_requests=self.num_moved)
+                           num_live_workers=len(self.connected), num_moved_requests=self.num_moved,
+                           spec_budgets=budgets, gate_decision=gate)
 
     def _place(self, prompt_token_ids: Seq[int], exclude: Engine | None = None) -> Engine | None:
         candidates = {e.address: e for e in self.connected if e is not exclude}

@@ -184,6 +184,8 @@ class SpeculationGate:
     explore_interval: int = 16
     arms: dict[tuple[int, bool], _Arm] = field(default_factory=dict)
     num_decisions: dict[int, int] = field(default_factory=dict)
+    last_decision: tuple[int, bool] | None = None
+    """(batch-size bucket, whether to speculate) of the latest should_speculate; None before the first."""
 
     @staticmethod
     def bucket(num_sequences: int) -> int:
@@ -197,9 +199,12 @@ class SpeculationGate:
         count = self.num_decisions[bucket] = self.num_decisions.get(bucket, 0) + 1
         spec, plain = self._arm(num_sequences, True), self._arm(num_sequences, False)
         if spec.num_steps < self.min_steps or plain.num_steps < self.min_steps:
-            return spec.num_steps <= plain.num_steps
-        is_better = spec.tokens_per_s >= plain.tokens_per_s
-        return is_better != (count % self.explore_interval == 0)
+            is_speculating = spec.num_steps <= plain.num_steps
+        else:
+            is_better = spec.tokens_per_s >= plain.tokens_per_s
+            is_speculating = is_better != (count % self.explore_interval == 0)
+        self.last_decision = (bucket, is_speculating)
+        return is_speculating
 
     def observe(self, num_sequences: int, is_speculating: bool, num_tokens: int, seconds: float) -> None:
         """A finished step: its decode sequences, whether it verified any tree, tokens generated."""
@@ -232,6 +237,8 @@ class SpecPolicy:
     draft_overhead_s: float = 0.0
     """EMA of the Draft call's latency: paid only by steps that speculate."""
     num_steps: int = 0
+    last_budgets: dict[str, int] = field(default_factory=dict)
+    """Segment kind -> its budget at the latest step that had it (0 = drafting off for it), for the stats."""
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
@@ -251,6 +258,11 @@ class SpecPolicy:
         num_base_tokens: tokens the step computes without drafts;
         token_room: draft tokens that still fit in the step's budget.
         """
+        budgets = self._choose(groups, num_base_tokens, token_room)
+        self.last_budgets.update(budgets)
+        return budgets
+
+    def _choose(self, groups: Mapping[str, int], num_base_tokens: int, token_room: int) -> dict[str, int]:
         self.num_steps += 1
         options = budget_options(self.max_nodes)
         if not self.is_adaptive:

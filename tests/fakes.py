@@ -35,6 +35,7 @@ import grpc
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc, worker_pb2_grpc
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.step import (
     CONTINUATION_REFUSED,
     PromptLogprobs,
@@ -423,6 +424,12 @@ class FakeDrafter:
             token_ids, parents = token_ids + [1] * 50, parents + [ROOT] * 50
         return CandidateTree(tuple(token_ids), tuple(parents))
 
+    def stats(self) -> DrafterStats:
+        """Its GetStats answer: its one segment kind, whose "corpus" is every token it holds (10 bytes each)."""
+        num_tokens = sum(len(tokens) for tokens in self.state.values())
+        return DrafterStats((DrafterSegmentStats(self.segment, num_tokens, 10 * num_tokens, len(self.state)),),
+                            len(self.state))
+
 
 class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """A FakeDrafter over gRPC; `is_garbage` answers every query in another request's name."""
@@ -440,6 +447,11 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                    tree=replies[q.request_id].tree.to_pb(), segment=replies[q.request_id].segment,
                                    needs_resync=replies[q.request_id].needs_resync)
             for q in queries])
+
+    async def GetStats(self, request, context):
+        if self.drafter.mode == "down":
+            await asyncio.sleep(5)  # past any caller's deadline
+        return self.drafter.stats().to_pb()
 
 
 async def serve(add_servicer, servicer) -> grpc.aio.Server:

@@ -128,3 +128,48 @@ async def test_a_failed_worker_step_while_speculating_is_retried_losslessly():
         assert stats.num_failed_steps == 1 and stats.spec.num_verified > 0 and worker.problems == []
         await wait_until(lambda: sorted(drafter.drafter.finished) == sorted(PROMPTS))
         assert len(drafter.drafter.finished) == len(PROMPTS)  # each released once
+
+
+async def test_get_stats_shows_each_segments_drafting_state_and_the_gates_decision():
+    async with spec_stack(draft_timeout_ms=2000) as (stub, worker, drafter, _, engine):
+        assert await generate_all(stub) == expected()
+        stats = await stub.GetStats(scheduler_pb2.StatsRequest())
+        policy = engine.speculator.policy
+        budgets = {s.segment: (s.is_drafting, s.num_budget_nodes) for s in stats.spec_segments}
+        assert budgets == {name: (b > 0, b) for name, b in policy.last_budgets.items()} and "code" in budgets
+        bucket, is_open = policy.gate.last_decision
+        assert (stats.spec.gate_batch_bucket, stats.spec.is_drafting) == (bucket, is_open) and bucket >= 1
+    async with spec_stack(draft_timeout_ms=2000, is_spec_adaptive=False) as (stub, worker, drafter, _, engine):
+        assert await generate_all(stub) == expected()
+        stats = await stub.GetStats(scheduler_pb2.StatsRequest())
+        (code,) = [s for s in stats.spec_segments if s.segment == "code"]
+        assert (code.is_drafting, code.num_budget_nodes) == (True, 16)  # the fixed policy: max_draft_nodes
+        assert stats.spec.gate_batch_bucket == 0  # the gate only decides for the adaptive policy
+
+
+async def test_get_stats_reports_each_drafter_replica_its_corpus_and_its_health():
+    async with spec_stack(draft_timeout_ms=2000, is_spec_adaptive=False, drafter_retry_s=30) as stack:
+        stub, worker, drafter, server, engine = stack
+        address = engine.drafter.addresses[0]
+        worker.step_delay_s = 0.01
+        task = asyncio.ensure_future(generate_all(stub, max_tokens=60))
+        await wait_until(lambda: len(drafter.drafter.state) == len(PROMPTS))
+        (replica,) = (await stub.GetStats(scheduler_pb2.StatsRequest())).drafters
+        assert (replica.address, replica.is_live, replica.HasField("stats")) == (address, True, True)
+        (code,) = replica.stats.segments
+        assert code.segment == "code" and code.num_corpus_entries > 0 and replica.stats.num_requests > 0
+        assert code.num_corpus_bytes == 10 * code.num_corpus_entries
+        await server.stop(None)  # the replica dies: the next Draft fails and it backs off
+        assert await task == expected(60)
+        (replica,) = (await stub.GetStats(scheduler_pb2.StatsRequest())).drafters
+        assert (replica.address, replica.is_live, replica.HasField("stats")) == (address, False, False)
+
+
+async def test_a_drafter_too_slow_for_get_stats_shows_without_stats_and_get_stats_stays_quick():
+    async with spec_stack(draft_timeout_ms=2000, is_spec_adaptive=False) as (stub, worker, drafter, _, engine):
+        drafter.drafter.mode = "down"  # its GetStats sleeps past the scheduler's deadline
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        (replica,) = (await stub.GetStats(scheduler_pb2.StatsRequest())).drafters
+        assert loop.time() - start < 2.0
+        assert replica.is_live and not replica.HasField("stats")

@@ -157,3 +157,19 @@ def test_a_policy_whose_model_says_speculate_stops_when_the_stack_measured_other
     fixed = SpecPolicy(8, is_adaptive=False)
     fixed.observe_cycle(1, True, 1, 10.0)
     assert fixed.choose({"code": 1}, 1, 100) == {"code": 8}
+
+
+def test_the_latest_budget_per_segment_and_the_gates_decision_are_kept_for_the_stats():
+    policy = policy_with(0.9, GPU_LIKE_COSTS)
+    policy.acceptance.segments["prose"] = SegmentStats(num_verified=100, max_num_nodes=16,
+                                                       ema_rate_by_depth=[0.01] * 4)
+    assert policy.last_budgets == {} and policy.gate.last_decision is None
+    budgets = policy.choose({"code": 2, "prose": 2}, 4, 255)
+    assert policy.last_budgets == budgets and budgets["code"] > 0 and budgets["prose"] == 0
+    assert policy.gate.last_decision == (4, True)  # bucket of 4 sequences, first steps speculate
+    policy.choose({"code": 1}, 1, 255)
+    assert policy.last_budgets["prose"] == 0 and policy.gate.last_decision[0] == 1  # prose kept from before
+    for is_speculating, tokens in [(True, 3), (False, 10)] * 4:  # the stack measured speculation 3x slower
+        policy.observe_cycle(1, is_speculating, tokens, 1.0)
+    assert policy.choose({"code": 1}, 1, 255) == {"code": 0}
+    assert policy.last_budgets["code"] == 0 and policy.gate.last_decision == (1, False)
