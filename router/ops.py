@@ -9,8 +9,9 @@ In: the app's RouterState (state.py). Out: `router`, an APIRouter with
   Request histograms and counters are observed where the router reads the
   scheduler's stream (`MeteredClient`, under every endpoint), labelled with the
   protocol the request came in on (`protocol`: "http", or "grpc" for the public
-  gRPC API); load gauges and speculation counters come from the scheduler's
-  GetStats at scrape time.
+  gRPC API); load gauges, speculation counters, the drafting budget per
+  segment kind, the gate's decision and each drafter's corpus sizes come from
+  the scheduler's GetStats at scrape time.
 And `RequestGuard`, the middleware create_app puts in front of every route: 401
 on /v1 and /v2 without one of `config.api_keys`, 413 for a body over
 `config.max_request_body_bytes`, both answered before the body is parsed or any
@@ -96,6 +97,32 @@ class SchedulerStatsCollector:
         for position, count in enumerate(spec.num_accepted_by_position):
             per_position.add_metric([self.model_name, str(position)], count)
         yield per_position
+        yield from self._drafting(load)
+
+    def _drafting(self, load: SchedulerLoad) -> Iterator[Metric]:
+        """The policy's budget per segment kind, the gate's decision, each drafter replica's corpus sizes."""
+        budget = GaugeMetricFamily("segserve:spec_decode_budget_nodes",
+                                   "The policy's latest draft-node budget per segment kind (0 = drafting off).",
+                                   labels=["model_name", "segment"])
+        for segment in load.segments:
+            budget.add_metric([self.model_name, segment.segment], segment.num_budget_nodes)
+        yield budget
+        yield self._family(GaugeMetricFamily, "segserve:spec_decode_gate_open",
+                           "1 if the speculation gate's latest decision was to speculate.",
+                           float(load.spec.is_gate_open))
+        live = GaugeMetricFamily("segserve:drafter_live", "1 if drafts go to the replica (0: backing off).",
+                                 labels=["model_name", "address"])
+        entries = GaugeMetricFamily("segserve:drafter_corpus_entries", "Trie nodes in a replica's corpus.",
+                                    labels=["model_name", "address", "segment"])
+        num_bytes = GaugeMetricFamily("segserve:drafter_corpus_bytes", "Estimated memory of a replica's corpus.",
+                                      labels=["model_name", "address", "segment"])
+        for replica in load.drafters:
+            live.add_metric([self.model_name, replica.address], float(replica.is_live))
+            for segment in replica.stats.segments if replica.stats is not None else ():
+                labels = [self.model_name, replica.address, segment.segment]
+                entries.add_metric(labels, segment.num_corpus_entries)
+                num_bytes.add_metric(labels, segment.num_corpus_bytes)
+        yield from (live, entries, num_bytes)
 
     def _family(self, kind: type, name: str, documentation: str, value: float) -> Metric:
         family = kind(name, documentation, labels=["model_name"])

@@ -20,6 +20,7 @@ import grpc
 from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk, event_from_pb
 from protos.segserve.v1.info import Health, WorkerInfo
+from protos.segserve.v1.stats import DrafterReplicaStats
 from segserve.tls import TlsFiles, open_channel
 
 # gRPC status -> the failure codes the router maps to HTTP statuses (errors.py).
@@ -42,6 +43,10 @@ class SpecTotals:
     num_accepted_tokens: int
     num_accepted_by_position: tuple[int, ...]
     """[p]: drafts whose accepted path reached depth p + 1."""
+    gate_batch_bucket: int = 0
+    """Batch-size bucket of the speculation gate's latest decision (0 = none yet)."""
+    is_gate_open: bool = False
+    """That decision: speculate at that batch size."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,12 @@ class SegmentLoad:
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    num_budget_nodes: int = 0
+    """The policy's latest node budget for the segment kind (0 = drafting off for it)."""
+
+    @property
+    def is_drafting(self) -> bool:
+        return self.num_budget_nodes > 0
 
 
 @dataclass(frozen=True)
@@ -73,16 +84,19 @@ class SchedulerLoad:
     """Workers the scheduler drives, and how many of them are connected."""
     segments: tuple[SegmentLoad, ...] = ()
     """Speculation per segment kind, by name."""
+    drafters: tuple[DrafterReplicaStats, ...] = ()
+    """Every drafter replica the scheduler knows, by address."""
 
 
 def load_from_pb(stats: scheduler_pb2.SchedulerStats) -> SchedulerLoad:
     spec = SpecTotals(stats.spec.num_verified, stats.spec.num_draft_tokens, stats.spec.num_accepted_tokens,
-                      tuple(stats.spec.num_accepted_by_depth))
-    segments = tuple(SegmentLoad(s.segment, s.num_verified, s.num_draft_tokens, s.num_accepted_tokens)
-                     for s in stats.spec_segments)
+                      tuple(stats.spec.num_accepted_by_depth), stats.spec.gate_batch_bucket, stats.spec.is_drafting)
+    segments = tuple(SegmentLoad(s.segment, s.num_verified, s.num_draft_tokens, s.num_accepted_tokens,
+                                 s.num_budget_nodes) for s in stats.spec_segments)
     return SchedulerLoad(stats.num_running, stats.num_waiting, stats.num_used_kv_blocks, stats.num_total_kv_blocks,
                          stats.num_preemptions, spec, stats.num_prefix_cache_queries, stats.num_prefix_cache_hits,
-                         stats.num_workers, stats.num_live_workers, segments)
+                         stats.num_workers, stats.num_live_workers, segments,
+                         tuple(DrafterReplicaStats.from_pb(d) for d in stats.drafters))
 
 
 class SchedulerClient:

@@ -226,18 +226,22 @@ class SchedulerPool:
 
 
 def _total(loads: list[SchedulerLoad]) -> SchedulerLoad:
-    """Field-wise sums (per-depth acceptance counts added position by position)."""
+    """Field-wise sums (per-depth acceptance counts added position by position); a segment drafts, and the gate
+    is open, where any scheduler says so; every scheduler's drafter replicas, each address once."""
     numbers = {f.name: sum(getattr(load, f.name) for load in loads)
-               for f in dataclasses.fields(SchedulerLoad) if f.name not in ("spec", "segments")}
+               for f in dataclasses.fields(SchedulerLoad) if f.name not in ("spec", "segments", "drafters")}
+    gate = max(((load.spec.is_gate_open, load.spec.gate_batch_bucket) for load in loads), default=(False, 0))
     spec = SpecTotals(
         sum(load.spec.num_drafts for load in loads), sum(load.spec.num_draft_tokens for load in loads),
         sum(load.spec.num_accepted_tokens for load in loads),
         tuple(sum(depth) for depth in zip_longest(*(load.spec.num_accepted_by_position for load in loads),
-                                                   fillvalue=0)))
+                                                   fillvalue=0)), gate[1], gate[0])
     segments: dict[str, list[int]] = {}
     for segment in (s for load in loads for s in load.segments):
-        counts = segments.setdefault(segment.segment, [0, 0, 0])
+        counts = segments.setdefault(segment.segment, [0, 0, 0, 0])
         for i, value in enumerate((segment.num_drafts, segment.num_draft_tokens, segment.num_accepted_tokens)):
             counts[i] += value
+        counts[3] = max(counts[3], segment.num_budget_nodes)
+    drafters = {d.address: d for load in loads for d in load.drafters}
     return SchedulerLoad(spec=spec, segments=tuple(SegmentLoad(name, *counts) for name, counts in sorted(
-        segments.items())), **numbers)
+        segments.items())), drafters=tuple(drafters[a] for a in sorted(drafters)), **numbers)

@@ -3,8 +3,10 @@
 In: the app's RouterState: the scheduler's (or every live scheduler's, added up)
 Health and GetStats, read now, and the router's own reflow recorder. Out: one
 JSON object (`status_body`): each component's health, running and waiting
-requests, KV usage, the prefix cache's hit rate, acceptance per segment kind and
-the reflow backlog. Open like /metrics (the same numbers; no request content).
+requests, KV usage, the prefix cache's hit rate, acceptance and drafting state
+(the policy's budget) per segment kind, the speculation gate's latest decision,
+each drafter replica (live or backing off, corpus size per segment kind) and the
+reflow backlog. Open like /metrics (the same numbers; no request content).
 A scheduler that does not answer leaves its parts null; the route still answers 200.
 """
 
@@ -15,6 +17,7 @@ import time
 import grpc
 from fastapi import APIRouter
 
+from protos.segserve.v1.stats import DrafterReplicaStats
 from router.scheduler_client import SchedulerLoad
 from router.state import StateDep
 
@@ -52,7 +55,7 @@ def status_body(load: SchedulerLoad | None, is_ready: bool, detail: str, is_drai
         "workers": None if load is None else f"{load.num_live_workers}/{load.num_workers} live",
     }
     body = {"components": components, "detail": detail, "requests": None, "kv_cache": None, "prefix_cache": None,
-            "speculation": None}
+            "speculation": None, "drafters": None}
     if load is None:
         return body
     body["requests"] = {"running": load.num_running, "waiting": load.num_waiting,
@@ -66,10 +69,23 @@ def status_body(load: SchedulerLoad | None, is_ready: bool, detail: str, is_drai
         "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
         "num_accepted_tokens": spec.num_accepted_tokens,
         "acceptance": _ratio(spec.num_accepted_tokens, spec.num_draft_tokens),
+        "gate": None if not spec.gate_batch_bucket else {"batch_bucket": spec.gate_batch_bucket,
+                                                         "is_open": spec.is_gate_open},
         "segments": [{"segment": s.segment, "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                       "num_accepted_tokens": s.num_accepted_tokens,
                       "acceptance": _ratio(s.num_accepted_tokens, s.num_draft_tokens),
-                      "accepted_per_draft": _ratio(s.num_accepted_tokens, s.num_drafts)}
+                      "accepted_per_draft": _ratio(s.num_accepted_tokens, s.num_drafts),
+                      "is_drafting": s.is_drafting, "budget_nodes": s.num_budget_nodes}
                      for s in load.segments],
     }
+    body["drafters"] = [_drafter(d) for d in load.drafters]
     return body
+
+
+def _drafter(replica: DrafterReplicaStats) -> dict:
+    stats = replica.stats
+    return {"address": replica.address, "is_live": replica.is_live, "is_answering": stats is not None,
+            "num_requests": None if stats is None else stats.num_requests,
+            "segments": [] if stats is None else [
+                {"segment": s.segment, "corpus_entries": s.num_corpus_entries, "corpus_bytes": s.num_corpus_bytes,
+                 "num_requests": s.num_requests} for s in stats.segments]}

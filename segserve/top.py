@@ -2,7 +2,9 @@
 
 In: the router's base URL. Out: a screen of panels: components' health,
 requests running and waiting, KV usage and the prefix cache's hit rate,
-acceptance per segment kind, the reflow backlog. A router that does not answer
+acceptance and drafting on/off per segment kind with the speculation gate's
+latest decision, a drafters table (live or backing off, corpus size per segment
+kind), the reflow backlog. A router that does not answer
 shows as such and the view keeps polling; Ctrl+C ends it.
 """
 
@@ -53,19 +55,57 @@ def _overview(status: dict) -> Table:
     return table
 
 
+def _drafting(seg: dict) -> Text:
+    return (Text(f"on, {seg['budget_nodes']} nodes", style="green") if seg.get("is_drafting")
+            else Text("off", style="yellow"))
+
+
+def _gate(spec: dict | None) -> str:
+    gate = (spec or {}).get("gate")
+    if gate is None:
+        return "gate: no decision yet"
+    bucket = gate["batch_bucket"]  # a power of two: the decisions for bucket // 2 + 1 to bucket sequences
+    sizes = str(bucket) if bucket == 1 else f"{bucket // 2 + 1}-{bucket}"
+    return f"gate: speculation {'on' if gate['is_open'] else 'off'} for batches of {sizes} sequences"
+
+
 def _speculation(status: dict) -> Table:
-    table = Table(expand=True)
-    for name in ("segment", "trees", "draft tokens", "accepted", "acceptance", "per tree"):
-        table.add_column(name, justify="left" if name == "segment" else "right")
     spec = status.get("speculation")
+    table = Table(expand=True, caption=_gate(spec), caption_justify="left")
+    for name in ("segment", "drafting", "trees", "draft tokens", "accepted", "acceptance", "per tree"):
+        table.add_column(name, justify="left" if name in ("segment", "drafting") else "right")
     for seg in (spec or {}).get("segments", []):
         per_tree = seg["accepted_per_draft"]
-        table.add_row(seg["segment"] or "(unknown)", str(seg["num_drafts"]), str(seg["num_draft_tokens"]),
-                      str(seg["num_accepted_tokens"]), _percent(seg["acceptance"]),
+        table.add_row(seg["segment"] or "(unknown)", _drafting(seg), str(seg["num_drafts"]),
+                      str(seg["num_draft_tokens"]), str(seg["num_accepted_tokens"]), _percent(seg["acceptance"]),
                       "-" if per_tree is None else f"{per_tree:.2f}")
     if spec is not None:
-        table.add_row("all", str(spec["num_drafts"]), str(spec["num_draft_tokens"]), str(spec["num_accepted_tokens"]),
-                      _percent(spec["acceptance"]), "", style="bold")
+        table.add_row("all", "", str(spec["num_drafts"]), str(spec["num_draft_tokens"]),
+                      str(spec["num_accepted_tokens"]), _percent(spec["acceptance"]), "", style="bold")
+    return table
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.0f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} GiB"
+
+
+def _drafters(status: dict) -> Table:
+    """One row per drafter replica and segment kind: corpus entries and memory, requests in that segment."""
+    table = Table(expand=True)
+    for name in ("drafter", "state", "segment", "corpus entries", "corpus memory", "requests"):
+        table.add_column(name, justify="left" if name in ("drafter", "state", "segment") else "right")
+    for replica in status.get("drafters") or []:
+        state = Text("live" if replica["is_live"] else "backing off", style="green" if replica["is_live"] else "red")
+        if not replica["is_answering"]:
+            table.add_row(replica["address"], state, Text("no stats (no answer)", style="red"), "", "", "")
+            continue
+        for i, seg in enumerate(replica["segments"]):
+            table.add_row(replica["address"] if i == 0 else "", state if i == 0 else "", seg["segment"],
+                          str(seg["corpus_entries"]), _size(seg["corpus_bytes"]), str(seg["num_requests"]))
     return table
 
 
@@ -75,7 +115,8 @@ def render(status: dict | None, url: str, error: str = "") -> Group:
     if status is None:
         return Group(Panel(Text(f"router unreachable: {error}", style="red"), title=title))
     return Group(Panel(_overview(status), title=title),
-                 Panel(_speculation(status), title="speculation per segment"))
+                 Panel(_speculation(status), title="speculation per segment"),
+                 Panel(_drafters(status), title="drafters"))
 
 
 def fetch_status(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> dict:

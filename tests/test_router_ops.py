@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from protos.segserve.v1.info import Health, WorkerInfo
+from protos.segserve.v1.stats import DrafterReplicaStats, DrafterSegmentStats, DrafterStats
 from router.app import create_app
 from router.config import RouterConfig
 from router.scheduler_client import SchedulerClient
@@ -35,8 +36,16 @@ HTTP = ("protocol", "http")
 MAX_BODY = 16 * 1024
 STATS = scheduler_pb2.SchedulerStats(
     num_running=3, num_waiting=2, num_used_kv_blocks=16, num_total_kv_blocks=64, num_preemptions=1,
-    num_prefix_cache_queries=900, num_prefix_cache_hits=640, spec=scheduler_pb2.SpecStats(num_verified=10, num_draft_tokens=40, num_accepted_tokens=12,
-                                 num_accepted_by_depth=[8, 3, 1]))
+    num_prefix_cache_queries=900, num_prefix_cache_hits=640,
+    spec=scheduler_pb2.SpecStats(num_verified=10, num_draft_tokens=40, num_accepted_tokens=12,
+                                 num_accepted_by_depth=[8, 3, 1], is_drafting=True, gate_batch_bucket=4),
+    spec_segments=[scheduler_pb2.SpecStats(segment="code", num_verified=10, num_draft_tokens=40,
+                                           num_accepted_tokens=12, is_drafting=True, num_budget_nodes=8),
+                   scheduler_pb2.SpecStats(segment="default")],
+    drafters=[DrafterReplicaStats("10.0.0.1:50071", True, DrafterStats(
+                  (DrafterSegmentStats("code", 1234, 345520, 2), DrafterSegmentStats("default", 50, 14000, 1)), 3)
+              ).to_pb(),
+              DrafterReplicaStats("10.0.0.2:50071", False).to_pb()])
 
 
 class OpsFakeScheduler(FakeScheduler):
@@ -215,6 +224,16 @@ def test_metrics_report_the_schedulers_load_and_speculation(router_url, schedule
     per_position = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))]
                     for p in range(3)]
     assert per_position == [8, 3, 1]
+    assert samples[("segserve:spec_decode_budget_nodes", (("segment", "code"),))] == 8
+    assert samples[("segserve:spec_decode_budget_nodes", (("segment", "default"),))] == 0
+    assert samples[("segserve:spec_decode_gate_open", ())] == 1
+    assert samples[("segserve:drafter_live", (("address", "10.0.0.1:50071"),))] == 1
+    assert samples[("segserve:drafter_live", (("address", "10.0.0.2:50071"),))] == 0
+    code = (("address", "10.0.0.1:50071"), ("segment", "code"))
+    assert samples[("segserve:drafter_corpus_entries", code)] == 1234
+    assert samples[("segserve:drafter_corpus_bytes", code)] == 345520
+    assert not any(name.startswith("segserve:drafter_corpus") and ("address", "10.0.0.2:50071") in labels
+                   for name, labels in samples)  # a replica that did not answer has no sizes
     fake.has_stats = False
     try:
         samples = scrape(router_url)

@@ -1,5 +1,7 @@
 """GET /status (router/status.py) and the playground's pages with API keys on: both open, the API not.
 
+/status carries the drafting state per segment kind, the gate's decision and each drafter replica.
+
 Through real HTTP against test_router_ops.py's router (API keys on) and its fake scheduler.
 """
 
@@ -35,7 +37,16 @@ def test_status_is_open_and_reports_the_scheduler(router_url):
     assert body["requests"] == {"running": 3, "waiting": 2, "preemptions": 1}
     assert body["kv_cache"] == {"used_blocks": 16, "total_blocks": 64, "usage": 0.25}
     assert body["prefix_cache"] == {"queries": 900, "hits": 640, "hit_rate": 640 / 900}
-    assert body["speculation"]["acceptance"] == 12 / 40 and body["speculation"]["segments"] == []
+    spec = body["speculation"]
+    assert spec["acceptance"] == 12 / 40 and spec["gate"] == {"batch_bucket": 4, "is_open": True}
+    assert [(s["segment"], s["is_drafting"], s["budget_nodes"]) for s in spec["segments"]] == [
+        ("code", True, 8), ("default", False, 0)]
+    live, down = body["drafters"]
+    assert (live["address"], live["is_live"], live["is_answering"], live["num_requests"]) == (
+        "10.0.0.1:50071", True, True, 3)
+    assert live["segments"][0] == {"segment": "code", "corpus_entries": 1234, "corpus_bytes": 345520,
+                                   "num_requests": 2}
+    assert (down["is_live"], down["is_answering"], down["num_requests"], down["segments"]) == (False, False, None, [])
     assert body["reflow"] is None
 
 
@@ -52,14 +63,16 @@ def test_status_with_the_scheduler_down_still_answers(router_url, scheduler):
 def test_status_body_rates_per_segment_and_an_unreachable_scheduler():
     load = SchedulerLoad(2, 3, 16, 64, 1, SpecTotals(4, 40, 10, ()), num_prefix_cache_queries=100,
                          num_prefix_cache_hits=25, num_workers=2, num_live_workers=1,
-                         segments=(SegmentLoad("code", 4, 40, 10),))
+                         segments=(SegmentLoad("code", 4, 40, 10, num_budget_nodes=6),))
     body = status_body(load, True, "", False)
     assert body["components"] == {"router": "ok", "scheduler": "ready", "workers": "1/2 live"}
     assert body["requests"] == {"running": 2, "waiting": 3, "preemptions": 1}
     assert body["kv_cache"]["usage"] == 0.25 and body["prefix_cache"]["hit_rate"] == 0.25
     assert body["speculation"]["segments"] == [{"segment": "code", "num_drafts": 4, "num_draft_tokens": 40,
                                                 "num_accepted_tokens": 10, "acceptance": 0.25,
-                                                "accepted_per_draft": 2.5}]
+                                                "accepted_per_draft": 2.5, "is_drafting": True,
+                                                "budget_nodes": 6}]
+    assert body["speculation"]["gate"] is None and body["drafters"] == []  # no decision yet, no drafter
     down = status_body(None, False, "scheduler unreachable: UNAVAILABLE", True)
     assert down["components"] == {"router": "draining", "scheduler": "unreachable", "workers": None}
     assert down["requests"] is None and down["detail"] == "scheduler unreachable: UNAVAILABLE"
