@@ -73,7 +73,8 @@ def _speculation(status: dict) -> Table:
     spec = status.get("speculation")
     table = Table(expand=True, caption=_gate(spec), caption_justify="left")
     for name in ("segment", "drafting", "trees", "draft tokens", "accepted", "acceptance", "per tree"):
-        table.add_column(name, justify="left" if name in ("segment", "drafting") else "right")
+        table.add_column(name, justify="left" if name in ("segment", "drafting") else "right",
+                         no_wrap=name == "drafting")
     for seg in (spec or {}).get("segments", []):
         per_tree = seg["accepted_per_draft"]
         table.add_row(seg["segment"] or "(unknown)", _drafting(seg), str(seg["num_drafts"]),
@@ -85,12 +86,13 @@ def _speculation(status: dict) -> Table:
     return table
 
 
-def _size(num_bytes: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if num_bytes < 1024:
-            return f"{num_bytes:.0f} {unit}"
+def _size(num_bytes: float) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         num_bytes /= 1024
-    return f"{num_bytes:.1f} GiB"
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.1f} {unit}"
 
 
 def _drafters(status: dict) -> Table:
