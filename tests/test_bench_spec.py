@@ -88,6 +88,17 @@ def test_speedups_and_goals_from_synthetic_numbers():
     assert list(table) == ["code_edit", "grounded", "open_ended"]  # the workloads' order, not alphabetical
 
 
+def test_speedup_spread_over_rounds_has_each_value_the_median_and_the_range(tmp_path):
+    rounds = [{"speedups": spec_report.speedups(_summaries({PLAIN: {"grounded": 10.0, "open_ended": 10.0},
+                                                              SPEC: {"grounded": rate, "open_ended": 9.0}}))}
+              for rate in (30.0, 50.0, 40.0)]
+    spread = spec_report.speedup_spread(rounds)
+    assert spread["grounded"][SPEC] == {"values": [3.0, 5.0, 4.0], "median": 4.0, "min": 3.0, "max": 5.0}
+    assert spread["open_ended"][SPEC]["median"] == pytest.approx(0.9) and LOOKUP not in spread["grounded"]
+    path = spec_report.plot_speedup_spread(tmp_path / "speedup.png", {"model": "/m/tiny", "speedups": spread})
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_missing_system_leaves_its_goals_unmeasured():
     table = spec_report.speedups(_summaries({PLAIN: {"structured": 10.0}, SPEC: {"structured": 40.0}}))
     goals = {g["name"]: g for g in spec_report.evaluate_goals(table)}
@@ -219,3 +230,6 @@ def test_cli_parses_bench_spec_and_the_config_validates():
         spec.SpecBenchConfig(systems=("vllm",))
     with pytest.raises(ValueError):
         spec.SpecBenchConfig(num_structured=1, num_structured_warmup=1)
+    with pytest.raises(ValueError):
+        spec.SpecBenchConfig(rounds=0)
+    assert spec.config_from_args(build_parser().parse_args(["bench", "spec", "--rounds", "3"])).rounds == 3

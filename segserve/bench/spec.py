@@ -7,7 +7,9 @@ system gets two short warm-up requests (a pattern that makes drafters propose
 trees), then every workload's prompts in order.
 Outputs under --out: spec.json (every raw number, the command, the machine),
 spec.png, the services' logs; the markdown table and the goals are printed,
-greedy-output mismatches against HF plain loudly.
+greedy-output mismatches against HF plain loudly. With --rounds N > 1 the whole
+run repeats N times (round-<k>/ each) and speedup.json / speedup.png give each
+workload's speedup over plain generate() per round, its median and its spread.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class SpecBenchConfig:
     """Longest one segserve request may take."""
     out: str = "bench-results/spec"
     """Directory for spec.json, spec.png and the services' logs."""
+    rounds: int = 1
+    """Whole runs, each with fresh systems; with more than one, each goes to round-<k>/ and speedup.png shows
+    the spread of each workload's speedup over the rounds."""
 
     def __post_init__(self) -> None:
         self.systems, self.kinds = tuple(self.systems), tuple(self.kinds)
@@ -64,6 +69,8 @@ class SpecBenchConfig:
             raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}")
         if not self.kinds or set(self.kinds) - set(KINDS):
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}")
+        if self.rounds < 1:
+            raise ValueError("rounds must be >= 1")
         if min(self.startup_timeout_s, self.request_timeout_s) <= 0:
             raise ValueError("time limits must be > 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -88,6 +95,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
     parser.add_argument("--out", default=defaults.out, help="output directory (default: bench-results/spec)")
+    parser.add_argument("--rounds", type=int, default=defaults.rounds,
+                        help="whole runs with fresh systems; > 1 adds speedup.png with the spread over rounds")
 
 
 def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
@@ -175,10 +184,19 @@ def run_spec(args: argparse.Namespace) -> dict:
     out = Path(config.out)
     model_dir = resolve_model(config.model)
     header = {"command": shlex.join(sys.argv), "model": str(model_dir), "machine": machine_info()}
-    results = run_benchmark(config, default_factories(config, model_dir, out), out, header)
-    results["machine"]["loadavg_end"] = list(os.getloadavg())
     from segserve.bench.report import write_json
 
-    write_json(out / "spec.json", results)
-    print_results(results)
+    rounds = []
+    for k in range(config.rounds):
+        round_out = out if config.rounds == 1 else out / f"round-{k + 1}"
+        results = run_benchmark(config, default_factories(config, model_dir, round_out), round_out, header)
+        results["machine"]["loadavg_end"] = list(os.getloadavg())
+        write_json(round_out / "spec.json", results)
+        print_results(results)
+        rounds.append(results)
+    if config.rounds > 1:
+        spread = {"benchmark": "spec-rounds", **header, "speedups": report.speedup_spread(rounds)}
+        write_json(out / "speedup.json", spread)
+        report.plot_speedup_spread(out / "speedup.png", spread)
+        print(f"\nspeedup over {config.rounds} rounds: {out / 'speedup.png'}")
     return results

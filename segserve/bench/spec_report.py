@@ -174,3 +174,59 @@ def plot(path: Path, results: dict) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def speedup_spread(rounds: list[dict]) -> dict[str, dict[str, dict]]:
+    """Per workload kind and system: its speedup over plain generate() in every round, median, min and max."""
+    table: dict[str, dict[str, dict]] = {}
+    for results in rounds:
+        for kind, row in results["speedups"].items():
+            for system in (SPEC, OFF, LOOKUP):
+                value = row.get(f"{system}_vs_plain")
+                if value is not None:
+                    table.setdefault(kind, {}).setdefault(system, {"values": []})["values"].append(value)
+    for per_system in table.values():
+        for entry in per_system.values():
+            values = sorted(entry["values"])
+            middle = len(values) // 2
+            entry["median"] = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+            entry["min"], entry["max"] = values[0], values[-1]
+    return table
+
+
+def plot_speedup_spread(path: Path, spread: dict) -> Path:
+    """Bars: median speedup over plain generate() per workload and system; whiskers: min to max over the
+    rounds; dots: each round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = spread["speedups"]
+    kinds = list(table)
+    systems = [s for s in (LOOKUP, OFF, SPEC) if any(s in table[k] for k in kinds)]
+    fig, axes = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(1, len(systems))
+    for offset, system in enumerate(systems):
+        for i, kind in enumerate(kinds):
+            entry = table[kind].get(system)
+            if entry is None:
+                continue
+            x = i + offset * width
+            axes.bar(x, entry["median"], width, color=f"C{offset}", label=SYSTEM_LABELS[system] if i == 0 else None)
+            whiskers = [[entry["median"] - entry["min"]], [entry["max"] - entry["median"]]]
+            axes.errorbar(x, entry["median"], yerr=whiskers, color="black", capsize=4)
+            axes.scatter([x] * len(entry["values"]), entry["values"], color="black", s=10, zorder=3)
+    axes.axhline(1.0, color="gray", linewidth=1, linestyle="--")
+    axes.set_xticks([i + (len(systems) - 1) * width / 2 for i in range(len(kinds))], kinds)
+    axes.set_ylabel("speedup over HF generate() (x)")
+    num_rounds = max((len(e["values"]) for per in table.values() for e in per.values()), default=0)
+    axes.set_title(f"single stream, greedy: median, min-max and each of {num_rounds} rounds")
+    axes.legend(fontsize=8)
+    axes.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"segserve bench spec: {Path(spread.get('model', '')).name}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
