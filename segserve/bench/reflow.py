@@ -139,7 +139,8 @@ def _router_argv(model_dir: Path, scheduler_address: str, port: int, queue_url: 
     from router.config import RouterConfig
     from segserve.flags import to_argv
 
-    config = RouterConfig(model=str(model_dir), scheduler_address=scheduler_address, port=port,
+    # HTTP only: the two routers run side by side, and the gRPC API's default port can be bound once
+    config = RouterConfig(model=str(model_dir), scheduler_address=scheduler_address, port=port, is_grpc_api=False,
                           reflow_queue_url=queue_url, reflow_spill_dir=spill_dir or RouterConfig.reflow_spill_dir)
     return ["segserve.cli", "router", *to_argv(config)]
 

@@ -96,7 +96,7 @@ def segserve_system(model_dir: Path, dtype: str, is_speculative: bool, log_dir: 
     stack_config = StackConfig(
         worker=WorkerConfig(model=str(model_dir), dtype=dtype, port=0),
         scheduler=SchedulerConfig(port=0),
-        router=RouterConfig(port=free_port()),
+        router=RouterConfig(port=free_port(), grpc_port=0),  # 0: the launcher picks
         is_speculative=is_speculative,
         startup_timeout_s=startup_timeout_s,
         log_dir=str(log_dir),
