@@ -293,7 +293,9 @@ class Scheduler:
         events: list[RequestEvent] = []
         for work in request.sequences:
             seq = in_flight.get(work.seq_id)
-            if seq is not None and not seq.is_finished:
+            # RUNNING: not ended, and not preempted since the step was built (a refused continuation preempts its
+            # sequence while the step after it is already under way)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
                 events += self._apply(seq, work, outputs.get(work.seq_id), now)
         self.current_step, self._in_flight = self._ahead, self._ahead_seqs  # the step ahead is next, if any
         self._ahead, self._ahead_seqs = None, {}

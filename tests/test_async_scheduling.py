@@ -145,6 +145,36 @@ def test_a_continuation_the_worker_refuses_is_recomputed_not_failed():
     assert results["a"] == (expected_output([1, 2], 6), FinishReason.LENGTH) and worker.problems == []
 
 
+def test_a_refused_continuation_with_a_step_ahead_of_it_skips_that_step_too():
+    scheduler, worker = make_scheduler(), make_worker()
+    scheduler.add(make_seq("a", [1, 2], max_tokens=8))
+    results: dict = {}
+    request = scheduler.schedule()
+    collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
+    request = scheduler.schedule()
+    first_ahead = scheduler.schedule_ahead(request)
+    refused = worker.step_sync(first_ahead)  # it overtook `request` on its way to the worker
+    collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
+    second_ahead = scheduler.schedule_ahead(first_ahead)  # built while first_ahead runs, as the engine does
+    assert second_ahead is not None
+    collect_events(scheduler.postprocess(first_ahead, refused), results)  # "a" is preempted for recomputation
+    assert scheduler.current_step is second_ahead and scheduler.num_preemptions == 1
+    collect_events(scheduler.postprocess(second_ahead, worker.step_sync(second_ahead)), results)  # skipped
+    for _ in range(30):
+        if not scheduler.has_work:
+            break
+        request = scheduler.schedule()
+        collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
+    assert results["a"] == (expected_output([1, 2], 8), FinishReason.LENGTH) and worker.problems == []
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_async_scheduling_is_off_unless_asked():
+    from scheduler.config import SchedulerConfig
+
+    assert SchedulerConfig().is_async_scheduling is False
+
+
 @pytest.mark.parametrize("is_async", [True, False])
 async def test_the_engine_pipelines_decode_steps_only_when_asked(is_async):
     async with running_service(make_fake(), is_async_scheduling=is_async) as (stub, fake, _):
@@ -159,7 +189,7 @@ async def test_the_engine_pipelines_decode_steps_only_when_asked(is_async):
 
 
 async def test_cancelled_streams_leave_nothing_behind_with_steps_ahead():
-    async with running_service(make_fake()) as (stub, fake, _):
+    async with running_service(make_fake(), is_async_scheduling=True) as (stub, fake, _):
         fake.step_delay_s = 0.003
         calls = [stub.Generate(generate_request(f"x{i}", [i + 1], max_tokens=200)) for i in range(6)]
 
