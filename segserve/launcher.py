@@ -135,8 +135,7 @@ class Stack:
         drafter_addresses = [f"{d.host}:{d.port}" for d in drafters]
         scheduler = dataclasses.replace(cfg.scheduler, worker_address=worker_address,
                                         drafter_addresses=drafter_addresses, port=cfg.scheduler.port or free_port())
-        scheduler_address = f"{scheduler.host}:{scheduler.port}"
-        router = dataclasses.replace(cfg.router, model=model_dir, scheduler_address=scheduler_address,
+        router = dataclasses.replace(cfg.router, model=model_dir, scheduler_address=f"{scheduler.host}:{scheduler.port}",
                                      served_model_name=cfg.router.served_model_name or worker.served_model_name)
         self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router,
                                           drafter=drafters[0] if drafters else cfg.drafter)
@@ -152,9 +151,8 @@ class Stack:
             for i, (drafter, address) in enumerate(zip(drafters, drafter_addresses)):
                 self._wait_grpc_ready(replica_name("drafter", i), drafter_pb2_grpc.DrafterStub, address, deadline,
                                       drafter)
-            self._spawn("scheduler", scheduler)
-            self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, scheduler_address, deadline,
-                                  scheduler)
+            scheduler = self._start_scheduler(scheduler, deadline, is_port_picked=not cfg.scheduler.port)
+            router = dataclasses.replace(router, scheduler_address=f"{scheduler.host}:{scheduler.port}")
             self._start_router(router, deadline)
         except BaseException:
             self.stop()
@@ -227,6 +225,24 @@ class Stack:
                 if proc.poll() is not None:
                     return proc.returncode
             time.sleep(0.5)
+
+    def _start_scheduler(self, scheduler: SchedulerConfig, deadline: float, is_port_picked: bool) -> SchedulerConfig:
+        """Spawn the scheduler and wait until it serves; returns its config. A port picked here is picked again if
+        the scheduler dies at start-up: Ray starts its own processes, which open ports, before the scheduler binds."""
+        attempts = _ROUTER_PORT_ATTEMPTS if is_port_picked else 1
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:
+                scheduler = dataclasses.replace(scheduler, port=free_port())
+            self.config = dataclasses.replace(self.config, scheduler=scheduler)
+            self._spawn("scheduler", scheduler)
+            try:
+                self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub,
+                                      f"{scheduler.host}:{scheduler.port}", deadline, scheduler)
+                return scheduler
+            except RuntimeError:
+                if attempt == attempts or self.processes["scheduler"].poll() is None:
+                    raise
+        raise AssertionError("unreachable")
 
     def _start_router(self, router: RouterConfig, deadline: float) -> None:
         """Spawn the router and wait for its /health. A port picked here (port 0, HTTP or gRPC) is picked just

@@ -1,4 +1,5 @@
-"""The local launcher's start-up: a router whose auto-picked port was taken meanwhile is started again on another."""
+"""The local launcher's start-up: a router or scheduler whose auto-picked port was taken meanwhile is started
+again on another."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 import segserve.launcher as launcher
 from router.config import RouterConfig
+from scheduler.config import SchedulerConfig
 from segserve.launcher import Stack, StackConfig
 
 
@@ -54,3 +56,36 @@ def test_a_port_the_user_chose_is_not_replaced(monkeypatch):
     with pytest.raises(RuntimeError):
         stack._start_router(RouterConfig(port=8123), deadline=0)
     assert spawned == [8123]
+
+
+def _stack_whose_scheduler_dies(monkeypatch, num_deaths: int) -> tuple[Stack, list[int]]:
+    """A Stack whose first `num_deaths` schedulers exit at start-up (Ray's processes took the picked port)."""
+    ports = iter(range(41001, 41100))
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports))
+    stack, spawned = Stack(StackConfig()), []
+
+    def spawn(name, config):
+        spawned.append(config.port)
+        stack.processes[name] = _Process(3 if len(spawned) <= num_deaths else None)
+
+    def wait_grpc_ready(name, stub_cls, address, deadline, config):
+        assert address == f"{config.host}:{config.port}"
+        stack._check_alive(name)
+
+    monkeypatch.setattr(stack, "_spawn", spawn)
+    monkeypatch.setattr(stack, "_wait_grpc_ready", wait_grpc_ready)
+    return stack, spawned
+
+
+def test_a_scheduler_that_dies_at_start_up_gets_a_fresh_port_when_the_port_was_picked(monkeypatch):
+    stack, spawned = _stack_whose_scheduler_dies(monkeypatch, num_deaths=2)
+    started = stack._start_scheduler(SchedulerConfig(port=40999), deadline=0, is_port_picked=True)
+    assert spawned == [40999, 41001, 41002] and started.port == 41002
+    assert stack.config.scheduler.port == 41002
+
+
+def test_a_scheduler_port_the_user_chose_is_not_replaced(monkeypatch):
+    stack, spawned = _stack_whose_scheduler_dies(monkeypatch, num_deaths=1)
+    with pytest.raises(RuntimeError, match="scheduler exited with code 3"):
+        stack._start_scheduler(SchedulerConfig(port=50051), deadline=0, is_port_picked=False)
+    assert spawned == [50051]
