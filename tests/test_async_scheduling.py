@@ -17,7 +17,9 @@ from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import CONTINUATION_REFUSED, NewSequence, ScheduledSequence, StepRequest
 from scheduler.scheduler import Scheduler
 from tests.fakes import FakeWorker, InjectedFailure
-from tests.test_scheduler import EOS, collect_events, expected_output, make_scheduler, make_seq, make_worker
+from tests.test_scheduler import (
+    EOS, collect_events, expected_output, make_scheduler, make_seq, make_worker, run_to_completion,
+)
 from tests.test_scheduler_service import collect, generate_request, idle_stats, make_fake, running_service
 from tests.test_worker_runner import BLOCK_SIZE, make_runner
 
@@ -137,12 +139,8 @@ def test_a_continuation_the_worker_refuses_is_recomputed_not_failed():
     collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
     collect_events(scheduler.postprocess(ahead, refused), results)  # recomputed, not ended
     assert results == {"a": (expected_output([1, 2], 2), None)} and scheduler.num_preemptions == 1
-    for _ in range(20):
-        if not scheduler.has_work:
-            break
-        request = scheduler.schedule()
-        collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
-    assert results["a"] == (expected_output([1, 2], 6), FinishReason.LENGTH) and worker.problems == []
+    run_to_completion(scheduler, worker, results)
+    assert results["a"] == (expected_output([1, 2], 6), FinishReason.LENGTH)
 
 
 def test_a_refused_continuation_with_a_step_ahead_of_it_skips_that_step_too():
@@ -160,12 +158,8 @@ def test_a_refused_continuation_with_a_step_ahead_of_it_skips_that_step_too():
     collect_events(scheduler.postprocess(first_ahead, refused), results)  # "a" is preempted for recomputation
     assert scheduler.current_step is second_ahead and scheduler.num_preemptions == 1
     collect_events(scheduler.postprocess(second_ahead, worker.step_sync(second_ahead)), results)  # skipped
-    for _ in range(30):
-        if not scheduler.has_work:
-            break
-        request = scheduler.schedule()
-        collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
-    assert results["a"] == (expected_output([1, 2], 8), FinishReason.LENGTH) and worker.problems == []
+    run_to_completion(scheduler, worker, results)
+    assert results["a"] == (expected_output([1, 2], 8), FinishReason.LENGTH)
     assert scheduler.block_manager.num_used_blocks == 0
 
 

@@ -19,8 +19,11 @@ class _Process:
         return self.returncode
 
 
-def _stack_whose_router_dies(monkeypatch, num_deaths: int) -> tuple[Stack, list[int]]:
-    """A Stack whose first `num_deaths` routers exit at start-up (as on a port taken meanwhile)."""
+_READINESS_POLLS = {"router": "_wait_http_ready", "scheduler": "_wait_grpc_ready"}
+
+
+def _stack_whose_service_dies(monkeypatch, service: str, num_deaths: int) -> tuple[Stack, list[int]]:
+    """A Stack whose first `num_deaths` spawns of `service` exit at start-up (as on a port taken meanwhile)."""
     ports = iter(range(40001, 40100))
     monkeypatch.setattr(launcher, "free_port", lambda: next(ports))
     stack, spawned = Stack(StackConfig()), []
@@ -29,12 +32,13 @@ def _stack_whose_router_dies(monkeypatch, num_deaths: int) -> tuple[Stack, list[
         spawned.append(config.port)
         stack.processes[name] = _Process(3 if len(spawned) <= num_deaths else None)
 
-    def wait_http_ready(deadline):
-        stack._check_alive("router")
-
     monkeypatch.setattr(stack, "_spawn", spawn)
-    monkeypatch.setattr(stack, "_wait_http_ready", wait_http_ready)
+    monkeypatch.setattr(stack, _READINESS_POLLS[service], lambda *_: stack._check_alive(service))
     return stack, spawned
+
+
+def _stack_whose_router_dies(monkeypatch, num_deaths: int) -> tuple[Stack, list[int]]:
+    return _stack_whose_service_dies(monkeypatch, "router", num_deaths)
 
 
 def test_a_router_that_dies_at_start_up_gets_a_fresh_port(monkeypatch):
@@ -59,29 +63,15 @@ def test_a_port_the_user_chose_is_not_replaced(monkeypatch):
 
 
 def _stack_whose_scheduler_dies(monkeypatch, num_deaths: int) -> tuple[Stack, list[int]]:
-    """A Stack whose first `num_deaths` schedulers exit at start-up (Ray's processes took the picked port)."""
-    ports = iter(range(41001, 41100))
-    monkeypatch.setattr(launcher, "free_port", lambda: next(ports))
-    stack, spawned = Stack(StackConfig()), []
-
-    def spawn(name, config):
-        spawned.append(config.port)
-        stack.processes[name] = _Process(3 if len(spawned) <= num_deaths else None)
-
-    def wait_grpc_ready(name, stub_cls, address, deadline, config):
-        assert address == f"{config.host}:{config.port}"
-        stack._check_alive(name)
-
-    monkeypatch.setattr(stack, "_spawn", spawn)
-    monkeypatch.setattr(stack, "_wait_grpc_ready", wait_grpc_ready)
-    return stack, spawned
+    """Its scheduler dies instead (Ray's processes took the picked port)."""
+    return _stack_whose_service_dies(monkeypatch, "scheduler", num_deaths)
 
 
 def test_a_scheduler_that_dies_at_start_up_gets_a_fresh_port_when_the_port_was_picked(monkeypatch):
     stack, spawned = _stack_whose_scheduler_dies(monkeypatch, num_deaths=2)
     started = stack._start_scheduler(SchedulerConfig(port=40999), deadline=0, is_port_picked=True)
-    assert spawned == [40999, 41001, 41002] and started.port == 41002
-    assert stack.config.scheduler.port == 41002
+    assert spawned == [40999, 40001, 40002] and started.port == 40002
+    assert stack.config.scheduler.port == 40002
 
 
 def test_a_scheduler_port_the_user_chose_is_not_replaced(monkeypatch):
