@@ -200,9 +200,8 @@ class Scheduler:
         Only in the steady decode state, where the next step's input is nothing but the tokens `request`
         samples: nobody waits, `request` holds every running sequence, each plain and sampled at its
         sequence's end, the last step succeeded, and the next KV slots are free without preempting anyone.
-        Each sequence continues
-        with one placeholder (ScheduledSequence.is_continuation) that the worker replaces with the token it
-        samples in `request`; a sequence that `request` brings to its length limit is left out (a stop the
+        Each sequence continues with one placeholder (ScheduledSequence.is_continuation) that the worker
+        replaces with the token it samples in `request`; a sequence that `request` brings to its length limit is left out (a stop the
         scheduler cannot foresee, EOS or a stop token, only wastes its slot in the step ahead). Then
         postprocess() `request`'s result, then this step's; a failed `request` drops it (fail_step, discard).
         """
@@ -233,11 +232,6 @@ class Scheduler:
         self._ahead, self._ahead_seqs = ahead, {seq.request_id: seq for seq, _ in chosen}
         self.num_steps += 1
         return ahead
-
-    @property
-    def ahead(self) -> StepRequest | None:
-        """The step schedule_ahead() built, until it is the one in flight (or dropped)."""
-        return self._ahead
 
     def _drop_ahead(self) -> None:
         """The step ahead will not be postprocessed: the worker may or may not take in its releases."""
