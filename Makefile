@@ -24,9 +24,10 @@ REFLOW_QUEUE ?= sqlite:///reflow/queue.db
 serve: install
 	$(BIN)/segserve serve --reflow-queue-url $(REFLOW_QUEUE) --reflow-spill-dir reflow/spill $(ARGS)
 
-# Debian packages some tests run: the playground's headless browser and `segserve top`'s terminal. Installed
+# Debian packages some tests run: redis-server (reflow and the drafters' shared log), the playground's headless
+# browser and `segserve top`'s terminal. Installed
 # when missing and running as root (a fresh container); otherwise those tests say what to install.
-TEST_DEBS := chromium:chromium chromedriver:chromium-driver tmux:tmux
+TEST_DEBS := redis-server:redis-server chromium:chromium chromedriver:chromium-driver tmux:tmux
 
 test-debs:
 	@missing="$$(for pair in $(TEST_DEBS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done)"; \
