@@ -25,8 +25,8 @@ serve: install
 	$(BIN)/segserve serve --reflow-queue-url $(REFLOW_QUEUE) --reflow-spill-dir reflow/spill $(ARGS)
 
 # Debian packages some tests run: redis-server (reflow and the drafters' shared log), the playground's headless
-# browser and `segserve top`'s terminal. Installed
-# when missing and running as root (a fresh container); otherwise those tests say what to install.
+# browser and `segserve top`'s terminal. Installed when missing and running as root (a fresh container);
+# otherwise those tests say what to install.
 TEST_DEBS := redis-server:redis-server chromium:chromium chromedriver:chromium-driver tmux:tmux
 
 test-debs:
