@@ -13,15 +13,17 @@ The model's cost estimate sees only the worker's step time; the drafter, the
 scheduler's bookkeeping and the router's per-token work share the same cores,
 and on the 2-core CI machine those errors decide the sign at 16 sequences
 (the model predicted +7% from speculating, the stack measured -10%). So a
-`SpeculationGate` checks the model against what the stack actually delivers:
-generated tokens per second of whole scheduler steps, with and without
-speculation, per batch size.
+`SpeculationGate` (spec_gate.py) checks the model against what the stack
+actually delivers: generated tokens per second of whole scheduler steps, with
+and without drafting, per segment kind and batch size, with hysteresis.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from scheduler.spec_gate import SpeculationGate
 
 _EMA = 0.1  # weight of a new observation; ~10 observations of memory
 _PRIOR_RATE = 0.5  # acceptance assumed before measuring, and its decay per unmeasured depth
@@ -150,68 +152,6 @@ class StepCostModel:
         return yn  # unreachable: the points cover [x0, xn]
 
 
-@dataclass
-class _Arm:
-    """EMAs of one arm's generated tokens and seconds per scheduler step."""
-
-    num_steps: int = 0
-    ema_tokens: float = 0.0
-    ema_seconds: float = 0.0
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self.num_steps += 1
-        weight = max(_EMA, 1 / self.num_steps)
-        self.ema_tokens += weight * (num_tokens - self.ema_tokens)
-        self.ema_seconds += weight * (seconds - self.ema_seconds)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.ema_tokens / self.ema_seconds if self.ema_seconds > 0 else 0.0
-
-
-@dataclass
-class SpeculationGate:
-    """Speculate at a batch size only while it measurably delivers more tokens per second.
-
-    Per batch-size bucket (powers of two of decode sequences) it keeps the
-    goodput of whole scheduler steps that speculated and of steps that did
-    not. Each arm gets min_steps steps first (speculation first); after that
-    the better arm runs, and every explore_interval steps of a bucket the other
-    arm runs once, so a change of workload is noticed.
-    """
-
-    min_steps: int = 4
-    explore_interval: int = 16
-    arms: dict[tuple[int, bool], _Arm] = field(default_factory=dict)
-    num_decisions: dict[int, int] = field(default_factory=dict)
-    last_decision: tuple[int, bool] | None = None
-    """(batch-size bucket, whether to speculate) of the latest should_speculate; None before the first."""
-
-    @staticmethod
-    def bucket(num_sequences: int) -> int:
-        return 1 << max(num_sequences - 1, 0).bit_length()
-
-    def _arm(self, num_sequences: int, is_speculating: bool) -> _Arm:
-        return self.arms.setdefault((self.bucket(num_sequences), is_speculating), _Arm())
-
-    def should_speculate(self, num_sequences: int) -> bool:
-        bucket = self.bucket(num_sequences)
-        count = self.num_decisions[bucket] = self.num_decisions.get(bucket, 0) + 1
-        spec, plain = self._arm(num_sequences, True), self._arm(num_sequences, False)
-        if spec.num_steps < self.min_steps or plain.num_steps < self.min_steps:
-            is_speculating = spec.num_steps <= plain.num_steps
-        else:
-            is_better = spec.tokens_per_s >= plain.tokens_per_s
-            is_speculating = is_better != (count % self.explore_interval == 0)
-        self.last_decision = (bucket, is_speculating)
-        return is_speculating
-
-    def observe(self, num_sequences: int, is_speculating: bool, num_tokens: int, seconds: float) -> None:
-        """A finished step: its decode sequences, whether it verified any tree, tokens generated."""
-        if num_sequences > 0 and seconds > 0:
-            self._arm(num_sequences, is_speculating).observe(num_tokens, seconds)
-
-
 def budget_options(max_nodes: int) -> list[int]:
     """Node budgets the policy considers: 0, powers of two, and max_nodes."""
     options = {0, max_nodes}
@@ -225,7 +165,9 @@ class SpecPolicy:
 
     Segments whose budget comes out 0 are switched off for the step; every
     probe_interval steps they get a small budget so their stats stay current.
-    The gate switches the whole step off where speculating has measured slower.
+    The gate switches a segment kind off, at the step's batch size, where its
+    drafting has measured slower end to end; the ascent then budgets only the
+    kinds it allows, and only those are probed.
     """
 
     max_nodes: int
@@ -244,9 +186,14 @@ class SpecPolicy:
         self.cost.observe(num_tokens, seconds)
 
     def observe_cycle(self, num_sequences: int, is_speculating: bool, num_tokens: int, seconds: float) -> None:
-        """A whole scheduler step (schedule, draft, worker, postprocess) and the tokens it generated."""
-        if self.is_adaptive:
-            self.gate.observe(num_sequences, is_speculating, num_tokens, seconds)
+        """A whole scheduler step (schedule, draft, worker, postprocess) and the tokens it generated.
+
+        The gate attributes it to its own latest decision (which kinds it let
+        draft); a step without decode sequences had none and counts for nothing.
+        is_speculating (whether any tree was drafted) is the speculator's view, not needed here.
+        """
+        if self.is_adaptive and num_sequences > 0:
+            self.gate.observe(num_tokens, seconds)
 
     def observe_draft_call(self, seconds: float) -> None:
         self.draft_overhead_s += (_EMA if self.draft_overhead_s else 1.0) * (seconds - self.draft_overhead_s)
@@ -267,14 +214,16 @@ class SpecPolicy:
         options = budget_options(self.max_nodes)
         if not self.is_adaptive:
             return {segment: self.max_nodes for segment in groups}
-        if not self.cost.is_fitted or not self.gate.should_speculate(sum(groups.values())):
-            return {segment: 0 for segment in groups}  # measure a plain step first
         budgets = {segment: 0 for segment in groups}
+        if not self.cost.is_fitted:
+            return budgets  # measure a plain step first
+        allowed = [segment for segment, is_allowed in self.gate.decide(groups).items() if is_allowed]
         best = self._tokens_per_s(budgets, groups, num_base_tokens)
-        while True:
+        while allowed:
             move = None
-            for segment, budget in budgets.items():
-                for higher in (o for o in options if o > budget):  # any higher: a cost step may hide behind the next
+            for segment in allowed:
+                # any higher: a cost step may hide behind the next
+                for higher in (o for o in options if o > budgets[segment]):
                     trial = {**budgets, segment: higher}
                     if sum(groups[s] * b for s, b in trial.items()) > token_room:
                         break
@@ -286,7 +235,7 @@ class SpecPolicy:
             budgets = move
         if self.num_steps % self.probe_interval == 0:  # refresh the stats of what is switched off
             probe = min(4, self.max_nodes)
-            budgets = {s: b or (probe if groups[s] * probe <= token_room else 0) for s, b in budgets.items()}
+            budgets.update((s, probe) for s in allowed if not budgets[s] and groups[s] * probe <= token_room)
         return budgets
 
     def _tokens_per_s(self, budgets: Mapping[str, int], groups: Mapping[str, int], num_base_tokens: int) -> float:

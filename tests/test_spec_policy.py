@@ -1,6 +1,8 @@
-"""The speculation policy as pure logic: cost model, acceptance stats, and when speculation pays."""
+"""The speculation policy as pure logic: cost model, acceptance stats, and when speculation pays (the gate)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -8,10 +10,10 @@ from scheduler.spec_policy import (
     AcceptanceStats,
     SegmentStats,
     SpecPolicy,
-    SpeculationGate,
     StepCostModel,
     budget_options,
 )
+from scheduler.spec_gate import SpeculationGate
 
 # Measured on the 2-core CPU with gemma-3-270m (NOTES.md): the output head dominates.
 CPU_COSTS = {1: 0.050, 4: 0.131, 16: 0.148, 64: 0.294}
@@ -113,63 +115,142 @@ def test_budget_options():
     assert budget_options(0) == [0]
 
 
-def run_gate(gate: SpeculationGate, num_sequences: int, steps: int, spec_tokens_per_s: float,
-             plain_tokens_per_s: float) -> list[bool]:
-    """Decisions of `steps` steps, each observed at the arm's goodput (one-second steps)."""
-    decisions = []
-    for _ in range(steps):
-        is_speculating = gate.should_speculate(num_sequences)
-        rate = spec_tokens_per_s if is_speculating else plain_tokens_per_s
-        gate.observe(num_sequences, is_speculating, round(rate), 1.0)
-        decisions.append(is_speculating)
-    return decisions
+def run_gate(gate: SpeculationGate, groups: dict[str, int], steps: int, goodput, start: int = 0) -> list[dict]:
+    """Decisions of `steps` steps; each step generates 100 tokens at goodput(step, allowed) tokens/s.
+
+    Returns per step {segment: (allowed, state)}: what the gate let the kind do, and the kind's state then.
+    """
+    history = []
+    for step in range(start, start + steps):
+        allowed = gate.decide(groups)
+        history.append({s: (allowed[s], gate.last_segments[s][1]) for s in groups})
+        gate.observe(100, 100 / goodput(step, allowed))
+    return history
+
+
+def allowed_of(history: list[dict], segment: str) -> list[bool]:
+    return [step[segment][0] for step in history]
+
+
+def num_flips(history: list[dict], segment: str) -> int:
+    return sum(a[segment][1] != b[segment][1] for a, b in zip(history, history[1:]))
 
 
 def test_gate_tries_both_arms_then_keeps_the_faster_and_explores_the_other():
     gate = SpeculationGate(min_steps=2, explore_interval=8)
-    decisions = run_gate(gate, 1, 24, spec_tokens_per_s=20, plain_tokens_per_s=10)
-    assert decisions[:4] == [True, False, True, False]
-    assert decisions[4:] == [i % 8 != 0 for i in range(5, 25)]  # decision k (1-based) explores when k % 8 == 0
+    history = run_gate(gate, {"code": 1}, 24, lambda step, allowed: 20 if allowed["code"] else 10)
+    decisions = allowed_of(history, "code")
+    assert decisions[:4] == [True, False, True, False]  # warm-up: drafting first, then each arm in turn
+    assert decisions[4:] == [k % 8 != 4 for k in range(5, 25)]  # every 8th step after the warm-up explores
+    assert gate.last_segments == {"code": (1, True)} and gate.last_decision == (1, True)
 
 
-def test_gate_switches_speculation_off_where_it_measures_slower_per_batch_size():
+def test_each_segment_kind_is_gated_apart_in_the_same_batch():
+    """Code's drafts pay, prose's cost more than they give: code keeps drafting, prose stops, in the same steps."""
+    gate = SpeculationGate()
+    history = run_gate(gate, {"code": 4, "prose": 4}, 200,
+                       lambda step, allowed: 100 * (1 + 0.3 * allowed["code"] - 0.2 * allowed["prose"]))
+    assert gate.last_segments == {"code": (8, True), "prose": (8, False)}
+    late = history[100:]
+    assert sum(allowed_of(late, "code")) >= 100 - 100 // 16 - 1  # all but its exploring steps
+    assert sum(allowed_of(late, "prose")) <= 100 // 16 + 1  # only its exploring steps
+    # One factor at a time: at most one kind differs from its state in a step.
+    assert all(sum(allowed != state for allowed, state in step.values()) <= 1 for step in history)
+    assert gate.states[("code", 8)].advantage > 0.05 > -0.05 > gate.states[("prose", 8)].advantage
+
+
+def test_the_gate_keeps_its_state_per_batch_size_too():
     gate = SpeculationGate(min_steps=2, explore_interval=8)
-    at_sixteen = run_gate(gate, 16, 40, spec_tokens_per_s=100, plain_tokens_per_s=130)
-    assert sum(at_sixteen[8:]) == 4  # only the exploring steps speculate: 16, 24, 32, 40
-    at_one = run_gate(gate, 1, 20, spec_tokens_per_s=20, plain_tokens_per_s=10)
-    assert sum(at_one[4:]) == 14  # the bucket of one sequence is measured apart
+    at_sixteen = run_gate(gate, {"code": 16}, 40, lambda step, allowed: 100 if allowed["code"] else 130)
+    assert sum(allowed_of(at_sixteen, "code")[8:]) <= 4  # only exploring steps draft
+    at_one = run_gate(gate, {"code": 1}, 20, lambda step, allowed: 20 if allowed["code"] else 10)
+    assert sum(allowed_of(at_one, "code")[4:]) >= 14  # the bucket of one sequence is measured apart
+    assert gate.states[("code", 16)].is_open is False and gate.states[("code", 1)].is_open is True
     assert SpeculationGate.bucket(12) == SpeculationGate.bucket(16) == 16 != SpeculationGate.bucket(17)
 
 
-def test_gate_follows_a_change_of_workload():
-    gate = SpeculationGate(min_steps=2, explore_interval=4)
-    run_gate(gate, 4, 40, spec_tokens_per_s=10, plain_tokens_per_s=30)
-    later = run_gate(gate, 4, 80, spec_tokens_per_s=60, plain_tokens_per_s=30)
-    assert all(later[-20:][i] for i in range(20) if (i + 101) % 4 != 0)
+def test_goodput_near_parity_does_not_flap_the_gate():
+    """Drafting 1% better, each step +-10% noise: the hysteretic gate keeps its state over 200 steps; a gate
+    without margin and dwell (otherwise the same) flips with the noise."""
+    def goodput(rng):
+        return lambda step, allowed: 100 * (1 + 0.01 * allowed["code"]) * rng.uniform(0.9, 1.1)
+
+    num_twitches = 0
+    for seed in range(4):
+        steady = run_gate(SpeculationGate(), {"code": 2}, 200, goodput(random.Random(seed)))
+        assert num_flips(steady[8:], "code") == 0  # after the first verdict (warm-up: 4 steps per arm)
+        twitchy = run_gate(SpeculationGate(margin=0.0, min_dwell=0), {"code": 2}, 200, goodput(random.Random(seed)))
+        num_twitches += num_flips(twitchy[8:], "code")
+    assert num_twitches >= 10
+
+
+def test_goodput_oscillating_inside_the_margin_does_not_flap_the_gate():
+    gate = SpeculationGate()
+    run_gate(gate, {"code": 2}, 16, lambda step, allowed: 100)  # warm-up and first verdict
+    for period in (20, 40, 64, 100):
+        history = run_gate(gate, {"code": 2}, 200,
+                           lambda step, allowed: 100 * (1 + (0.03 if step // (period // 2) % 2 else -0.03)
+                                                        * allowed["code"]))
+        assert num_flips(history, "code") == 0 and gate.states[("code", 2)].num_flips == 0
+
+
+def test_a_closed_kind_reopens_once_drafting_clearly_pays():
+    gate = SpeculationGate()
+    run_gate(gate, {"code": 2}, 100, lambda step, allowed: 100 * (1 - 0.2 * allowed["code"]))
+    assert gate.last_segments["code"] == (2, False)
+    history = run_gate(gate, {"code": 2}, 300, lambda step, allowed: 100 * (1 + 0.3 * allowed["code"]), 100)
+    reopened = next(i for i, step in enumerate(history) if step["code"][1])
+    assert reopened <= 200 and num_flips(history, "code") == 1  # reopens by exploring, and stays open
+    assert allowed_of(history, "code")[reopened:].count(False) <= (300 - reopened) // 16 + 1  # explorations
+
+
+def test_the_gate_rejects_a_setting_that_cannot_work():
+    with pytest.raises(ValueError, match="explore_interval"):
+        SpeculationGate(explore_interval=1)
+    with pytest.raises(ValueError, match="margin"):
+        SpeculationGate(margin=-0.1)
 
 
 def test_a_policy_whose_model_says_speculate_stops_when_the_stack_measured_otherwise():
     policy = policy_with(0.9, GPU_LIKE_COSTS)
     assert policy.choose({"code": 1}, 1, 255)["code"] > 0
-    for is_speculating, tokens in [(True, 3), (False, 10)] * 4:  # whole steps: speculating is 3x slower
-        policy.observe_cycle(1, is_speculating, tokens, 1.0)
-    assert [policy.choose({"code": 1}, 1, 255)["code"] for _ in range(15)].count(0) == 14
+    policy.observe_cycle(1, True, 3, 1.0)
+    for _ in range(8):  # whole steps: speculating is 3x slower
+        is_speculating = policy.choose({"code": 1}, 1, 255)["code"] > 0
+        policy.observe_cycle(1, is_speculating, 3 if is_speculating else 10, 1.0)
+    assert [policy.choose({"code": 1}, 1, 255)["code"] for _ in range(15)].count(0) >= 14
     fixed = SpecPolicy(8, is_adaptive=False)
     fixed.observe_cycle(1, True, 1, 10.0)
     assert fixed.choose({"code": 1}, 1, 100) == {"code": 8}
+
+
+def test_a_policy_drafts_for_the_kind_that_pays_and_not_for_the_one_the_gate_closed():
+    """Both kinds look worth drafting to the cost model; the stack measured prose's drafting slower."""
+    policy = policy_with(0.9, GPU_LIKE_COSTS)
+    policy.acceptance.segments["prose"] = policy.acceptance.segments["code"]
+    groups = {"code": 2, "prose": 2}
+    assert all(policy.choose(groups, 4, 255).values())
+    policy.observe_cycle(4, True, 10, 1.0)
+    budgets = []
+    for _ in range(100):
+        budget = policy.choose(groups, 4, 255)
+        policy.observe_cycle(4, any(budget.values()), round(100 * (1 + 0.3 * (budget["code"] > 0)
+                                                                   - 0.2 * (budget["prose"] > 0))), 1.0)
+        budgets.append(budget)
+    assert sum(b["code"] == 0 for b in budgets[-32:]) <= 2 and sum(b["prose"] > 0 for b in budgets[-32:]) <= 2
+    assert not any(b["code"] == 0 and b["prose"] > 0 for b in budgets[-32:])  # one kind explores at a time
+    assert policy.gate.last_segments == {"code": (4, True), "prose": (4, False)}
 
 
 def test_the_latest_budget_per_segment_and_the_gates_decision_are_kept_for_the_stats():
     policy = policy_with(0.9, GPU_LIKE_COSTS)
     policy.acceptance.segments["prose"] = SegmentStats(num_verified=100, max_num_nodes=16,
                                                        ema_rate_by_depth=[0.01] * 4)
-    assert policy.last_budgets == {} and policy.gate.last_decision is None
+    assert policy.last_budgets == {} and policy.gate.last_decision is None and policy.gate.last_segments == {}
     budgets = policy.choose({"code": 2, "prose": 2}, 4, 255)
     assert policy.last_budgets == budgets and budgets["code"] > 0 and budgets["prose"] == 0
     assert policy.gate.last_decision == (4, True)  # bucket of 4 sequences, first steps speculate
+    assert policy.gate.last_segments == {"code": (4, True), "prose": (4, True)}  # the gate lets the model decide
     policy.choose({"code": 1}, 1, 255)
     assert policy.last_budgets["prose"] == 0 and policy.gate.last_decision[0] == 1  # prose kept from before
-    for is_speculating, tokens in [(True, 3), (False, 10)] * 4:  # the stack measured speculation 3x slower
-        policy.observe_cycle(1, is_speculating, tokens, 1.0)
-    assert policy.choose({"code": 1}, 1, 255) == {"code": 0}
-    assert policy.last_budgets["code"] == 0 and policy.gate.last_decision == (1, False)
+    assert policy.gate.last_segments == {"code": (1, True), "prose": (4, True)}
