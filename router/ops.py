@@ -9,9 +9,9 @@ In: the app's RouterState (state.py). Out: `router`, an APIRouter with
   Request histograms and counters are observed where the router reads the
   scheduler's stream (`MeteredClient`, under every endpoint), labelled with the
   protocol the request came in on (`protocol`: "http", or "grpc" for the public
-  gRPC API); load gauges, speculation counters, the drafting budget per
-  segment kind, the gate's decision and each drafter's corpus sizes come from
-  the scheduler's GetStats at scrape time.
+  gRPC API); load gauges, speculation counters, the drafting budget and the
+  gate's state per segment kind, the gate's latest decision and each drafter's
+  corpus sizes come from the scheduler's GetStats at scrape time.
 And `RequestGuard`, the middleware create_app puts in front of every route: 401
 on /v1 and /v2 without one of `config.api_keys`, 413 for a body over
 `config.max_request_body_bytes`, both answered before the body is parsed or any
@@ -100,7 +100,7 @@ class SchedulerStatsCollector:
         yield from self._drafting(load)
 
     def _drafting(self, load: SchedulerLoad) -> Iterator[Metric]:
-        """The policy's budget per segment kind, the gate's decision, each drafter replica's corpus sizes."""
+        """The policy's budget and the gate's state per segment kind, the gate's decision, each replica's corpus."""
         budget = GaugeMetricFamily("segserve:spec_decode_budget_nodes",
                                    "The policy's latest draft-node budget per segment kind (0 = drafting off).",
                                    labels=["model_name", "segment"])
@@ -110,6 +110,14 @@ class SchedulerStatsCollector:
         yield self._family(GaugeMetricFamily, "segserve:spec_decode_gate_open",
                            "1 if the speculation gate's latest decision was to speculate.",
                            float(load.spec.is_gate_open))
+        gate = GaugeMetricFamily("segserve:spec_decode_segment_gate_open",
+                                 "1 if the speculation gate lets the segment kind draft at the batch-size bucket "
+                                 "of its latest step (0: its drafting measured slower; it only explores).",
+                                 labels=["model_name", "segment"])
+        for segment in load.segments:
+            if segment.gate_batch_bucket:  # the gate has decided for it
+                gate.add_metric([self.model_name, segment.segment], float(segment.is_gate_open))
+        yield gate
         live = GaugeMetricFamily("segserve:drafter_live", "1 if drafts go to the replica (0: backing off).",
                                  labels=["model_name", "address"])
         entries = GaugeMetricFamily("segserve:drafter_corpus_entries", "Trie nodes in a replica's corpus.",

@@ -59,6 +59,10 @@ class SegmentLoad:
     num_accepted_tokens: int
     num_budget_nodes: int = 0
     """The policy's latest node budget for the segment kind (0 = drafting off for it)."""
+    gate_batch_bucket: int = 0
+    """Batch-size bucket of the gate's latest decision for the kind (0 = none yet)."""
+    is_gate_open: bool = False
+    """The gate's state for the kind at that bucket: it may draft (else only its explorations do)."""
 
     @property
     def is_drafting(self) -> bool:
@@ -92,7 +96,8 @@ def load_from_pb(stats: scheduler_pb2.SchedulerStats) -> SchedulerLoad:
     spec = SpecTotals(stats.spec.num_verified, stats.spec.num_draft_tokens, stats.spec.num_accepted_tokens,
                       tuple(stats.spec.num_accepted_by_depth), stats.spec.gate_batch_bucket, stats.spec.is_drafting)
     segments = tuple(SegmentLoad(s.segment, s.num_verified, s.num_draft_tokens, s.num_accepted_tokens,
-                                 s.num_budget_nodes) for s in stats.spec_segments)
+                                 s.num_budget_nodes, s.gate_batch_bucket, s.is_gate_open)
+                     for s in stats.spec_segments)
     return SchedulerLoad(stats.num_running, stats.num_waiting, stats.num_used_kv_blocks, stats.num_total_kv_blocks,
                          stats.num_preemptions, spec, stats.num_prefix_cache_queries, stats.num_prefix_cache_hits,
                          stats.num_workers, stats.num_live_workers, segments,

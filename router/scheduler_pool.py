@@ -226,8 +226,9 @@ class SchedulerPool:
 
 
 def _total(loads: list[SchedulerLoad]) -> SchedulerLoad:
-    """Field-wise sums (per-depth acceptance counts added position by position); a segment drafts, and the gate
-    is open, where any scheduler says so; every scheduler's drafter replicas, each address once."""
+    """Field-wise sums (per-depth acceptance counts added position by position); a segment drafts, and the
+    gate is open (overall and per segment kind), where any scheduler says so; every scheduler's drafter replicas,
+    each address once."""
     numbers = {f.name: sum(getattr(load, f.name) for load in loads)
                for f in dataclasses.fields(SchedulerLoad) if f.name not in ("spec", "segments", "drafters")}
     gate = max(((load.spec.is_gate_open, load.spec.gate_batch_bucket) for load in loads), default=(False, 0))
@@ -236,12 +237,14 @@ def _total(loads: list[SchedulerLoad]) -> SchedulerLoad:
         sum(load.spec.num_accepted_tokens for load in loads),
         tuple(sum(depth) for depth in zip_longest(*(load.spec.num_accepted_by_position for load in loads),
                                                    fillvalue=0)), gate[1], gate[0])
-    segments: dict[str, list[int]] = {}
+    segments: dict[str, list] = {}
     for segment in (s for load in loads for s in load.segments):
-        counts = segments.setdefault(segment.segment, [0, 0, 0, 0])
+        counts = segments.setdefault(segment.segment, [0, 0, 0, 0, 0, False])
         for i, value in enumerate((segment.num_drafts, segment.num_draft_tokens, segment.num_accepted_tokens)):
             counts[i] += value
         counts[3] = max(counts[3], segment.num_budget_nodes)
+        if (segment.is_gate_open, segment.gate_batch_bucket) > (counts[5], counts[4]):  # open, then the larger bucket
+            counts[4:] = segment.gate_batch_bucket, segment.is_gate_open
     drafters = {d.address: d for load in loads for d in load.drafters}
     return SchedulerLoad(spec=spec, segments=tuple(SegmentLoad(name, *counts) for name, counts in sorted(
         segments.items())), drafters=tuple(drafters[a] for a in sorted(drafters)), **numbers)

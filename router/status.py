@@ -4,7 +4,7 @@ In: the app's RouterState: the scheduler's (or every live scheduler's, added up)
 Health and GetStats, read now, and the router's own reflow recorder. Out: one
 JSON object (`status_body`): each component's health, running and waiting
 requests, KV usage, the prefix cache's hit rate, acceptance and drafting state
-(the policy's budget) per segment kind, the speculation gate's latest decision,
+(the policy's budget) and the speculation gate's state per segment kind, the gate's latest decision,
 each drafter replica (live or backing off, corpus size per segment kind) and the
 reflow backlog. Open like /metrics (the same numbers; no request content).
 A scheduler that does not answer leaves its parts null; the route still answers 200.
@@ -75,7 +75,9 @@ def status_body(load: SchedulerLoad | None, is_ready: bool, detail: str, is_drai
                       "num_accepted_tokens": s.num_accepted_tokens,
                       "acceptance": _ratio(s.num_accepted_tokens, s.num_draft_tokens),
                       "accepted_per_draft": _ratio(s.num_accepted_tokens, s.num_drafts),
-                      "is_drafting": s.is_drafting, "budget_nodes": s.num_budget_nodes}
+                      "is_drafting": s.is_drafting, "budget_nodes": s.num_budget_nodes,
+                      "gate": None if not s.gate_batch_bucket else {"batch_bucket": s.gate_batch_bucket,
+                                                                    "is_open": s.is_gate_open}}
                      for s in load.segments],
     }
     body["drafters"] = [_drafter(d) for d in load.drafters]

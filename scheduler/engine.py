@@ -79,7 +79,9 @@ class EngineStats:
     spec_budgets: dict[str, int] = field(default_factory=dict)
     """The policy's latest node budget per segment kind (0 = drafting off for it)."""
     gate_decision: tuple[int, bool] | None = None
-    """The speculation gate's latest (batch-size bucket, whether to speculate); None before its first."""
+    """The speculation gate's latest (batch-size bucket, whether any segment kind may draft); None before its first."""
+    gate_segments: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    """Segment kind -> the gate's (batch-size bucket, is_open) at the latest step that had the kind."""
 
 
 async def _settle(task: asyncio.Task | None) -> None:
@@ -205,7 +207,8 @@ class Engine:
                            copy.deepcopy(acceptance.segments) if acceptance else {},
                            s.block_manager.num_prefix_cache_queries, s.block_manager.num_prefix_cache_hits,
                            num_live_workers=1, spec_budgets=dict(policy.last_budgets) if policy else {},
-                           gate_decision=policy.gate.last_decision if policy else None)
+                           gate_decision=policy.gate.last_decision if policy else None,
+                           gate_segments=dict(policy.gate.last_segments) if policy else {})
 
     async def _run(self) -> None:
         try:

@@ -150,9 +150,13 @@ class EngineGroup:
                 budgets[name] = max(budget, budgets.get(name, 0))
         decisions = [p.gate_decision for p in parts if p.gate_decision is not None]
         gate = max(decisions, key=lambda d: (d[1], d[0])) if decisions else None  # open wins, then the largest bucket
+        gates: dict[str, tuple[int, bool]] = {}
+        for part in parts:  # likewise per segment kind
+            for name, (bucket, is_open) in part.gate_segments.items():
+                gates[name] = max(gates.get(name, (0, False)), (bucket, is_open), key=lambda d: (d[1], d[0]))
         return EngineStats(**numbers, spec=spec, spec_segments=segments, num_workers=len(self.engines),
                            num_live_workers=len(self.connected), num_moved_requests=self.num_moved,
-                           spec_budgets=budgets, gate_decision=gate)
+                           spec_budgets=budgets, gate_decision=gate, gate_segments=gates)
 
     def _place(self, prompt_token_ids: Seq[int], exclude: Engine | None = None) -> Engine | None:
         candidates = {e.address: e for e in self.connected if e is not exclude}

@@ -2,8 +2,8 @@
 
 In: the router's base URL. Out: a screen of panels: components' health,
 requests running and waiting, KV usage and the prefix cache's hit rate,
-acceptance and drafting on/off per segment kind with the speculation gate's
-latest decision, a drafters table (live or backing off, corpus size per segment
+acceptance, drafting on/off and the speculation gate's state per segment kind
+with the gate's latest decision, a drafters table (live or backing off, corpus size per segment
 kind), the reflow backlog. A router that does not answer
 shows as such and the view keeps polling; Ctrl+C ends it.
 """
@@ -60,28 +60,42 @@ def _drafting(seg: dict) -> Text:
             else Text("off", style="yellow"))
 
 
+def _sizes(bucket: int) -> str:
+    """A batch-size bucket (a power of two) as the batch sizes it holds: bucket // 2 + 1 to bucket sequences."""
+    return str(bucket) if bucket == 1 else f"{bucket // 2 + 1}-{bucket}"
+
+
 def _gate(spec: dict | None) -> str:
     gate = (spec or {}).get("gate")
     if gate is None:
         return "gate: no decision yet"
-    bucket = gate["batch_bucket"]  # a power of two: the decisions for bucket // 2 + 1 to bucket sequences
-    sizes = str(bucket) if bucket == 1 else f"{bucket // 2 + 1}-{bucket}"
-    return f"gate: speculation {'on' if gate['is_open'] else 'off'} for batches of {sizes} sequences"
+    return f"gate: speculation {'on' if gate['is_open'] else 'off'} for batches of {_sizes(gate['batch_bucket'])} " \
+           "sequences"
+
+
+def _segment_gate(seg: dict) -> Text:
+    """The gate's state for one segment kind, at the batch size of its latest step."""
+    gate = seg.get("gate")
+    if gate is None:
+        return Text("-")
+    sizes = _sizes(gate["batch_bucket"])
+    return (Text(f"open ({sizes} seqs)", style="green") if gate["is_open"]
+            else Text(f"closed ({sizes} seqs)", style="yellow"))
 
 
 def _speculation(status: dict) -> Table:
     spec = status.get("speculation")
     table = Table(expand=True, caption=_gate(spec), caption_justify="left")
-    for name in ("segment", "drafting", "trees", "draft tokens", "accepted", "acceptance", "per tree"):
-        table.add_column(name, justify="left" if name in ("segment", "drafting") else "right",
-                         no_wrap=name == "drafting")
+    for name in ("segment", "drafting", "gate", "trees", "draft tokens", "accepted", "acceptance", "per tree"):
+        table.add_column(name, justify="left" if name in ("segment", "drafting", "gate") else "right",
+                         no_wrap=name in ("drafting", "gate"))
     for seg in (spec or {}).get("segments", []):
         per_tree = seg["accepted_per_draft"]
-        table.add_row(seg["segment"] or "(unknown)", _drafting(seg), str(seg["num_drafts"]),
+        table.add_row(seg["segment"] or "(unknown)", _drafting(seg), _segment_gate(seg), str(seg["num_drafts"]),
                       str(seg["num_draft_tokens"]), str(seg["num_accepted_tokens"]), _percent(seg["acceptance"]),
                       "-" if per_tree is None else f"{per_tree:.2f}")
     if spec is not None:
-        table.add_row("all", "", str(spec["num_drafts"]), str(spec["num_draft_tokens"]),
+        table.add_row("all", "", "", str(spec["num_drafts"]), str(spec["num_draft_tokens"]),
                       str(spec["num_accepted_tokens"]), _percent(spec["acceptance"]), "", style="bold")
     return table
 

@@ -40,8 +40,10 @@ STATS = scheduler_pb2.SchedulerStats(
     spec=scheduler_pb2.SpecStats(num_verified=10, num_draft_tokens=40, num_accepted_tokens=12,
                                  num_accepted_by_depth=[8, 3, 1], is_drafting=True, gate_batch_bucket=4),
     spec_segments=[scheduler_pb2.SpecStats(segment="code", num_verified=10, num_draft_tokens=40,
-                                           num_accepted_tokens=12, is_drafting=True, num_budget_nodes=8),
-                   scheduler_pb2.SpecStats(segment="default")],
+                                           num_accepted_tokens=12, is_drafting=True, num_budget_nodes=8,
+                                           gate_batch_bucket=4, is_gate_open=True),
+                   scheduler_pb2.SpecStats(segment="default", gate_batch_bucket=4),
+                   scheduler_pb2.SpecStats(segment="json")],
     drafters=[DrafterReplicaStats("10.0.0.1:50071", True, DrafterStats(
                   (DrafterSegmentStats("code", 1234, 345520, 2), DrafterSegmentStats("default", 50, 14000, 1)), 3)
               ).to_pb(),

@@ -59,3 +59,17 @@ def test_the_router_pool_adds_up_drafting_state_and_lists_each_drafter_once():
     assert [(s.segment, s.num_budget_nodes) for s in total.segments] == [("code", 4)]
     assert (total.spec.is_gate_open, total.spec.gate_batch_bucket) == (True, 2)
     assert [d.address for d in total.drafters] == ["d1:50071", "d2:50071"]
+
+
+def test_the_gates_state_per_segment_kind_is_merged_and_reaches_the_router():
+    a = EngineStats(gate_segments={"code": (16, False), "prose": (16, False)})
+    b = EngineStats(gate_segments={"code": (2, True), "json": (4, False)})
+    merged = group_of(a, b).stats()  # open where any worker's gate is open, else the largest bucket
+    assert merged.gate_segments == {"code": (2, True), "prose": (16, False), "json": (4, False)}
+    load = load_from_pb(scheduler_pb2.SchedulerStats.FromString(stats_to_pb(merged).SerializeToString()))
+    assert [(s.segment, s.gate_batch_bucket, s.is_gate_open, s.num_drafts) for s in load.segments] == [
+        ("code", 2, True, 0), ("json", 4, False, 0), ("prose", 16, False, 0)]  # gated, never verified: shown
+    other = load_from_pb(stats_to_pb(EngineStats(gate_segments={"prose": (8, True), "json": (8, False)})))
+    total = _total([load, other])
+    assert [(s.segment, s.gate_batch_bucket, s.is_gate_open) for s in total.segments] == [
+        ("code", 2, True), ("json", 8, False), ("prose", 8, True)]

@@ -90,13 +90,22 @@ def test_segserve_top_shows_the_live_stack(tiny_gemma3_dir, tmp_path):
             subprocess.run(["tmux", "kill-session", "-t", session], check=False)
 
 
-def test_the_screen_shows_drafting_off_the_gates_decision_and_a_silent_drafter():
+def test_the_screen_shows_drafting_off_the_gate_per_segment_and_its_decision_and_a_silent_drafter():
     status = {"model": "m", "components": {"router": "ok", "scheduler": "ready", "workers": "1/1 live"},
               "speculation": {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "acceptance": None,
                               "gate": {"batch_bucket": 16, "is_open": False},
                               "segments": [{"segment": "json", "num_drafts": 0, "num_draft_tokens": 0,
                                             "num_accepted_tokens": 0, "acceptance": None,
-                                            "accepted_per_draft": None, "is_drafting": False, "budget_nodes": 0}]},
+                                            "accepted_per_draft": None, "is_drafting": False, "budget_nodes": 0,
+                                            "gate": {"batch_bucket": 16, "is_open": False}},
+                                           {"segment": "code", "num_drafts": 9, "num_draft_tokens": 36,
+                                            "num_accepted_tokens": 27, "acceptance": 0.75,
+                                            "accepted_per_draft": 3.0, "is_drafting": True, "budget_nodes": 4,
+                                            "gate": {"batch_bucket": 16, "is_open": True}},
+                                           {"segment": "prose", "num_drafts": 0, "num_draft_tokens": 0,
+                                            "num_accepted_tokens": 0, "acceptance": None,
+                                            "accepted_per_draft": None, "is_drafting": False, "budget_nodes": 0,
+                                            "gate": None}]},
               "drafters": [{"address": "10.0.0.2:50071", "is_live": False, "is_answering": False,
                             "num_requests": None, "segments": []},
                            {"address": "10.0.0.3:50071", "is_live": True, "is_answering": True, "num_requests": 1,
@@ -105,7 +114,10 @@ def test_the_screen_shows_drafting_off_the_gates_decision_and_a_silent_drafter()
     console = Console(width=150, record=True)
     console.print(render(status, "http://x"))
     lines = console.export_text().splitlines()
-    assert any("json" in line and "off" in line and "on," not in line for line in lines), lines
+    assert any("json" in line and "off" in line and "closed (9-16 seqs)" in line for line in lines), lines
+    assert any("code" in line and "on, 4 nodes" in line and "open (9-16 seqs)" in line for line in lines), lines
+    assert any("prose" in line and "off" in line and "open" not in line and "closed" not in line
+               for line in lines), lines  # the gate has not decided for it yet
     assert any("gate: speculation off for batches of 9-16 sequences" in line for line in lines), lines
     assert any("10.0.0.2:50071" in line and "backing off" in line and "no stats" in line for line in lines), lines
     assert any("10.0.0.3:50071" in line and "live" in line and "5000" in line and "3.0 MiB" in line

@@ -157,7 +157,7 @@ class DrafterReplicaStats(_message.Message):
     def __init__(self, address: _Optional[str] = ..., is_live: _Optional[bool] = ..., stats: _Optional[_Union[_drafter_pb2.DrafterStats, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth", "num_accepted_by_depth", "is_drafting", "num_budget_nodes", "gate_batch_bucket")
+    __slots__ = ("segment", "num_verified", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_by_depth", "num_accepted_by_depth", "is_drafting", "num_budget_nodes", "gate_batch_bucket", "is_gate_open")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class SpecStats(_message.Message):
     IS_DRAFTING_FIELD_NUMBER: _ClassVar[int]
     NUM_BUDGET_NODES_FIELD_NUMBER: _ClassVar[int]
     GATE_BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    IS_GATE_OPEN_FIELD_NUMBER: _ClassVar[int]
     segment: str
     num_verified: int
     num_draft_tokens: int
@@ -176,4 +177,5 @@ class SpecStats(_message.Message):
     is_drafting: bool
     num_budget_nodes: int
     gate_batch_bucket: int
-    def __init__(self, segment: _Optional[str] = ..., num_verified: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate_by_depth: _Optional[_Iterable[float]] = ..., num_accepted_by_depth: _Optional[_Iterable[int]] = ..., is_drafting: _Optional[bool] = ..., num_budget_nodes: _Optional[int] = ..., gate_batch_bucket: _Optional[int] = ...) -> None: ...
+    is_gate_open: bool
+    def __init__(self, segment: _Optional[str] = ..., num_verified: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate_by_depth: _Optional[_Iterable[float]] = ..., num_accepted_by_depth: _Optional[_Iterable[int]] = ..., is_drafting: _Optional[bool] = ..., num_budget_nodes: _Optional[int] = ..., gate_batch_bucket: _Optional[int] = ..., is_gate_open: _Optional[bool] = ...) -> None: ...
