@@ -20,7 +20,9 @@ Layers, outermost first:
   scheduler, failures only make the step plain. It owns the drafter-side state
   (sync points, segments, ended ids to release, acceptance stats).
 - scheduler.py, block_manager.py, sequence.py, outputs.py, stopping.py,
-  spec_policy.py: pure logic, no I/O (scheduler.py also handles failed steps:
-  preempt, retry at a smaller batch, end the culprit with FINISH_REASON_ERROR;
-  spec_policy chooses the node budget from measured step times and acceptance).
+  spec_policy.py, spec_gate.py: pure logic, no I/O (scheduler.py also handles
+  failed steps: preempt, retry at a smaller batch, end the culprit with
+  FINISH_REASON_ERROR; spec_policy chooses the node budget from measured step
+  times and acceptance; spec_gate lets each segment kind draft only where that
+  measured faster end to end).
 """
