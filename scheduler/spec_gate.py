@@ -80,7 +80,7 @@ class SpeculationGate:
     the step's decode sequences (all kinds together: the batch sets the cost).
 
     Estimator. The quantity is the goodput of whole scheduler steps (tokens
-    generated / seconds end to end), the same as before, but a step counts as
+    generated / seconds end to end), and a step counts as
     evidence about kind s only when s is the one kind whose decision may
     differ from the states: a step where every kind follows its state counts
     for each present kind's state arm; a step that explores flips exactly one
@@ -91,7 +91,10 @@ class SpeculationGate:
     kind whose drafts pay thus stays open while another kind of the same
     batch, which does not, is closed. The contrast is measured on the whole
     step, so a kind with few sequences in a large batch moves goodput little
-    and keeps its first verdict unless its effect clears the margin.
+    and keeps its first verdict unless its effect clears the margin. The arms
+    are "allowed" and "not allowed": the policy may still give an allowed kind
+    0 nodes, and such a step counts as allowed (what is measured is letting the
+    policy draft for the kind, against not).
 
     Warm-up: open, and the kind's plain arm is explored every other step
     until both arms have min_steps measurements; the first verdict then takes
@@ -124,9 +127,6 @@ class SpeculationGate:
     @staticmethod
     def bucket(num_sequences: int) -> int:
         return 1 << max(num_sequences - 1, 0).bit_length()
-
-    def state(self, segment: str, num_sequences: int) -> GateState:
-        return self.states.setdefault((segment, self.bucket(num_sequences)), GateState())
 
     def decide(self, groups: Mapping[str, int]) -> dict[str, bool]:
         """Whether each segment kind present (segment -> its decode sequences) may draft this step."""
