@@ -69,6 +69,10 @@ class RouterConfig:
     redis://HOST:PORT/DB[#STREAM]; `segserve reflow consume` drains it); empty = no recording."""
     reflow_spill_dir: str = "reflow/spill"
     """Where the recorder spills chunks while the reflow queue refuses writes."""
+    is_strip_segment_markers: bool = True
+    """Leave the segment markers of a model fine-tuned to emit them (`segserve finetune`; the tokenizer's config
+    lists them) out of the text users see. They stay tokens: counted in usage, returned as token ids and
+    logprobs, and used by the drafter to find segments."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -9,6 +9,11 @@ new ones) and emits the part of the window's text past what it already emitted.
 A trailing U+FFFD means an unfinished character: it is held back until the
 character completes (or the stream ends). Work per token is bounded by the
 window, never by the length of the sequence.
+
+Segment markers (tokens a fine-tuned model emits around code, JSON, ...; `segserve segments annotate`
+records them in the tokenizer's config under SEGMENT_MARKERS_KEY) can be hidden: their ids never enter the
+window, so their text never reaches the user, while they stay tokens of the sequence (counted in usage,
+seen by the drafter's segment tracker).
 """
 
 from __future__ import annotations
@@ -18,6 +23,14 @@ from collections.abc import Callable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 _BYTE_FALLBACK_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+SEGMENT_MARKERS_KEY = "segment_markers"  # segserve.annotate.MARKERS_KEY (a service imports no segserve module)
+
+
+def segment_marker_ids(tokenizer) -> frozenset[int]:
+    """The ids of the segment markers the tokenizer's config records (none for most tokenizers)."""
+    markers = getattr(tokenizer, "init_kwargs", {}).get(SEGMENT_MARKERS_KEY) or []
+    ids = (tokenizer.convert_tokens_to_ids(marker) for marker in markers)
+    return frozenset(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -40,7 +53,8 @@ class IncrementalDetokenizer:
     """Turns a growing token sequence into text deltas whose concatenation is the decoded text.
 
     `prompt_token_ids` gives the first tokens context (their text is never emitted),
-    so that e.g. a leading space of the first output token survives.
+    so that e.g. a leading space of the first output token survives. `hidden_token_ids`
+    (segment markers) are left out of the text.
     """
 
     def __init__(
@@ -50,6 +64,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         num_context_tokens: int = 5,
         max_window_tokens: int = 64,
+        hidden_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         if num_context_tokens <= 0 or max_window_tokens <= 2 * num_context_tokens:
             raise ValueError("need num_context_tokens > 0 and max_window_tokens > 2 * num_context_tokens")
@@ -58,13 +73,17 @@ class IncrementalDetokenizer:
         self._backend_decode = backend_decoder(tokenizer)
         self._num_context = num_context_tokens
         self._max_window = max_window_tokens
+        self._hidden = hidden_token_ids
         # Invariant: the first _num_emitted characters of decode(_window) are out.
-        self._window: list[int] = list(prompt_token_ids[-num_context_tokens:])
+        context = [t for t in prompt_token_ids if t not in hidden_token_ids] if hidden_token_ids else prompt_token_ids
+        self._window: list[int] = list(context[-num_context_tokens:])
         # A prompt ending inside a character: the output completes it, so it is not out yet.
         self._num_emitted = len(self._decode(self._window).rstrip(REPLACEMENT_CHAR))
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the text that is now final (possibly "")."""
+        if self._hidden:
+            token_ids = [t for t in token_ids if t not in self._hidden]
         self._window.extend(token_ids)
         text = self._decode(self._window)
         stable_len = len(text)

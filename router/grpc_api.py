@@ -232,7 +232,8 @@ class GenerationRun:
 
     def _choice(self, index: int) -> AsyncIterator:
         job = self.jobs[index]
-        detokenizer = IncrementalDetokenizer(self.state.tokenizer, job.prompt_token_ids)
+        detokenizer = IncrementalDetokenizer(self.state.tokenizer, job.prompt_token_ids,
+                                             hidden_token_ids=self.state.hidden_token_ids)
         events = generate_deltas(self.step_logs[index], job, detokenizer)
         return stop_at_strings(events, self.stops, len(self.prompt.token_ids)) if self.stops else events
 

@@ -144,7 +144,8 @@ async def collect(events: AsyncIterator) -> list[Delta]:
 
 def job_events(state: RouterState, job: GenerationJob, keepalive_s: float | None) -> AsyncIterator:
     """One job's Deltas, detokenized (generation.generate_deltas) from `state`'s scheduler client."""
-    detokenizer = IncrementalDetokenizer(state.tokenizer, job.prompt_token_ids)
+    detokenizer = IncrementalDetokenizer(state.tokenizer, job.prompt_token_ids,
+                                         hidden_token_ids=state.hidden_token_ids)
     return generate_deltas(state.client, job, detokenizer, keepalive_s)
 
 

@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 
 from protos.segserve.v1.info import WorkerInfo
 from router.config import RouterConfig
-from router.detokenizer import TokenTexts
+from router.detokenizer import TokenTexts, segment_marker_ids
 from router.drain import Drain
 from router.errors import model_not_found
 
@@ -49,10 +49,14 @@ class RouterState:
     """Graceful shutdown: set draining on SIGTERM (server.py); /ready and DrainGuard read it."""
     token_texts: TokenTexts = field(init=False)
     eos_token_ids: frozenset[int] = field(init=False)
+    hidden_token_ids: frozenset[int] = field(init=False)
+    """Tokens left out of the text users see: the segment markers, when config.is_strip_segment_markers."""
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(self.tokenizer)
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
+        self.hidden_token_ids = segment_marker_ids(self.tokenizer) if self.config.is_strip_segment_markers \
+            else frozenset()
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is None or the served model's name."""
