@@ -33,6 +33,11 @@ class DrafterConfig:
     """Longest suffix of a request's tokens matched against its own history."""
     history_min_key: int = 2
     """Shortest such suffix; shorter matches propose nothing."""
+    history_max_bytes: int = 8 << 20
+    """Memory of one request's own-history index; past it the older half of the index is dropped."""
+    history_total_bytes: int = 1 << 30
+    """Memory of every request's history index together; past it the least recently queried requests are
+    dropped (they resync later)."""
     redis_url: str | None = None
     """Redis URL of the shared log of learned segments (a Redis Stream every replica appends to and reads);
     None = a directory log (shared_log_dir)."""
@@ -60,6 +65,8 @@ class DrafterConfig:
             raise ValueError("max_requests must be > 0")
         if not 1 <= self.history_min_key <= self.history_max_key:
             raise ValueError("history keys need 1 <= history_min_key <= history_max_key")
+        if not 0 < self.history_max_bytes <= self.history_total_bytes:
+            raise ValueError("history bytes need 0 < history_max_bytes <= history_total_bytes")
         if self.log_poll_interval_s <= 0 or self.snapshot_interval_s <= 0:
             raise ValueError("log_poll_interval_s and snapshot_interval_s must be > 0")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -14,6 +14,10 @@ publish (`poll`). Out: the planner's corpora, which hold both, and periodic snap
   still holds. (A crash between the corpus renames and the manifest's replays a few segments
   twice, which only raises their counts.)
 
+Learning itself goes through the planner: with a background learner (drafter/learner.py) a segment
+is queued there, and `catch_up` and `snapshot` wait until the queue is applied (a snapshot must not
+record a cursor past what its corpora hold).
+
 Not thread-safe: the servicer calls learn/poll/snapshot under its one lock.
 """
 
@@ -88,13 +92,16 @@ class SharedMemory:
         total = 0
         while (read := self.poll(max_records)) > 0:
             total += read
+        self.planner.wait_learned()
         return total
 
     def snapshot(self) -> Path | None:
         """Write every corpus, then the manifest with the cursor, atomically; returns the manifest's path."""
         if self.snapshot_dir is None:
             return None
-        save_corpora(self.planner.corpora, self.snapshot_dir)
+        self.planner.wait_learned()
+        with self.planner.reading():
+            save_corpora(self.planner.corpora, self.snapshot_dir)
         manifest = {"log": self.log_name, "cursor": self.cursor, "origin": self.origin, "saved_at": time.time(),
                     "segments": sorted(self.planner.corpora)}
         path = self.snapshot_dir / MANIFEST

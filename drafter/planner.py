@@ -10,9 +10,11 @@ frequencies and a draft model's probabilities weigh the same.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Mapping, Sequence
 
 from drafter.corpus import LookupCorpus
+from drafter.learner import Learner
 from drafter.segments import SegmentKind, SegmentsConfig
 from drafter.state import RequestState
 from drafter.trees import build
@@ -28,18 +30,33 @@ class DraftPlanner:
         segments: SegmentsConfig,
         corpora: Mapping[str, LookupCorpus] | None = None,
         draft_models: Mapping[str, ContinuationSource] | None = None,
+        learner: Learner | None = None,
     ):
         self.segments = segments
         self.corpora = dict(corpora or {})
         for kind in segments.all_kinds:
             self.corpora.setdefault(kind.name, LookupCorpus(kind.corpus))
         self.draft_models = dict(draft_models or {})
+        self.learner = learner
+        """Learns in the background (drafter/learner.py); None = learn() adds at once, on the caller's thread."""
 
     def learn(self, segment: str, token_ids: Sequence[int]) -> None:
-        """Online learning: a closed segment's tokens join its corpus."""
+        """Online learning: a closed segment's tokens join its corpus (queued, with a learner)."""
         corpus = self.corpora.get(segment)
-        if corpus is not None:
+        if corpus is None:
+            return
+        if self.learner is None:
             corpus.add(token_ids)
+        else:
+            self.learner.submit(corpus, token_ids)
+
+    def reading(self) -> AbstractContextManager:
+        """Hold the corpora still while drafting or saving (the learner waits; it never holds them long)."""
+        return self.learner.guard.reading() if self.learner is not None else nullcontext()
+
+    def wait_learned(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued segment is in its corpus (never call it while reading()); False on timeout."""
+        return self.learner is None or self.learner.wait_idle(timeout_s)
 
     def release(self, request_id: str) -> None:
         """A request ended: per-request sources (draft-model caches) forget it."""

@@ -1,5 +1,7 @@
 """Start the drafter: segments + corpora in, a grpc.aio server out; corpora shared and snapshotted.
 
+Learned segments join the corpora on a background thread (drafter/learner.py), so Draft calls
+answer within their deadline while a long segment is learned or a corpus evicts.
 Corpora are snapshotted to `corpus_dir` as `<segment>.corpus.npz` (drafter/corpus.py's format) with
 a manifest, periodically and at shutdown; learned segments are shared with the other replicas
 through a log (drafter/memory.py, drafter/segment_log.py).
@@ -19,6 +21,7 @@ import grpc
 
 from drafter.config import DrafterConfig
 from drafter.history import HistorySource
+from drafter.learner import Learner
 from drafter.memory import SharedMemory, new_origin, restore
 from drafter.planner import DraftPlanner
 from drafter.segment_log import DirectorySegmentLog, RedisSegmentLog, SegmentLog
@@ -65,13 +68,15 @@ def build_servicer(
     origin = new_origin(config.replica_name or socket.gethostname())
     log, log_name = open_segment_log(config, origin)
     corpora, cursor = restore(config.corpus_dir, segments, log_name)
-    planner = DraftPlanner(segments, corpora, draft_models)
+    planner = DraftPlanner(segments, corpora, draft_models, Learner())
     memory = SharedMemory(planner, log, config.corpus_dir, origin, log_name, cursor)
     states = RequestStates(
         segments,
         on_segment_closed=memory.learn,
         max_requests=config.max_requests,
-        history_factory=lambda: HistorySource(config.history_max_key, config.history_min_key),
+        history_factory=lambda: HistorySource(config.history_max_key, config.history_min_key,
+                                              max_bytes=config.history_max_bytes),
+        max_history_bytes=config.history_total_bytes,
     )
     return DrafterServicer(planner, states, memory)
 
@@ -138,6 +143,7 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
         keeper.cancel()
         await servicer.set_serving(False)
         await server.stop(grace=1.0)
-        servicer.memory.snapshot()  # SIGTERM and Ctrl-C end here too
+        servicer.memory.snapshot()  # SIGTERM and Ctrl-C end here too (it waits for queued learning)
+        servicer.planner.learner.close()
         if servicer.memory.log is not None:
             servicer.memory.log.close()

@@ -5,8 +5,13 @@ CandidateTrees leave as drafter_pb2.DraftReply (tree via CandidateTree.to_pb), a
 Health answers with protos.segserve.v1.info.Health. A tree that fails
 CandidateTree.problem() is never sent: the reply carries an empty tree. A batch
 runs in one worker thread (corpus lookups and any draft model are CPU work) so
-Health stays responsive; batches are serialized because corpora and request
-states are single-threaded.
+Health stays responsive; batches are serialized because request states are
+single-threaded, and each holds the corpora still (planner.reading()) while the
+learner's thread adds learned segments between batches, a slice at a time
+(drafter/learner.py). A batch with no tree to build (final updates of ended
+requests, or state updates only) is split into pieces of at most
+_UPDATE_PIECE_TOKENS tokens, each under the lock on its own, so that a Draft
+batch behind it waits for one piece, not for all of them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from protos.segserve.v1.tree import CandidateTree
 from segserve.health import Serving
 
 logger = logging.getLogger(__name__)
+_UPDATE_PIECE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -39,10 +45,18 @@ class Query:
     num_tokens: int
     num_prompt_tokens: int
     max_nodes: int
+    num_known_tokens: int = 0
+    is_final: bool = False
 
     @classmethod
     def from_pb(cls, pb: drafter_pb2.DraftQuery) -> "Query":
-        return cls(pb.request_id, list(pb.new_token_ids), pb.num_tokens, pb.num_prompt_tokens, pb.max_nodes)
+        return cls(pb.request_id, list(pb.new_token_ids), pb.num_tokens, pb.num_prompt_tokens, pb.max_nodes,
+                   pb.num_known_tokens, pb.is_final)
+
+    @property
+    def is_update_only(self) -> bool:
+        """No tree asked for."""
+        return self.is_final or self.max_nodes == 0
 
 
 def _status_errors(method):
@@ -79,8 +93,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Draft(self, request, context):
         queries = [Query.from_pb(q) for q in request.queries]
         finished = list(request.finished_request_ids)
-        async with self._lock:
-            replies = await asyncio.to_thread(self.draft_batch, queries, finished)
+        replies = []
+        for piece, piece_finished in _pieces(queries, finished):
+            async with self._lock:
+                replies += await asyncio.to_thread(self.draft_batch, piece, piece_finished)
         return drafter_pb2.DraftResponse(replies=replies)
 
     @_status_errors
@@ -116,11 +132,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         for request_id in finished:
             self.states.drop(request_id)
             self.planner.release(request_id)
-        return [self._draft_one(q) for q in queries]
+        with self.planner.reading():
+            return [self._finish_one(q) if q.is_final else self._draft_one(q) for q in queries]
+
+    def _finish_one(self, query: Query) -> drafter_pb2.DraftReply:
+        """A request's last tokens: learn what they close, forget the request."""
+        is_learned = self.states.finish(query.request_id, query.new_token_ids, query.num_tokens,
+                                        query.num_prompt_tokens, query.num_known_tokens)
+        self.planner.release(query.request_id)
+        return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=not is_learned)
 
     def _draft_one(self, query: Query) -> drafter_pb2.DraftReply:
         """Update the request's state, then its tree (or needs_resync with no tree)."""
-        state = self.states.update(query.request_id, query.new_token_ids, query.num_tokens, query.num_prompt_tokens)
+        state = self.states.update(query.request_id, query.new_token_ids, query.num_tokens, query.num_prompt_tokens,
+                                   query.num_known_tokens)
         if state is None:
             return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=True)
         tree, segment = self.planner.draft(state, query.max_nodes)
@@ -129,3 +154,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             logger.error("dropping an invalid tree for %s: %s", query.request_id, problem)
             tree = CandidateTree()
         return drafter_pb2.DraftReply(request_id=query.request_id, tree=tree.to_pb(), segment=segment)
+
+
+def _pieces(queries: list[Query], finished: list[str]) -> list[tuple[list[Query], list[str]]]:
+    """The batch as one piece when it asks for a tree; else pieces of at most _UPDATE_PIECE_TOKENS new tokens
+    (a query is never split), the finished ids with the first."""
+    if not queries or any(not q.is_update_only for q in queries):
+        return [(queries, finished)]
+    pieces: list[tuple[list[Query], list[str]]] = [([], finished)]
+    num_tokens = 0
+    for query in queries:
+        if pieces[-1][0] and num_tokens + len(query.new_token_ids) > _UPDATE_PIECE_TOKENS:
+            pieces.append(([], []))
+            num_tokens = 0
+        pieces[-1][0].append(query)
+        num_tokens += len(query.new_token_ids)
+    return pieces

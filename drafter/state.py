@@ -4,7 +4,11 @@ In: incremental token updates (the DraftQuery contract: new tokens + the expecte
 total). Out: the request's state, or None when the drafter must ask for a resync.
 When appended tokens close a segment whose end token was generated (not part of
 the prompt), the segment's tokens, markers included, go to `on_segment_closed`,
-which adds them to that kind's corpus. A resync rebuilds state without learning.
+which adds them to that kind's corpus. A state built from the whole sequence
+(a first query, a resync) learns the segments that close after the tokens a
+drafter already received (num_known_tokens), so a resync never learns twice
+and a request first seen at its end is still learned. A final update learns
+and drops the state; one for a request never seen indexes no history.
 """
 
 from __future__ import annotations
@@ -38,18 +42,19 @@ class RequestState:
     def segment(self) -> str:
         return self.tracker.current
 
-    def extend(self, token_ids: Sequence[int]) -> list[tuple[str, list[int]]]:
-        """Append tokens; returns (segment name, tokens) of generated segments they closed."""
+    def extend(self, token_ids: Sequence[int], num_known_tokens: int = 0) -> list[tuple[str, list[int]]]:
+        """Append tokens; returns (segment name, tokens) of generated segments they closed past num_known_tokens."""
         self.history.extend(token_ids)
         learned = []
         for closed in self.tracker.append(token_ids):
-            if closed.end > self.num_prompt_tokens:  # its end token was generated
+            if closed.end > max(self.num_prompt_tokens, num_known_tokens):  # its end token was generated, and new
                 learned.append((closed.name, self.tokens[closed.start : closed.end]))
         return learned
 
 
 class RequestStates:
-    """A bounded map request id -> RequestState; the least recently used is evicted first."""
+    """A map request id -> RequestState bounded in requests and in the bytes of their history indexes;
+    the least recently used is evicted first."""
 
     def __init__(
         self,
@@ -57,14 +62,18 @@ class RequestStates:
         on_segment_closed: SegmentSink,
         max_requests: int = 4096,
         history_factory: Callable[[], HistorySource] = HistorySource,
+        max_history_bytes: int = 1 << 30,
     ):
-        if max_requests <= 0:
-            raise ValueError("max_requests must be > 0")
+        if max_requests <= 0 or max_history_bytes <= 0:
+            raise ValueError("max_requests and max_history_bytes must be > 0")
         self._segments = segments
         self._on_segment_closed = on_segment_closed
         self._max_requests = max_requests
+        self._max_history_bytes = max_history_bytes
         self._history_factory = history_factory
         self._states: OrderedDict[str, RequestState] = OrderedDict()
+        self.num_history_bytes = 0
+        """Estimated memory of every tracked request's history index."""
 
     def __len__(self) -> int:
         return len(self._states)
@@ -77,38 +86,69 @@ class RequestStates:
         return Counter(state.segment for state in self._states.values())
 
     def update(
-        self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int
+        self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int,
+        num_known_tokens: int = 0,
     ) -> RequestState | None:
         """Apply one query's update; None = state lost or inconsistent (the caller answers needs_resync).
 
         Known request and len(tokens) + len(new) == num_tokens: an append (may learn).
         Otherwise, new tokens that are the whole sequence (len(new) == num_tokens)
-        replace the state. Anything else drops the state and asks for a resync.
+        replace the state, learning what closes past num_known_tokens. Anything
+        else drops the state and asks for a resync.
         """
         state = self._states.get(request_id)
         if state is not None and len(state.tokens) + len(new_token_ids) == num_tokens:
             self._states.move_to_end(request_id)
-            for name, tokens in state.extend(new_token_ids):
-                self._on_segment_closed(name, tokens)
-            return state
-        self._states.pop(request_id, None)
+            num_bytes = state.history.num_bytes
+            self._learn(state.extend(new_token_ids))
+            self.num_history_bytes += state.history.num_bytes - num_bytes
+            self._bound()
+            return state if request_id in self._states else None
+        self.drop(request_id)
         if len(new_token_ids) != num_tokens or num_tokens == 0:
             return None
-        return self._create(request_id, new_token_ids, num_prompt_tokens)
+        return self._create(request_id, new_token_ids, num_prompt_tokens, num_known_tokens)
+
+    def finish(self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int,
+               num_known_tokens: int = 0) -> bool:
+        """A request's final update: learn the segments it closes, then drop its state. False = the tokens
+        neither extend the state nor are the whole sequence (nothing learned; the caller answers needs_resync)."""
+        state = self._states.get(request_id)
+        self.drop(request_id)
+        if state is not None and len(state.tokens) + len(new_token_ids) == num_tokens:
+            self._learn(state.extend(new_token_ids))
+            return True
+        if len(new_token_ids) != num_tokens or num_tokens == 0:
+            return False
+        # Only the segments matter now: no history index is built for a state dropped at once.
+        state = self._new_state(request_id, num_prompt_tokens, HistorySource(is_indexed=False))
+        self._learn(state.extend(new_token_ids, num_known_tokens))
+        return True
 
     def drop(self, request_id: str) -> None:
         """Forget a finished request (unknown ids are fine)."""
-        self._states.pop(request_id, None)
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.num_history_bytes -= state.history.num_bytes
 
-    def _create(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> RequestState:
-        state = RequestState(
-            request_id=request_id,
-            num_prompt_tokens=num_prompt_tokens,
-            tracker=SegmentTracker(self._segments.kinds),
-            history=self._history_factory(),
-        )
-        state.extend(token_ids)  # a (re)sync never learns: those segments may be learned already
+    def _bound(self) -> None:
+        """Drop the least recently used states while over either bound (the newest one is kept)."""
+        while len(self._states) > 1 and (len(self._states) > self._max_requests
+                                         or self.num_history_bytes > self._max_history_bytes):
+            self.drop(next(iter(self._states)))
+
+    def _learn(self, closed: list[tuple[str, list[int]]]) -> None:
+        for name, tokens in closed:
+            self._on_segment_closed(name, tokens)
+
+    def _new_state(self, request_id: str, num_prompt_tokens: int, history: HistorySource) -> RequestState:
+        return RequestState(request_id, num_prompt_tokens, SegmentTracker(self._segments.kinds), history)
+
+    def _create(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                num_known_tokens: int) -> RequestState:
+        state = self._new_state(request_id, num_prompt_tokens, self._history_factory())
+        self._learn(state.extend(token_ids, num_known_tokens))
         self._states[request_id] = state
-        while len(self._states) > self._max_requests:
-            self._states.popitem(last=False)
+        self.num_history_bytes += state.history.num_bytes
+        self._bound()
         return state

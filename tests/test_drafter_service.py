@@ -108,10 +108,11 @@ async def test_resync_and_finished_ids(stub):
     assert reply.needs_resync
 
 
-async def test_online_learning_over_grpc(stub):
+async def test_online_learning_over_grpc(servicer, stub):
     block = [1, 30, 31, 32, 33, 34, 35, 1]
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [10], 1, 1, max_nodes=0)]))
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", block, 9, max_nodes=0)]))
+    assert servicer.planner.wait_learned(10)  # learning runs in the background
     request = drafter_pb2.DraftRequest(queries=[_query("b", [20, 1, 30], 3, 1)], finished_request_ids=["a"])
     (reply,) = (await stub.Draft(request)).replies
     assert reply.segment == "code" and _tree(reply).token_ids[:5] == (31, 32, 33, 34, 35)
@@ -123,6 +124,7 @@ async def test_get_stats_counts_corpus_entries_and_requests_per_segment(servicer
     block = [1, 30, 31, 32, 33, 34, 35, 1]
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [10], 1, 1, max_nodes=0)]))
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", block, 9, max_nodes=0)]))  # learns the block
+    assert servicer.planner.wait_learned(10)
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("b", [20, 1, 30], 3, 1), _query("c", [5], 1, 1)]))
     stats = DrafterStats.from_pb(await stub.GetStats(drafter_pb2.DrafterStatsRequest()))
     code, default = stats.segments

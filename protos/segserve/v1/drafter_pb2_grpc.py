@@ -57,6 +57,7 @@ class DrafterServicer:
 
     def Draft(self, request, context):
         """One batched call per scheduler step: a candidate tree for every query.
+        Also state updates alone (max_nodes 0, is_final), sent off the step's path.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

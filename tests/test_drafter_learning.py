@@ -1,0 +1,189 @@
+"""Learning off the Draft path: the background learner, eviction to 90% of a byte budget, history bounded in
+bytes, and final updates (segments closing in a request's last step, or never drafted)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+
+from drafter.config import DrafterConfig
+from drafter.corpus import BYTES_PER_ENTRY, LookupCorpus
+from drafter.history import BYTES_PER_NGRAM, HistorySource
+from drafter.learner import Learner
+from drafter.segments import CorpusLimits, parse_segments
+from drafter.server import build_servicer, start_server
+from drafter.state import RequestStates
+from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
+
+LIMITS = {"max_depth": 24, "max_key": 12, "min_key": 2}
+RAW = {"default": {"max_nodes": 6},
+       "segment": [{"name": "code", "start": 1, "end": 1, "max_nodes": 8, "max_depth": 8, "corpus": LIMITS}]}
+
+
+def _random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2, 262_144) for _ in range(n)]
+
+
+def _query(rid, new, num_tokens, num_prompt=0, max_nodes=8, **fields):
+    return drafter_pb2.DraftQuery(request_id=rid, new_token_ids=new, num_tokens=num_tokens,
+                                  num_prompt_tokens=num_prompt, max_nodes=max_nodes, **fields)
+
+
+async def test_a_draft_call_answers_while_a_2000_token_segment_is_learned():
+    rng = random.Random(0)
+    body = _random_tokens(rng, 2000)
+    start = time.perf_counter()
+    LookupCorpus(CorpusLimits(**LIMITS)).add([1, *body, 1])
+    sync_add_s = time.perf_counter() - start  # what the closing call used to take, learning on its path
+
+    servicer = build_servicer(DrafterConfig(), parse_segments(RAW))
+    server, port = await start_server(servicer, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            draft = drafter_pb2_grpc.DrafterStub(channel).Draft
+            probe = [10, 11, 12, 13, 10, 11]
+            await draft(drafter_pb2.DraftRequest(queries=[_query("probe", probe, len(probe), len(probe))]))
+            seq = [5, 1, *body]
+            await draft(drafter_pb2.DraftRequest(queries=[_query("long", seq, len(seq), 1, max_nodes=0)]))
+            start = time.perf_counter()
+            await draft(drafter_pb2.DraftRequest(queries=[_query("long", [1], len(seq) + 1, max_nodes=0)]))
+            closing_s = time.perf_counter() - start
+            latencies = []
+            while servicer.planner.learner.num_pending:
+                probe.append(12)
+                start = time.perf_counter()
+                (reply,) = (await draft(drafter_pb2.DraftRequest(queries=[_query("probe", [12], len(probe))]))).replies
+                latencies.append(time.perf_counter() - start)
+                assert not reply.needs_resync
+            assert servicer.planner.wait_learned(10)
+            (reply,) = (await draft(drafter_pb2.DraftRequest(queries=[_query("new", [7, 1, *body[:3]], 5, 1)]))).replies
+    finally:
+        await server.stop(None)
+    assert closing_s < sync_add_s / 2, (closing_s, sync_add_s)
+    assert len(latencies) >= 3, (latencies, sync_add_s)  # Draft calls did run while the segment was learned
+    assert max(latencies) < sync_add_s / 2, (max(latencies), sync_add_s)
+    assert list(reply.tree.token_ids[:5]) == body[3:8]  # and then it is learned
+
+
+def test_eviction_keeps_about_90_percent_of_the_byte_budget_never_a_cliff():
+    max_bytes = 20_000 * BYTES_PER_ENTRY
+    corpus = LookupCorpus(CorpusLimits(max_bytes=max_bytes, max_depth=16, max_key=8))
+    rng = random.Random(1)
+    frequent = [100, 101, 102, 103, 104, 105]
+    for _ in range(60):
+        corpus.add(frequent)
+        num_evictions = corpus.num_evictions
+        corpus.add(_random_tokens(rng, 300))
+        assert corpus.num_bytes <= max_bytes
+        if corpus.num_evictions > num_evictions:  # it evicted: down to ~90% of the budget, not far below
+            assert 0.8 * max_bytes <= corpus.num_bytes <= 0.95 * max_bytes, corpus.num_bytes / max_bytes
+    assert corpus.num_evictions >= 3
+    assert corpus.propose([100, 101], max_len=4, max_candidates=1)[0].token_ids == (102, 103, 104, 105)
+
+
+def test_max_entries_still_bounds_the_nodes_and_loads_evict_to_the_budget(tmp_path):
+    corpus = LookupCorpus(CorpusLimits(max_entries=500, max_depth=8, max_key=4))
+    for start in range(0, 2000, 50):
+        corpus.add(list(range(start, start + 50)))
+        assert corpus.num_entries <= 500
+    assert corpus.num_entries >= 400
+    path = tmp_path / "c.corpus.npz"
+    corpus.save(path)
+    smaller = LookupCorpus.load(path, CorpusLimits(max_bytes=200 * BYTES_PER_ENTRY, max_depth=8, max_key=4))
+    assert smaller.num_entries == 180
+
+
+def test_the_background_learner_evicts_to_the_budget_too():
+    max_bytes = 5_000 * BYTES_PER_ENTRY
+    corpus = LookupCorpus(CorpusLimits(max_bytes=max_bytes, max_depth=16, max_key=8))
+    learner = Learner(slice_nodes=64)
+    rng = random.Random(2)
+    for _ in range(10):
+        learner.submit(corpus, _random_tokens(rng, 400))
+    assert learner.wait_idle(30)
+    learner.close()
+    assert learner.num_learned == 10 and 0.8 * max_bytes <= corpus.num_bytes <= max_bytes
+
+
+def test_a_reader_waits_for_at_most_one_slice_of_the_learner():
+    corpus = LookupCorpus(CorpusLimits(**LIMITS))
+    learner = Learner(slice_nodes=256)
+    learner.submit(corpus, _random_tokens(random.Random(3), 2000))
+    waits, sizes = [], set()
+    while learner.num_pending:
+        start = time.perf_counter()
+        with learner.guard.reading():
+            waits.append(time.perf_counter() - start)
+            sizes.add(corpus.num_entries)
+        time.sleep(0.001)
+    learner.close()
+    assert len(sizes) >= 3  # the trie grew between reads: the reads interleaved with the learning
+    assert max(waits) < 0.05, max(waits)
+
+
+def test_history_is_bounded_in_bytes_and_keeps_the_recent_tokens():
+    history = HistorySource(max_key=4, min_key=2, max_bytes=1000 * 4 * BYTES_PER_NGRAM)
+    rng = random.Random(4)
+    tokens = [rng.randrange(1000, 100_000) for _ in range(20_000)]
+    for start in range(0, len(tokens), 100):
+        history.extend(tokens[start:start + 100])
+        assert history.num_bytes <= history.max_bytes
+    assert history.num_bytes >= history.max_bytes // 2
+    recent, old = tokens[-300:-296], tokens[100:104]
+    assert history.propose(recent[:2], 2, 1)[0].token_ids == tuple(recent[2:4])
+    assert history.propose(old[:2], 2, 1) == []  # out of the index: its bytes went
+    assert len(history.tokens) == 20_000
+
+
+def test_request_states_drop_the_least_recent_past_the_total_history_bytes():
+    per_request = 100 * 8 * BYTES_PER_NGRAM
+    states = RequestStates(parse_segments(RAW), lambda name, tokens: None,
+                           history_factory=lambda: HistorySource(max_bytes=per_request),
+                           max_history_bytes=2 * per_request)
+    for rid in "abc":
+        states.update(rid, list(range(10, 300)), 290, 290)
+        assert states.num_history_bytes <= 2 * per_request
+    assert "a" not in states and "b" in states and "c" in states
+    states.drop("b")
+    states.drop("c")
+    assert states.num_history_bytes == 0
+
+
+def test_final_updates_learn_what_closes_and_nothing_twice():
+    learned = []
+    states = RequestStates(parse_segments(RAW), lambda name, tokens: learned.append((name, list(tokens))))
+    block = [1, 30, 31, 1]
+    # Known request: the last step's tokens close a segment; the state goes.
+    states.update("a", [9, 1, 30], 3, 1)
+    assert states.finish("a", [31, 1], 5, 0)
+    assert learned == [("code", block)] and "a" not in states
+    # Never seen (drafting was off): the whole sequence, learned past the prompt and the known tokens.
+    assert states.finish("b", [9, *block, 7, *block], 10, 1, num_known_tokens=6)
+    assert learned == [("code", block)] * 2  # the first block closed within the known tokens
+    # A resync learns only what closed after the tokens a drafter already received.
+    states.update("c", [9, *block, 7, *block], 10, 1, num_known_tokens=10)
+    assert learned == [("code", block)] * 2
+    # Without the state and without the whole sequence there is nothing to learn from.
+    assert not states.finish("d", [31, 1], 9, 0)
+
+
+async def test_final_updates_over_grpc_learn_and_release():
+    servicer = build_servicer(DrafterConfig(), parse_segments(RAW))
+    server, port = await start_server(servicer, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            draft = drafter_pb2_grpc.DrafterStub(channel).Draft
+            finals = [_query(f"r{i}", [9, 1, 40 + i, 41 + i, 42 + i, 1], 6, 1, max_nodes=0, is_final=True)
+                      for i in range(3)]
+            replies = (await draft(drafter_pb2.DraftRequest(queries=finals))).replies
+            assert [r.request_id for r in replies] == ["r0", "r1", "r2"]
+            assert not any(r.needs_resync or len(r.tree.token_ids) for r in replies)
+            assert len(servicer.states) == 0
+            assert servicer.planner.wait_learned(10)
+            (reply,) = (await draft(drafter_pb2.DraftRequest(queries=[_query("new", [8, 1, 41], 3, 1)]))).replies
+    finally:
+        await server.stop(None)
+    assert reply.segment == "code" and list(reply.tree.token_ids[:3]) == [42, 43, 1]
+
