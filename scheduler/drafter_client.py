@@ -13,6 +13,10 @@ tokens again, and it decodes without speculation until then; the replica it left
 is told to drop it. A replica that fails, runs past the deadline or answers out of
 shape is left out and retried after a doubling backoff; failures are logged once
 per `_LOG_EVERY`. Nothing here raises to the step loop.
+
+A call that asks for no tree (state updates only, final updates of ended requests, sent off
+the step's path) runs under the longer `update_timeout_s`. A final query goes to the replica
+holding the request's state, which then forgets it (no finished id needed).
 """
 
 from __future__ import annotations
@@ -47,11 +51,20 @@ class DraftQuery:
     num_tokens: int
     num_prompt_tokens: int
     max_nodes: int
+    num_known_tokens: int = 0
+    """With the whole sequence: tokens some drafter already received (segments closing within them are learned)."""
+    is_final: bool = False
+    """The request ended with these tokens: learn, then drop its state; no tree."""
 
     def to_pb(self) -> drafter_pb2.DraftQuery:
         return drafter_pb2.DraftQuery(request_id=self.request_id, new_token_ids=self.new_token_ids,
                                       num_tokens=self.num_tokens, num_prompt_tokens=self.num_prompt_tokens,
-                                      max_nodes=self.max_nodes)
+                                      max_nodes=self.max_nodes, num_known_tokens=self.num_known_tokens,
+                                      is_final=self.is_final)
+
+    @property
+    def is_update_only(self) -> bool:
+        return self.is_final or self.max_nodes == 0
 
 
 @dataclass(frozen=True)
@@ -88,11 +101,14 @@ class DrafterClient:
     """One channel per replica (mutual TLS with `tls`); create it on the event loop that uses it."""
 
     def __init__(self, targets: Sequence[str], timeout_s: float, retry_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, refresh_s: float = 10.0, tls: TlsFiles | None = None):
+                 clock: Callable[[], float] = time.monotonic, refresh_s: float = 10.0, tls: TlsFiles | None = None,
+                 update_timeout_s: float = 2.0):
         if not targets:
             raise ValueError("DrafterClient needs at least one address")
         self.targets = list(targets)
         self.timeout_s = timeout_s
+        self.update_timeout_s = max(update_timeout_s, timeout_s)
+        """Deadline of a call that asks for no tree (it is off the step's path)."""
         self.retry_s = retry_s
         self.clock = clock
         self.refresh_s = refresh_s
@@ -139,6 +155,8 @@ class DrafterClient:
         if live:
             for query in queries:
                 by_replica[self._place(query.request_id, live)].append(query)
+                if query.is_final:  # the replica forgets it on its own
+                    self._owners.pop(query.request_id, None)
         calls = [self._call(self._replicas[address], mine) for address, mine in by_replica.items()
                  if mine or self._replicas[address].pending_finished]
         replies: dict[str, DraftReply] = {}
@@ -185,8 +203,10 @@ class DrafterClient:
     async def _call(self, replica: _Replica, queries: list[DraftQuery]) -> dict[str, DraftReply]:
         finished, replica.pending_finished = replica.pending_finished, []
         request = drafter_pb2.DraftRequest(queries=[q.to_pb() for q in queries], finished_request_ids=finished)
+        is_update_only = all(q.is_update_only for q in queries)
         try:
-            response = await replica.stub.Draft(request, timeout=self.timeout_s)
+            response = await replica.stub.Draft(request, timeout=self.update_timeout_s if is_update_only
+                                                else self.timeout_s)
             replies = _replies_from_pb(response, queries)
         except (grpc.aio.AioRpcError, ValueError) as exc:
             replica.pending_finished = (finished + replica.pending_finished)[-_MAX_PENDING_FINISHED:]

@@ -296,7 +296,7 @@ class Engine:
 
     @property
     def _is_async(self) -> bool:
-        return self.config.is_async_scheduling and self.speculator is None
+        return self.config.is_async_scheduling and (self.speculator is None or not self.speculator.is_drafting)
 
     def _send(self, request: StepRequest) -> asyncio.Task:
         """The worker's step, under way (steps reach the worker in the order they are sent)."""
@@ -344,9 +344,9 @@ class Engine:
                     logger.warning("waiting for the worker at %s: %s", self.address, exc)
                     is_logged = True
                 await asyncio.sleep(_CONNECT_RETRY_S)
-        if self.drafter is not None and self.config.max_draft_nodes > 0:
-            policy = SpecPolicy(self.config.max_draft_nodes, self.config.spec_probe_interval,
-                                self.config.is_spec_adaptive)
+        if self.drafter is not None:  # max_draft_nodes 0: no policy, the drafter only learns
+            policy = (SpecPolicy(self.config.max_draft_nodes, self.config.spec_probe_interval,
+                                 self.config.is_spec_adaptive) if self.config.max_draft_nodes > 0 else None)
             self.speculator = Speculator(self.drafter, policy, info.vocab_size)
         max_num_seqs = self.config.resolve_max_num_seqs(info.num_kv_blocks, info.block_size, info.max_model_len)
         self.scheduler = Scheduler(

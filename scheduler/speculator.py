@@ -3,15 +3,24 @@
 In: the Scheduler and the StepRequest that schedule() just made. Out: the same
 request with candidate trees on the decode sequences the policy chose, within
 the step's budget. The speculator owns all drafter-side state: each request's
-sync point (tokens the drafter holds), its segment, the backlog of ended
-requests to release, and the acceptance stats. The scheduler tells it when a
-request ends (`forget`, its on_end callback); it never touches the scheduler's
-fields. It drops garbage trees and never raises: any failure means this step
-runs without speculation.
+sync point (tokens the drafter holds), its segment, the final updates of ended
+requests, and the acceptance stats. The scheduler tells it when a request ends
+(`forget`, its on_end callback); it never touches the scheduler's fields. It
+drops garbage trees and never raises: any failure means this step runs without
+speculation.
+
+The drafter learns from every request, drafting or not: steps that draft
+nothing (the gate is off, or no policy: learning only, `--no-speculation`) send
+nothing, and when a request ends its tokens since the last sync go as a final
+update (the whole sequence if the drafter never saw it; with the count of
+tokens a drafter already received, so nothing is learned twice). Final updates
+are batched and sent by a background task, one call at a time, never awaited
+by a step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -28,7 +37,7 @@ from scheduler.spec_policy import AcceptanceStats, SpecPolicy
 logger = logging.getLogger(__name__)
 
 _LOG_EVERY = 100
-_MAX_ENDED_BACKLOG = 256  # ended ids sent on their own once this many wait for a speculating step
+_MAX_FINALS = 4096  # final updates waiting for the background call; past it the oldest are dropped
 
 
 class Drafter(Protocol):
@@ -38,7 +47,9 @@ class Drafter(Protocol):
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, policy: SpecPolicy, vocab_size: int,
+    """policy None = learning only: no tree is ever asked for, the drafter still learns every request."""
+
+    def __init__(self, drafter: Drafter, policy: SpecPolicy | None, vocab_size: int,
                  clock: Callable[[], float] = time.perf_counter):
         self.drafter = drafter
         self.policy = policy
@@ -46,29 +57,49 @@ class Speculator:
         self.clock = clock
         self.num_garbage_trees = 0
         self.num_errors = 0
+        self.num_finals_dropped = 0
+        """Final updates dropped because _MAX_FINALS waited already (their segments go unlearned)."""
+        self._seqs: dict[str, Seq] = {}
+        """Request id -> its sequence, for every request seen decoding (its final update reads its tokens)."""
         self._num_synced: dict[str, int] = {}
         """Request id -> tokens the drafter holds for it (0 = send the whole sequence); keys = requests
         the drafter has state for."""
+        self._num_known: dict[str, int] = {}
+        """Request id -> tokens a drafter acknowledged (and learned from), kept across resyncs."""
         self._segments: dict[str, str] = {}
         """Request id -> the segment kind the drafter last reported."""
-        self._ended: list[str] = []
-        """Ended requests the drafter still holds state for, to release with the next call."""
+        self._finals: list[DraftQuery] = []
+        """Final updates of ended requests, for the background call."""
+        self._sending: asyncio.Task | None = None
         self._last_step = (0, False)  # (decode sequences, whether it speculated) of the step proposed last
 
     @property
+    def is_drafting(self) -> bool:
+        """Whether trees are ever asked for (False: learning only)."""
+        return self.policy is not None
+
+    @property
     def acceptance(self) -> AcceptanceStats:
-        return self.policy.acceptance
+        return self.policy.acceptance if self.policy is not None else AcceptanceStats()
 
     @property
     def num_ended_pending(self) -> int:
-        """Ended requests not yet released at the drafter."""
-        return len(self._ended)
+        """Ended requests whose final update has not been sent yet."""
+        return len(self._finals)
 
     def forget(self, request_id: str) -> None:
-        """A request ended (the scheduler's on_end): release its drafter state with the next call."""
+        """A request ended (the scheduler's on_end): its final update goes with the next background call."""
         self._segments.pop(request_id, None)
-        if self._num_synced.pop(request_id, None) is not None:
-            self._ended.append(request_id)
+        seq = self._seqs.pop(request_id, None)
+        num_synced = self._num_synced.pop(request_id, 0)
+        num_known = self._num_known.pop(request_id, 0)
+        if seq is None:
+            return  # never seen decoding: the drafter holds nothing, and it generated at most one token
+        self._finals.append(DraftQuery(request_id, seq.token_ids[num_synced:], seq.num_tokens,
+                                       seq.num_prompt_tokens, 0, num_known, is_final=True))
+        if len(self._finals) > _MAX_FINALS:
+            del self._finals[0]
+            self.num_finals_dropped += 1
 
     async def propose(self, scheduler: Scheduler, request: StepRequest) -> None:
         """Attach candidate trees to the request's decode sequences (or nothing, on any failure)."""
@@ -79,18 +110,35 @@ class Speculator:
             self.num_errors += 1
             if self.num_errors % _LOG_EVERY == 1:
                 logger.exception("speculation failed; the step runs without it (%d failures)", self.num_errors)
+        self._send_finals()  # after this step's own call, so that the drafter answers that one first
 
     async def flush_ended(self) -> None:
-        """Tell the drafter about ended requests now (the engine calls this before it idles)."""
-        if self._ended:
-            ended, self._ended = self._ended, []
+        """Start sending the final updates now, without waiting (the engine calls this before it idles)."""
+        self._send_finals()
+
+    async def wait_finals_sent(self) -> None:
+        """Send the final updates and wait until the drafter has answered them."""
+        self._send_finals()
+        while self._sending is not None and not self._sending.done():
+            await asyncio.shield(self._sending)
+
+    def _send_finals(self) -> None:
+        """Start the background call for the waiting final updates, unless one is under way (it takes them)."""
+        if self._finals and (self._sending is None or self._sending.done()):
+            self._sending = asyncio.ensure_future(self._send_all_finals())
+
+    async def _send_all_finals(self) -> None:
+        while self._finals:
+            finals, self._finals = self._finals, []
             try:
-                await self.drafter.draft([], ended)
+                await self.drafter.draft(finals, [])
             except Exception:
                 self.num_errors += 1
 
     def observe_step(self, request: StepRequest, result: StepResult, seconds: float) -> None:
         """A worker step that succeeded: its time for the cost model, its verified trees for the stats."""
+        if self.policy is None:
+            return
         self.policy.observe_step(request.num_scheduled_tokens, seconds)
         outputs = {output.seq_id: output for output in result.outputs}
         for work in request.sequences:
@@ -102,32 +150,38 @@ class Speculator:
 
     def observe_cycle(self, num_generated_tokens: int, seconds: float) -> None:
         """The last proposed step, end to end, and the tokens it generated: for the gate."""
+        if self.policy is None:
+            return
         num_sequences, is_speculating = self._last_step
         self.policy.observe_cycle(num_sequences, is_speculating, num_generated_tokens, seconds)
 
     async def _propose(self, scheduler: Scheduler, request: StepRequest) -> None:
         candidates = scheduler.draft_candidates(request)
+        seqs = self._seqs
+        for seq in candidates:
+            if seq.request_id not in seqs:
+                seqs[seq.request_id] = seq
+        if self.policy is None or not candidates:
+            return
         groups = Counter(self._segments.get(seq.request_id, "") for seq in candidates)
-        budgets = (self.policy.choose(groups, request.num_scheduled_tokens, scheduler.draft_room(request))
-                   if candidates else {})
+        budgets = self.policy.choose(groups, request.num_scheduled_tokens, scheduler.draft_room(request))
         is_speculating = any(budgets.values())
         self._last_step = (len(candidates), is_speculating)
-        if not is_speculating and len(self._ended) < _MAX_ENDED_BACKLOG:
-            return  # the drafter catches up on these sequences' tokens at the next call
-        queries = ([self._query(seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates]
-                   if is_speculating else [])
-        queried = {query.request_id for query in queries}
-        # A reused id's old state must not be released after its new first query.
-        ended, self._ended = [i for i in self._ended if i not in queried], []
+        if not is_speculating:
+            return  # the drafter catches up on these sequences' tokens at the next call, or the final update
+        queries = [self._query(seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates]
+        if self._finals:  # a reused id's old final update must not reach the drafter after its new first query
+            queried = {query.request_id for query in queries}
+            self._finals = [final for final in self._finals if final.request_id not in queried]
         start = self.clock()
-        replies = await self.drafter.draft(queries, ended)
+        replies = await self.drafter.draft(queries, [])
         self.policy.observe_draft_call(self.clock() - start)
         scheduler.attach_drafts(request, self._accept_replies(candidates, queries, replies))
 
     def _query(self, seq: Seq, max_nodes: int) -> DraftQuery:
         num_synced = self._num_synced.setdefault(seq.request_id, 0)
         return DraftQuery(seq.request_id, seq.token_ids[num_synced:], seq.num_tokens, seq.num_prompt_tokens,
-                          max_nodes)
+                          max_nodes, self._num_known.get(seq.request_id, 0) if num_synced == 0 else 0)
 
     def _accept_replies(self, candidates: list[Seq], queries: list[DraftQuery],
                         replies: dict[str, DraftReply]) -> dict[str, CandidateTree]:
@@ -142,6 +196,7 @@ class Speculator:
             if reply.needs_resync:
                 self._num_synced[request_id] = 0
                 continue
+            self._num_known[request_id] = seq.num_tokens  # the drafter took these tokens (and learned from them)
             problem = reply.tree.problem(self.vocab_size, max_nodes[request_id])
             if problem is not None:
                 self.num_garbage_trees += 1

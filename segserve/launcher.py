@@ -48,7 +48,8 @@ class StackConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     """The drafter's config; its tokenizer (the served model) is set by the launcher."""
     is_speculative: bool = True
-    """Run drafters and decode speculatively; False = plain decoding, no drafter process."""
+    """Run drafters and decode speculatively; False = plain decoding, with the drafters learning only (the
+    scheduler's max_draft_nodes is 0: it asks for no tree, and the drafters still learn every request's segments)."""
     num_workers: int = 1
     """Worker processes (data parallel: each loads the model and has its own KV pool); the scheduler drives all."""
     is_ray_workers: bool = False
@@ -131,10 +132,11 @@ class Stack:
         else:
             worker_addresses = [f"{w.host}:{w.port}" for w in workers]
         worker_address = ",".join(worker_addresses)
-        drafters = self._drafter_configs(model_dir) if cfg.is_speculative else []
+        drafters = self._drafter_configs(model_dir)
         drafter_addresses = [f"{d.host}:{d.port}" for d in drafters]
         scheduler = dataclasses.replace(cfg.scheduler, worker_address=worker_address,
-                                        drafter_addresses=drafter_addresses, port=cfg.scheduler.port or free_port())
+                                        drafter_addresses=drafter_addresses, port=cfg.scheduler.port or free_port(),
+                                        max_draft_nodes=cfg.scheduler.max_draft_nodes if cfg.is_speculative else 0)
         router = dataclasses.replace(cfg.router, model=model_dir, scheduler_address=f"{scheduler.host}:{scheduler.port}",
                                      served_model_name=cfg.router.served_model_name or worker.served_model_name)
         self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router,

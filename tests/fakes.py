@@ -372,7 +372,9 @@ class FakeDrafter:
         self.delay_s = 0.0
         self.state: dict[str, list[int]] = {}
         self.finished: list[str] = []
-        """Every released request id, in order (a duplicate = released twice)."""
+        """Every released request id, in order (a duplicate = released twice), by a final update or a finished id."""
+        self.finals: dict[str, list[int]] = {}
+        """Request id -> the whole sequence its final update completed."""
         self.num_resyncs = 0
         self.num_calls = 0
 
@@ -398,10 +400,17 @@ class FakeDrafter:
 
     def _answer(self, query: DraftQuery) -> DraftReply:
         tokens = self.state.get(query.request_id, []) + list(query.new_token_ids)
+        if len(tokens) != query.num_tokens and query.is_final and len(query.new_token_ids) == query.num_tokens:
+            tokens = list(query.new_token_ids)  # a final update may carry the whole sequence
         if len(tokens) != query.num_tokens:
             self.state.pop(query.request_id, None)
             self.num_resyncs += 1
             return DraftReply(CandidateTree(), needs_resync=True)
+        if query.is_final:  # the request ended: its whole sequence, then its state goes
+            self.finals[query.request_id] = tokens
+            self.finished.append(query.request_id)
+            self.state.pop(query.request_id, None)
+            return DraftReply(CandidateTree())
         self.state[query.request_id] = tokens
         return DraftReply(self._tree(tokens, query.max_nodes), self.segment)
 
@@ -439,8 +448,8 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.is_garbage = False
 
     async def Draft(self, request, context):
-        queries = [DraftQuery(q.request_id, list(q.new_token_ids), q.num_tokens, q.num_prompt_tokens, q.max_nodes)
-                   for q in request.queries]
+        queries = [DraftQuery(q.request_id, list(q.new_token_ids), q.num_tokens, q.num_prompt_tokens, q.max_nodes,
+                              q.num_known_tokens, q.is_final) for q in request.queries]
         replies = await self.drafter.draft(queries, list(request.finished_request_ids))
         return drafter_pb2.DraftResponse(replies=[
             drafter_pb2.DraftReply(request_id="someone-else" if self.is_garbage else q.request_id,

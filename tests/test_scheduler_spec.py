@@ -67,7 +67,7 @@ async def run_all(scheduler: Scheduler, speculator: Speculator | None, prompts: 
     assert not scheduler.has_work and worker.problems == []
     assert scheduler.block_manager.num_used_blocks == 0
     if speculator is not None:
-        await speculator.flush_ended()
+        await speculator.wait_finals_sent()
     return results, worker
 
 
@@ -214,6 +214,7 @@ async def test_cancellation_releases_the_drafter_state():
     assert "gone" in drafter.state
     scheduler.abort("gone")
     await step(scheduler, speculator, worker, results)
+    await speculator.wait_finals_sent()  # the final update goes in the background
     assert drafter.finished == ["gone"] and "gone" not in drafter.state
     scheduler.abort("keep")
     assert scheduler.block_manager.num_used_blocks == 0
@@ -221,7 +222,7 @@ async def test_cancellation_releases_the_drafter_state():
 
 async def test_ended_ids_reach_the_drafter_exactly_once_through_the_speculator_alone():
     """The scheduler only reports ends (on_end); the speculator keeps the backlog and releases each
-    id once, whether it went out with a speculating step or the idle flush, and the scheduler
+    id once with its final update (in the background, or the idle flush), and the scheduler
     exposes nothing for it to swap."""
     drafter = make_drafter()
     scheduler, speculator = make_pair(drafter)
@@ -235,10 +236,11 @@ async def test_ended_ids_reach_the_drafter_exactly_once_through_the_speculator_a
     scheduler.add(Sequence("never-drafted", [8, 9], stopping=StoppingCriteria(1)))  # a prefill only
     while scheduler.has_work:
         await step(scheduler, speculator, worker, results)
+    await speculator.wait_finals_sent()
     assert drafter.finished.count("short") == 1
-    await speculator.flush_ended()
-    await speculator.flush_ended()
+    await speculator.wait_finals_sent()
     assert sorted(drafter.finished) == ["long", "short"]  # "never-drafted" never reached the drafter
+    assert drafter.finals["long"] == [6, 7, *results["long"][0]]  # the final step's tokens included
     assert speculator.num_ended_pending == 0
     assert {rid: tokens for rid, (tokens, _) in results.items()} == {
         rid: reference(p, n) for (rid, p), n in zip(prompts.items(), (3, 30, 1))}
