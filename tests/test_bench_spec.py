@@ -1,8 +1,9 @@
 """`segserve bench spec` parts: workloads, numbers and goals, the systems' adapters, a whole run on fakes.
 
 The real benchmark is never run here: fakes stand in for systems, HF `generate()`
-runs on the tiny random model, and segserve's HTTP + GetStats adapter talks to a
-mock transport and a fake stub.
+runs on the tiny random model, segserve's HTTP + GetStats adapter talks to a
+mock transport and a fake stub, and the prompt-lookup-only segments config is
+checked on the drafter's own planner.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ import pytest
 
 from protos.segserve.v1 import scheduler_pb2
 from segserve.bench import spec, spec_report, spec_systems
-from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SPEC
-from segserve.bench.spec_workloads import KINDS, Workload, build_workloads, structured_prompt
+from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SEG_LOOKUP, SPEC
+from segserve.bench.spec_workloads import (EDIT_KINDS, KINDS, MONTHS_JSON_REST, MONTHS_REST, SAMPLED_KINDS,
+                                           Workload, build_workloads, structured_prompt)
 from segserve.cli import build_parser
 
 
-def test_workloads_cover_the_four_kinds_in_order_with_structured_warmup():
+def test_workloads_cover_every_kind_in_order_with_structured_warmup():
     workloads = build_workloads(num_structured=5, num_structured_warmup=2)
     assert [w.kind for w in workloads] == list(KINDS)
     structured = workloads[2]
     assert len(structured.prompts) == 5 and structured.num_warmup == 2
-    assert all(w.num_warmup == 0 and len(w.prompts) == 1 for w in workloads if w.kind != "structured")
+    assert all(w.num_warmup == 0 and len(w.prompts) == 1 for w in workloads[:4] if w.kind != "structured")
     # Every structured request shares the earlier records and begins a different new one in a json fence.
     assert len(set(structured.prompts)) == 5
     assert all(p.count("```json\n") == 3 and p.endswith('"department": "') for p in structured.prompts)
@@ -33,6 +35,32 @@ def test_workloads_cover_the_four_kinds_in_order_with_structured_warmup():
     code, grounded = workloads[0].prompts[0], workloads[1].prompts[0]
     assert code.count("def circle_area(radius):") == 2  # the file, then the begun copy
     assert grounded.split("Passage:\n")[1].startswith(grounded.rsplit('"', 1)[1])  # the answer quotes it
+
+
+def test_edit_outputs_are_in_no_prompt_but_repeat_across_requests():
+    workloads = {w.kind: w for w in build_workloads(num_edits=4)}
+    for kind, shared in (("months_edit", MONTHS_REST), ("months_json", MONTHS_JSON_REST)):
+        edit = workloads[kind]
+        assert len(edit.prompts) == len(edit.expected) == 4 and edit.num_warmup == 1 and edit.is_greedy
+        assert len(set(edit.prompts)) == 4  # a different file / project per request
+        for prompt, expected in zip(edit.prompts, edit.expected):
+            assert expected not in prompt and shared in expected  # the recurring block ...
+            assert not any(line in prompt for line in shared.splitlines() if len(line) > 12)  # ... in no prompt
+        # The recurring text fills most of each output, and the learned corpus has it from request 1 on.
+        assert all(len(shared) > 0.5 * len(expected) for expected in edit.expected)
+        sources = spec_report.output_sources(list(edit.prompts), list(edit.expected))
+        assert sources["after_first"]["in_earlier_outputs_only"] > 0.5 and sources["per_request"][0]["new"] > 0.5
+    for kind in SAMPLED_KINDS:
+        sampled, greedy = workloads[kind], workloads[kind.removesuffix("_sampled")]
+        assert sampled.temperature == 0.7 and not sampled.is_greedy and sampled.prompts == greedy.prompts
+
+
+def test_output_sources_split_lines_by_where_they_come_from():
+    prompts = ["x\nshared in prompt\n", "y\nshared in prompt\n"]
+    outputs = ["shared in prompt\nlearned line\n", "learned line\nbrand new line\nshared in prompt\n"]
+    rows = spec_report.output_sources(prompts, outputs)["per_request"]
+    assert rows[0] == {"in_prompt": 16 / 28, "in_earlier_outputs_only": 0.0, "new": 12 / 28}
+    assert rows[1] == {"in_prompt": 16 / 42, "in_earlier_outputs_only": 12 / 42, "new": 14 / 42}
 
 
 def test_workloads_reject_bad_shapes():
@@ -43,6 +71,10 @@ def test_workloads_reject_bad_shapes():
         Workload("poetry", ("x",))
     with pytest.raises(ValueError):
         Workload("structured", ("a",), num_warmup=1)
+    with pytest.raises(ValueError):
+        Workload("months_edit", ("a", "b"), expected=("only one",))
+    with pytest.raises(ValueError):
+        build_workloads(num_edits=1)
 
 
 def _request(num_tokens: int, wall_s: float, text: str = "t", steps: int | None = None, accepted: int = 0) -> dict:
@@ -88,15 +120,32 @@ def test_speedups_and_goals_from_synthetic_numbers():
     assert list(table) == ["code_edit", "grounded", "open_ended"]  # the workloads' order, not alphabetical
 
 
-def test_speedup_spread_over_rounds_has_each_value_the_median_and_the_range(tmp_path):
-    rounds = [{"speedups": spec_report.speedups(_summaries({PLAIN: {"grounded": 10.0, "open_ended": 10.0},
-                                                              SPEC: {"grounded": rate, "open_ended": 9.0}}))}
-              for rate in (30.0, 50.0, 40.0)]
-    spread = spec_report.speedup_spread(rounds)
-    assert spread["grounded"][SPEC] == {"values": [3.0, 5.0, 4.0], "median": 4.0, "min": 3.0, "max": 5.0}
-    assert spread["open_ended"][SPEC]["median"] == pytest.approx(0.9) and LOOKUP not in spread["grounded"]
-    path = spec_report.plot_speedup_spread(tmp_path / "speedup.png", {"model": "/m/tiny", "speedups": spread})
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_ablation_speedups_and_the_edit_goal_compare_systems_on_the_same_engine():
+    rates = {PLAIN: {"months_edit": 10.0}, LOOKUP: {"months_edit": 12.0}, OFF: {"months_edit": 12.0},
+             SEG_LOOKUP: {"months_edit": 15.0}, SPEC: {"months_edit": 30.0}}  # fmt: skip
+    row = spec_report.speedups(_summaries(rates))["months_edit"]
+    assert row[f"{SPEC}_vs_{SEG_LOOKUP}"] == pytest.approx(2.0) and row[f"{SPEC}_vs_own_plain"] == pytest.approx(2.5)
+    assert row[f"{SEG_LOOKUP}_vs_own_plain"] == pytest.approx(1.25) and row[f"{LOOKUP}_vs_own_plain"] == 1.2
+    goals = {g["name"]: g for g in spec_report.evaluate_goals({"months_edit": row}, mismatches=[])}
+    assert goals["months_edit: full segserve vs prompt lookup only"]["passed"] is True
+    assert goals["greedy outputs equal plain decoding's"]["passed"] is True
+    rates[SPEC]["months_edit"] = 18.0  # 1.2x lookup only: below the 1.3x goal
+    row = spec_report.speedups(_summaries(rates))["months_edit"]
+    goals = {g["name"]: g for g in spec_report.evaluate_goals({"months_edit": row}, mismatches=[{"x": 1}])}
+    assert goals["months_edit: full segserve vs prompt lookup only"]["passed"] is False
+    assert goals["greedy outputs equal plain decoding's"]["passed"] is False
+
+
+def test_spread_gives_every_number_its_values_median_and_range():
+    rounds = [{"grounded": {"tokens_per_s": rate, "tokens_per_step": None, "text": "x"}, "open_ended": {"n": 1}}
+              for rate in (30.0, 50.0, 40.0)]  # fmt: skip
+    rounds[1]["open_ended"]["n"] = 4
+    table = spec_report.spread(rounds)
+    assert table["grounded"] == {"tokens_per_s": {"values": [30.0, 50.0, 40.0], "median": 40.0, "min": 30.0,
+                                                  "max": 50.0}}  # None and text leaves are dropped
+    assert table["open_ended"]["n"]["median"] == 1 and table["open_ended"]["n"]["max"] == 4
+    assert spec_report.spread([{"a": 1.0}, {"a": 3.0}])["a"]["median"] == 2.0  # even count: the mean of the two
+    assert spec_report.medians(table) == {"grounded": {"tokens_per_s": 40.0}, "open_ended": {"n": 1}}
 
 
 def test_a_missing_system_leaves_its_goals_unmeasured():
@@ -107,10 +156,16 @@ def test_a_missing_system_leaves_its_goals_unmeasured():
 
 
 def test_mismatches_name_the_system_request_and_first_differing_char():
-    texts = {PLAIN: {"grounded": ["abcdef"]}, SPEC: {"grounded": ["abcXef"]}, OFF: {"grounded": ["abcdef"]}}
-    found = spec_report.mismatches(texts)
-    assert [(m["system"], m["kind"], m["index"], m["first_diff_char"]) for m in found] == [(SPEC, "grounded", 0, 3)]
+    texts = {PLAIN: {"grounded": ["abcdef"], "months_edit_sampled": ["a"]},
+             SPEC: {"grounded": ["abcXef"], "months_edit_sampled": ["b"]},
+             SEG_LOOKUP: {"grounded": ["abcdeY"]}, OFF: {"grounded": ["abcdef"]}}  # fmt: skip
+    found = spec_report.mismatches(texts, greedy_kinds=("grounded",))  # sampled outputs are never compared
+    assert [(m["system"], m["kind"], m["index"], m["first_diff_char"]) for m in found] == [
+        (SEG_LOOKUP, "grounded", 0, 5), (SPEC, "grounded", 0, 3)]  # fmt: skip
     assert spec_report.mismatches({PLAIN: {"x": ["ab"]}, SPEC: {"x": ["abc"]}})[0]["first_diff_char"] == 2
+    # Without HF plain, segserve's own plain decoding is the reference.
+    found = spec_report.mismatches({OFF: {"x": ["ab"]}, SEG_LOOKUP: {"x": ["ab"]}, SPEC: {"x": ["aX"]}})
+    assert [(m["system"], m["reference"]) for m in found] == [(SPEC, OFF)]
 
 
 class FakeStub:
@@ -143,6 +198,10 @@ def test_complete_http_sends_a_greedy_ignore_eos_request_and_takes_counter_delta
                               "segments": {"json": {"num_verified": 3, "num_draft_tokens": 12,
                                                     "num_accepted_tokens": 9}}}  # fmt: skip
 
+    with httpx.Client(transport=httpx.MockTransport(handler), base_url="http://127.0.0.1:1") as client:
+        spec_systems.complete_http(client, None, "prompt", 12, temperature=0.7, seed=7)
+    assert bodies[-1] == {"prompt": "prompt", "max_tokens": 12, "temperature": 0.7, "ignore_eos": True, "seed": 7}
+
     def refuse(request: httpx.Request) -> httpx.Response:
         return httpx.Response(400, json={"error": "bad"})
 
@@ -151,13 +210,16 @@ def test_complete_http_sends_a_greedy_ignore_eos_request_and_takes_counter_delta
             spec_systems.complete_http(client, None, "prompt", 4)
 
 
-def _fake(rate: float, text_of=lambda prompt: prompt[-5:], steps_per_request: int | None = None, fail=False):
+def _fake(rate: float, text_of=lambda prompt: prompt[-5:], steps_per_request: int | None = None, fail=False,
+          calls: list | None = None):  # fmt: skip
     @contextlib.contextmanager
     def factory():
         if fail:
             raise RuntimeError("stack would not start")
 
-        def complete(prompt: str, max_tokens: int) -> dict:
+        def complete(prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> dict:
+            if calls is not None:
+                calls.append((prompt, max_tokens, temperature, seed))
             return _request(max_tokens, max_tokens / rate, text_of(prompt), steps_per_request,
                             accepted=max_tokens - (steps_per_request or 0))  # fmt: skip
 
@@ -166,48 +228,122 @@ def _fake(rate: float, text_of=lambda prompt: prompt[-5:], steps_per_request: in
     return factory
 
 
-def test_a_run_on_fakes_writes_json_png_goals_and_reports_mismatches(tmp_path, capsys):
-    config = spec.SpecBenchConfig(max_tokens=8, num_structured=3, out=str(tmp_path))
-    factories = {PLAIN: _fake(10.0), LOOKUP: _fake(20.0), OFF: _fake(9.5, steps_per_request=8),
-                 SPEC: _fake(40.0, text_of=lambda prompt: "different", steps_per_request=2)}  # fmt: skip
-    results = spec.run_benchmark(config, factories, tmp_path, {"command": "segserve bench spec"})
+def _round_rates(rates_by_round: list[dict[str, float]], **spec_fakes):
+    """A make_factories whose systems run at each round's rates (rounds counted per model)."""
+    counts: dict[str, int] = {}
+
+    def make(label, model_dir, out):
+        k = counts[label] = counts.get(label, -1) + 1
+        rates = rates_by_round[k]
+        return {name: _fake(rate, **spec_fakes.get(name, {})) for name, rate in rates.items()}
+
+    return make
+
+
+def test_a_run_on_fakes_writes_every_systems_numbers_with_spread_goals_and_mismatches(tmp_path, capsys):
+    config = spec.SpecBenchConfig(max_tokens=8, num_structured=3, num_edits=3, rounds=3, out=str(tmp_path))
+    rates = [{PLAIN: 10.0, LOOKUP: 20.0, OFF: 12.0, SEG_LOOKUP: 16.0, SPEC: spec_rate} for spec_rate in (40, 24, 32)]
+    spec_fakes = {OFF: {"steps_per_request": 8}, SEG_LOOKUP: {"steps_per_request": 4},
+                  SPEC: {"text_of": lambda prompt: "different", "steps_per_request": 2}}  # fmt: skip
+    results = spec.run_benchmark(config, _round_rates(rates, **spec_fakes), {"base": "/m/base"}, tmp_path,
+                                 {"command": "segserve bench spec"})  # fmt: skip
     spec.print_results(results)
     saved = json.loads((tmp_path / "spec.json").read_text())
     assert (tmp_path / "spec.png").stat().st_size > 1000
-    assert saved["command"] == "segserve bench spec" and set(saved["systems"]) == {PLAIN, LOOKUP, OFF, SPEC}
-    assert len(saved["systems"][SPEC]["workloads"]["structured"]) == 3
-    assert saved["speedups"]["code_edit"][f"{SPEC}_vs_plain"] == pytest.approx(4.0)
-    assert saved["summaries"][SPEC]["grounded"]["tokens_per_step"] == pytest.approx(4.0)
-    assert all(goal["passed"] for goal in saved["goals"])  # 4x plain, 2x prompt lookup everywhere
-    assert len(saved["progression"][SPEC]) == 3
-    assert {m["system"] for m in saved["mismatches"]} == {SPEC} and len(saved["mismatches"]) == 6
+    assert saved["command"] == "segserve bench spec" and saved["finetuned"].startswith("not measured")
+    base = saved["models"]["base"]
+    assert len(base["rounds"]) == 3 and (tmp_path / "round-2" / "base" / "spec.json").is_file()
+    assert set(base["rounds"][0]["systems"]) == set(spec.SYSTEMS)
+    # The ablation systems wrote their numbers; every number has its spread over the rounds.
+    full_vs_lookup = base["speedups"]["months_edit"][f"{SPEC}_vs_{SEG_LOOKUP}"]
+    assert full_vs_lookup == {"values": [2.5, 1.5, 2.0], "median": 2.0, "min": 1.5, "max": 2.5}
+    assert base["summaries"][SEG_LOOKUP]["months_json"]["tokens_per_s"]["median"] == pytest.approx(16.0)
+    assert base["summaries"][SPEC]["grounded"]["tokens_per_step"]["median"] == pytest.approx(4.0)
+    # The sampled workload reports acceptance for the speculative systems, and sends temperature and seeds.
+    sampled = base["summaries"][SPEC]["months_edit_sampled"]
+    assert {"draft_acceptance", "accepted_per_verify"} <= set(sampled) and sampled["draft_acceptance"]["median"] > 0
+    assert "draft_acceptance" in base["summaries"][SEG_LOOKUP]["months_json_sampled"]
+    goals = {g["name"]: g["passed"] for g in base["goals"]}
+    assert goals["months_edit: full segserve vs prompt lookup only"] is True  # median 2.0x
+    assert goals["greedy outputs equal plain decoding's"] is False
+    # Every greedy output of the full system differs, in every round; sampled ones are not compared.
+    num_greedy = 1 + 1 + 3 + 1 + 3 + 3
+    assert {m["system"] for m in base["mismatches"]} == {SPEC} and len(base["mismatches"]) == 3 * num_greedy
+    assert set(base["output_sources"]) == set(EDIT_KINDS)
     printed = capsys.readouterr().out
-    assert "| code_edit |" in printed and "MISMATCH: segserve_spec" in printed
-    assert printed.index("| code_edit |") < printed.index("| structured |") < printed.index("| open_ended |")
+    assert "| months_edit |" in printed and "MISMATCH: round 1 segserve_spec" in printed
+    assert "2.00x (1.50-2.50)" in printed  # full vs lookup only: median (min-max)
 
 
-def test_every_system_is_warmed_up_before_its_measured_requests():
-    prompts = []
+def test_a_finetuned_model_runs_the_same_systems_side_by_side(tmp_path):
+    config = spec.SpecBenchConfig(max_tokens=4, kinds=("months_edit",), num_edits=2, rounds=2,
+                                  systems=(OFF, SEG_LOOKUP, SPEC), out=str(tmp_path))  # fmt: skip
+    seen = []
 
-    @contextlib.contextmanager
-    def recording():
-        yield lambda prompt, max_tokens: prompts.append((prompt, max_tokens)) or _request(max_tokens, 1.0)
+    def make(label, model_dir, out):
+        seen.append((label, str(model_dir), out.relative_to(tmp_path).as_posix()))
+        boost = 2.0 if label == "finetuned" else 1.0
+        return {OFF: _fake(10.0), SEG_LOOKUP: _fake(12.0), SPEC: _fake(18.0 * boost)}
 
-    workloads = build_workloads(kinds=("grounded",))
-    system = spec.run_system("x", recording, workloads, max_tokens=32)
-    assert prompts[:2] == [(spec.WARMUP_PROMPT, 16)] * 2 and prompts[2] == (workloads[0].prompts[0], 32)
-    assert list(system["workloads"]) == ["grounded"] and len(system["workloads"]["grounded"]) == 1
+    results = spec.run_benchmark(config, make, {"base": "/m/base", "finetuned": "/m/ft"}, tmp_path)
+    assert seen == [("base", "/m/base", "round-1/base"), ("finetuned", "/m/ft", "round-1/finetuned"),
+                    ("base", "/m/base", "round-2/base"), ("finetuned", "/m/ft", "round-2/finetuned")]
+    key = f"{SPEC}_vs_{SEG_LOOKUP}"
+    assert results["models"]["base"]["speedups"]["months_edit"][key]["median"] == pytest.approx(1.5)
+    assert results["models"]["finetuned"]["speedups"]["months_edit"][key]["median"] == pytest.approx(3.0)
+    assert "finetuned" not in results  # no "not measured" note when it was measured
+
+
+def test_every_system_is_warmed_up_then_sends_each_workloads_length_temperature_and_seed():
+    calls = []
+    workloads = build_workloads(kinds=("grounded", "months_json_sampled"), num_edits=2)
+    system = spec.run_system("x", _fake(10.0, calls=calls), workloads, max_tokens=32)
+    assert calls[:2] == [(spec.WARMUP_PROMPT, 16, 0.0, None)] * 2
+    assert calls[2] == (workloads[0].prompts[0], 32, 0.0, None)
+    sampled = workloads[1]
+    assert calls[3:] == [(prompt, sampled.max_tokens, 0.7, sampled.seed + i)
+                         for i, prompt in enumerate(sampled.prompts)]  # fmt: skip
+    assert list(system["workloads"]) == ["grounded", "months_json_sampled"]
 
 
 def test_a_system_that_fails_is_reported_and_the_rest_still_run(tmp_path, capsys):
-    config = spec.SpecBenchConfig(max_tokens=4, kinds=("grounded",), out=str(tmp_path))
-    factories = {PLAIN: _fake(10.0), LOOKUP: _fake(12.0), OFF: _fake(10.0), SPEC: _fake(1.0, fail=True)}
-    results = spec.run_benchmark(config, factories, tmp_path)
+    config = spec.SpecBenchConfig(max_tokens=4, kinds=("grounded",), rounds=1, out=str(tmp_path))
+    factories = {PLAIN: _fake(10.0), LOOKUP: _fake(12.0), OFF: _fake(10.0), SEG_LOOKUP: _fake(11.0),
+                 SPEC: _fake(1.0, fail=True)}  # fmt: skip
+    results = spec.run_benchmark(config, lambda label, model_dir, out: factories, {"base": "/m"}, tmp_path)
     spec.print_results(results)
-    assert "stack would not start" in results["systems"][SPEC]["error"]
-    assert results["speedups"]["grounded"][f"{LOOKUP}_vs_plain"] == pytest.approx(1.2)
-    assert {g["passed"] for g in results["goals"]} == {None}
+    block = results["models"]["base"]
+    assert block["errors"] == [{"round": 1, "system": SPEC, "error": "RuntimeError: stack would not start"}]
+    assert block["speedups"]["grounded"][f"{LOOKUP}_vs_plain"]["median"] == pytest.approx(1.2)
+    assert {g["passed"] for g in block["goals"] if g["name"].startswith("grounded")} == {None}
     assert "ERROR RuntimeError: stack would not start" in capsys.readouterr().out
+
+
+def test_lookup_only_segments_config_drafts_one_chain_from_the_request_and_never_learns(tmp_path):
+    from drafter.planner import DraftPlanner
+    from drafter.segments import load_segments
+    from drafter.state import RequestStates
+
+    config = spec_systems.stack_config(tmp_path / "m", "float32", "lookup", tmp_path / "logs")
+    assert config.is_speculative and config.drafter.segments_config
+    segments = load_segments(config.drafter.segments_config)  # no markers, so no tokenizer is needed
+    assert segments.kinds == () and segments.default.algorithm == "single_branch"
+    learned = []
+    states = RequestStates(segments, lambda name, token_ids: learned.append((name, list(token_ids))))
+    planner = DraftPlanner(segments)
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 6]
+    state = states.update("r", tokens, len(tokens), len(tokens))
+    tree, segment = planner.draft(state, max_nodes=16)
+    assert segment == "default" and list(tree.token_ids) == list(range(7, 17))  # the prompt's own continuation
+    assert all(depth == i + 1 for i, depth in enumerate(tree.depths))  # one chain
+    fence = [2717, 100, 2717]  # whatever markers the shipped config has, none is a segment here
+    states.update("r", fence, len(tokens) + 3, len(tokens))
+    assert learned == [] and planner.corpora["default"].propose(tokens + fence, 10, 8) == []
+    assert not spec_systems.stack_config(tmp_path / "m", "float32", "off", tmp_path / "o").is_speculative
+    full = spec_systems.stack_config(tmp_path / "m", "float32", "spec", tmp_path / "s")
+    assert full.is_speculative and full.drafter.segments_config is None  # the shipped segments config
+    with pytest.raises(ValueError, match="mode"):
+        spec_systems.stack_config(tmp_path / "m", "float32", "tree", tmp_path / "t")
 
 
 def test_hf_systems_on_the_tiny_model_run_to_max_tokens_and_agree(tiny_gemma3_dir):
@@ -218,13 +354,17 @@ def test_hf_systems_on_the_tiny_model_run_to_max_tokens_and_agree(tiny_gemma3_di
         got = lookup(prompt, 12)
     assert expected["num_tokens"] == got["num_tokens"] == 12  # EOS never ends a run early
     assert got["text"] == expected["text"] and expected["spec"] is None
+    with spec_systems.hf_system(tiny_gemma3_dir) as plain:
+        first, again = plain(prompt, 8, 0.7, 3), plain(prompt, 8, 0.7, 3)
+    assert first["num_tokens"] == 8 and first["text"] == again["text"]  # sampled, reproducible by its seed
 
 
 def test_cli_parses_bench_spec_and_the_config_validates():
-    args = build_parser().parse_args(["bench", "spec", "--max-tokens", "24", "--systems", "hf_plain,segserve_spec",
-                                      "--kinds", "grounded", "--out", "x"])  # fmt: skip
+    args = build_parser().parse_args(["bench", "spec", "--max-tokens", "24", "--systems", "hf_plain,segserve_lookup",
+                                      "--kinds", "grounded", "--out", "x", "--finetuned-model", "/ft"])  # fmt: skip
     config = spec.config_from_args(args)
-    assert config.systems == (PLAIN, SPEC) and config.kinds == ("grounded",) and config.max_tokens == 24
+    assert config.systems == (PLAIN, SEG_LOOKUP) and config.kinds == ("grounded",) and config.max_tokens == 24
+    assert config.finetuned_model == "/ft" and config.rounds == 3 and config.temperature == 0.7
     assert args.func.__name__ == "_bench_spec_command"
     with pytest.raises(ValueError):
         spec.SpecBenchConfig(systems=("vllm",))
@@ -232,4 +372,8 @@ def test_cli_parses_bench_spec_and_the_config_validates():
         spec.SpecBenchConfig(num_structured=1, num_structured_warmup=1)
     with pytest.raises(ValueError):
         spec.SpecBenchConfig(rounds=0)
-    assert spec.config_from_args(build_parser().parse_args(["bench", "spec", "--rounds", "3"])).rounds == 3
+    with pytest.raises(ValueError):
+        spec.SpecBenchConfig(num_edits=1)
+    with pytest.raises(ValueError):
+        spec.SpecBenchConfig(temperature=0.0)
+    assert spec.config_from_args(build_parser().parse_args(["bench", "spec", "--rounds", "5"])).rounds == 5

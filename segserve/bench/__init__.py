@@ -9,13 +9,17 @@ model and writes what it measured:
   the command line), `throughput.png` and a markdown table on stdout.
 
 `segserve bench spec` compares speculative decoding, in one run, against HF
-`generate()` plain and with prompt lookup on four workloads (code edit, grounded
-answer, repeated JSON records, open-ended text):
+`generate()` plain and with prompt lookup, and against segserve's own plain
+decoding and prompt lookup only (the same-engine ablation), on copy-from-prompt
+workloads (code edit, grounded answer, JSON records), open-ended text, repeated
+edits whose output recurs across requests but is in no prompt, and the edits
+sampled at T = 0.7; over several rounds, optionally on a fine-tuned model too:
 
-- in: a model directory, max_tokens, the structured workload's length and warm-up,
-  systems and kinds to run (CLI flags from `add_spec_args`);
-- out: `spec.json` (raw per-request numbers, scheduler spec counters, greedy
-  mismatches, command, machine), `spec.png`, a markdown table and the goals.
+- in: a model directory, max_tokens, workload sizes, systems and kinds to run,
+  rounds (CLI flags from `add_spec_args`);
+- out: `spec.json` (raw per-request numbers per round, the median and spread of
+  every number, scheduler spec counters and acceptance, greedy mismatches,
+  command, machine), `spec.png`, markdown tables and the goals.
 
 Modules: `spec_workloads` (prompts), `spec_systems` (HF and segserve adapters),
 `spec_report` (numbers, goals, table, plot), `spec` (orchestration).

@@ -1,15 +1,18 @@
-"""`segserve bench spec`: speculative decoding vs plain and prompt-lookup `generate()`, per workload.
+"""`segserve bench spec`: speculative decoding against plain decoding and prompt lookup, per workload.
 
-In one run, single stream, greedy, fixed max_tokens, EOS ignored: HF plain
-`generate()`, HF `generate(prompt_lookup_num_tokens=10)`, segserve with
-speculation off and on (each segserve system is a fresh local stack). Every
-system gets two short warm-up requests (a pattern that makes drafters propose
-trees), then every workload's prompts in order.
+One stream, fixed max_tokens per workload, EOS ignored. Systems: HF plain
+`generate()`, HF `generate(prompt_lookup_num_tokens=10)`, and on segserve's own
+engine plain decoding (spec off), prompt lookup only (no segment corpora, one
+chain) and full segserve (segment corpora learned online, trees): the last three
+are the same-engine ablation. Each segserve system is a fresh local stack. Every
+system gets two short warm-up requests, then every workload's prompts in order
+(edit workloads: earlier requests teach the drafter).
+The whole run repeats --rounds times (3 by default) with fresh systems; every
+number is reported as its median, min, max and per-round values. With
+--finetuned-model DIR every round runs the same systems on that model too.
 Outputs under --out: spec.json (every raw number, the command, the machine),
-spec.png, the services' logs; the markdown table and the goals are printed,
-greedy-output mismatches against HF plain loudly. With --rounds N > 1 the whole
-run repeats N times (round-<k>/ each) and speedup.json / speedup.png give each
-workload's speedup over plain generate() per round, its median and its spread.
+spec.png, round-<k>/<model>/spec.json and the services' logs; the markdown
+tables and the goals are printed, greedy-output mismatches loudly.
 """
 
 from __future__ import annotations
@@ -25,26 +28,34 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import spec_report as report
-from segserve.bench.spec_workloads import KINDS, WARMUP_PROMPT, Workload, build_workloads
+from segserve.bench.spec_workloads import EDIT_KINDS, KINDS, WARMUP_PROMPT, Workload, build_workloads
 
-SYSTEMS = (report.PLAIN, report.LOOKUP, report.OFF, report.SPEC)
+SYSTEMS = report.SYSTEMS
 SystemFactory = Callable[[], AbstractContextManager]
+MakeFactories = Callable[[str, Path, Path], dict[str, SystemFactory]]  # (model label, model dir, out) -> factories
 
 
 @dataclass
 class SpecBenchConfig:
     model: str | None = None
     """Model directory; None = the default gemma-3-270m. Every system runs this one."""
+    finetuned_model: str | None = None
+    """A fine-tuned checkpoint directory (`segserve finetune`): every round also runs the same systems on it,
+    reported side by side; None = no such comparison (spec.json says so)."""
     max_tokens: int = 64
-    """Tokens generated per request; EOS never ends a request early."""
+    """Tokens generated per request of the workloads without their own length; EOS never ends one early."""
     num_structured: int = 4
     """Requests of the structured workload, sent in order (the corpus learns from earlier ones)."""
     num_structured_warmup: int = 1
     """Leading structured requests left out of its steady-state numbers and goals."""
+    num_edits: int = 4
+    """Requests of each edit workload (different files, the same edit), in order; the first is a warm-up."""
+    temperature: float = 0.7
+    """Temperature of the sampled workloads."""
     systems: tuple[str, ...] = SYSTEMS
-    """Systems to run, a subset of hf_plain, hf_prompt_lookup, segserve_off, segserve_spec."""
+    """Systems to run, a subset of hf_plain, hf_prompt_lookup, segserve_off, segserve_lookup, segserve_spec."""
     kinds: tuple[str, ...] = KINDS
-    """Workload kinds to run, a subset of code_edit, grounded, structured, open_ended."""
+    """Workload kinds to run, a subset of spec_workloads.KINDS."""
     prompt_lookup_num_tokens: int = 10
     """prompt_lookup_num_tokens of the HF prompt-lookup system."""
     dtype: str = "auto"
@@ -54,10 +65,9 @@ class SpecBenchConfig:
     request_timeout_s: float = 600.0
     """Longest one segserve request may take."""
     out: str = "bench-results/spec"
-    """Directory for spec.json, spec.png and the services' logs."""
-    rounds: int = 1
-    """Whole runs, each with fresh systems; with more than one, each goes to round-<k>/ and speedup.png shows
-    the spread of each workload's speedup over the rounds."""
+    """Directory for spec.json, spec.png, the rounds' own JSON and the services' logs."""
+    rounds: int = 3
+    """Whole runs, each with fresh systems; every number is reported with its spread over them."""
 
     def __post_init__(self) -> None:
         self.systems, self.kinds = tuple(self.systems), tuple(self.kinds)
@@ -65,6 +75,10 @@ class SpecBenchConfig:
             raise ValueError("max_tokens and prompt_lookup_num_tokens must be >= 1")
         if not 0 <= self.num_structured_warmup < self.num_structured:
             raise ValueError("need 0 <= num_structured_warmup < num_structured")
+        if self.num_edits < 2:
+            raise ValueError("num_edits must be >= 2 (the first one is a warm-up)")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0")
         if not self.systems or set(self.systems) - set(SYSTEMS):
             raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}")
         if not self.kinds or set(self.kinds) - set(KINDS):
@@ -85,9 +99,15 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `segserve bench spec`, one per SpecBenchConfig field."""
     defaults = SpecBenchConfig()
     parser.add_argument("--model", default=defaults.model, help="model directory (default: gemma-3-270m)")
+    parser.add_argument("--finetuned-model", default=defaults.finetuned_model,
+                        help="fine-tuned checkpoint directory: the same systems run on it too, side by side")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--num-structured", type=int, default=defaults.num_structured)
     parser.add_argument("--num-structured-warmup", type=int, default=defaults.num_structured_warmup)
+    parser.add_argument("--num-edits", type=int, default=defaults.num_edits,
+                        help="requests per edit workload, the first a warm-up (default: 4)")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help="temperature of the sampled workloads (default: 0.7)")
     parser.add_argument("--systems", type=_names, default=defaults.systems, help="comma-separated: " + ",".join(SYSTEMS))
     parser.add_argument("--kinds", type=_names, default=defaults.kinds, help="comma-separated: " + ",".join(KINDS))
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=defaults.prompt_lookup_num_tokens)
@@ -96,25 +116,33 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
     parser.add_argument("--out", default=defaults.out, help="output directory (default: bench-results/spec)")
     parser.add_argument("--rounds", type=int, default=defaults.rounds,
-                        help="whole runs with fresh systems; > 1 adds speedup.png with the spread over rounds")
+                        help="whole runs with fresh systems; numbers are reported with their spread (default: 3)")
 
 
 def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
     return SpecBenchConfig(**{f.name: getattr(args, f.name) for f in fields(SpecBenchConfig)})
 
 
-def default_factories(config: SpecBenchConfig, model_dir: Path, out: Path) -> dict[str, SystemFactory]:
-    """The four real systems, started only when their turn comes."""
+def default_factories(config: SpecBenchConfig) -> MakeFactories:
+    """The real systems of one model and round, started only when their turn comes."""
     from segserve.bench.spec_systems import hf_system, segserve_system
 
     served = dict(startup_timeout_s=config.startup_timeout_s, request_timeout_s=config.request_timeout_s)
-    return {
-        report.PLAIN: lambda: hf_system(model_dir, config.dtype),
-        report.LOOKUP: lambda: hf_system(model_dir, config.dtype,
-                                         prompt_lookup_num_tokens=config.prompt_lookup_num_tokens),  # fmt: skip
-        report.OFF: lambda: segserve_system(model_dir, config.dtype, False, out / "logs-spec-off", **served),
-        report.SPEC: lambda: segserve_system(model_dir, config.dtype, True, out / "logs-spec-on", **served),
-    }
+
+    def make(label: str, model_dir: Path, out: Path) -> dict[str, SystemFactory]:
+        def segserve(mode: str) -> SystemFactory:
+            return lambda: segserve_system(model_dir, config.dtype, mode, out / f"logs-{mode}", **served)
+
+        return {
+            report.PLAIN: lambda: hf_system(model_dir, config.dtype),
+            report.LOOKUP: lambda: hf_system(model_dir, config.dtype,
+                                             prompt_lookup_num_tokens=config.prompt_lookup_num_tokens),  # fmt: skip
+            report.OFF: segserve("off"),
+            report.SEG_LOOKUP: segserve("lookup"),
+            report.SPEC: segserve("spec"),
+        }
+
+    return make
 
 
 def run_system(name: str, factory: SystemFactory, workloads: list[Workload], max_tokens: int) -> dict:
@@ -125,7 +153,10 @@ def run_system(name: str, factory: SystemFactory, workloads: list[Workload], max
             for _ in range(2):  # the first tree verifications are slow; none of them is measured
                 complete(WARMUP_PROMPT, min(16, max_tokens))
             for workload in workloads:
-                runs[workload.kind] = [complete(prompt, max_tokens) for prompt in workload.prompts]
+                length = workload.max_tokens or max_tokens
+                runs[workload.kind] = [complete(prompt, length, workload.temperature,
+                                                None if workload.is_greedy else workload.seed + index)
+                                       for index, prompt in enumerate(workload.prompts)]  # fmt: skip
                 rates = ", ".join(f"{r['num_tokens'] / r['wall_s']:.1f}" for r in runs[workload.kind])
                 print(f"[bench spec] {name} {workload.kind}: {rates} tok/s", file=sys.stderr, flush=True)
     except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
@@ -133,47 +164,94 @@ def run_system(name: str, factory: SystemFactory, workloads: list[Workload], max
     return {"name": name, "workloads": runs}
 
 
-def run_benchmark(config: SpecBenchConfig, factories: dict[str, SystemFactory], out: Path,
-                  header: dict | None = None) -> dict:  # fmt: skip
-    """Run every configured system, compute summaries/speedups/goals/mismatches, write JSON + PNG."""
-    workloads = build_workloads(config.num_structured, config.num_structured_warmup, config.kinds)
+def run_round(config: SpecBenchConfig, factories: dict[str, SystemFactory], workloads: list[Workload]) -> dict:
+    """Every configured system once on every workload: raw requests, summaries, speedups, mismatches."""
     warmup = {w.kind: w.num_warmup for w in workloads}
+    greedy = tuple(w.kind for w in workloads if w.is_greedy)
+    systems = {name: run_system(name, factories[name], workloads, config.max_tokens) for name in config.systems}
+    runs = {name: system["workloads"] for name, system in systems.items()}
+    summaries = {name: {kind: report.summarize(requests, warmup[kind]) for kind, requests in per.items()}
+                 for name, per in runs.items()}  # fmt: skip
+    texts = {name: {kind: [r["text"] for r in requests] for kind, requests in per.items()}
+             for name, per in runs.items()}  # fmt: skip
+    return {"systems": systems, "summaries": summaries, "speedups": report.speedups(summaries),
+            "mismatches": report.mismatches(texts, greedy), "loadavg_end": list(os.getloadavg())}  # fmt: skip
+
+
+def model_block(model_dir: str, rounds: list[dict], workloads: list[Workload]) -> dict:
+    """One model over every round: the spread of every summary and speedup, goals on the medians, every
+    mismatch (with its round), and where the edit workloads' greedy outputs come from (first round)."""
+    block = {"model": model_dir, "summaries": report.spread([r["summaries"] for r in rounds]),
+             "speedups": report.spread([r["speedups"] for r in rounds])}  # fmt: skip
+    block["mismatches"] = [{"round": k + 1, **m} for k, r in enumerate(rounds) for m in r["mismatches"]]
+    block["goals"] = report.evaluate_goals(report.medians(block["speedups"]), block["mismatches"])
+    systems = rounds[0]["systems"]
+    reference = next((s for s in (report.PLAIN, report.OFF) if s in systems), None)
+    block["output_sources"] = {}
+    for workload in workloads:
+        requests = systems[reference]["workloads"].get(workload.kind) if reference else None
+        if workload.kind in EDIT_KINDS and requests:
+            block["output_sources"][workload.kind] = report.output_sources(list(workload.prompts),
+                                                                           [r["text"] for r in requests])
+    block["errors"] = [{"round": k + 1, "system": name, "error": s["error"]}
+                       for k, r in enumerate(rounds) for name, s in r["systems"].items() if s.get("error")]
+    block["rounds"] = rounds
+    return block
+
+
+def run_benchmark(config: SpecBenchConfig, make_factories: MakeFactories, models: dict[str, str], out: Path,
+                  header: dict | None = None) -> dict:  # fmt: skip
+    """Every round runs every model's systems (models interleaved, so machine drift hits them alike); then the
+    spread, goals and mismatches per model; writes spec.json, spec.png and each round's JSON."""
+    from segserve.bench.report import write_json
+
+    workloads = build_workloads(config.num_structured, config.num_structured_warmup, config.kinds,
+                                config.num_edits, config.temperature)  # fmt: skip
+    rounds: dict[str, list[dict]] = {label: [] for label in models}
+    for k in range(config.rounds):
+        for label, model_dir in models.items():
+            round_out = out / f"round-{k + 1}" / label
+            print(f"[bench spec] round {k + 1}/{config.rounds}, {label} model", file=sys.stderr, flush=True)
+            result = run_round(config, make_factories(label, Path(model_dir), round_out), workloads)
+            write_json(round_out / "spec.json", {"round": k + 1, "model": model_dir, **result})
+            rounds[label].append(result)
     results = {"benchmark": "spec", **(header or {}), "config": asdict(config),
-               "workloads": [asdict(w) for w in workloads], "systems": {}}  # fmt: skip
-    for name in config.systems:
-        results["systems"][name] = run_system(name, factories[name], workloads, config.max_tokens)
-    runs = {name: system["workloads"] for name, system in results["systems"].items()}
-    results["summaries"] = {name: {kind: report.summarize(requests, warmup[kind]) for kind, requests in per.items()}
-                            for name, per in runs.items()}  # fmt: skip
-    results["speedups"] = report.speedups(results["summaries"])
-    results["goals"] = report.evaluate_goals(results["speedups"])
-    results["progression"] = {name: report.progression(per["structured"]) for name, per in runs.items()
-                              if "structured" in per}  # fmt: skip
-    texts = {name: {kind: [r["text"] for r in requests] for kind, requests in per.items()} for name, per in runs.items()}
-    results["mismatches"] = report.mismatches(texts)
+               "workloads": [asdict(w) for w in workloads],
+               "models": {label: model_block(models[label], rounds[label], workloads) for label in models}}  # fmt: skip
+    if "finetuned" not in models:
+        results["finetuned"] = "not measured: no --finetuned-model given"
     results["outputs"] = {"json": str(out / "spec.json"), "png": str(out / "spec.png")}
     out.mkdir(parents=True, exist_ok=True)
     report.plot(out / "spec.png", results)
-    from segserve.bench.report import write_json
-
     write_json(out / "spec.json", results)
     return results
 
 
 def print_results(results: dict) -> None:
-    print(report.markdown_table(results))
-    for system in results["systems"].values():
-        if system.get("error"):
-            print(f"\n{system['name']}: ERROR {system['error']}")
-    for item in results["mismatches"]:
-        print(f"\nMISMATCH: {item['system']} {item['kind']}[{item['index']}] differs from HF plain greedy at "
-              f"char {item['first_diff_char']}:\n  got      {item['got']!r}\n  expected {item['expected']!r}")
-    if not results["mismatches"]:
-        print("\ngreedy outputs: every compared output equals HF plain generate()")
+    for label, block in results["models"].items():
+        print(f"\n{label} model ({block['model']}), median (min-max) over {results['config']['rounds']} rounds:\n")
+        print(report.markdown_table(block))
+        for error in block["errors"]:
+            print(f"\nround {error['round']} {error['system']}: ERROR {error['error']}")
+        for item in block["mismatches"]:
+            print(f"\nMISMATCH: round {item['round']} {item['system']} {item['kind']}[{item['index']}] differs from "
+                  f"{item['reference']} at char {item['first_diff_char']}:\n  got      {item['got']!r}\n"
+                  f"  expected {item['expected']!r}")  # fmt: skip
+        if not block["mismatches"]:
+            print("\ngreedy outputs: every compared output equals plain decoding's")
+        for kind, sources in block["output_sources"].items():
+            shares = ", ".join(f"{name} {_percent(value)}" for name, value in sources["after_first"].items())
+            print(f"{kind} greedy output lines after the first request: {shares}")
+    if "finetuned" in results:
+        print(f"\nfine-tuned model: {results['finetuned']}")
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
 
 
 def run_spec(args: argparse.Namespace) -> dict:
-    """Run the whole benchmark; write spec.json + spec.png under --out, print the table, return the results."""
+    """Run the whole benchmark; write spec.json + spec.png under --out, print the tables, return the results."""
     from segserve.bench.peers import resolve_dtype
     from segserve.bench.throughput import machine_info
     from segserve.checkpoint import resolve_model
@@ -181,22 +259,17 @@ def run_spec(args: argparse.Namespace) -> dict:
     config = config_from_args(args)
     config.dtype = resolve_dtype(config.dtype)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    out = Path(config.out)
-    model_dir = resolve_model(config.model)
-    header = {"command": shlex.join(sys.argv), "model": str(model_dir), "machine": machine_info()}
+    models = {"base": str(resolve_model(config.model))}
+    if config.finetuned_model:
+        if not Path(config.finetuned_model, "config.json").is_file():
+            raise SystemExit(f"--finetuned-model {config.finetuned_model}: no config.json there (not a checkpoint)")
+        models["finetuned"] = config.finetuned_model
+    header = {"command": shlex.join(sys.argv), "model": models["base"], "machine": machine_info()}
+    results = run_benchmark(config, default_factories(config), models, Path(config.out), header)
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
     from segserve.bench.report import write_json
 
-    rounds = []
-    for k in range(config.rounds):
-        round_out = out if config.rounds == 1 else out / f"round-{k + 1}"
-        results = run_benchmark(config, default_factories(config, model_dir, round_out), round_out, header)
-        results["machine"]["loadavg_end"] = list(os.getloadavg())
-        write_json(round_out / "spec.json", results)
-        print_results(results)
-        rounds.append(results)
-    if config.rounds > 1:
-        spread = {"benchmark": "spec-rounds", **header, "speedups": report.speedup_spread(rounds)}
-        write_json(out / "speedup.json", spread)
-        report.plot_speedup_spread(out / "speedup.png", spread)
-        print(f"\nspeedup over {config.rounds} rounds: {out / 'speedup.png'}")
+    write_json(Path(config.out) / "spec.json", results)
+    print_results(results)
+    print(f"\n{results['outputs']['json']}, {results['outputs']['png']}")
     return results

@@ -1,15 +1,19 @@
 """Numbers, goals, table and plot of `segserve bench spec`; pure except the two writers.
 
 In: per system, per workload kind, a list of request dicts
-`{"num_tokens", "wall_s", "text", "spec": {counter deltas} | None}` (see spec.py).
+`{"num_tokens", "wall_s", "text", "spec": {counter deltas} | None}` (see spec.py),
+for every round (a whole run with fresh systems) and every model.
 Out: per-workload summaries (steady state = requests after the workload's
-warm-up), speedups, the issue's goals with pass/FAIL, greedy-equality
-mismatches, a markdown table and a PNG.
+warm-up), speedups, the median / min / max / values of every number over the
+rounds (`spread`), the goals with pass/FAIL (on medians), greedy-equality
+mismatches, where each edit output's lines come from (`output_sources`), a
+markdown table and a PNG.
 
 Tokens/s of a workload = generated tokens / summed request wall time (prompt
 processing included, the same for every system). Accepted tokens per step =
 generated tokens / scheduler steps (prefill included); accepted drafts per verify
-= accepted draft tokens / steps that verified a tree.
+= accepted draft tokens / steps that verified a tree; draft acceptance = accepted
+draft tokens / drafted tokens.
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from segserve.bench.spec_workloads import KINDS
+from segserve.bench.spec_workloads import EDIT_KINDS, KINDS
 
-PLAIN, LOOKUP, OFF, SPEC = "hf_plain", "hf_prompt_lookup", "segserve_off", "segserve_spec"
-SYSTEM_LABELS = {PLAIN: "HF generate()", LOOKUP: "HF prompt lookup (10)",
-                 OFF: "segserve, spec off", SPEC: "segserve, spec on"}  # fmt: skip
+PLAIN, LOOKUP, OFF = "hf_plain", "hf_prompt_lookup", "segserve_off"
+SEG_LOOKUP, SPEC = "segserve_lookup", "segserve_spec"
+SYSTEMS = (PLAIN, LOOKUP, OFF, SEG_LOOKUP, SPEC)
+SYSTEM_LABELS = {PLAIN: "HF generate()", LOOKUP: "HF prompt lookup (10)", OFF: "segserve, spec off",
+                 SEG_LOOKUP: "segserve, prompt lookup only", SPEC: "segserve, full"}  # fmt: skip
+# The same engine's plain decoding for each system: speedups within one engine.
+PLAIN_OF = {LOOKUP: PLAIN, SEG_LOOKUP: OFF, SPEC: OFF}
 SPEC_COUNTERS = ("num_steps", "num_verified", "num_draft_tokens", "num_accepted_tokens")
 
 # kind -> (minimum x plain, minimum x prompt lookup); "never slower than prompt lookup" = 1.0 at least.
@@ -31,6 +39,8 @@ GOALS = {
     "structured": (3.0, 1.2),
     "open_ended": (0.97, 1.0),
 }
+# Edit workloads: full segserve over prompt lookup only on the same engine (the segment corpora's own gain).
+EDIT_GOAL = 1.3
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -68,29 +78,41 @@ def progression(requests: list[dict]) -> list[dict]:
 
 
 def speedups(summaries: dict[str, dict[str, dict]]) -> dict[str, dict[str, float | None]]:
-    """summaries[system][kind] -> per kind: each system's steady tokens/s over plain and over prompt lookup."""
+    """summaries[system][kind] -> per kind: each system's steady tokens/s over HF plain, over its own engine's
+    plain decoding (`<system>_vs_own_plain`), full segserve over HF prompt lookup and over prompt lookup only."""
     measured = {kind for per_kind in summaries.values() for kind in per_kind}
     table = {}
     for kind in sorted(measured, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k)):
         rate = {system: (per_kind.get(kind) or {}).get("tokens_per_s") for system, per_kind in summaries.items()}
         row = {}
-        for system in (SPEC, OFF, LOOKUP):
+        for system in (SPEC, SEG_LOOKUP, OFF, LOOKUP):
             row[f"{system}_vs_plain"] = _ratio(rate.get(system), rate.get(PLAIN))
+        for system, plain in PLAIN_OF.items():
+            row[f"{system}_vs_own_plain"] = _ratio(rate.get(system), rate.get(plain))
         row[f"{SPEC}_vs_lookup"] = _ratio(rate.get(SPEC), rate.get(LOOKUP))
+        row[f"{SPEC}_vs_{SEG_LOOKUP}"] = _ratio(rate.get(SPEC), rate.get(SEG_LOOKUP))
         table[kind] = row
     return table
 
 
-def evaluate_goals(speedup_table: dict[str, dict]) -> list[dict]:
-    """The issue's goals for every measured kind; passed is None when a number is missing."""
+def evaluate_goals(speedup_table: dict[str, dict], mismatches: list[dict] | None = None) -> list[dict]:
+    """The goals for every measured kind (pass iff the number is at least the target; None when it is
+    missing), and greedy token-identity when `mismatches` is given."""
     goals = []
     for kind, (vs_plain, vs_lookup) in GOALS.items():
         if kind not in speedup_table:
             continue
         row = speedup_table[kind]
-        goals.append(_check(f"{kind}: spec on vs plain", f">= {vs_plain}x", row[f"{SPEC}_vs_plain"], vs_plain))
+        goals.append(_check(f"{kind}: spec on vs plain", f">= {vs_plain}x", row.get(f"{SPEC}_vs_plain"), vs_plain))
         goals.append(_check(f"{kind}: spec on vs prompt lookup", f">= {vs_lookup}x",
-                            row[f"{SPEC}_vs_lookup"], vs_lookup))  # fmt: skip
+                            row.get(f"{SPEC}_vs_lookup"), vs_lookup))  # fmt: skip
+    for kind in EDIT_KINDS:
+        if kind in speedup_table:
+            goals.append(_check(f"{kind}: full segserve vs prompt lookup only", f">= {EDIT_GOAL}x",
+                                speedup_table[kind].get(f"{SPEC}_vs_{SEG_LOOKUP}"), EDIT_GOAL))  # fmt: skip
+    if mismatches is not None:
+        goals.append({"name": "greedy outputs equal plain decoding's", "target": "0 mismatches",
+                      "measured": float(len(mismatches)), "passed": not mismatches})  # fmt: skip
     return goals
 
 
@@ -99,132 +121,164 @@ def _check(name: str, target: str, measured: float | None, threshold: float) -> 
     return {"name": name, "target": target, "measured": measured, "passed": passed}
 
 
-def mismatches(texts: dict[str, dict[str, list[str]]], reference: str = PLAIN) -> list[dict]:
-    """texts[system][kind] = outputs in order; every segserve output that differs from `reference`'s."""
+def mismatches(texts: dict[str, dict[str, list[str]]], greedy_kinds: tuple[str, ...] | None = None,
+               reference: str | None = None) -> list[dict]:  # fmt: skip
+    """texts[system][kind] = outputs in order; every output of a greedy kind (all kinds when None) that differs
+    from the reference's: HF plain generate(), else segserve's plain decoding."""
+    reference = reference or (PLAIN if PLAIN in texts else OFF)
     found = []
-    for system in (OFF, SPEC, LOOKUP):
+    for system in (OFF, SEG_LOOKUP, SPEC, LOOKUP):
+        if system == reference:
+            continue
         for kind, outputs in texts.get(system, {}).items():
+            if greedy_kinds is not None and kind not in greedy_kinds:
+                continue
             expected = texts.get(reference, {}).get(kind, [])
             for index, (got, want) in enumerate(zip(outputs, expected)):
                 if got != want:
                     at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                    found.append({"system": system, "kind": kind, "index": index, "first_diff_char": at,
-                                  "got": got, "expected": want})  # fmt: skip
+                    found.append({"system": system, "reference": reference, "kind": kind, "index": index,
+                                  "first_diff_char": at, "got": got, "expected": want})  # fmt: skip
     return found
+
+
+def output_sources(prompts: list[str], outputs: list[str]) -> dict:
+    """Where each output's lines come from, by characters: lines of its own prompt (prompt lookup can draft
+    them), lines only of earlier outputs of the workload (only a learned corpus can), and new lines. Per
+    request, and over the requests after the first."""
+    rows = []
+    for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+        prompt_lines = {line.strip() for line in prompt.splitlines()}
+        earlier = {line.strip() for out in outputs[:index] for line in out.splitlines()}
+        counts = {"in_prompt": 0, "in_earlier_outputs_only": 0, "new": 0}
+        for line in output.splitlines():
+            key = line.strip()
+            if not key:
+                continue
+            source = "in_prompt" if key in prompt_lines else "in_earlier_outputs_only" if key in earlier else "new"
+            counts[source] += len(key)
+        total = sum(counts.values())
+        rows.append({name: (count / total if total else None) for name, count in counts.items()})
+    later = [row for row in rows[1:] if row["new"] is not None]
+    mean = {name: (sum(row[name] for row in later) / len(later) if later else None) for name in rows[0]} if rows else {}
+    return {"per_request": rows, "after_first": mean}
+
+
+def spread(items: list):
+    """The rounds' values of one number -> {"values", "median", "min", "max"}; of nested dicts -> the same
+    structure with every number spread (keys missing or None in a round are left out of its values; text and
+    other leaves are dropped)."""
+    present = [item for item in items if item is not None]
+    if not present:
+        return None
+    if all(isinstance(item, (int, float)) and not isinstance(item, bool) for item in present):
+        values = sorted(present)
+        middle = len(values) // 2
+        median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+        return {"values": present, "median": median, "min": values[0], "max": values[-1]}
+    if all(isinstance(item, dict) for item in present):
+        keys = list(dict.fromkeys(key for item in present for key in item))
+        spread_of = {key: spread([item.get(key) for item in present]) for key in keys}
+        return {key: value for key, value in spread_of.items() if value is not None}
+    return None
+
+
+def medians(spread_table):
+    """The same structure as a `spread` result, with every number's median."""
+    if isinstance(spread_table, dict) and "median" in spread_table and "values" in spread_table:
+        return spread_table["median"]
+    if isinstance(spread_table, dict):
+        return {key: medians(value) for key, value in spread_table.items()}
+    return spread_table
 
 
 def _fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def markdown_table(results: dict) -> str:
-    """One row per workload: tokens/s per system, speedups and accepted tokens per step; then the goals."""
-    summaries, table = results["summaries"], results["speedups"]
-    systems = [s for s in (PLAIN, LOOKUP, OFF, SPEC) if s in summaries]
-    header = ["workload", *(f"{SYSTEM_LABELS[s]} tok/s" for s in systems),
-              "spec vs plain", "spec vs PL", "off vs plain", "tokens/step (spec)", "accepted/verify"]  # fmt: skip
+def _fmt_spread(entry: dict | None, digits: int = 2, suffix: str = "") -> str:
+    """median (min-max) of a `spread` entry; the median alone for one round."""
+    if not entry:
+        return "n/a"
+    median = _fmt(entry["median"], digits, suffix)
+    if len(entry["values"]) < 2:
+        return median
+    return f"{median} ({entry['min']:.{digits}f}-{entry['max']:.{digits}f})"
+
+
+def markdown_table(block: dict) -> str:
+    """One model's rows, one per workload: median (min-max over the rounds) tokens/s per system, the speedups
+    of the ablation, draft acceptance and tokens per step; then the goals (on medians)."""
+    summaries, table = block["summaries"], block["speedups"]
+    systems = [s for s in SYSTEMS if s in summaries]
+    header = ["workload", *(f"{SYSTEM_LABELS[s]} tok/s" for s in systems), "full vs lookup only",
+              "full vs spec off", "lookup only vs spec off", "full vs HF PL", "acceptance lookup only / full",
+              "tokens/step full"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for kind, row in table.items():
-        spec = summaries.get(SPEC, {}).get(kind, {})
-        cells = [kind, *(_fmt(summaries[s].get(kind, {}).get("tokens_per_s"), 1) for s in systems),
-                 _fmt(row[f"{SPEC}_vs_plain"], suffix="x"), _fmt(row[f"{SPEC}_vs_lookup"], suffix="x"),
-                 _fmt(row[f"{OFF}_vs_plain"], suffix="x"), _fmt(spec.get("tokens_per_step")),
-                 _fmt(spec.get("accepted_per_verify"))]  # fmt: skip
+        acceptance = [summaries.get(s, {}).get(kind, {}).get("draft_acceptance") for s in (SEG_LOOKUP, SPEC)]
+        cells = [kind, *(_fmt_spread(summaries[s].get(kind, {}).get("tokens_per_s"), 1) for s in systems),
+                 _fmt_spread(row.get(f"{SPEC}_vs_{SEG_LOOKUP}"), suffix="x"),
+                 _fmt_spread(row.get(f"{SPEC}_vs_own_plain"), suffix="x"),
+                 _fmt_spread(row.get(f"{SEG_LOOKUP}_vs_own_plain"), suffix="x"),
+                 _fmt_spread(row.get(f"{SPEC}_vs_lookup"), suffix="x"),
+                 " / ".join(_fmt_spread(a) for a in acceptance),
+                 _fmt_spread(summaries.get(SPEC, {}).get(kind, {}).get("tokens_per_step"))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
-    for goal in results["goals"]:
+    lines += ["", "| goal | target | measured (median) | result |", "|---|---|---:|---|"]
+    for goal in block["goals"]:
         verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
-        lines.append(f"| {goal['name']} | {goal['target']} | {_fmt(goal['measured'], suffix='x')} | {verdict} |")
+        lines.append(f"| {goal['name']} | {goal['target']} | {_fmt(goal['measured'])} | {verdict} |")
     return "\n".join(lines)
 
 
-def plot(path: Path, results: dict) -> Path:
-    """Left: steady tokens/s per workload and system (bars). Right: spec-on progression over requests."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summaries = results["summaries"]
-    kinds = list(results["speedups"])
-    systems = [s for s in (PLAIN, LOOKUP, OFF, SPEC) if s in summaries]
-    fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / max(1, len(systems))
-    for offset, system in enumerate(systems):
-        ys = [summaries[system].get(kind, {}).get("tokens_per_s") for kind in kinds]
-        xs = [i + offset * width for i in range(len(kinds))]
-        bars.bar(xs, [math.nan if y is None else y for y in ys], width, label=SYSTEM_LABELS[system])
-    bars.set_xticks([i + 0.4 - width / 2 for i in range(len(kinds))], kinds)
-    bars.set_ylabel("tokens/s (single stream, greedy)")
-    bars.legend(fontsize=8)
-    for system in (SPEC, OFF):
-        rows = results.get("progression", {}).get(system, [])
-        if rows:
-            ys = [math.nan if r["tokens_per_s"] is None else r["tokens_per_s"] for r in rows]
-            lines.plot([r["index"] for r in rows], ys, marker="o", label=SYSTEM_LABELS[system])
-            lines.set_xticks([r["index"] for r in rows])
-    lines.set_title("structured: tokens/s per request, in order")
-    lines.set_xlabel("request")
-    lines.grid(True, alpha=0.3)
-    if lines.get_legend_handles_labels()[0]:
-        lines.legend(fontsize=8)
-    fig.suptitle(f"segserve bench spec: {results.get('model', '')}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def speedup_spread(rounds: list[dict]) -> dict[str, dict[str, dict]]:
-    """Per workload kind and system: its speedup over plain generate() in every round, median, min and max."""
-    table: dict[str, dict[str, dict]] = {}
-    for results in rounds:
-        for kind, row in results["speedups"].items():
-            for system in (SPEC, OFF, LOOKUP):
-                value = row.get(f"{system}_vs_plain")
-                if value is not None:
-                    table.setdefault(kind, {}).setdefault(system, {"values": []})["values"].append(value)
-    for per_system in table.values():
-        for entry in per_system.values():
-            values = sorted(entry["values"])
-            middle = len(values) // 2
-            entry["median"] = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-            entry["min"], entry["max"] = values[0], values[-1]
-    return table
-
-
-def plot_speedup_spread(path: Path, spread: dict) -> Path:
-    """Bars: median speedup over plain generate() per workload and system; whiskers: min to max over the
-    rounds; dots: each round."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = spread["speedups"]
-    kinds = list(table)
-    systems = [s for s in (LOOKUP, OFF, SPEC) if any(s in table[k] for k in kinds)]
-    fig, axes = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / max(1, len(systems))
-    for offset, system in enumerate(systems):
-        for i, kind in enumerate(kinds):
-            entry = table[kind].get(system)
-            if entry is None:
+def _bars(axes, groups: list[str], series: list[tuple[str, list[dict | None]]]) -> None:
+    """Grouped bars: each series' median per group, min-max whiskers and a dot per round."""
+    width = 0.8 / max(1, len(series))
+    for offset, (label, entries) in enumerate(series):
+        for i, entry in enumerate(entries):
+            if not entry:
                 continue
             x = i + offset * width
-            axes.bar(x, entry["median"], width, color=f"C{offset}", label=SYSTEM_LABELS[system] if i == 0 else None)
+            axes.bar(x, entry["median"], width, color=f"C{offset}", label=label if label else None)
+            label = ""  # one legend entry per series
             whiskers = [[entry["median"] - entry["min"]], [entry["max"] - entry["median"]]]
             axes.errorbar(x, entry["median"], yerr=whiskers, color="black", capsize=4)
             axes.scatter([x] * len(entry["values"]), entry["values"], color="black", s=10, zorder=3)
+    axes.set_xticks([i + (len(series) - 1) * width / 2 for i in range(len(groups))], groups, rotation=20,
+                    ha="right", fontsize=8)  # fmt: skip
     axes.axhline(1.0, color="gray", linewidth=1, linestyle="--")
-    axes.set_xticks([i + (len(systems) - 1) * width / 2 for i in range(len(kinds))], kinds)
-    axes.set_ylabel("speedup over HF generate() (x)")
-    num_rounds = max((len(e["values"]) for per in table.values() for e in per.values()), default=0)
-    axes.set_title(f"single stream, greedy: median, min-max and each of {num_rounds} rounds")
-    axes.legend(fontsize=8)
     axes.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"segserve bench spec: {Path(spread.get('model', '')).name}")
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize=8)
+
+
+def plot(path: Path, results: dict) -> Path:
+    """Left: each speculative system's speedup over its own engine's plain decoding per workload (first
+    model). Right: full segserve over prompt lookup only on the same engine, per workload and model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = results["models"]
+    first = next(iter(models.values()))
+    kinds = list(first["speedups"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    _bars(left, kinds, [(f"{SYSTEM_LABELS[s]} vs {SYSTEM_LABELS[PLAIN_OF[s]]}",
+                         [first["speedups"][k].get(f"{s}_vs_own_plain") for k in kinds])
+                        for s in (LOOKUP, SEG_LOOKUP, SPEC) if any(f"{s}_vs_own_plain" in first["speedups"][k]
+                                                                   for k in kinds)])  # fmt: skip
+    left.set_ylabel("speedup over the same engine's plain decoding (x)")
+    left.set_title(f"{Path(first.get('model', '')).name}: median, min-max and each round", fontsize=10)
+    _bars(right, kinds, [(f"{label}: {Path(block.get('model', '')).name}",
+                          [block["speedups"].get(k, {}).get(f"{SPEC}_vs_{SEG_LOOKUP}") for k in kinds])
+                         for label, block in models.items()])  # fmt: skip
+    right.axhline(EDIT_GOAL, color="red", linewidth=1, linestyle=":")
+    right.set_ylabel("full segserve / prompt lookup only (x)")
+    right.set_title(f"segment corpora's own gain (goal on edit workloads: {EDIT_GOAL}x)", fontsize=10)
+    num_rounds = results.get("config", {}).get("rounds", "")
+    fig.suptitle(f"segserve bench spec, single stream, {num_rounds} rounds")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -1,13 +1,18 @@
-"""The systems `segserve bench spec` compares, each behind one call: (prompt, max_tokens) -> request dict.
+"""The systems `segserve bench spec` compares, each behind one call: (prompt, max_tokens, ...) -> request dict.
 
 - `hf_system(model_dir, dtype, **generate_kwargs)`: in-process `model.generate`
-  (greedy, EOS never stops it); plain, or with `prompt_lookup_num_tokens=10`.
-- `segserve_system(model_dir, dtype, is_speculative, ...)`: a whole local stack
+  (EOS never stops it); plain, or with `prompt_lookup_num_tokens=10`.
+- `segserve_system(model_dir, dtype, mode, ...)`: a whole local stack
   (`segserve.launcher.Stack`), non-streamed `POST /v1/completions` with
   `ignore_eos`, and the scheduler's GetStats counters read around every request.
+  Modes: "off" (plain decoding, no drafter), "lookup" (prompt lookup only: the
+  drafter gets LOOKUP_ONLY_SEGMENTS, so it drafts one chain from the request's
+  own prompt and output and never learns a corpus) and "spec" (the shipped
+  segments config: segment corpora learned online, trees).
 
-Each is a context manager factory yielding `complete(prompt, max_tokens) ->
-{"num_tokens", "wall_s", "text", "spec"}` (spec: counter deltas, or None).
+Each is a context manager factory yielding `complete(prompt, max_tokens,
+temperature=0.0, seed=None) -> {"num_tokens", "wall_s", "text", "spec"}` (spec:
+counter deltas, or None).
 """
 
 from __future__ import annotations
@@ -22,12 +27,27 @@ import httpx
 
 from segserve.bench.spec_report import SPEC_COUNTERS
 
-Complete = Callable[[str, int], dict]
+Complete = Callable[..., dict]
+SEGSERVE_MODES = ("off", "lookup", "spec")
+
+# Prompt lookup only, on the same engine: no segment kinds, so the tracker never leaves the default segment,
+# no segment ever closes and nothing is learned; the default segment's corpus stays empty (and is capped at one
+# node besides); one chain of up to 10 tokens from the request's own history, as HF's prompt_lookup_num_tokens=10.
+LOOKUP_ONLY_SEGMENTS = """\
+# Written by segserve bench spec: prompt lookup only (the request's own tokens), no corpora, no trees.
+[default]
+algorithm = "single_branch"
+max_nodes = 10
+max_depth = 10
+max_candidates = 1
+corpus = { max_entries = 1, max_depth = 2, max_key = 1, min_key = 1, decay = 0.5 }
+"""
 
 
 @contextlib.contextmanager
 def hf_system(model_dir: Path, dtype: str = "float32", **generate_kwargs) -> Iterator[Complete]:
-    """Single-stream greedy `generate()`; `generate_kwargs` e.g. prompt_lookup_num_tokens=10."""
+    """Single-stream `generate()`, greedy unless a call's temperature > 0; `generate_kwargs` e.g.
+    prompt_lookup_num_tokens=10."""
     import torch
 
     from segserve.bench.peers import load_model
@@ -38,10 +58,13 @@ def hf_system(model_dir: Path, dtype: str = "float32", **generate_kwargs) -> Ite
     config.pad_token_id = tokenizer.pad_token_id
     config.do_sample = False
 
-    def complete(prompt: str, max_tokens: int) -> dict:
+    def complete(prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> dict:
         encoded = tokenizer(prompt, return_tensors="pt").to(model.device)  # input_ids: [1, L]
         call_config = copy.deepcopy(config)  # one config object: generate() deprecates config + kwargs
         call_config.update(max_new_tokens=max_tokens, **generate_kwargs)
+        if temperature > 0:  # plain temperature sampling, as segserve's defaults (no top-k / top-p)
+            call_config.update(do_sample=True, temperature=temperature, top_k=None, top_p=1.0)
+            torch.manual_seed(seed or 0)
         started_at = time.perf_counter()
         with torch.inference_mode():
             output = model.generate(**encoded, generation_config=call_config)  # output: [1, L + T]
@@ -81,36 +104,58 @@ def counter_delta(before: dict, after: dict) -> dict:
     return delta
 
 
+def stack_config(model_dir: Path, dtype: str, mode: str, log_dir: Path, startup_timeout_s: float = 300.0):
+    """The StackConfig of one segserve system; mode "lookup" writes LOOKUP_ONLY_SEGMENTS under log_dir."""
+    from drafter.config import DrafterConfig
+    from router.config import RouterConfig
+    from scheduler.config import SchedulerConfig
+    from segserve.launcher import StackConfig, free_port
+    from worker.config import WorkerConfig
+
+    if mode not in SEGSERVE_MODES:
+        raise ValueError(f"mode must be one of {SEGSERVE_MODES}, got {mode!r}")
+    drafter = DrafterConfig(port=0)
+    if mode == "lookup":
+        log_dir.mkdir(parents=True, exist_ok=True)
+        segments = log_dir / "segments-lookup-only.toml"
+        segments.write_text(LOOKUP_ONLY_SEGMENTS)
+        drafter = DrafterConfig(port=0, segments_config=str(segments))
+    return StackConfig(
+        worker=WorkerConfig(model=str(model_dir), dtype=dtype, port=0),
+        scheduler=SchedulerConfig(port=0),
+        router=RouterConfig(port=free_port(), grpc_port=0),  # 0: the launcher picks
+        drafter=drafter,
+        is_speculative=mode != "off",
+        startup_timeout_s=startup_timeout_s,
+        log_dir=str(log_dir),
+    )
+
+
 @contextlib.contextmanager
-def segserve_system(model_dir: Path, dtype: str, is_speculative: bool, log_dir: Path,
+def segserve_system(model_dir: Path, dtype: str, mode: str, log_dir: Path,
                     startup_timeout_s: float = 300.0, request_timeout_s: float = 600.0) -> Iterator[Complete]:  # fmt: skip
     """A fresh local stack (fresh corpora too), measured one request at a time."""
     import grpc
 
     from protos.segserve.v1 import scheduler_pb2_grpc
-    from router.config import RouterConfig
-    from scheduler.config import SchedulerConfig
-    from segserve.launcher import Stack, StackConfig, free_port
-    from worker.config import WorkerConfig
+    from segserve.launcher import Stack
 
-    stack_config = StackConfig(
-        worker=WorkerConfig(model=str(model_dir), dtype=dtype, port=0),
-        scheduler=SchedulerConfig(port=0),
-        router=RouterConfig(port=free_port(), grpc_port=0),  # 0: the launcher picks
-        is_speculative=is_speculative,
-        startup_timeout_s=startup_timeout_s,
-        log_dir=str(log_dir),
-    )
-    with Stack(stack_config) as stack, grpc.insecure_channel(stack.config.router.scheduler_address) as channel:
+    config = stack_config(model_dir, dtype, mode, log_dir, startup_timeout_s)
+    with Stack(config) as stack, grpc.insecure_channel(stack.config.router.scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         # trust_env=False: a proxy configured for package registries must never see loopback traffic.
         with httpx.Client(base_url=stack.base_url, timeout=request_timeout_s, trust_env=False) as client:
-            yield lambda prompt, max_tokens: complete_http(client, stub, prompt, max_tokens)
+            yield lambda prompt, max_tokens, temperature=0.0, seed=None: complete_http(
+                client, stub, prompt, max_tokens, temperature, seed)
 
 
-def complete_http(client: httpx.Client, stub, prompt: str, max_tokens: int) -> dict:
-    """One greedy completion, EOS ignored; `stub` (a SchedulerStub or None) gives the counter deltas."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+def complete_http(client: httpx.Client, stub, prompt: str, max_tokens: int, temperature: float = 0.0,
+                  seed: int | None = None) -> dict:  # fmt: skip
+    """One completion, EOS ignored, greedy or sampled with `seed`; `stub` (a SchedulerStub or None) gives the
+    counter deltas."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
+    if temperature > 0 and seed is not None:
+        body["seed"] = seed
     before = read_counters(stub) if stub else None
     started_at = time.perf_counter()
     response = client.post("/v1/completions", json=body)
