@@ -15,6 +15,7 @@
     segserve bench spec            speculative decoding vs generate() and prompt lookup (JSON + PNG)
     segserve bench reflow          router latency with data reflow on vs off, consumer chunks/s (JSON + PNG)
     segserve bench prefix          multi-turn chat TTFT with prefix caching on vs off (JSON + PNG)
+    segserve bench router          the router's own CPU time per streamed token, model-free (JSON + PNG)
     segserve bench engine          one engine step split into schedule, metadata, forward, sample,
                                    draft and output, in-process, per batch size (JSON + PNG)
 """
@@ -257,6 +258,13 @@ def _bench_reflow_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_router_command(args: argparse.Namespace) -> int:
+    from segserve.bench.router_cpu import run_router
+
+    run_router(args)
+    return 0
+
+
 def _bench_engine_command(args: argparse.Namespace) -> int:
     from segserve.bench.engine import run_engine
 
@@ -378,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_args(engine_bench)
     engine_bench.set_defaults(func=_bench_engine_command)
+    router_bench = benches.add_parser("router", help="the router's own CPU time per streamed token, model-free")
+    from segserve.bench.router_cpu import add_router_args
+
+    add_router_args(router_bench)
+    router_bench.set_defaults(func=_bench_router_command)
     return parser
 
 

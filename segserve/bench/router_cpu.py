@@ -1,0 +1,297 @@
+"""`segserve bench router`: the router's own CPU time per streamed token, model-free.
+
+On a small CPU machine the router, the scheduler and the worker share the cores,
+so every millisecond of CPU the router spends per token is taken from the
+worker. Wall-clock latency differences (`bench throughput --router-overhead`)
+drown that in the model's noise; CPU time does not: this bench counts the CPU
+seconds (user + system, all threads) of the router process alone, over a known
+number of delivered tokens.
+
+Setup: the paced scheduler (`paced_scheduler.py`, its own process, a token every
+--token-interval-ms to every stream, one token per chunk as plain decoding
+sends them, no model) behind one real router process (`segserve router`, HTTP
+only, reflow off); the load generator runs in this process. Per round and per
+endpoint (/v1/completions, /v1/chat/completions): --concurrency closed-loop SSE
+streams of --max-tokens tokens each (stream_options.include_usage), with the
+router's CPU times read (psutil) just before and after. Endpoints alternate
+which goes first from round to round.
+
+Reported per endpoint: CPU ms per token (router CPU seconds / completion tokens
+of the usage chunks), the median and spread over rounds, SSE events per token (1.0 when the
+router kept up with the pace; lower when it merged chunks that piled up, which
+lowers its cost per token: a run is only comparable with one at the same ratio),
+and wall time. Outputs go to --out: router.json (every round, the command, the
+machine), router.png, the services' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from segserve.bench import loadgen, report
+from segserve.bench.throughput import PROMPTS
+
+ENDPOINTS = ("completions", "chat")
+_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class RouterBenchConfig:
+    model: str | None = None
+    """Tokenizer's model directory for the router and the paced scheduler; None = the default gemma-3-270m."""
+    concurrency: int = 64
+    """Concurrent SSE streams."""
+    max_tokens: int = 128
+    """Tokens per request (the paced scheduler always sends exactly this many)."""
+    requests_per_stream: int = 1
+    """Requests each stream sends back to back per round and endpoint."""
+    rounds: int = 5
+    """Rounds; each runs every endpoint once, alternating which goes first."""
+    token_interval_ms: float = 50.0
+    """The paced scheduler's time per token, per stream."""
+    request_timeout_s: float = 120.0
+    """Longest one request may take."""
+    startup_timeout_s: float = 120.0
+    """Longest a service may take to become ready."""
+    out: str = "bench-results/router"
+    """Directory for router.json, router.png and the services' logs."""
+
+    def __post_init__(self) -> None:
+        if min(self.concurrency, self.max_tokens, self.requests_per_stream, self.rounds) <= 0:
+            raise ValueError("concurrency, max_tokens, requests_per_stream and rounds must be > 0")
+        if min(self.token_interval_ms, self.request_timeout_s, self.startup_timeout_s) <= 0:
+            raise ValueError("token_interval_ms and the timeouts must be > 0")
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `segserve bench router`, one per RouterBenchConfig field."""
+    d = RouterBenchConfig()
+    parser.add_argument("--model", default=d.model, help="tokenizer's model directory (default: gemma-3-270m)")
+    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="concurrent streams")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    parser.add_argument("--requests-per-stream", type=int, default=d.requests_per_stream)
+    parser.add_argument("--rounds", type=int, default=d.rounds, help="rounds, each over every endpoint")
+    parser.add_argument("--token-interval-ms", type=float, default=d.token_interval_ms,
+                        help="the paced scheduler's time per token")
+    parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
+    parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+    parser.add_argument("--out", default=d.out, help="output directory (default: bench-results/router)")
+
+
+def request_body(endpoint: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy request of `endpoint` asking for the usage chunk."""
+    body = {"max_tokens": max_tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+@dataclass
+class StreamCount:
+    """What one streamed request delivered."""
+
+    num_events: int = 0
+    """SSE data events with text (completions' `text`, chat's `delta.content`)."""
+    num_tokens: int = 0
+    """usage.completion_tokens."""
+    error: str | None = None
+
+
+def count_event(count: StreamCount, event: dict) -> None:
+    if "error" in event:
+        count.error = f"error event: {event['error']}"
+        return
+    for choice in event.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            count.num_events += 1
+    usage = event.get("usage")
+    if usage and usage.get("completion_tokens") is not None:
+        count.num_tokens = int(usage["completion_tokens"])
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, count: StreamCount) -> None:
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            count.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+            return
+        async for line in response.aiter_lines():
+            event = loadgen.parse_sse_line(line)
+            if event is not None:
+                count_event(count, event)
+
+
+async def run_streams(base_url: str, endpoint: str, config: RouterBenchConfig, max_tokens: int | None = None,
+                      concurrency: int | None = None) -> list[StreamCount]:
+    """`concurrency` closed-loop streams of `endpoint`, `requests_per_stream` requests each."""
+    concurrency = concurrency or config.concurrency
+    url = base_url.rstrip("/") + _PATHS[endpoint]
+    counts: list[StreamCount] = []
+    async with loadgen.make_client(concurrency, config.request_timeout_s) as client:
+
+        async def stream(index: int) -> None:
+            for round_index in range(config.requests_per_stream):
+                count = StreamCount()
+                counts.append(count)
+                body = request_body(endpoint, PROMPTS[(index + round_index * concurrency) % len(PROMPTS)],
+                                    max_tokens or config.max_tokens)
+                try:
+                    await asyncio.wait_for(_stream(client, url, body, count), config.request_timeout_s)
+                except (asyncio.TimeoutError, httpx.HTTPError, json.JSONDecodeError) as exc:
+                    count.error = f"{type(exc).__name__}: {exc}"
+
+        await asyncio.gather(*(stream(i) for i in range(concurrency)))
+    return counts
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads) so far."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def measure_level(base_url: str, router_pid: int, endpoint: str, config: RouterBenchConfig) -> dict:
+    """One endpoint's streams, with the router's CPU time around them."""
+    cpu_before, wall_before = cpu_seconds(router_pid), time.perf_counter()
+    counts = asyncio.run(run_streams(base_url, endpoint, config))
+    wall_s, cpu_s = time.perf_counter() - wall_before, cpu_seconds(router_pid) - cpu_before
+    num_tokens = sum(c.num_tokens for c in counts)
+    num_events = sum(c.num_events for c in counts)
+    errors = [c.error for c in counts if c.error]
+    return {"endpoint": endpoint, "num_requests": len(counts), "num_errors": len(errors), "errors": errors[:5],
+            "num_tokens": num_tokens, "num_events": num_events, "router_cpu_s": cpu_s, "wall_s": wall_s,
+            "cpu_ms_per_token": 1000 * cpu_s / num_tokens if num_tokens else None,
+            "events_per_token": num_events / num_tokens if num_tokens else None,
+            "router_cpu_share": cpu_s / wall_s if wall_s > 0 else None}
+
+
+def summarize(levels: list[dict]) -> dict:
+    """Median and spread over rounds of one endpoint's per-round figures."""
+    per_token = [lv["cpu_ms_per_token"] for lv in levels if lv["cpu_ms_per_token"] is not None]
+    events = [lv["events_per_token"] for lv in levels if lv["events_per_token"] is not None]
+    return {"cpu_ms_per_token_median": statistics.median(per_token) if per_token else None,
+            "cpu_ms_per_token_min": min(per_token, default=None),
+            "cpu_ms_per_token_max": max(per_token, default=None),
+            "cpu_ms_per_token_rounds": per_token,
+            "events_per_token_median": statistics.median(events) if events else None,
+            "num_tokens": sum(lv["num_tokens"] for lv in levels),
+            "num_errors": sum(lv["num_errors"] for lv in levels)}
+
+
+def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path) -> dict:
+    """Start the paced scheduler and the router, warm up, run the rounds, stop them."""
+    from segserve.bench.reflow import _router_argv, _spawn, _stop, _wait_ready
+    from segserve.launcher import free_port
+
+    scheduler_address = f"127.0.0.1:{free_port()}"
+    scheduler = _spawn("paced-scheduler", ["segserve.bench.paced_scheduler", "--model", str(model_dir), "--port",
+                                           scheduler_address.rpartition(":")[2], "--token-interval-ms",
+                                           str(config.token_interval_ms)], scheduler_address, log_dir)
+    services = [scheduler]
+    try:
+        deadline = time.monotonic() + config.startup_timeout_s
+        _wait_ready(scheduler, deadline, log_dir)
+        port = free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        services.append(_spawn("router", _router_argv(model_dir, scheduler_address, port), base_url, log_dir))
+        _wait_ready(services[1], deadline, log_dir)
+        router_pid = services[1].process.pid
+        for endpoint in ENDPOINTS:  # warm-up: imports, first-call caches, connections
+            asyncio.run(run_streams(base_url, endpoint, config, max_tokens=8))
+        rounds = []
+        for index in range(config.rounds):
+            order = ENDPOINTS if index % 2 == 0 else ENDPOINTS[::-1]
+            result = {"order": list(order)}
+            for endpoint in order:
+                result[endpoint] = measure_level(base_url, router_pid, endpoint, config)
+            print(f"[bench router] round {index + 1}: " + ", ".join(
+                f"{e} {result[e]['cpu_ms_per_token'] or 0:.3f} CPU ms/token "
+                f"({result[e]['events_per_token'] or 0:.2f} events/token)" for e in ENDPOINTS),
+                file=sys.stderr, flush=True)
+            rounds.append(result)
+    finally:
+        _stop(services[::-1])
+    return {"rounds": rounds, "scheduler_address": scheduler_address, "router_url": base_url}
+
+
+def markdown_table(results: dict) -> str:
+    config = results["config"]
+    lines = [f"| endpoint ({config['concurrency']} streams x {config['max_tokens']} tokens) | router CPU ms/token, "
+             f"median | min | max | SSE events/token | tokens | errors |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for endpoint, summary in results["endpoints"].items():
+        lines.append(f"| /v1/{'chat/' if endpoint == 'chat' else ''}completions "
+                     f"| {_fmt(summary['cpu_ms_per_token_median'])} | {_fmt(summary['cpu_ms_per_token_min'])} "
+                     f"| {_fmt(summary['cpu_ms_per_token_max'])} | {_fmt(summary['events_per_token_median'], 2)} "
+                     f"| {summary['num_tokens']} | {summary['num_errors']} |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def plot(path: Path, results: dict) -> Path:
+    """Router CPU ms per token per round, one series per endpoint (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7, 4))
+    for color, (endpoint, summary) in enumerate(results["endpoints"].items()):
+        values = summary["cpu_ms_per_token_rounds"]
+        axis.plot(range(1, len(values) + 1), values, marker="o", color=f"C{color}", label=_PATHS[endpoint])
+    axis.set_xlabel("round")
+    axis.set_ylabel("router CPU ms per token")
+    axis.set_ylim(bottom=0)
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+    config = results["config"]
+    axis.set_title(f"segserve bench router: {config['concurrency']} streams, a token every "
+                   f"{config['token_interval_ms']:g} ms")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_router(args: argparse.Namespace) -> dict:
+    """Run the whole benchmark; write JSON + PNG under --out, print the table, return the results."""
+    from segserve.bench.throughput import machine_info
+    from segserve.checkpoint import resolve_model
+
+    config = RouterBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RouterBenchConfig)})
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    out = Path(config.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model(config.model)
+    results = {"benchmark": "router", "command": shlex.join(sys.argv), "config": asdict(config),
+               "model": str(model_dir), "machine": machine_info()}
+    measured = measure_router(config, model_dir, out / "logs")
+    results["rounds"] = measured["rounds"]
+    results["endpoints"] = {e: summarize([r[e] for r in measured["rounds"]]) for e in ENDPOINTS}
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    results["outputs"] = {"json": str(out / "router.json"), "png": str(out / "router.png")}
+    plot(out / "router.png", results)
+    report.write_json(out / "router.json", results)
+    print(f"\npaced scheduler: a token every {config.token_interval_ms:g} ms per stream; {config.rounds} rounds; "
+          f"tokenizer {model_dir}\n")
+    print(markdown_table(results))
+    return results
