@@ -5,7 +5,8 @@ request with candidate trees on the decode sequences the policy chose, within
 the step's budget. The speculator owns all drafter-side state: each request's
 sync point (tokens the drafter holds), its segment, the final updates of ended
 requests, and the acceptance stats. The scheduler tells it when a request ends
-(`forget`, its on_end callback); it never touches the scheduler's fields. It
+(`forget`, its on_end callback); it reads the running sequences and never changes
+the scheduler's fields. It
 drops garbage trees and never raises: any failure means this step runs without
 speculation.
 
@@ -60,7 +61,7 @@ class Speculator:
         self.num_finals_dropped = 0
         """Final updates dropped because _MAX_FINALS waited already (their segments go unlearned)."""
         self._seqs: dict[str, Seq] = {}
-        """Request id -> its sequence, for every request seen decoding (its final update reads its tokens)."""
+        """Request id -> its sequence, for every request seen running (its final update reads its tokens)."""
         self._num_synced: dict[str, int] = {}
         """Request id -> tokens the drafter holds for it (0 = send the whole sequence); keys = requests
         the drafter has state for."""
@@ -94,7 +95,7 @@ class Speculator:
         num_synced = self._num_synced.pop(request_id, 0)
         num_known = self._num_known.pop(request_id, 0)
         if seq is None:
-            return  # never seen decoding: the drafter holds nothing, and it generated at most one token
+            return  # never seen running (it ended while waiting): it generated nothing
         self._finals.append(DraftQuery(request_id, seq.token_ids[num_synced:], seq.num_tokens,
                                        seq.num_prompt_tokens, 0, num_known, is_final=True))
         if len(self._finals) > _MAX_FINALS:
@@ -156,11 +157,11 @@ class Speculator:
         self.policy.observe_cycle(num_sequences, is_speculating, num_generated_tokens, seconds)
 
     async def _propose(self, scheduler: Scheduler, request: StepRequest) -> None:
-        candidates = scheduler.draft_candidates(request)
         seqs = self._seqs
-        for seq in candidates:
+        for seq in scheduler.running:  # every request runs a step built by schedule() before any step ahead
             if seq.request_id not in seqs:
                 seqs[seq.request_id] = seq
+        candidates = scheduler.draft_candidates(request)
         if self.policy is None or not candidates:
             return
         groups = Counter(self._segments.get(seq.request_id, "") for seq in candidates)

@@ -239,8 +239,9 @@ async def test_ended_ids_reach_the_drafter_exactly_once_through_the_speculator_a
     await speculator.wait_finals_sent()
     assert drafter.finished.count("short") == 1
     await speculator.wait_finals_sent()
-    assert sorted(drafter.finished) == ["long", "short"]  # "never-drafted" never reached the drafter
+    assert sorted(drafter.finished) == ["long", "never-drafted", "short"]  # every request, once
     assert drafter.finals["long"] == [6, 7, *results["long"][0]]  # the final step's tokens included
+    assert drafter.finals["never-drafted"] == [8, 9, *results["never-drafted"][0]]  # the whole sequence
     assert speculator.num_ended_pending == 0
     assert {rid: tokens for rid, (tokens, _) in results.items()} == {
         rid: reference(p, n) for (rid, p), n in zip(prompts.items(), (3, 30, 1))}

@@ -173,3 +173,14 @@ async def test_a_drafter_too_slow_for_get_stats_shows_without_stats_and_get_stat
         (replica,) = (await stub.GetStats(scheduler_pb2.StatsRequest())).drafters
         assert loop.time() - start < 2.0
         assert replica.is_live and not replica.HasField("stats")
+
+
+async def test_with_max_draft_nodes_0_the_drafter_learns_every_request_and_drafts_nothing():
+    """--no-speculation: the launcher passes max_draft_nodes 0 with the drafters; the engine asks for no tree
+    (async scheduling stays on), and every request's whole sequence reaches the drafter when it ends."""
+    async with spec_stack(max_draft_nodes=0, is_async_scheduling=True) as (stub, _, drafter, _, lane):
+        assert await generate_all(stub) == expected()
+        await wait_until(lambda: len(drafter.drafter.finals) == len(PROMPTS))
+        assert drafter.drafter.finals == {rid: p + reference(p, 30) for rid, p in PROMPTS.items()}
+        assert lane.speculator is not None and not lane.speculator.is_drafting and lane._is_async
+        assert drafter.drafter.state == {} and lane.stats().spec.num_verified == 0
