@@ -68,14 +68,14 @@ async def test_a_draft_call_answers_while_a_2000_token_segment_is_learned():
 
 
 def test_eviction_keeps_about_90_percent_of_the_byte_budget_never_a_cliff():
-    max_bytes = 20_000 * BYTES_PER_ENTRY
+    max_bytes = 5_000 * BYTES_PER_ENTRY
     corpus = LookupCorpus(CorpusLimits(max_bytes=max_bytes, max_depth=16, max_key=8))
     rng = random.Random(1)
     frequent = [100, 101, 102, 103, 104, 105]
-    for _ in range(60):
+    for _ in range(30):
         corpus.add(frequent)
         num_evictions = corpus.num_evictions
-        corpus.add(_random_tokens(rng, 300))
+        corpus.add(_random_tokens(rng, 100))
         assert corpus.num_bytes <= max_bytes
         if corpus.num_evictions > num_evictions:  # it evicted: down to ~90% of the budget, not far below
             assert 0.8 * max_bytes <= corpus.num_bytes <= 0.95 * max_bytes, corpus.num_bytes / max_bytes
@@ -98,7 +98,7 @@ def test_max_entries_still_bounds_the_nodes_and_loads_evict_to_the_budget(tmp_pa
 def test_the_background_learner_evicts_to_the_budget_too():
     max_bytes = 5_000 * BYTES_PER_ENTRY
     corpus = LookupCorpus(CorpusLimits(max_bytes=max_bytes, max_depth=16, max_key=8))
-    learner = Learner(slice_nodes=64)
+    learner = Learner(slice_nodes=256)
     rng = random.Random(2)
     for _ in range(10):
         learner.submit(corpus, _random_tokens(rng, 400))
