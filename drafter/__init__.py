@@ -1,15 +1,17 @@
 """Speculative drafting: per-request segment tracking, per-segment lookup corpora, candidate trees.
 
 In (gRPC, drafter.proto): per request, the tokens appended since the last step and
-the node budget. Out: a DraftReply per request: a candidate tree
+the node budget (0 = update only; a final update ends the request). Out: a DraftReply per request: a candidate tree
 (protos.segserve.v1.tree.CandidateTree: token ids + parents, -1 = rooted at the
 last token) and its segment name, or needs_resync.
 
 Modules: types (Continuation, ContinuationSource), segments (TOML
 config of segment kinds), tracker (current segment over a token stream), corpus
-(bounded suffix-trie lookup corpus, save/load), history (the request's own
-tokens as a source), trees (builder registry), state (per-request state, resync,
-online learning), planner (sources -> tree), service/server (gRPC), build
+(suffix-trie lookup corpus bounded in bytes, save/load), learner (adds learned
+segments to corpora on a background thread, a slice at a time), history (the
+request's own tokens as a source, bounded in bytes), trees (builder registry),
+state (per-request state, resync, final updates, online learning), planner
+(sources -> tree), service/server (gRPC), build
 (`segserve corpus build`). Draft models plug in as ContinuationSources
 (draft_model.py).
 """
