@@ -92,3 +92,44 @@ async def test_a_dns_target_is_resolved_again_and_a_new_replica_joins(monkeypatc
     await client.draft([], [])
     assert client.addresses == ["10.0.0.1:9", "10.0.0.2:9"]
     await client.close()
+
+
+async def test_final_updates_reach_the_replica_holding_the_state_which_forgets_the_request():
+    servers = {}
+    for _ in range(2):
+        servicer = build_servicer(DrafterConfig(), parse_segments(RAW))
+        server, port = await start_server(servicer, "127.0.0.1", 0)
+        servers[f"127.0.0.1:{port}"] = (server, servicer)
+    client = DrafterClient(list(servers), timeout_s=5.0)
+    try:
+        ids = [f"r{i}" for i in range(8)]
+        await client.draft([query(i, PROMPT, len(PROMPT), len(PROMPT)) for i in ids], [])
+        assert {client.owner_of(i) for i in ids} == set(servers)
+        finals = [DraftQuery(i, [12, 13], len(PROMPT) + 2, len(PROMPT), 0, is_final=True) for i in ids]
+        replies = await client.draft(finals, [])
+        assert set(replies) == set(ids) and not any(r.needs_resync or r.tree for r in replies.values())
+        assert all(client.owner_of(i) is None for i in ids)
+        assert all(len(servicer.states) == 0 for _, servicer in servers.values())
+    finally:
+        await client.close()
+        for server, _ in servers.values():
+            await server.stop(grace=None)
+
+
+async def test_a_call_that_asks_for_no_tree_runs_under_the_longer_update_deadline():
+    from protos.segserve.v1 import drafter_pb2_grpc
+    from tests.fakes import FakeDrafter, FakeDrafterServicer, positional, serve
+
+    fake = FakeDrafter(positional(97), 97)
+    fake.delay_s = 0.2
+    server = await serve(drafter_pb2_grpc.add_DrafterServicer_to_server, FakeDrafterServicer(fake))
+    client = DrafterClient([f"127.0.0.1:{server.bound_port}"], timeout_s=0.05, retry_s=0.01, update_timeout_s=5.0)
+    try:
+        final = DraftQuery("a", [5, 6], 2, 1, 0, is_final=True)
+        assert not (await client.draft([final], []))["a"].needs_resync
+        assert client.num_failures == 0 and fake.finals == {"a": [5, 6]}
+        assert await client.draft([query("b", [5, 6], 2, 1)], []) == {}  # a tree is asked for: 50 ms
+        assert client.num_failures == 1
+    finally:
+        await client.close()
+        await server.stop(None)
