@@ -14,7 +14,9 @@ only, reflow off); the load generator runs in this process. Per round and per
 endpoint (/v1/completions, /v1/chat/completions): --concurrency closed-loop SSE
 streams of --max-tokens tokens each (stream_options.include_usage), with the
 router's CPU times read (psutil) just before and after. Endpoints alternate
-which goes first from round to round.
+which goes first from round to round. Last, the same streams are read straight
+off the scheduler with the router's own gRPC client in this process (no HTTP,
+no detokenization): the part of the router's cost its gRPC client takes.
 
 Reported per endpoint: CPU ms per token (router CPU seconds / completion tokens
 of the usage chunks), the median and spread over rounds, SSE events per token (1.0 when the
@@ -181,6 +183,40 @@ def measure_level(base_url: str, router_pid: int, endpoint: str, config: RouterB
             "router_cpu_share": cpu_s / wall_s if wall_s > 0 else None}
 
 
+async def _grpc_streams(scheduler_address: str, config: RouterBenchConfig, max_tokens: int) -> int:
+    """The same streams straight from the scheduler with the router's own gRPC client; events received."""
+    from protos.segserve.v1.generate import GenerateRequest, TokenChunk
+    from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
+    from router.scheduler_client import SchedulerClient
+
+    client = SchedulerClient(scheduler_address)
+
+    async def stream(index: int) -> int:
+        num_events = 0
+        for round_index in range(config.requests_per_stream):
+            request = GenerateRequest(request_id=f"grpc-{index}-{round_index}", prompt_token_ids=(2, 651, 6639),
+                                      sampling=SamplingParams(), stopping=StoppingCriteria(max_tokens=max_tokens))
+            async for event in client.generate(request, timeout_s=config.request_timeout_s):
+                num_events += isinstance(event, TokenChunk)
+        return num_events
+
+    try:
+        return sum(await asyncio.gather(*(stream(i) for i in range(config.concurrency))))
+    finally:
+        await client.close()
+
+
+def measure_grpc_floor(scheduler_address: str, config: RouterBenchConfig) -> dict:
+    """CPU per token of receiving the streams alone (this process, the router's SchedulerClient, no HTTP):
+    the part of the router's cost that its gRPC client takes, whatever the router does with the tokens."""
+    asyncio.run(_grpc_streams(scheduler_address, config, 8))  # warm-up
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
+    num_events = asyncio.run(_grpc_streams(scheduler_address, config, config.max_tokens))
+    cpu_s, wall_s = time.process_time() - cpu_before, time.perf_counter() - wall_before
+    return {"num_tokens": num_events, "cpu_s": cpu_s, "wall_s": wall_s,
+            "cpu_ms_per_token": 1000 * cpu_s / num_events if num_events else None}
+
+
 def summarize(levels: list[dict]) -> dict:
     """Median and spread over rounds of one endpoint's per-round figures."""
     per_token = [lv["cpu_ms_per_token"] for lv in levels if lv["cpu_ms_per_token"] is not None]
@@ -225,9 +261,10 @@ def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path) ->
                 f"({result[e]['events_per_token'] or 0:.2f} events/token)" for e in ENDPOINTS),
                 file=sys.stderr, flush=True)
             rounds.append(result)
+        grpc_floor = measure_grpc_floor(scheduler_address, config)
     finally:
         _stop(services[::-1])
-    return {"rounds": rounds, "scheduler_address": scheduler_address, "router_url": base_url}
+    return {"rounds": rounds, "grpc_floor": grpc_floor, "scheduler_address": scheduler_address, "router_url": base_url}
 
 
 def markdown_table(results: dict) -> str:
@@ -239,6 +276,10 @@ def markdown_table(results: dict) -> str:
                      f"| {_fmt(summary['cpu_ms_per_token_median'])} | {_fmt(summary['cpu_ms_per_token_min'])} "
                      f"| {_fmt(summary['cpu_ms_per_token_max'])} | {_fmt(summary['events_per_token_median'], 2)} "
                      f"| {summary['num_tokens']} | {summary['num_errors']} |")
+    floor = results.get("grpc_client_floor")
+    if floor:
+        lines.append(f"| gRPC receive alone (the router's SchedulerClient, no HTTP) | "
+                     f"{_fmt(floor['cpu_ms_per_token'])} | | | | {floor['num_tokens']} | |")
     return "\n".join(lines)
 
 
@@ -287,6 +328,7 @@ def run_router(args: argparse.Namespace) -> dict:
     measured = measure_router(config, model_dir, out / "logs")
     results["rounds"] = measured["rounds"]
     results["endpoints"] = {e: summarize([r[e] for r in measured["rounds"]]) for e in ENDPOINTS}
+    results["grpc_client_floor"] = measured["grpc_floor"]
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["outputs"] = {"json": str(out / "router.json"), "png": str(out / "router.png")}
     plot(out / "router.png", results)
