@@ -208,22 +208,24 @@ def _fmt_spread(entry: dict | None, digits: int = 2, suffix: str = "") -> str:
 
 def markdown_table(block: dict) -> str:
     """One model's rows, one per workload: median (min-max over the rounds) tokens/s per system, the speedups
-    of the ablation, draft acceptance and tokens per step; then the goals (on medians)."""
+    of the ablation, draft acceptance and tokens per step (which a loaded machine does not move); then the goals
+    (on medians)."""
     summaries, table = block["summaries"], block["speedups"]
     systems = [s for s in SYSTEMS if s in summaries]
     header = ["workload", *(f"{SYSTEM_LABELS[s]} tok/s" for s in systems), "full vs lookup only",
               "full vs spec off", "lookup only vs spec off", "full vs HF PL", "acceptance lookup only / full",
-              "tokens/step full"]  # fmt: skip
+              "tokens/step lookup only / full"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for kind, row in table.items():
         acceptance = [summaries.get(s, {}).get(kind, {}).get("draft_acceptance") for s in (SEG_LOOKUP, SPEC)]
+        per_step = [summaries.get(s, {}).get(kind, {}).get("tokens_per_step") for s in (SEG_LOOKUP, SPEC)]
         cells = [kind, *(_fmt_spread(summaries[s].get(kind, {}).get("tokens_per_s"), 1) for s in systems),
                  _fmt_spread(row.get(f"{SPEC}_vs_{SEG_LOOKUP}"), suffix="x"),
                  _fmt_spread(row.get(f"{SPEC}_vs_own_plain"), suffix="x"),
                  _fmt_spread(row.get(f"{SEG_LOOKUP}_vs_own_plain"), suffix="x"),
                  _fmt_spread(row.get(f"{SPEC}_vs_lookup"), suffix="x"),
                  " / ".join(_fmt_spread(a) for a in acceptance),
-                 _fmt_spread(summaries.get(SPEC, {}).get(kind, {}).get("tokens_per_step"))]  # fmt: skip
+                 " / ".join(_fmt_spread(n) for n in per_step)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| goal | target | measured (median) | result |", "|---|---|---:|---|"]
     for goal in block["goals"]:
