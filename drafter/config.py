@@ -33,9 +33,10 @@ class DrafterConfig:
     """Longest suffix of a request's tokens matched against its own history."""
     history_min_key: int = 2
     """Shortest such suffix; shorter matches propose nothing."""
-    history_max_bytes: int = 8 << 20
-    """Memory of one request's own-history index; past it the older half of the index is dropped."""
-    history_total_bytes: int = 1 << 30
+    history_max_bytes: int = 64 << 20
+    """Memory of one request's own-history index (about 1.6 KB per token with history_max_key 8: 64 MiB keep
+    the latest 20k-40k tokens indexed); past it the older half of the index is dropped."""
+    history_total_bytes: int = 2 << 30
     """Memory of every request's history index together; past it the least recently queried requests are
     dropped (they resync later)."""
     redis_url: str | None = None

@@ -26,7 +26,7 @@ from drafter.types import Continuation
 # Memory per indexed n-gram, measured with tracemalloc over 20,000 random tokens of a 262k vocabulary
 # (CPython 3.11, max_key 8: 1,600 bytes per token): its key tuple, its positions list, its dict slot.
 BYTES_PER_NGRAM = 200
-DEFAULT_MAX_BYTES = 8 << 20
+DEFAULT_MAX_BYTES = 64 << 20
 _EMPTY: list[int] = []
 
 

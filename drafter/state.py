@@ -62,7 +62,7 @@ class RequestStates:
         on_segment_closed: SegmentSink,
         max_requests: int = 4096,
         history_factory: Callable[[], HistorySource] = HistorySource,
-        max_history_bytes: int = 1 << 30,
+        max_history_bytes: int = 2 << 30,
     ):
         if max_requests <= 0 or max_history_bytes <= 0:
             raise ValueError("max_requests and max_history_bytes must be > 0")
