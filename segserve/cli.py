@@ -166,7 +166,8 @@ def _segments_eval_command(args: argparse.Namespace) -> int:
 
     report = evaluate(resolve_model(args.model), resolve_model(args.base_model), args.files, args.out,
                       args.segments_config, _rules(args.rule), args.tolerance, args.num_samples)
-    print(json.dumps({name: {k: v for k, v in r.items() if k != "model"} for name, r in report["models"].items()}))
+    print(json.dumps({name: {k: v for k, v in r.items() if k != "model"} for name, r in report["models"].items()},
+                     indent=1))
     return 0
 
 

@@ -13,6 +13,11 @@ Precision = correct / generated markers, recall = correct / true markers, summed
 denominator gives 0.0; the counts are reported too). Scoring the model's own text, not the reference
 answer, measures placement and not whether the model guessed the answer's exact content.
 
+A second score, "reference", reads the held-out answer itself, annotated by the rules (teacher forcing):
+at each label token the model's greedy choice is compared with the answer's token. A marker chosen where
+the answer has that marker is correct; precision and recall as above, with no tolerance. It measures the
+base model where its own text has no segments to find.
+
 The base model is scored with the fine-tuned tokenizer, its embeddings grown the way fine-tuning grows them:
 it could emit the markers, it was never taught to.
 """
@@ -24,7 +29,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from segserve.annotate import MarkedKind, load_marked_kinds, read_samples, segment_spans, strip_markers
+from segserve.annotate import (MarkedKind, annotate_sample, load_marked_kinds, read_samples, segment_spans,
+                               strip_markers)
 from segserve.finetune import encode_sample, load_model_for_tokenizer, prompt_token_ids
 
 
@@ -83,6 +89,24 @@ def score(generations: list[list[int]], tokenizer: Any, kinds: list[MarkedKind],
             "num_matched": counts["matched"]}
 
 
+def reference_score(model: Any, encoded: list[tuple[list[int], int]], marker_of: dict[int, str]) -> dict:
+    """Greedy choices along the annotated reference answers (prompt + label token ids, number of prompt tokens)."""
+    import torch
+
+    counts = Counter()
+    for ids, num_prompt in encoded:
+        labels = ids[num_prompt:]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), logits_to_keep=len(labels) + 1).logits[0, :-1]  # [L, V]
+        for choice, label in zip(logits.argmax(-1).tolist(), labels):
+            counts.update(generated=choice in marker_of, true=label in marker_of,
+                          matched=choice in marker_of and choice == label)
+    return {"precision": _ratio(counts["matched"], counts["generated"]),
+            "recall": _ratio(counts["matched"], counts["true"]),
+            "num_generated_markers": counts["generated"], "num_true_markers": counts["true"],
+            "num_matched": counts["matched"]}
+
+
 def generate_greedy(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: list[int],
                     batch_size: int = 8) -> list[list[int]]:
     """Greedy continuations (EOS dropped), left-padded batches."""
@@ -126,9 +150,10 @@ def evaluate(model_dir: str | Path, base_model_dir: str | Path, data: Iterable[s
     samples = list(read_samples(data))[: num_samples or None]
     if not samples:
         raise ValueError("no held-out samples")
-    prompts, limits = [], []
+    prompts, limits, references = [], [], []
     for sample in samples:
         clean = _strip_sample(sample, kinds)
+        references.append(encode_sample(annotate_sample(clean, kinds)[0], tokenizer, max_length=100_000))
         ids, num_prompt = encode_sample(clean, tokenizer, max_length=100_000)
         prompts.append(prompt_token_ids(clean["prompt"], tokenizer) if "prompt" in clean else ids[:num_prompt])
         # room for the reference answer, its markers and a few tokens more
@@ -141,7 +166,8 @@ def evaluate(model_dir: str | Path, base_model_dir: str | Path, data: Iterable[s
         model = load_model_for_tokenizer(directory, tokenizer).eval()
         generations = generate_greedy(model, tokenizer, prompts, limits)
         report["models"][name] = {"model": str(directory),
-                                  **score(generations, tokenizer, kinds, marker_of, tolerance)}
+                                  **score(generations, tokenizer, kinds, marker_of, tolerance),
+                                  "reference": reference_score(model, references, marker_of)}
         texts[name] = [tokenizer.decode(g) for g in generations[:5]]
         del model
     report["examples"] = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "finetuned": f, "base": b}

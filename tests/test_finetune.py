@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from router.config import RouterConfig
 from router.detokenizer import SEGMENT_MARKERS_KEY, IncrementalDetokenizer, segment_marker_ids
-from segserve.annotate import MARKERS_KEY, annotate, insert_markers, load_marked_kinds
+from segserve.annotate import MARKERS_KEY, annotate, annotate_sample, insert_markers, load_marked_kinds
 from segserve.cli import build_parser, main
 from segserve.finetune import FinetuneConfig, _batch_loss, encode_sample, finetune, load_model_for_tokenizer
 from segserve.finetune_data import synthetic_samples, write_synthetic
@@ -145,8 +145,12 @@ def test_evaluate_reports_both_models(annotated, tiny_gemma3_dir, tmp_path):
     report = evaluate(model_dir, tiny_gemma3_dir, [heldout], tmp_path / "eval.json", extra_tokens=0)
     assert json.loads((tmp_path / "eval.json").read_text()) == report
     assert set(report["models"]) == {"finetuned", "base"} and report["num_samples"] == 2
+    num_markers = sum(2 * sum(annotate_sample(json.loads(line), KINDS)[1].values())
+                      for line in heldout.read_text().splitlines())
     for result in report["models"].values():
         assert 0.0 <= result["precision"] <= 1.0 and 0.0 <= result["recall"] <= 1.0
+        assert result["reference"]["num_true_markers"] == num_markers > 0
+        assert 0.0 <= result["reference"]["precision"] <= 1.0
     with pytest.raises(ValueError, match="lacks the markers"):
         evaluate(tiny_gemma3_dir, tiny_gemma3_dir, [heldout], tmp_path / "x.json")
 
