@@ -125,3 +125,17 @@ def test_bad_jsonl_names_the_line(tmp_path, tiny_gemma3_dir):
     data.write_text('{"prompt": "a", "completion": "b"}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         annotate([data], tmp_path / "out", tiny_gemma3_dir)
+
+
+def test_annotate_reads_reflow_logs_through_the_cli(tmp_path, tiny_gemma3_dir):
+    from segserve.cli import main
+    from tests.test_reflow_export import _logs
+
+    _logs(tmp_path)
+    out = tmp_path / "annotated"
+    assert main(["segments", "annotate", "--from-reflow", str(tmp_path / "logs"), "--out", str(out),
+                 "--tokenizer", str(tiny_gemma3_dir)]) == 0
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 3  # one chat example per conversation, as `reflow export` gives
+    assert [m["role"] for m in rows[0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert json.loads((out / "annotation.json").read_text())["num_samples"] == 3
