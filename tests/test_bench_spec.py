@@ -259,6 +259,8 @@ def test_a_run_on_fakes_writes_every_systems_numbers_with_spread_goals_and_misma
     assert full_vs_lookup == {"values": [2.5, 1.5, 2.0], "median": 2.0, "min": 1.5, "max": 2.5}
     assert base["summaries"][SEG_LOOKUP]["months_json"]["tokens_per_s"]["median"] == pytest.approx(16.0)
     assert base["summaries"][SPEC]["grounded"]["tokens_per_step"]["median"] == pytest.approx(4.0)
+    per_step = base["speedups"]["months_edit"][f"{SPEC}_vs_{SEG_LOOKUP}_tokens_per_step"]  # 4 vs 2 tokens per step
+    assert per_step["median"] == pytest.approx(2.0) and per_step["min"] == per_step["max"]
     # The sampled workload reports acceptance for the speculative systems, and sends temperature and seeds.
     sampled = base["summaries"][SPEC]["months_edit_sampled"]
     assert {"draft_acceptance", "accepted_per_verify"} <= set(sampled) and sampled["draft_acceptance"]["median"] > 0

@@ -79,7 +79,8 @@ def progression(requests: list[dict]) -> list[dict]:
 
 def speedups(summaries: dict[str, dict[str, dict]]) -> dict[str, dict[str, float | None]]:
     """summaries[system][kind] -> per kind: each system's steady tokens/s over HF plain, over its own engine's
-    plain decoding (`<system>_vs_own_plain`), full segserve over HF prompt lookup and over prompt lookup only."""
+    plain decoding (`<system>_vs_own_plain`), full segserve over HF prompt lookup and over prompt lookup only, and
+    the latter in tokens per step too (`..._tokens_per_step`: what the drafts save, whatever the machine's load)."""
     measured = {kind for per_kind in summaries.values() for kind in per_kind}
     table = {}
     for kind in sorted(measured, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k)):
@@ -91,6 +92,9 @@ def speedups(summaries: dict[str, dict[str, dict]]) -> dict[str, dict[str, float
             row[f"{system}_vs_own_plain"] = _ratio(rate.get(system), rate.get(plain))
         row[f"{SPEC}_vs_lookup"] = _ratio(rate.get(SPEC), rate.get(LOOKUP))
         row[f"{SPEC}_vs_{SEG_LOOKUP}"] = _ratio(rate.get(SPEC), rate.get(SEG_LOOKUP))
+        per_step = {system: (summaries.get(system, {}).get(kind) or {}).get("tokens_per_step")
+                    for system in (SPEC, SEG_LOOKUP)}  # fmt: skip
+        row[f"{SPEC}_vs_{SEG_LOOKUP}_tokens_per_step"] = _ratio(per_step[SPEC], per_step[SEG_LOOKUP])
         table[kind] = row
     return table
 
@@ -273,9 +277,10 @@ def plot(path: Path, results: dict) -> Path:
                                                                    for k in kinds)])  # fmt: skip
     left.set_ylabel("speedup over the same engine's plain decoding (x)")
     left.set_title(f"{Path(first.get('model', '')).name}: median, min-max and each round", fontsize=10)
-    _bars(right, kinds, [(f"{label}: {Path(block.get('model', '')).name}",
-                          [block["speedups"].get(k, {}).get(f"{SPEC}_vs_{SEG_LOOKUP}") for k in kinds])
-                         for label, block in models.items()])  # fmt: skip
+    measures = (("tokens/s", ""), ("tokens per step", "_tokens_per_step"))
+    _bars(right, kinds, [(f"{label}: {Path(block.get('model', '')).name}, {measure}",
+                          [block["speedups"].get(k, {}).get(f"{SPEC}_vs_{SEG_LOOKUP}{suffix}") for k in kinds])
+                         for label, block in models.items() for measure, suffix in measures])  # fmt: skip
     right.axhline(EDIT_GOAL, color="red", linewidth=1, linestyle=":")
     right.set_ylabel("full segserve / prompt lookup only (x)")
     right.set_title(f"segment corpora's own gain (goal on edit workloads: {EDIT_GOAL}x)", fontsize=10)
