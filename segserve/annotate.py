@@ -147,9 +147,13 @@ def segment_spans(text: str, kinds: Iterable[MarkedKind]) -> list[tuple[MarkedKi
 
 
 def insert_markers(text: str, kinds: Iterable[MarkedKind]) -> str:
-    """`text` with each segment's start marker before it and end marker after it."""
+    """`text` with each segment's start marker before it and end marker after it. A segment whose own text
+    begins and ends with its markers (a config whose code markers are the fences) is left as it is. Text that
+    holds markers already should be stripped first (strip_markers): the rules do not see through them."""
     inserts = []  # (position, order, marker): ends before starts at one position; inner ends, outer starts first
     for depth, (kind, span) in enumerate(segment_spans(text, kinds)):
+        if _is_marked(text, kind, span):
+            continue
         inserts.append((span.start, 1, depth, kind.start))
         inserts.append((span.end, 0, -depth, kind.end))
     out, pos = [], 0
@@ -157,6 +161,11 @@ def insert_markers(text: str, kinds: Iterable[MarkedKind]) -> str:
         out.append(text[pos:at] + marker)
         pos = at
     return "".join(out) + text[pos:]
+
+
+def _is_marked(text: str, kind: MarkedKind, span: Span) -> bool:
+    return text.startswith(kind.start, span.start) and text[:span.end].endswith(kind.end) \
+        and span.end - span.start >= len(kind.start) + len(kind.end)
 
 
 def strip_markers(text: str, kinds: Iterable[MarkedKind]) -> str:

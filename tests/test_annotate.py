@@ -47,6 +47,13 @@ def test_markers_go_exactly_at_the_boundaries():
     assert insert_markers("no segment here", KINDS) == "no segment here"
 
 
+def test_markers_that_are_the_segments_own_text_are_not_doubled():
+    fence = [MarkedKind("code", "```", "```", "code_fence")]
+    assert insert_markers(CODE, fence) == CODE
+    think = [MarkedKind("think", "<think>", "</think>", "reasoning_block")]
+    assert insert_markers("a <think>b</think> c", think) == "a <think>b</think> c"
+
+
 def test_crossing_spans_keep_the_first_and_nested_ones_close_inner_first(monkeypatch):
     import segserve.annotate as annotate_module
 
