@@ -61,7 +61,7 @@ def test_bench_router_writes_sane_json_and_plot(tiny_gemma3_dir, tmp_path, capsy
             assert level["num_requests"] == 3 and level["num_errors"] == 0
             assert level["num_tokens"] == 3 * 5
             assert 0 < level["num_events"] <= level["num_tokens"]
-            assert level["router_cpu_s"] >= 0
+            assert level["router_cpu_s"] >= 0 and level["client_cpu_s"] >= 0
             assert level["cpu_ms_per_token"] == pytest.approx(1000 * level["router_cpu_s"] / level["num_tokens"])
     for summary in results["endpoints"].values():
         assert summary["num_tokens"] == 2 * 3 * 5 and summary["num_errors"] == 0

@@ -22,6 +22,17 @@ def test_chunk_round_trips_through_bytes():
     assert Chunk.from_bytes(first.to_bytes()) == first
 
 
+def test_chunk_bytes_are_the_compact_json_of_its_non_empty_fields_in_field_order():
+    delta = Chunk("r1", Direction.RESPONSE, 3, "c", "m", "s", 12.5, text="h\u00e9 \"x\"", token_ids=(7,))
+    assert delta.to_bytes() == ('{"request_id":"r1","direction":"response","seq":3,"client_id":"c","service_id":"m",'
+                                '"session_id":"s","timestamp":12.5,"text":"h\u00e9 \\"x\\"","token_ids":[7]}').encode()
+    final = Chunk("r1", Direction.RESPONSE, 0, "c", "m", "s", 1.0, finish=FinishState.ERROR,
+                  usage={"prompt_tokens": 0, "completion_tokens": 2}, extra={"error": "boom"})
+    assert final.to_bytes() == ('{"request_id":"r1","direction":"response","seq":0,"client_id":"c","service_id":"m",'
+                                '"session_id":"s","timestamp":1.0,"finish":"error","usage":{"prompt_tokens":0,'
+                                '"completion_tokens":2},"extra":{"error":"boom"}}').encode()
+
+
 def test_explicit_session_ids_win_in_order():
     body = {"messages": [{"role": "user", "content": "hi"}], "user": "u-1", "metadata": {"session_id": "meta-1"}}
     assert session_id_for("c", "m", body, {"x-session-id": "hdr"}) == "hdr"

@@ -119,7 +119,7 @@ def test_queue_outage_spills_to_disk_and_replays(tmp_path):
         recording.delta(str(index))
     recording.finish(FinishState.COMPLETE)
     deadline = time.monotonic() + 5
-    while recorder.stats().buffered_chunks and time.monotonic() < deadline:
+    while recorder.stats().buffered_bytes and time.monotonic() < deadline:
         time.sleep(0.01)
     assert recorder.stats().spill_bytes > 0 and queue.payloads == []
     queue.is_failing = False

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from enum import Enum
 from typing import Any, Mapping
 
@@ -85,7 +86,13 @@ class Chunk:
         return self.request_id, self.direction.value, self.seq
 
     def to_bytes(self) -> bytes:
-        fields = {k: v for k, v in asdict(self).items() if k in _REQUIRED or v not in _EMPTY}
+        # The fields by name, shallow (a streamed delta's chunk is made once per token: dataclasses.asdict's deep
+        # copy cost more than the JSON); the values are JSON's types, so the bytes are those of asdict's copy.
+        fields = {}
+        for name in _FIELD_NAMES:
+            value = getattr(self, name)
+            if name in _REQUIRED or value not in _EMPTY:
+                fields[name] = value
         fields["direction"] = self.direction.value
         if self.finish is not None:
             fields["finish"] = self.finish.value
@@ -99,6 +106,9 @@ class Chunk:
             fields["finish"] = FinishState(fields["finish"])
         fields["token_ids"] = tuple(fields.get("token_ids", ()))
         return cls(**fields)
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclass_fields(Chunk))
 
 
 def split_utf8(data: bytes, max_bytes: int) -> list[str]:

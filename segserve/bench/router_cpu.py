@@ -10,7 +10,8 @@ number of delivered tokens.
 Setup: the paced scheduler (`paced_scheduler.py`, its own process, a token every
 --token-interval-ms to every stream, one token per chunk as plain decoding
 sends them, no model) behind one real router process (`segserve router`, HTTP
-only, reflow off); the load generator runs in this process. Per round and per
+only; with --reflow it records every request into a SQLite queue in a temp
+dir, as `make serve` does); the load generator runs in this process. Per round and per
 endpoint (/v1/completions, /v1/chat/completions): --concurrency closed-loop SSE
 streams of --max-tokens tokens each (stream_options.include_usage), with the
 router's CPU times read (psutil) just before and after. Endpoints alternate
@@ -22,7 +23,9 @@ Reported per endpoint: CPU ms per token (router CPU seconds / completion tokens
 of the usage chunks), the median and spread over rounds, SSE events per token (1.0 when the
 router kept up with the pace; lower when it merged chunks that piled up, which
 lowers its cost per token: a run is only comparable with one at the same ratio),
-and wall time. Outputs go to --out: router.json (every round, the command, the
+wall time, and the load generator's own CPU per token (this process: httpx and
+the SSE parsing, which `bench throughput` counts into the router's overhead when
+both share the cores). Outputs go to --out: router.json (every round, the command, the
 machine), router.png, the services' logs.
 """
 
@@ -37,6 +40,7 @@ import os
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,6 +72,8 @@ class RouterBenchConfig:
     """Longest one request may take."""
     startup_timeout_s: float = 120.0
     """Longest a service may take to become ready."""
+    reflow: bool = False
+    """The router records every request and response (data reflow) into a SQLite queue in a temp dir."""
     out: str = "bench-results/router"
     """Directory for router.json, router.png and the services' logs."""
 
@@ -90,6 +96,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="the paced scheduler's time per token")
     parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+    parser.add_argument("--reflow", action=argparse.BooleanOptionalAction, default=d.reflow,
+                        help="the router records requests and responses (data reflow) into a SQLite queue")
     parser.add_argument("--out", default=d.out, help="output directory (default: bench-results/router)")
 
 
@@ -170,9 +178,10 @@ def cpu_seconds(pid: int) -> float:
 
 def measure_level(base_url: str, router_pid: int, endpoint: str, config: RouterBenchConfig) -> dict:
     """One endpoint's streams, with the router's CPU time around them."""
-    cpu_before, wall_before = cpu_seconds(router_pid), time.perf_counter()
+    cpu_before, wall_before, client_before = cpu_seconds(router_pid), time.perf_counter(), time.process_time()
     counts = asyncio.run(run_streams(base_url, endpoint, config))
     wall_s, cpu_s = time.perf_counter() - wall_before, cpu_seconds(router_pid) - cpu_before
+    client_cpu_s = time.process_time() - client_before
     num_tokens = sum(c.num_tokens for c in counts)
     num_events = sum(c.num_events for c in counts)
     errors = [c.error for c in counts if c.error]
@@ -180,7 +189,9 @@ def measure_level(base_url: str, router_pid: int, endpoint: str, config: RouterB
             "num_tokens": num_tokens, "num_events": num_events, "router_cpu_s": cpu_s, "wall_s": wall_s,
             "cpu_ms_per_token": 1000 * cpu_s / num_tokens if num_tokens else None,
             "events_per_token": num_events / num_tokens if num_tokens else None,
-            "router_cpu_share": cpu_s / wall_s if wall_s > 0 else None}
+            "router_cpu_share": cpu_s / wall_s if wall_s > 0 else None,
+            "client_cpu_s": client_cpu_s,
+            "client_cpu_ms_per_token": 1000 * client_cpu_s / num_tokens if num_tokens else None}
 
 
 async def _grpc_streams(scheduler_address: str, config: RouterBenchConfig, max_tokens: int) -> int:
@@ -221,16 +232,18 @@ def summarize(levels: list[dict]) -> dict:
     """Median and spread over rounds of one endpoint's per-round figures."""
     per_token = [lv["cpu_ms_per_token"] for lv in levels if lv["cpu_ms_per_token"] is not None]
     events = [lv["events_per_token"] for lv in levels if lv["events_per_token"] is not None]
+    client = [lv["client_cpu_ms_per_token"] for lv in levels if lv.get("client_cpu_ms_per_token") is not None]
     return {"cpu_ms_per_token_median": statistics.median(per_token) if per_token else None,
             "cpu_ms_per_token_min": min(per_token, default=None),
             "cpu_ms_per_token_max": max(per_token, default=None),
             "cpu_ms_per_token_rounds": per_token,
             "events_per_token_median": statistics.median(events) if events else None,
+            "client_cpu_ms_per_token_median": statistics.median(client) if client else None,
             "num_tokens": sum(lv["num_tokens"] for lv in levels),
             "num_errors": sum(lv["num_errors"] for lv in levels)}
 
 
-def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path) -> dict:
+def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path, workdir: Path) -> dict:
     """Start the paced scheduler and the router, warm up, run the rounds, stop them."""
     from segserve.bench.reflow import _router_argv, _spawn, _stop, _wait_ready
     from segserve.launcher import free_port
@@ -245,7 +258,10 @@ def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path) ->
         _wait_ready(scheduler, deadline, log_dir)
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
-        services.append(_spawn("router", _router_argv(model_dir, scheduler_address, port), base_url, log_dir))
+        reflow = {"queue_url": f"sqlite:///{workdir / 'queue.db'}", "spill_dir": str(workdir / "spill")} \
+            if config.reflow else {}
+        services.append(_spawn("router", _router_argv(model_dir, scheduler_address, port, **reflow), base_url,
+                               log_dir))
         _wait_ready(services[1], deadline, log_dir)
         router_pid = services[1].process.pid
         for endpoint in ENDPOINTS:  # warm-up: imports, first-call caches, connections
@@ -270,16 +286,17 @@ def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path) ->
 def markdown_table(results: dict) -> str:
     config = results["config"]
     lines = [f"| endpoint ({config['concurrency']} streams x {config['max_tokens']} tokens) | router CPU ms/token, "
-             f"median | min | max | SSE events/token | tokens | errors |", "|---|---:|---:|---:|---:|---:|---:|"]
+             f"median | min | max | SSE events/token | client CPU ms/token | tokens | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for endpoint, summary in results["endpoints"].items():
         lines.append(f"| /v1/{'chat/' if endpoint == 'chat' else ''}completions "
                      f"| {_fmt(summary['cpu_ms_per_token_median'])} | {_fmt(summary['cpu_ms_per_token_min'])} "
                      f"| {_fmt(summary['cpu_ms_per_token_max'])} | {_fmt(summary['events_per_token_median'], 2)} "
-                     f"| {summary['num_tokens']} | {summary['num_errors']} |")
+                     f"| {_fmt(summary['client_cpu_ms_per_token_median'])} | {summary['num_tokens']} | {summary['num_errors']} |")
     floor = results.get("grpc_client_floor")
     if floor:
         lines.append(f"| gRPC receive alone (the router's SchedulerClient, no HTTP) | "
-                     f"{_fmt(floor['cpu_ms_per_token'])} | | | | {floor['num_tokens']} | |")
+                     f"{_fmt(floor['cpu_ms_per_token'])} | | | | | {floor['num_tokens']} | |")
     return "\n".join(lines)
 
 
@@ -325,7 +342,8 @@ def run_router(args: argparse.Namespace) -> dict:
     model_dir = resolve_model(config.model)
     results = {"benchmark": "router", "command": shlex.join(sys.argv), "config": asdict(config),
                "model": str(model_dir), "machine": machine_info()}
-    measured = measure_router(config, model_dir, out / "logs")
+    with tempfile.TemporaryDirectory(prefix="segserve-bench-router-") as tmp:
+        measured = measure_router(config, model_dir, out / "logs", Path(tmp))
     results["rounds"] = measured["rounds"]
     results["endpoints"] = {e: summarize([r[e] for r in measured["rounds"]]) for e in ENDPOINTS}
     results["grpc_client_floor"] = measured["grpc_floor"]
@@ -334,6 +352,6 @@ def run_router(args: argparse.Namespace) -> dict:
     plot(out / "router.png", results)
     report.write_json(out / "router.json", results)
     print(f"\npaced scheduler: a token every {config.token_interval_ms:g} ms per stream; {config.rounds} rounds; "
-          f"tokenizer {model_dir}\n")
+          f"data reflow {'on' if config.reflow else 'off'}; tokenizer {model_dir}\n")
     print(markdown_table(results))
     return results
