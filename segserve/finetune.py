@@ -36,7 +36,7 @@ class FinetuneConfig:
     batch_size: int = 8
     """Samples per optimizer step."""
     learning_rate: float = 1e-3
-    """AdamW learning rate (linear warm-up over the first 10% of steps, then linear decay); use ~1e-5 with full."""
+    """AdamW learning rate (linear warm-up over the first tenth of the steps, then linear decay); ~1e-5 with full."""
     is_full: bool = False
     """Train every weight instead of LoRA adapters plus the marker embeddings."""
     lora_rank: int = 8

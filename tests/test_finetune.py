@@ -199,6 +199,14 @@ def test_cli_parses_the_commands():
     assert parser.parse_args(["serve", "--no-strip-segment-markers"]).is_strip_segment_markers is False
 
 
+@pytest.mark.parametrize("command", [["finetune"], ["segments", "annotate"], ["segments", "synth"],
+                                     ["segments", "eval"]])
+def test_cli_help_renders(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*command, "--help"])
+    assert exit_info.value.code == 0 and "--out" in capsys.readouterr().out
+
+
 def test_cli_synth_and_bad_rule(tmp_path, capsys):
     assert main(["segments", "synth", "--out", str(tmp_path), "--num-train", "5", "--num-heldout", "2"]) == 0
     assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 5
