@@ -149,35 +149,18 @@ def _batches(samples: list, batch_size: int, rng: random.Random) -> list[list]:
     return batches
 
 
-def finetune(data_dir: str | Path, model_dir: str | Path, out_dir: str | Path, config: FinetuneConfig) -> dict:
-    """Train, merge, save to `out_dir`; returns (and writes to OUT/finetune.json) the run's summary."""
+def _train(model: Any, samples: list[tuple[list[int], int]], config: FinetuneConfig, num_steps: int,
+           pad_id: int) -> list[float]:
+    """AdamW with linear warm-up (the first tenth of the steps) and linear decay; returns each step's loss."""
     import torch
     from tqdm import tqdm
-    from transformers import AutoTokenizer
 
-    data, out = Path(data_dir), Path(out_dir)
-    if not (data / SAMPLES_FILE).is_file() or not (data / TOKENIZER_DIR).is_dir():
-        raise FileNotFoundError(f"{data} is not an annotation directory (`segserve segments annotate --out`)")
-    tokenizer = AutoTokenizer.from_pretrained(str(data / TOKENIZER_DIR))
-    marker_ids = marker_token_ids(tokenizer)
-    with open(data / SAMPLES_FILE, encoding="utf-8") as f:
-        samples = [encode_sample(json.loads(line), tokenizer, config.max_length) for line in f if line.strip()]
-    if not samples:
-        raise ValueError(f"{data / SAMPLES_FILE} holds no samples")
-    torch.manual_seed(config.seed)
-    model = load_model_for_tokenizer(model_dir, tokenizer)
-    if not config.is_full:
-        model = _with_adapters(model, config, marker_ids)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(samples) / config.batch_size)
-    num_steps = steps_per_epoch * config.num_epochs
-    num_steps = min(num_steps, config.max_steps) if config.max_steps else num_steps
     warmup = max(1, num_steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (num_steps - s) / max(1, num_steps - warmup))))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rng, losses = random.Random(config.seed), []
     progress = tqdm(total=num_steps, desc="finetune", unit="step")
     while len(losses) < num_steps:
@@ -194,6 +177,32 @@ def finetune(data_dir: str | Path, model_dir: str | Path, out_dir: str | Path, c
             progress.update()
             progress.set_postfix(loss=f"{losses[-1]:.3f}")
     progress.close()
+    return losses
+
+
+def finetune(data_dir: str | Path, model_dir: str | Path, out_dir: str | Path, config: FinetuneConfig) -> dict:
+    """Train, merge, save to `out_dir`; returns (and writes to OUT/finetune.json) the run's summary."""
+    import torch
+    from transformers import AutoTokenizer
+
+    data, out = Path(data_dir), Path(out_dir)
+    if not (data / SAMPLES_FILE).is_file() or not (data / TOKENIZER_DIR).is_dir():
+        raise FileNotFoundError(f"{data} is not an annotation directory (`segserve segments annotate --out`)")
+    tokenizer = AutoTokenizer.from_pretrained(str(data / TOKENIZER_DIR))
+    marker_ids = marker_token_ids(tokenizer)
+    with open(data / SAMPLES_FILE, encoding="utf-8") as f:
+        samples = [encode_sample(json.loads(line), tokenizer, config.max_length) for line in f if line.strip()]
+    if not samples:
+        raise ValueError(f"{data / SAMPLES_FILE} holds no samples")
+    torch.manual_seed(config.seed)
+    model = load_model_for_tokenizer(model_dir, tokenizer)
+    if not config.is_full:
+        model = _with_adapters(model, config, marker_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    num_steps = math.ceil(len(samples) / config.batch_size) * config.num_epochs
+    num_steps = min(num_steps, config.max_steps) if config.max_steps else num_steps
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    losses = _train(model, samples, config, num_steps, pad_id)
     model.eval()
     if not config.is_full:
         model = model.merge_and_unload()
@@ -202,7 +211,7 @@ def finetune(data_dir: str | Path, model_dir: str | Path, out_dir: str | Path, c
     tokenizer.save_pretrained(out)
     window = max(1, min(5, len(losses) // 4))
     summary = {"model": str(model_dir), "data": str(data), "out": str(out), "num_samples": len(samples),
-               "num_steps": len(losses), "num_trainable_params": sum(p.numel() for p in params),
+               "num_steps": len(losses), "num_trainable_params": num_trainable,
                "first_loss": sum(losses[:window]) / window, "last_loss": sum(losses[-window:]) / window,
                "losses": losses, "markers": tokenizer.init_kwargs[MARKERS_KEY], "config": asdict(config)}
     (out / "finetune.json").write_text(json.dumps(summary, indent=2) + "\n")
