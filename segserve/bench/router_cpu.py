@@ -315,6 +315,10 @@ def plot(path: Path, results: dict) -> Path:
     for color, (endpoint, summary) in enumerate(results["endpoints"].items()):
         values = summary["cpu_ms_per_token_rounds"]
         axis.plot(range(1, len(values) + 1), values, marker="o", color=f"C{color}", label=_PATHS[endpoint])
+    floor = (results.get("grpc_client_floor") or {}).get("cpu_ms_per_token")
+    if floor is not None:
+        axis.axhline(floor, color="grey", linestyle=":", label="gRPC receive alone")
+    axis.set_xticks(range(1, len(results["rounds"]) + 1))
     axis.set_xlabel("round")
     axis.set_ylabel("router CPU ms per token")
     axis.set_ylim(bottom=0)
