@@ -43,6 +43,8 @@ class StopMatcher:
             raise ValueError("need at least one stop string, none empty")
         self._stops = tuple(stops)
         self._max_held = max(len(s) for s in self._stops) - 1
+        self._prefixes = frozenset(stop[:size] for stop in self._stops for size in range(1, len(stop)))
+        """Every proper prefix of a stop string: what a held-back tail can be."""
         self._held = ""
         self.num_emitted_chars = 0
         """Characters returned so far (positions in the fed text)."""
@@ -75,9 +77,9 @@ class StopMatcher:
 
     def _num_held(self, pending: str) -> int:
         """Length of the longest tail of `pending` that could still grow into a stop string."""
+        prefixes = self._prefixes
         for size in range(min(len(pending), self._max_held), 0, -1):
-            tail = pending[-size:]
-            if any(stop.startswith(tail) for stop in self._stops):
+            if pending[-size:] in prefixes:
                 return size
         return 0
 
@@ -104,7 +106,8 @@ async def stop_at_strings(
                 yield event
                 continue
             num_tokens += event.num_tokens
-            held_logprobs.append((num_fed_chars, num_fed_chars + len(event.text), event.logprobs))
+            if event.logprobs:  # an entry without logprobs would add nothing below
+                held_logprobs.append((num_fed_chars, num_fed_chars + len(event.text), event.logprobs))
             num_fed_chars += len(event.text)
             text = matcher.feed(event.text)
             if matcher.is_stopped:
@@ -115,7 +118,9 @@ async def stop_at_strings(
                 return  # leaving `aclosing` closes the generation, which cancels the scheduler call
             if event.finish_reason is not None:
                 text += matcher.flush()
-            num_out = matcher.num_emitted_chars
-            logprobs = [lp for _, end, lps in held_logprobs if end <= num_out for lp in lps]
-            held_logprobs = [entry for entry in held_logprobs if entry[1] > num_out]
+            logprobs = []
+            if held_logprobs:
+                num_out = matcher.num_emitted_chars
+                logprobs = [lp for _, end, lps in held_logprobs if end <= num_out for lp in lps]
+                held_logprobs = [entry for entry in held_logprobs if entry[1] > num_out]
             yield dataclasses.replace(event, text=text, logprobs=logprobs)
