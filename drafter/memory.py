@@ -14,6 +14,11 @@ publish (`poll`). Out: the planner's corpora, which hold both, and periodic snap
   still holds. (A crash between the corpus renames and the manifest's replays a few segments
   twice, which only raises their counts.)
 
+Tenants: a record carries the tenant whose request closed the segment, and every replica learns it
+into that tenant's corpus (drafter/planner.py), so replicas stay scoped as the one that learned it.
+A snapshot writes the shared corpora as `<segment>.corpus.npz` and each tenant's under
+`tenants/<hex of the tenant id>/`; `restore` loads both.
+
 Learning itself goes through the planner: with a background learner (drafter/learner.py) a segment
 is queued there, and `catch_up` and `snapshot` wait until the queue is applied (a snapshot must not
 record a cursor past what its corpora hold).
@@ -40,6 +45,7 @@ from drafter.segment_log import Cursor, LearnedSegment, SegmentLog
 logger = logging.getLogger(__name__)
 MANIFEST = "snapshot.json"
 CORPUS_SUFFIX = ".corpus.npz"
+TENANTS_DIR = "tenants"
 MAX_UNPUBLISHED = 10_000
 
 
@@ -68,11 +74,11 @@ class SharedMemory:
         self.num_applied = 0
         """Records of other replicas applied so far."""
 
-    def learn(self, segment: str, token_ids: Sequence[int]) -> None:
-        """A segment closed here: into the local corpus now, and onto the log for the others."""
-        self.planner.learn(segment, token_ids)
+    def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "") -> None:
+        """A segment closed here: into the tenant's local corpus now, and onto the log for the others."""
+        self.planner.learn(segment, token_ids, tenant)
         if self.log is not None:
-            self._unpublished.append(LearnedSegment(self.origin, segment, tuple(token_ids)))
+            self._unpublished.append(LearnedSegment(self.origin, segment, tuple(token_ids), tenant))
             self._publish()
 
     def poll(self, max_records: int = 1000) -> int:
@@ -83,7 +89,7 @@ class SharedMemory:
         records, self.cursor = self.log.read(self.cursor, max_records)
         for record in records:
             if record.origin != self.origin:
-                self.planner.learn(record.segment, record.token_ids)
+                self.planner.learn(record.segment, record.token_ids, record.tenant)
                 self.num_applied += 1
         return len(records)
 
@@ -102,6 +108,7 @@ class SharedMemory:
         self.planner.wait_learned()
         with self.planner.reading():
             save_corpora(self.planner.corpora, self.snapshot_dir)
+            save_tenant_corpora(self.planner.tenant_corpora, self.snapshot_dir)
         manifest = {"log": self.log_name, "cursor": self.cursor, "origin": self.origin, "saved_at": time.time(),
                     "segments": sorted(self.planner.corpora)}
         path = self.snapshot_dir / MANIFEST
@@ -133,6 +140,39 @@ def save_corpora(corpora: Mapping[str, LookupCorpus], directory: str | Path) -> 
     Path(directory).mkdir(parents=True, exist_ok=True)
     for name, corpus in corpora.items():
         _atomic(corpus_path(directory, name), corpus.save)
+
+
+def tenant_dir(directory: str | Path, tenant: str) -> Path:
+    """Where a tenant's corpora are saved (the id hex-encoded: any tenant id is a safe file name)."""
+    return Path(directory) / TENANTS_DIR / tenant.encode().hex()
+
+
+def save_tenant_corpora(corpora: Mapping[tuple[str, str], LookupCorpus], directory: str | Path) -> None:
+    """Write each (tenant, segment) corpus under `directory`/tenants/, atomically."""
+    by_tenant: dict[str, dict[str, LookupCorpus]] = {}
+    for (tenant, segment), corpus in corpora.items():
+        by_tenant.setdefault(tenant, {})[segment] = corpus
+    for tenant, tenant_corpora in by_tenant.items():
+        save_corpora(tenant_corpora, tenant_dir(directory, tenant))
+
+
+def load_tenant_corpora(segments: SegmentsConfig, directory: str | Path | None
+                        ) -> dict[tuple[str, str], LookupCorpus]:
+    """The per-tenant corpora saved under `directory`/tenants/ (kinds still configured only)."""
+    root = Path(directory) / TENANTS_DIR if directory else None
+    if root is None or not root.is_dir():
+        return {}
+    corpora = {}
+    for path in sorted(root.iterdir()):
+        try:
+            tenant = bytes.fromhex(path.name).decode()
+        except ValueError:
+            continue  # not one of ours
+        for kind in segments.all_kinds:
+            saved = corpus_path(path, kind.name)
+            if saved.is_file():
+                corpora[(tenant, kind.name)] = LookupCorpus.load(saved, kind.corpus)
+    return corpora
 
 
 def restore(directory: str | Path | None, segments: SegmentsConfig, log_name: str

@@ -4,6 +4,11 @@ In: a RequestState and the caller's node budget. Out: a CandidateTree
 (protos.segserve.v1.tree) and the segment name. Sources per segment: its lookup
 corpus and the request's own history, plus its draft model ("combine"), or the
 draft model alone ("replace").
+Corpora per tenant: `corpora` are the shared ones (what an operator seeds, and what the
+default tenant "" learns, so a single-tenant drafter behaves as before); a request of
+another tenant learns into that tenant's own corpus of the kind (`tenant_corpora`, made on
+its first segment, each bounded by the kind's corpus budget on its own) and draws from it
+and the shared corpus, never from another tenant's.
 Each source's scores are normalized to sum to 1 before merging, so a corpus's raw
 frequencies and a draft model's probabilities weigh the same.
 """
@@ -11,6 +16,7 @@ frequencies and a draft model's probabilities weigh the same.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from collections import Counter
 from typing import Mapping, Sequence
 
 from drafter.corpus import LookupCorpus
@@ -31,24 +37,47 @@ class DraftPlanner:
         corpora: Mapping[str, LookupCorpus] | None = None,
         draft_models: Mapping[str, ContinuationSource] | None = None,
         learner: Learner | None = None,
+        tenant_corpora: Mapping[tuple[str, str], LookupCorpus] | None = None,
     ):
         self.segments = segments
         self.corpora = dict(corpora or {})
+        """Segment kind -> the shared corpus (seeded by operators; learned into by the default tenant "")."""
         for kind in segments.all_kinds:
             self.corpora.setdefault(kind.name, LookupCorpus(kind.corpus))
+        self.tenant_corpora: dict[tuple[str, str], LookupCorpus] = dict(tenant_corpora or {})
+        """(tenant, segment kind) -> what that tenant's requests learned; tenants other than "" only."""
         self.draft_models = dict(draft_models or {})
         self.learner = learner
         """Learns in the background (drafter/learner.py); None = learn() adds at once, on the caller's thread."""
 
-    def learn(self, segment: str, token_ids: Sequence[int]) -> None:
-        """Online learning: a closed segment's tokens join its corpus (queued, with a learner)."""
-        corpus = self.corpora.get(segment)
+    def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "") -> None:
+        """Online learning: a closed segment's tokens join the tenant's corpus of its kind (queued, with a learner)."""
+        corpus = self.corpus_for(segment, tenant, is_created=True)
         if corpus is None:
             return
         if self.learner is None:
             corpus.add(token_ids)
         else:
             self.learner.submit(corpus, token_ids)
+
+    def corpus_for(self, segment: str, tenant: str = "", is_created: bool = False) -> LookupCorpus | None:
+        """The corpus a tenant learns into (the shared one for ""); None for an unknown kind, or a tenant's
+        corpus not made yet unless is_created."""
+        if not tenant or segment not in self.corpora:
+            return self.corpora.get(segment)
+        corpus = self.tenant_corpora.get((tenant, segment))
+        if corpus is None and is_created:
+            corpus = self.tenant_corpora[(tenant, segment)] = LookupCorpus(self.corpora[segment].limits)
+        return corpus
+
+    def corpus_sizes(self) -> tuple[Counter[str], Counter[str]]:
+        """Entries and bytes per segment kind, the shared corpus and every tenant's together."""
+        entries, num_bytes = Counter(), Counter()
+        for (_, segment), corpus in [*((("", name), c) for name, c in self.corpora.items()),
+                                     *self.tenant_corpora.items()]:
+            entries[segment] += corpus.num_entries
+            num_bytes[segment] += corpus.num_bytes
+        return entries, num_bytes
 
     def reading(self) -> AbstractContextManager:
         """Hold the corpora still while drafting or saving (the learner waits; it never holds them long)."""
@@ -80,7 +109,11 @@ class DraftPlanner:
         is_replace = kind.draft_model is not None and kind.draft_model.mode == "replace"
         if draft_model is not None and is_replace:
             return [draft_model]
-        sources: list[ContinuationSource] = [self.corpora[kind.name], state.history]
+        sources: list[ContinuationSource] = [self.corpora[kind.name]]
+        tenant_corpus = self.corpus_for(kind.name, state.tenant)
+        if tenant_corpus is not None and tenant_corpus is not self.corpora[kind.name]:
+            sources.append(tenant_corpus)
+        sources.append(state.history)
         if draft_model is not None:
             sources.append(draft_model)
         return sources

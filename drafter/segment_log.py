@@ -34,6 +34,8 @@ class LearnedSegment:
     origin: str
     segment: str
     token_ids: tuple[int, ...]
+    tenant: str = ""
+    """Whose request closed it: a replica learns it into that tenant's corpus ("" = the shared one)."""
 
 
 class SegmentLog(Protocol):
@@ -55,7 +57,8 @@ def _tokens_from(data: bytes) -> tuple[int, ...]:
 
 
 class RedisSegmentLog:
-    """A Redis Stream of records: fields o (origin), s (segment), t (int32 little-endian tokens)."""
+    """A Redis Stream of records: fields o (origin), s (segment), t (int32 little-endian tokens), n (tenant, when
+    not the default)."""
 
     def __init__(self, url: str, stream: str = "segserve:drafter:segments", max_len: int = 100_000):
         import redis
@@ -66,12 +69,15 @@ class RedisSegmentLog:
 
     def append(self, record: LearnedSegment) -> None:
         fields = {"o": record.origin, "s": record.segment, "t": _tokens_bytes(record.token_ids)}
+        if record.tenant:
+            fields["n"] = record.tenant
         self._client.xadd(self.stream, fields, maxlen=self.max_len, approximate=True)
 
     def read(self, cursor: Cursor, max_records: int) -> tuple[list[LearnedSegment], Cursor]:
         start = "-" if cursor is None else f"({cursor}"  # exclusive of the last id read
         entries = self._client.xrange(self.stream, min=start, max="+", count=max_records)
-        records = [LearnedSegment(f[b"o"].decode(), f[b"s"].decode(), _tokens_from(f[b"t"])) for _, f in entries]
+        records = [LearnedSegment(f[b"o"].decode(), f[b"s"].decode(), _tokens_from(f[b"t"]), f.get(b"n", b"").decode())
+                   for _, f in entries]
         return records, (entries[-1][0].decode() if entries else cursor)
 
     def close(self) -> None:
@@ -92,7 +98,7 @@ class DirectorySegmentLog:
         self._fd: int | None = None
 
     def append(self, record: LearnedSegment) -> None:
-        text = f"{record.origin}\n{record.segment}".encode()
+        text = "\n".join([record.origin, record.segment, *([record.tenant] if record.tenant else [])]).encode()
         body = text + _tokens_bytes(record.token_ids)
         if self._fd is None:
             self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -126,7 +132,7 @@ def _parse_frames(data: bytes, out: list[LearnedSegment], max_records: int) -> i
         if end > len(data):
             break  # still being written
         body = data[position + _HEADER.size:end]
-        origin, segment = body[:text_len].decode().split("\n", 1)
-        out.append(LearnedSegment(origin, segment, _tokens_from(body[text_len:])))
+        origin, segment, *tenant = body[:text_len].decode().split("\n", 2)  # a third line: the tenant
+        out.append(LearnedSegment(origin, segment, _tokens_from(body[text_len:]), "".join(tenant)))
         position = end
     return position

@@ -22,7 +22,7 @@ import grpc
 from drafter.config import DrafterConfig
 from drafter.history import HistorySource
 from drafter.learner import Learner
-from drafter.memory import SharedMemory, new_origin, restore
+from drafter.memory import SharedMemory, load_tenant_corpora, new_origin, restore
 from drafter.planner import DraftPlanner
 from drafter.segment_log import DirectorySegmentLog, RedisSegmentLog, SegmentLog
 from drafter.segments import SegmentsConfig, load_segments
@@ -68,7 +68,7 @@ def build_servicer(
     origin = new_origin(config.replica_name or socket.gethostname())
     log, log_name = open_segment_log(config, origin)
     corpora, cursor = restore(config.corpus_dir, segments, log_name)
-    planner = DraftPlanner(segments, corpora, draft_models, Learner())
+    planner = DraftPlanner(segments, corpora, draft_models, Learner(), load_tenant_corpora(segments, config.corpus_dir))
     memory = SharedMemory(planner, log, config.corpus_dir, origin, log_name, cursor)
     states = RequestStates(
         segments,

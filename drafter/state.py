@@ -9,6 +9,9 @@ which adds them to that kind's corpus. A state built from the whole sequence
 drafter already received (num_known_tokens), so a resync never learns twice
 and a request first seen at its end is still learned. A final update learns
 and drops the state; one for a request never seen indexes no history.
+Each state keeps its request's tenant, and the sink gets it with every closed
+segment (as a third argument, only when it is not the default tenant "", so a
+two-argument sink serves a single-tenant drafter as before).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from drafter.history import HistorySource
 from drafter.segments import SegmentsConfig
 from drafter.tracker import SegmentTracker
 
-SegmentSink = Callable[[str, Sequence[int]], None]
+SegmentSink = Callable[..., None]
+"""sink(segment, tokens) for the default tenant, sink(segment, tokens, tenant) for any other."""
 
 
 @dataclass
@@ -32,6 +36,8 @@ class RequestState:
     num_prompt_tokens: int
     tracker: SegmentTracker
     history: HistorySource
+    tenant: str = ""
+    """Whose request: its segments are learned for this tenant, its trees drawn from this tenant's corpora."""
 
     @property
     def tokens(self) -> list[int]:
@@ -87,7 +93,7 @@ class RequestStates:
 
     def update(
         self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int,
-        num_known_tokens: int = 0,
+        num_known_tokens: int = 0, tenant: str = "",
     ) -> RequestState | None:
         """Apply one query's update; None = state lost or inconsistent (the caller answers needs_resync).
 
@@ -100,29 +106,29 @@ class RequestStates:
         if state is not None and len(state.tokens) + len(new_token_ids) == num_tokens:
             self._states.move_to_end(request_id)
             num_bytes = state.history.num_bytes
-            self._learn(state.extend(new_token_ids))
+            self._learn(state, state.extend(new_token_ids))
             self.num_history_bytes += state.history.num_bytes - num_bytes
             self._bound()
             return state if request_id in self._states else None
         self.drop(request_id)
         if len(new_token_ids) != num_tokens or num_tokens == 0:
             return None
-        return self._create(request_id, new_token_ids, num_prompt_tokens, num_known_tokens)
+        return self._create(request_id, new_token_ids, num_prompt_tokens, num_known_tokens, tenant)
 
     def finish(self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int,
-               num_known_tokens: int = 0) -> bool:
+               num_known_tokens: int = 0, tenant: str = "") -> bool:
         """A request's final update: learn the segments it closes, then drop its state. False = the tokens
         neither extend the state nor are the whole sequence (nothing learned; the caller answers needs_resync)."""
         state = self._states.get(request_id)
         self.drop(request_id)
         if state is not None and len(state.tokens) + len(new_token_ids) == num_tokens:
-            self._learn(state.extend(new_token_ids))
+            self._learn(state, state.extend(new_token_ids))
             return True
         if len(new_token_ids) != num_tokens or num_tokens == 0:
             return False
         # Only the segments matter now: no history index is built for a state dropped at once.
-        state = self._new_state(request_id, num_prompt_tokens, HistorySource(is_indexed=False))
-        self._learn(state.extend(new_token_ids, num_known_tokens))
+        state = self._new_state(request_id, num_prompt_tokens, HistorySource(is_indexed=False), tenant)
+        self._learn(state, state.extend(new_token_ids, num_known_tokens))
         return True
 
     def drop(self, request_id: str) -> None:
@@ -137,17 +143,21 @@ class RequestStates:
                                          or self.num_history_bytes > self._max_history_bytes):
             self.drop(next(iter(self._states)))
 
-    def _learn(self, closed: list[tuple[str, list[int]]]) -> None:
+    def _learn(self, state: RequestState, closed: list[tuple[str, list[int]]]) -> None:
         for name, tokens in closed:
-            self._on_segment_closed(name, tokens)
+            if state.tenant:
+                self._on_segment_closed(name, tokens, state.tenant)
+            else:
+                self._on_segment_closed(name, tokens)
 
-    def _new_state(self, request_id: str, num_prompt_tokens: int, history: HistorySource) -> RequestState:
-        return RequestState(request_id, num_prompt_tokens, SegmentTracker(self._segments.kinds), history)
+    def _new_state(self, request_id: str, num_prompt_tokens: int, history: HistorySource,
+                   tenant: str = "") -> RequestState:
+        return RequestState(request_id, num_prompt_tokens, SegmentTracker(self._segments.kinds), history, tenant)
 
     def _create(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
-                num_known_tokens: int) -> RequestState:
-        state = self._new_state(request_id, num_prompt_tokens, self._history_factory())
-        self._learn(state.extend(token_ids, num_known_tokens))
+                num_known_tokens: int, tenant: str = "") -> RequestState:
+        state = self._new_state(request_id, num_prompt_tokens, self._history_factory(), tenant)
+        self._learn(state, state.extend(token_ids, num_known_tokens))
         self._states[request_id] = state
         self.num_history_bytes += state.history.num_bytes
         self._bound()

@@ -55,12 +55,14 @@ class DraftQuery:
     """With the whole sequence: tokens some drafter already received (segments closing within them are learned)."""
     is_final: bool = False
     """The request ended with these tokens: learn, then drop its state; no tree."""
+    tenant: str = ""
+    """Whose request: the drafter learns its segments into this tenant's corpora."""
 
     def to_pb(self) -> drafter_pb2.DraftQuery:
         return drafter_pb2.DraftQuery(request_id=self.request_id, new_token_ids=self.new_token_ids,
                                       num_tokens=self.num_tokens, num_prompt_tokens=self.num_prompt_tokens,
                                       max_nodes=self.max_nodes, num_known_tokens=self.num_known_tokens,
-                                      is_final=self.is_final)
+                                      is_final=self.is_final, tenant=self.tenant)
 
     @property
     def is_update_only(self) -> bool:

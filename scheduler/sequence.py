@@ -72,6 +72,8 @@ class Sequence:
     """Largest number of sequences in a step this one ran in."""
     segment: str = ""
     """The segment kind the drafter last placed this request in ("" = not known); the speculator sets it."""
+    tenant: str = ""
+    """Whose request (GenerateRequest.tenant); the drafter learns its segments only for this tenant."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -81,7 +83,7 @@ class Sequence:
     def of(cls, request: GenerateRequest, arrival_time: float | None = None) -> Sequence:
         """A new sequence for a validated GenerateRequest."""
         return cls(request.request_id, list(request.prompt_token_ids), request.sampling, request.stopping,
-                   time.monotonic() if arrival_time is None else arrival_time)
+                   time.monotonic() if arrival_time is None else arrival_time, tenant=request.tenant)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -97,7 +97,7 @@ class Speculator:
         if seq is None:
             return  # never seen running (it ended while waiting): it generated nothing
         self._finals.append(DraftQuery(request_id, seq.token_ids[num_synced:], seq.num_tokens,
-                                       seq.num_prompt_tokens, 0, num_known, is_final=True))
+                                       seq.num_prompt_tokens, 0, num_known, is_final=True, tenant=seq.tenant))
         if len(self._finals) > _MAX_FINALS:
             del self._finals[0]
             self.num_finals_dropped += 1
@@ -182,7 +182,8 @@ class Speculator:
     def _query(self, seq: Seq, max_nodes: int) -> DraftQuery:
         num_synced = self._num_synced.setdefault(seq.request_id, 0)
         return DraftQuery(seq.request_id, seq.token_ids[num_synced:], seq.num_tokens, seq.num_prompt_tokens,
-                          max_nodes, self._num_known.get(seq.request_id, 0) if num_synced == 0 else 0)
+                          max_nodes, self._num_known.get(seq.request_id, 0) if num_synced == 0 else 0,
+                          tenant=seq.tenant)
 
     def _accept_replies(self, candidates: list[Seq], queries: list[DraftQuery],
                         replies: dict[str, DraftReply]) -> dict[str, CandidateTree]:

@@ -27,25 +27,40 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingCriteria = field(default_factory=StoppingCriteria)
+    tenant: str = ""
+    """Whose request (a stable non-secret id set by the router; "" = the default tenant): scopes online learning."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
 
     def to_pb(self) -> scheduler_pb2.GenerateRequest:
         return scheduler_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                                             sampling=self.sampling.to_pb(), stopping=self.stopping.to_pb())
+                                             sampling=self.sampling.to_pb(), stopping=self.stopping.to_pb(),
+                                             tenant=self.tenant)
 
     @classmethod
     def from_pb(cls, pb: scheduler_pb2.GenerateRequest) -> GenerateRequest:
         """Convert as sent (an absent `sampling` is greedy with every default); validate before use."""
         sampling = SamplingParams.from_pb(pb.sampling) if pb.HasField("sampling") else SamplingParams()
-        return cls(pb.request_id, tuple(pb.prompt_token_ids), sampling, StoppingCriteria.from_pb(pb.stopping))
+        return cls(pb.request_id, tuple(pb.prompt_token_ids), sampling, StoppingCriteria.from_pb(pb.stopping),
+                   pb.tenant)
+
+
+MAX_TENANT_CHARS = 64
+_TENANT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
+
+
+def is_valid_tenant(tenant: str) -> bool:
+    """A tenant id is short and plain (it names files of the drafter's snapshots once encoded)."""
+    return len(tenant) <= MAX_TENANT_CHARS and all(char in _TENANT_CHARS for char in tenant)
 
 
 def validate_request(request: GenerateRequest, info: WorkerInfo) -> None:
     """Raise InvalidParameter unless `request` can run on the model `info` describes."""
     if not request.request_id:
         raise InvalidParameter("request_id", "must not be empty")
+    if not is_valid_tenant(request.tenant):
+        raise InvalidParameter("tenant", f"must be at most {MAX_TENANT_CHARS} of A-Z a-z 0-9 . _ : - ")
     prompt = request.prompt_token_ids
     if not prompt:
         raise InvalidParameter("prompt_token_ids", "must not be empty")
