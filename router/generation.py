@@ -176,6 +176,7 @@ async def generate_deltas(
                     yield event
                     return
     finally:
+        inbox.close()
         pump.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pump
@@ -217,11 +218,18 @@ def merge_chunks(events: list[GenerateEvent]) -> list[GenerateEvent]:
 
 
 class _Inbox:
-    """The pump's events, handed to the consumer all at once: one future per wait, no task per event."""
+    """The pump's events, handed to the consumer all at once: one future per wait, no task per event.
+
+    The keep-alive deadline is one timer per stream, not one per wait: a timer scheduled and cancelled for every
+    token would cost more than the rest of the hand-over. When it fires before the current wait's deadline (the
+    consumer waited again since it was set), it is set again for that deadline."""
 
     def __init__(self) -> None:
         self._events: list[GenerateEvent] = []
         self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        """When the current wait, if any, gives up (loop time)."""
 
     def put(self, event: GenerateEvent) -> None:
         self._events.append(event)
@@ -234,20 +242,38 @@ class _Inbox:
         if not self._events:
             loop = asyncio.get_running_loop()
             self._waiter = waiter = loop.create_future()
-            timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
+            if timeout_s is not None:
+                self._deadline = loop.time() + timeout_s
+                if self._timer is None or self._timer.when() > self._deadline:
+                    self.close()
+                    self._timer = loop.call_at(self._deadline, self._on_timer)
             try:
                 await waiter
             finally:
                 self._waiter = None
-                if timer is not None:
-                    timer.cancel()
         events, self._events = self._events, []
         return events
 
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: the next wait sets the timer
+        loop = waiter.get_loop()
+        if loop.time() + _TIMER_SLACK_S >= self._deadline:
+            waiter.set_result(None)
+        else:
+            self._timer = loop.call_at(self._deadline, self._on_timer)
 
-def _wake(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+    def close(self) -> None:
+        """Cancel the keep-alive timer (the stream ended)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+_TIMER_SLACK_S = 0.001
+"""The event loop runs a timer up to its clock resolution early."""
 
 
 async def _pump(client: SchedulerClient, job: GenerationJob, inbox: _Inbox) -> None:
