@@ -50,7 +50,8 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
     if state.recorder is not None:  # added before the guard, so it runs inside it
         app.add_middleware(ReflowMiddleware, recorder=state.recorder, service_id=state.served_name)
         state.metrics.registry.register(ReflowCollector(state.recorder))
-    app.add_middleware(RequestGuard, api_keys=config.api_keys, max_body_bytes=config.max_request_body_bytes)
+    app.add_middleware(RequestGuard, api_keys=config.api_keys, max_body_bytes=config.max_request_body_bytes,
+                       tenant_header=config.tenant_header, is_metrics_key_required=config.metrics_require_key)
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
     app.include_router(v2.router_for(state.served_name))

@@ -50,6 +50,13 @@ class RouterConfig:
     api_key_file: str = ""
     """File of API keys, one a line (blank lines and '#' comments skipped), added to api_keys at start-up; a missing
     or unreadable file, or one without a key, stops the start-up. Empty = none."""
+    tenant_header: str = ""
+    """With no api_keys: a request header (e.g. X-Segserve-Tenant) whose value is the request's tenant, trusted as
+    sent (put the router behind a proxy that sets it). Empty = every request is the default tenant "". With keys the
+    tenant is always the key's id (the first 16 hex of its SHA-256) and the header is ignored. The drafter learns
+    a request's segments only for its tenant."""
+    metrics_require_key: bool = False
+    """/metrics and /status want `Authorization: Bearer <one of api_keys>` too (off: Prometheus scrapes freely)."""
     tls_cert_file: str = ""
     """PEM certificate (chain) of the router's public ports; with tls_key_file, HTTP and the public gRPC API are
     served over TLS only (both empty = plaintext)."""
@@ -97,6 +104,10 @@ class RouterConfig:
         self.api_keys = list(dict.fromkeys(key.strip() for key in keys if key.strip()))
         if any(char.isspace() or char == "," for key in self.api_keys for char in key):
             raise ValueError("api_keys: a key holds no whitespace or comma")
+        if self.metrics_require_key and not self.api_keys:
+            raise ValueError("metrics_require_key needs api_keys (SEGSERVE_API_KEYS or api_key_file)")
+        if self.tenant_header and not all(c.isalnum() or c == "-" for c in self.tenant_header):
+            raise ValueError("tenant_header must be a header name (letters, digits and -)")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file are given together or not at all")
         internal_tls(self)  # ValueError naming the fields when only some are given

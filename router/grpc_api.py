@@ -46,6 +46,7 @@ from router.errors import RETRY_AFTER_S, APIError, bad_request
 from router.generation import GenerationJob, generate_deltas
 from router.grpc_convert import Prompt, Renderer, StepLog, choice_jobs, prompt_of, reflow_body, stop_strings
 from router.ops import MeteredClient, is_authorized
+from router.tenants import InvalidTenant, current_tenant, tenant_for
 from router.reflow.chunks import FinishState
 from router.reflow.gateway import client_id, record_deltas, state_for_status
 from router.reflow.recorder import RequestRecording
@@ -135,11 +136,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._api_keys = [key.encode() for key in state.config.api_keys]
 
     def authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if not self._api_keys:
-            return
-        authorization = _metadata(context).get("authorization", "")
-        if not is_authorized(authorization.encode(), self._api_keys):
+        """Check the key, then set the call's tenant (router/tenants.py: the key's id, or a trusted header's)."""
+        metadata = _metadata(context)
+        authorization = metadata.get("authorization", "").encode()
+        if self._api_keys and not is_authorized(authorization, self._api_keys):
             raise APIError(401, "Missing or invalid API key: send the metadata `authorization: Bearer <key>`.")
+        header = self.state.config.tenant_header.lower()
+        try:
+            current_tenant.set(tenant_for(authorization, self._api_keys,
+                                          metadata.get(header, "").encode() if header else None))
+        except InvalidTenant as exc:
+            raise APIError(400, str(exc)) from None
 
     @_rpc
     async def Generate(self, request: pb.GenerationRequest, context) -> pb.GenerationResponse:

@@ -15,7 +15,9 @@ In: the app's RouterState (state.py). Out: `router`, an APIRouter with
 And `RequestGuard`, the middleware create_app puts in front of every route: 401
 on /v1 and /v2 without one of `config.api_keys`, 413 for a body over
 `config.max_request_body_bytes`, both answered before the body is parsed or any
-work starts (`is_authorized` is the key check the gRPC API shares); `RouterMetrics` and `MeteredClient`,
+work starts (`is_authorized` is the key check the gRPC API shares); with `metrics_require_key`, /metrics and
+/status want a key too. It also sets the request's tenant (router/tenants.py: from its key, or a trusted tenant
+header; 400 for an invalid one). `RouterMetrics` and `MeteredClient`,
 which create_app puts in the state.
 """
 
@@ -37,6 +39,7 @@ from protos.segserve.v1.generate import FinishReason, GenerateComplete, Generate
 from router.errors import INVALID_REQUEST, error_body
 from router.scheduler_client import SchedulerClient, SchedulerLoad
 from router.state import StateDep
+from router.tenants import InvalidTenant, current_tenant, tenant_for
 
 # vLLM's buckets, so percentiles line up with its dashboards.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -255,22 +258,37 @@ class MeteredClient:
 class RequestGuard:
     """ASGI middleware: API keys on /v1 and /v2 and the body-size limit, checked before any route runs."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int, tenant_header: str = "",
+                 is_metrics_key_required: bool = False) -> None:
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
         self.max_body_bytes = max_body_bytes
+        self.tenant_header = tenant_header.lower()
+        """A header whose value is the tenant when no keys are configured ("" = none trusted; router/tenants.py)."""
+        self.is_metrics_key_required = is_metrics_key_required
+        """/metrics and /status want a key too."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {name.decode("latin-1").lower(): value for name, value in scope["headers"]}
-        if self.api_keys and _is_api_path(scope["path"]) and not self._is_authorized(headers):
+        path = scope["path"]
+        is_keyed = _is_api_path(path) or (self.is_metrics_key_required and _is_ops_path(path))
+        if self.api_keys and is_keyed and not self._is_authorized(headers):
             error = JSONResponse(
                 error_body("Missing or invalid API key: send `Authorization: Bearer <key>`.", INVALID_REQUEST,
                            code="invalid_api_key"),
                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await error(scope, receive, send)
+            return
+        try:  # the API route's GenerateRequests carry it (router/scheduler_client.py)
+            if _is_api_path(path):
+                current_tenant.set(tenant_for(headers.get("authorization", b""), self.api_keys,
+                                              headers.get(self.tenant_header) if self.tenant_header else None))
+        except InvalidTenant as exc:
+            await JSONResponse(error_body(str(exc), INVALID_REQUEST, code="invalid_tenant"),
+                               status_code=400)(scope, receive, send)
             return
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit():
@@ -316,6 +334,11 @@ def is_authorized(authorization: bytes, api_keys: list[bytes]) -> bool:
 
 def _is_api_path(path: str) -> bool:
     return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/v2")
+
+
+def _is_ops_path(path: str) -> bool:
+    """What operators read: /metrics and /status (a key is asked for with is_metrics_key_required)."""
+    return path in ("/metrics", "/status") or path.startswith(("/metrics/", "/status/"))
 
 
 router = APIRouter()

@@ -11,6 +11,7 @@ away) cancels the gRPC call, which is how cancellation reaches the scheduler.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk, event_from_pb
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.stats import DrafterReplicaStats
+from router.tenants import current_tenant
 from segserve.tls import TlsFiles, open_channel
 
 # gRPC status -> the failure codes the router maps to HTTP statuses (errors.py).
@@ -124,7 +126,10 @@ class SchedulerClient:
     async def generate(
         self, request: GenerateRequest, timeout_s: float | None = None
     ) -> AsyncIterator[GenerateEvent]:
-        """Stream one request's events; the last one is a GenerateComplete or a GenerateError."""
+        """Stream one request's events; the last one is a GenerateComplete or a GenerateError. A request without a
+        tenant gets the one its edge set (router/tenants.py)."""
+        if not request.tenant:
+            request = dataclasses.replace(request, tenant=current_tenant.get())
         call = self._get_stub().Generate(request.to_pb(), timeout=timeout_s or None)
         try:
             terminal: GenerateEvent | None = None
