@@ -148,12 +148,17 @@ def tenant_dir(directory: str | Path, tenant: str) -> Path:
 
 
 def save_tenant_corpora(corpora: Mapping[tuple[str, str], LookupCorpus], directory: str | Path) -> None:
-    """Write each (tenant, segment) corpus under `directory`/tenants/, atomically."""
+    """Write each (tenant, segment) corpus under `directory`/tenants/, atomically; remove the ones no longer held."""
     by_tenant: dict[str, dict[str, LookupCorpus]] = {}
     for (tenant, segment), corpus in corpora.items():
         by_tenant.setdefault(tenant, {})[segment] = corpus
     for tenant, tenant_corpora in by_tenant.items():
         save_corpora(tenant_corpora, tenant_dir(directory, tenant))
+    root = Path(directory) / TENANTS_DIR
+    kept = {tenant_dir(directory, tenant) / corpus_path("", segment).name for tenant, segment in corpora}
+    for path in root.glob(f"*/*{CORPUS_SUFFIX}") if root.is_dir() else ():
+        if path not in kept:  # a tenant corpus dropped for the budget since the last snapshot
+            path.unlink(missing_ok=True)
 
 
 def load_tenant_corpora(segments: SegmentsConfig, directory: str | Path | None

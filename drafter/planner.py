@@ -7,8 +7,12 @@ draft model alone ("replace").
 Corpora per tenant: `corpora` are the shared ones (what an operator seeds, and what the
 default tenant "" learns, so a single-tenant drafter behaves as before); a request of
 another tenant learns into that tenant's own corpus of the kind (`tenant_corpora`, made on
-its first segment, each bounded by the kind's corpus budget on its own) and draws from it
-and the shared corpus, never from another tenant's.
+its first segment) and draws from it and the shared corpus, never from another tenant's.
+Budget: the tenants' corpora of a kind share the kind's byte budget (its `corpus.max_bytes`).
+Each is bounded by it like any corpus, and when together they pass it, the corpora of the
+tenants that learned least recently are dropped whole until they fit again (the one learning
+now is kept); the shared corpus has the budget of its own. So a kind holds at most about twice
+its budget, however many tenants there are.
 Each source's scores are normalized to sum to 1 before merging, so a corpus's raw
 frequencies and a draft model's probabilities weigh the same.
 """
@@ -16,7 +20,7 @@ frequencies and a draft model's probabilities weigh the same.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Mapping, Sequence
 
 from drafter.corpus import LookupCorpus
@@ -44,8 +48,11 @@ class DraftPlanner:
         """Segment kind -> the shared corpus (seeded by operators; learned into by the default tenant "")."""
         for kind in segments.all_kinds:
             self.corpora.setdefault(kind.name, LookupCorpus(kind.corpus))
-        self.tenant_corpora: dict[tuple[str, str], LookupCorpus] = dict(tenant_corpora or {})
-        """(tenant, segment kind) -> what that tenant's requests learned; tenants other than "" only."""
+        self.tenant_corpora: OrderedDict[tuple[str, str], LookupCorpus] = OrderedDict(tenant_corpora or {})
+        """(tenant, segment kind) -> what that tenant's requests learned, least recently learned first; tenants
+        other than "" only."""
+        self.num_tenant_corpora_dropped = 0
+        """Tenant corpora dropped to keep their kind within its budget."""
         self.draft_models = dict(draft_models or {})
         self.learner = learner
         """Learns in the background (drafter/learner.py); None = learn() adds at once, on the caller's thread."""
@@ -59,6 +66,9 @@ class DraftPlanner:
             corpus.add(token_ids)
         else:
             self.learner.submit(corpus, token_ids)
+        if tenant:
+            self.tenant_corpora.move_to_end((tenant, segment))
+            self._bound_tenants(segment)
 
     def corpus_for(self, segment: str, tenant: str = "", is_created: bool = False) -> LookupCorpus | None:
         """The corpus a tenant learns into (the shared one for ""); None for an unknown kind, or a tenant's
@@ -69,6 +79,17 @@ class DraftPlanner:
         if corpus is None and is_created:
             corpus = self.tenant_corpora[(tenant, segment)] = LookupCorpus(self.corpora[segment].limits)
         return corpus
+
+    def _bound_tenants(self, segment: str) -> None:
+        """Drop the least recently learned tenants' corpora of `segment` while together they pass its budget."""
+        budget = self.corpora[segment].limits.max_bytes
+        own = [key for key in self.tenant_corpora if key[1] == segment]
+        total = sum(self.tenant_corpora[key].num_bytes for key in own)
+        for key in own[:-1]:  # the newest (the one learning now) is kept
+            if total <= budget:
+                break
+            total -= self.tenant_corpora.pop(key).num_bytes
+            self.num_tenant_corpora_dropped += 1
 
     def corpus_sizes(self) -> tuple[Counter[str], Counter[str]]:
         """Entries and bytes per segment kind, the shared corpus and every tenant's together."""

@@ -206,3 +206,26 @@ def test_the_generate_request_carries_a_plain_tenant_over_the_wire():
     validate_request(request, info)
     with pytest.raises(InvalidParameter, match="tenant"):
         validate_request(GenerateRequest("r", (1, 2), tenant="a/b"), info)
+
+
+def test_the_tenants_corpora_of_a_kind_share_its_budget_and_the_least_recent_go_first(tmp_path):
+    one = DraftPlanner(parse_segments(RAW))
+    one.learn("code", SECRET, "t")
+    size = one.tenant_corpora[("t", "code")].num_bytes  # one tenant's corpus after one segment
+    raw = {"segment": [{**RAW["segment"][0], "corpus": {"max_bytes": int(size * 2.5), "max_depth": 8,
+                                                        "max_key": 4}}]}
+    segments = parse_segments(raw)
+    corpora, cursor = restore(None, segments, "directory")
+    memory = SharedMemory(DraftPlanner(segments, corpora), None, tmp_path / "snap", "o", "directory", cursor)
+    memory.learn("code", SECRET, "tenant-a")
+    memory.learn("code", SECRET, "tenant-b")
+    memory.snapshot()
+    memory.learn("code", SECRET, "tenant-a")  # a learned again: b is now the least recent
+    memory.learn("code", SECRET, "tenant-c")  # three corpora pass 2.5 corpora's budget: b goes
+    planner = memory.planner
+    assert sorted(tenant for tenant, _ in planner.tenant_corpora) == ["tenant-a", "tenant-c"]
+    assert planner.num_tenant_corpora_dropped == 1
+    assert _proposal(planner, "tenant-a") == tuple(SECRET_PATH) and _proposal(planner, "tenant-b") == ()
+    memory.snapshot()  # the dropped tenant's file goes too: a restart does not bring it back
+    assert sorted(tenant for tenant, _ in load_tenant_corpora(segments, tmp_path / "snap")) == ["tenant-a",
+                                                                                                "tenant-c"]
