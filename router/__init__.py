@@ -19,4 +19,6 @@ Modules, from the wire inwards:
 - detokenizer.py: incremental detokenization over a small window.
 - responses.py: OpenAI response bodies and the renderers building them.
 - scheduler_client.py: the grpc.aio client; the only module that touches protobuf.
+- tenants.py: each request's tenant (from its API key, or a trusted header), set by ops.py's RequestGuard and
+  the gRPC API, sent by scheduler_client.py in the GenerateRequest.
 """

@@ -61,6 +61,11 @@ def test_http_requests_carry_their_keys_tenant(keyed_router, scheduler):
         reply = _complete(url, {"Authorization": f"Bearer {key}", "X-Segserve-Tenant": "forged"})
         assert reply.status_code == 200, reply.text
         assert _last_tenant(fake) == tenant_of_key(key.encode())
+    stream = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY_B}"}, timeout=30,
+                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "stream": True})
+    assert stream.status_code == 200 and "[DONE]" in stream.text
+    assert _last_tenant(fake) == tenant_of_key(KEY_B.encode())
     body = {"text_input": "hi", "parameters": {"max_new_tokens": 2}}
     reply = httpx.post(f"{url}/v2/models/{MODEL}/generate", json=body, headers={"Authorization": f"Bearer {KEY_A}"},
                        timeout=30)
@@ -74,7 +79,9 @@ def test_grpc_requests_carry_their_keys_tenant(keyed_router, scheduler):
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = pb.GenerationRequest(prompt="hi", parameters=pb.GenerationParameters(max_tokens=2))
         stub.Generate(request, metadata=[("authorization", f"Bearer {KEY_B}")], timeout=30)
-    assert _last_tenant(fake) == tenant_of_key(KEY_B.encode())
+        assert _last_tenant(fake) == tenant_of_key(KEY_B.encode())
+        list(stub.GenerateStream(request, metadata=[("authorization", f"Bearer {KEY_A}")], timeout=30))
+        assert _last_tenant(fake) == tenant_of_key(KEY_A.encode())
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/status"])
