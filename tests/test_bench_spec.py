@@ -379,3 +379,7 @@ def test_cli_parses_bench_spec_and_the_config_validates():
     with pytest.raises(ValueError):
         spec.SpecBenchConfig(temperature=0.0)
     assert spec.config_from_args(build_parser().parse_args(["bench", "spec", "--rounds", "5"])).rounds == 5
+    with pytest.raises(SystemExit, match="systems must be a non-empty subset"):
+        spec.run_spec(build_parser().parse_args(["bench", "spec", "--systems", "vllm"]))
+    with pytest.raises(SystemExit, match="no config.json"):
+        spec.run_spec(build_parser().parse_args(["bench", "spec", "--finetuned-model", "/nonexistent/ft"]))

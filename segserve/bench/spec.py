@@ -256,13 +256,16 @@ def run_spec(args: argparse.Namespace) -> dict:
     from segserve.bench.throughput import machine_info
     from segserve.checkpoint import resolve_model
 
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # a bad flag is named, not a traceback
+        raise SystemExit(f"segserve bench spec: {exc}") from None
+    if config.finetuned_model and not Path(config.finetuned_model, "config.json").is_file():
+        raise SystemExit(f"--finetuned-model {config.finetuned_model}: no config.json there (not a checkpoint)")
     config.dtype = resolve_dtype(config.dtype)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     models = {"base": str(resolve_model(config.model))}
     if config.finetuned_model:
-        if not Path(config.finetuned_model, "config.json").is_file():
-            raise SystemExit(f"--finetuned-model {config.finetuned_model}: no config.json there (not a checkpoint)")
         models["finetuned"] = config.finetuned_model
     header = {"command": shlex.join(sys.argv), "model": models["base"], "machine": machine_info()}
     results = run_benchmark(config, default_factories(config), models, Path(config.out), header)
