@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     top = commands.add_parser("top", help="live view of a running stack (the router's GET /status)")
     top.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
     top.add_argument("--interval-s", type=float, default=1.0, help="seconds between refreshes")
-    top.add_argument("--api-key", default=None, help="sent as a Bearer token (GET /status itself is open)")
+    top.add_argument("--api-key", default=None, help="sent as a Bearer token (GET /status wants one with the router's --metrics-require-key)")
     top.set_defaults(func=_top_command)
 
     prepare = commands.add_parser("prepare-model", help="convert the default model into the cache")
