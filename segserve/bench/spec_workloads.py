@@ -1,4 +1,4 @@
-"""The four workloads of `segserve bench spec`, written as completions for a base model.
+"""The workloads of `segserve bench spec`, written as completions for a base model.
 
 The default model (gemma-3-270m) is not instruction-tuned, so every prompt is a
 document whose natural continuation has the intended shape:
@@ -22,7 +22,8 @@ document whose natural continuation has the intended shape:
   list, a different app per request.
 - months_edit_sampled, months_json_sampled: the same prompts sampled at a
   temperature (0.7 by default), a seed per request; acceptance, not text, is
-  compared.
+  compared. They run after the greedy edits on the same system, whose corpora
+  have learned the list by then.
 
 The edit workloads carry the output each request is written to elicit
 (`expected`): not in its prompt, largely shared across requests. What the model
