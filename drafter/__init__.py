@@ -1,7 +1,8 @@
 """Speculative drafting: per-request segment tracking, per-segment lookup corpora, candidate trees.
 
 In (gRPC, drafter.proto): per request, the tokens appended since the last step and
-the node budget (0 = update only; a final update ends the request). Out: a DraftReply per request: a candidate tree
+the node budget (0 = update only; a final update ends the request), and on a request's first query its
+tenant (learned segments stay in that tenant's corpora; drafts come from them and the shared, seeded ones). Out: a DraftReply per request: a candidate tree
 (protos.segserve.v1.tree.CandidateTree: token ids + parents, -1 = rooted at the
 last token) and its segment name, or needs_resync.
 

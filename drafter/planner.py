@@ -19,8 +19,8 @@ frequencies and a draft model's probabilities weigh the same.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from collections import Counter, OrderedDict
+from contextlib import AbstractContextManager, nullcontext
 from typing import Mapping, Sequence
 
 from drafter.corpus import LookupCorpus
