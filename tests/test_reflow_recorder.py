@@ -99,7 +99,9 @@ def test_hot_path_never_blocks_and_counts_drops_when_the_writer_is_stalled(tmp_p
         assert recorder.stats().buffered_bytes <= 64 * 1024
     recording.finish(FinishState.COMPLETE)
     stats = recorder.stats()
-    assert slowest < 0.05  # a blocked put would hold the caller for good
+    # A blocked put would hold the caller for good (the queue never takes), and a put with a timeout for at
+    # least its timeout; the bound leaves room for a loaded machine descheduling this thread.
+    assert slowest < 1.0
     assert stats.num_chunks_dropped["buffer_full"] > 0
     assert stats.num_chunks_recorded + stats.num_chunks_dropped["buffer_full"] == 5000 + 2
     queue.release.set()
