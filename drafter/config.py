@@ -52,6 +52,10 @@ class DrafterConfig:
     snapshot_interval_s: float = 60.0
     """How often the corpora (and the log position) are snapshotted to corpus_dir; also on SIGTERM. kill -9
     loses nothing the log holds: a restarted replica replays it from its snapshot's position."""
+    redact_corpora: bool = False
+    """Pass every learned segment through reflow's redaction (e-mail addresses, phone numbers and API keys become
+    [EMAIL], [PHONE], [API_KEY]; segserve/reflow/redact.py) before it reaches a corpus, the shared log or a
+    snapshot, as `segserve reflow consume --redact` does for the inference logs."""
     replica_name: str = ""
     """This replica's name in the log's records (default: the host name)."""
     device: str = "auto"

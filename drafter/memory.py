@@ -35,7 +35,7 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from drafter.corpus import LookupCorpus
 from drafter.planner import DraftPlanner
@@ -62,8 +62,11 @@ class SharedMemory:
     """The planner's corpora, kept in step with the shared log and snapshotted to `snapshot_dir`."""
 
     def __init__(self, planner: DraftPlanner, log: SegmentLog | None, snapshot_dir: str | Path | None,
-                 origin: str | None = None, log_name: str = "", cursor: Cursor = None):
+                 origin: str | None = None, log_name: str = "", cursor: Cursor = None,
+                 redact: Callable[[Sequence[int]], Sequence[int]] | None = None):
         self.planner = planner
+        self.redact = redact
+        """Applied to every segment learned here before the corpus and the log see it (drafter/redaction.py)."""
         self.log = log
         self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
         self.origin = origin or new_origin()
@@ -76,6 +79,8 @@ class SharedMemory:
 
     def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "") -> None:
         """A segment closed here: into the tenant's local corpus now, and onto the log for the others."""
+        if self.redact is not None:
+            token_ids = self.redact(token_ids)
         self.planner.learn(segment, token_ids, tenant)
         if self.log is not None:
             self._unpublished.append(LearnedSegment(self.origin, segment, tuple(token_ids), tenant))

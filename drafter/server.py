@@ -24,6 +24,7 @@ from drafter.history import HistorySource
 from drafter.learner import Learner
 from drafter.memory import SharedMemory, load_tenant_corpora, new_origin, restore
 from drafter.planner import DraftPlanner
+from drafter.redaction import SegmentRedactor
 from drafter.segment_log import DirectorySegmentLog, RedisSegmentLog, SegmentLog
 from drafter.segments import SegmentsConfig, load_segments
 from drafter.service import DrafterServicer
@@ -69,7 +70,8 @@ def build_servicer(
     log, log_name = open_segment_log(config, origin)
     corpora, cursor = restore(config.corpus_dir, segments, log_name)
     planner = DraftPlanner(segments, corpora, draft_models, Learner(), load_tenant_corpora(segments, config.corpus_dir))
-    memory = SharedMemory(planner, log, config.corpus_dir, origin, log_name, cursor)
+    redact = SegmentRedactor(load_tokenizer(config.tokenizer)) if config.redact_corpora else None
+    memory = SharedMemory(planner, log, config.corpus_dir, origin, log_name, cursor, redact)
     states = RequestStates(
         segments,
         on_segment_closed=memory.learn,

@@ -5,7 +5,8 @@ over the wire contracts in protos/, never through each other's Python. A
 service may import itself, protos, the leaf modules segserve.checkpoint (model
 resolution), segserve.discovery (replica addresses, rendezvous hashing),
 segserve.health (the gRPC health protocol and reflection) and segserve.tls
-(TLS credentials, secure ports and channels), and
+(TLS credentials, secure ports and channels), segserve.reflow.redact (the
+redaction of personal data, which the drafter applies to what it learns), and
 anything outside this repository (stdlib, third-party). protos imports none of
 the services nor segserve, and the leaf modules import no first-party module.
 
@@ -25,7 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = ("router", "scheduler", "worker", "drafter")
 # What a service may import from this repository besides itself (modules and their submodules).
-SERVICE_ALLOWED = ("protos", "segserve.checkpoint", "segserve.discovery", "segserve.health", "segserve.tls")
+SERVICE_ALLOWED = ("protos", "segserve.checkpoint", "segserve.discovery", "segserve.health", "segserve.tls",
+                   "segserve.reflow.redact")
 
 
 @dataclass(frozen=True, order=True)
@@ -144,13 +146,15 @@ def test_protos_import_no_service_and_no_segserve():
 
 
 def test_the_shared_segserve_modules_are_leaves():
-    for leaf in ("checkpoint.py", "discovery.py", "health.py", "tls.py"):
+    for leaf in ("checkpoint.py", "discovery.py", "health.py", "tls.py", "reflow/redact.py"):
         edges = edges_into(REPO, [REPO / "segserve" / leaf], SERVICES + ("tests",))
         assert not edges, f"segserve/{leaf} imports a service:\n" + _report(edges)
-    # A service importing segserve.checkpoint also runs segserve/__init__.py: it must pull in nothing.
-    init = ast.parse((REPO / "segserve" / "__init__.py").read_text(encoding="utf-8"))
-    assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))], \
-        "segserve/__init__.py must stay free of imports"
+    # A service importing segserve.checkpoint also runs segserve/__init__.py (and segserve.reflow.redact runs
+    # segserve/reflow/__init__.py): they must pull in nothing.
+    for package in ("segserve", "segserve/reflow"):
+        init = ast.parse((REPO / package / "__init__.py").read_text(encoding="utf-8"))
+        assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))], \
+            f"{package}/__init__.py must stay free of imports"
 
 
 # --- the checker itself, on a fake tree -----------------------------------------------------------
