@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from segserve.bench.router_cpu import StreamCount, count_event, request_body, run_router, summarize
+from segserve.bench.loadgen import RequestRecord, apply_event
+from segserve.bench.router_cpu import request_body, run_router, summarize
 from segserve.cli import build_parser
 
 
@@ -25,16 +26,16 @@ def test_request_bodies_stream_with_usage():
         assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 7
 
 
-def test_count_event_counts_text_events_of_both_shapes_and_usage():
-    count = StreamCount()
-    count_event(count, {"choices": [{"delta": {"role": "assistant", "content": ""}}]})  # chat's opening chunk
-    count_event(count, {"choices": [{"delta": {"content": "a"}}]})
-    count_event(count, {"choices": [{"text": "b"}]})
-    count_event(count, {"choices": [{"text": "", "finish_reason": "length"}]})
-    count_event(count, {"choices": [], "usage": {"completion_tokens": 5}})
-    assert (count.num_events, count.num_tokens, count.error) == (2, 5, None)
-    count_event(count, {"error": {"message": "boom"}})
-    assert "boom" in count.error
+def test_text_events_of_both_shapes_and_usage_are_counted():
+    record = RequestRecord(stream_index=0, started_at=0.0)
+    apply_event(record, {"choices": [{"delta": {"role": "assistant", "content": ""}}]}, 1.0)  # chat's opening chunk
+    apply_event(record, {"choices": [{"delta": {"content": "a"}}]}, 2.0)
+    apply_event(record, {"choices": [{"text": "b"}]}, 3.0)
+    apply_event(record, {"choices": [{"text": "", "finish_reason": "length"}]}, 4.0)
+    apply_event(record, {"choices": [], "usage": {"completion_tokens": 5}}, 5.0)
+    assert (len(record.event_times), record.num_tokens, record.error) == (2, 5, None)
+    apply_event(record, {"error": {"message": "boom"}}, 6.0)
+    assert "boom" in record.error
 
 
 def test_summarize_takes_median_and_spread_over_rounds():

@@ -37,7 +37,8 @@ class RequestRecord:
     finished_at: float = 0.0
     """perf_counter() when the stream ended (or failed)."""
     event_times: list[float] = field(default_factory=list)
-    """perf_counter() of every SSE event that carried non-empty text, in order."""
+    """perf_counter() of every SSE event that carried non-empty text (completions' `text`, chat's `delta.content`),
+    in order."""
     num_tokens: int = 0
     """Completion tokens: usage.completion_tokens when the server sends it, else len(event_times)."""
     finish_reason: str | None = None
@@ -138,7 +139,7 @@ def apply_event(record: RequestRecord, event: dict, now: float) -> None:
         record.error = f"error event: {event['error']}"
         return
     for choice in event.get("choices") or []:
-        if choice.get("text"):
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
             record.event_times.append(now)
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]

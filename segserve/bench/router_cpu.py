@@ -34,18 +34,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
+import math
 import os
 import shlex
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import httpx
 
 from segserve.bench import loadgen, report
 from segserve.bench.throughput import PROMPTS
@@ -111,61 +110,19 @@ def request_body(endpoint: str, prompt: str, max_tokens: int) -> dict:
     return body
 
 
-@dataclass
-class StreamCount:
-    """What one streamed request delivered."""
-
-    num_events: int = 0
-    """SSE data events with text (completions' `text`, chat's `delta.content`)."""
-    num_tokens: int = 0
-    """usage.completion_tokens."""
-    error: str | None = None
-
-
-def count_event(count: StreamCount, event: dict) -> None:
-    if "error" in event:
-        count.error = f"error event: {event['error']}"
-        return
-    for choice in event.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            count.num_events += 1
-    usage = event.get("usage")
-    if usage and usage.get("completion_tokens") is not None:
-        count.num_tokens = int(usage["completion_tokens"])
-
-
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, count: StreamCount) -> None:
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            count.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
-            return
-        async for line in response.aiter_lines():
-            event = loadgen.parse_sse_line(line)
-            if event is not None:
-                count_event(count, event)
-
-
-async def run_streams(base_url: str, endpoint: str, config: RouterBenchConfig, max_tokens: int | None = None,
-                      concurrency: int | None = None) -> list[StreamCount]:
-    """`concurrency` closed-loop streams of `endpoint`, `requests_per_stream` requests each."""
-    concurrency = concurrency or config.concurrency
+async def run_streams(base_url: str, endpoint: str, config: RouterBenchConfig, max_tokens: int | None = None
+                      ) -> list[loadgen.RequestRecord]:
+    """`concurrency` closed-loop streams of `endpoint`, `requests_per_stream` requests each (loadgen's loop)."""
     url = base_url.rstrip("/") + _PATHS[endpoint]
-    counts: list[StreamCount] = []
-    async with loadgen.make_client(concurrency, config.request_timeout_s) as client:
+    async with loadgen.make_client(config.concurrency, config.request_timeout_s) as client:
 
-        async def stream(index: int) -> None:
-            for round_index in range(config.requests_per_stream):
-                count = StreamCount()
-                counts.append(count)
-                body = request_body(endpoint, PROMPTS[(index + round_index * concurrency) % len(PROMPTS)],
-                                    max_tokens or config.max_tokens)
-                try:
-                    await asyncio.wait_for(_stream(client, url, body, count), config.request_timeout_s)
-                except (asyncio.TimeoutError, httpx.HTTPError, json.JSONDecodeError) as exc:
-                    count.error = f"{type(exc).__name__}: {exc}"
+        def send(prompt_number: int, record: loadgen.RequestRecord) -> Awaitable[None]:
+            body = request_body(endpoint, PROMPTS[prompt_number % len(PROMPTS)], max_tokens or config.max_tokens)
+            return loadgen.stream_one(client, url, body, record)
 
-        await asyncio.gather(*(stream(i) for i in range(concurrency)))
-    return counts
+        run = await loadgen.run_closed_loop(config.concurrency, config.requests_per_stream, config.request_timeout_s,
+                                            math.inf, send)
+    return run.records
 
 
 def cpu_seconds(pid: int) -> float:
@@ -179,13 +136,13 @@ def cpu_seconds(pid: int) -> float:
 def measure_level(base_url: str, router_pid: int, endpoint: str, config: RouterBenchConfig) -> dict:
     """One endpoint's streams, with the router's CPU time around them."""
     cpu_before, wall_before, client_before = cpu_seconds(router_pid), time.perf_counter(), time.process_time()
-    counts = asyncio.run(run_streams(base_url, endpoint, config))
+    records = asyncio.run(run_streams(base_url, endpoint, config))
     wall_s, cpu_s = time.perf_counter() - wall_before, cpu_seconds(router_pid) - cpu_before
     client_cpu_s = time.process_time() - client_before
-    num_tokens = sum(c.num_tokens for c in counts)
-    num_events = sum(c.num_events for c in counts)
-    errors = [c.error for c in counts if c.error]
-    return {"endpoint": endpoint, "num_requests": len(counts), "num_errors": len(errors), "errors": errors[:5],
+    num_tokens = sum(r.num_tokens for r in records)
+    num_events = sum(len(r.event_times) for r in records)
+    errors = [r.error for r in records if r.error]
+    return {"endpoint": endpoint, "num_requests": len(records), "num_errors": len(errors), "errors": errors[:5],
             "num_tokens": num_tokens, "num_events": num_events, "router_cpu_s": cpu_s, "wall_s": wall_s,
             "cpu_ms_per_token": 1000 * cpu_s / num_tokens if num_tokens else None,
             "events_per_token": num_events / num_tokens if num_tokens else None,
