@@ -24,7 +24,6 @@ which create_app puts in the state.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -39,7 +38,7 @@ from protos.segserve.v1.generate import FinishReason, GenerateComplete, Generate
 from router.errors import INVALID_REQUEST, error_body
 from router.scheduler_client import SchedulerClient, SchedulerLoad
 from router.state import StateDep
-from router.tenants import InvalidTenant, current_tenant, tenant_for
+from router.tenants import InvalidTenant, current_tenant, matching_key, tenant_for
 
 # vLLM's buckets, so percentiles line up with its dashboards.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -328,8 +327,7 @@ class RequestGuard:
 
 def is_authorized(authorization: bytes, api_keys: list[bytes]) -> bool:
     """Whether an `Authorization` header (HTTP) or metadata value (gRPC) is `Bearer <one of api_keys>`."""
-    scheme, _, key = authorization.partition(b" ")
-    return scheme.lower() == b"bearer" and any(hmac.compare_digest(key.strip(), k) for k in api_keys)
+    return matching_key(authorization, api_keys) is not None
 
 
 def _is_api_path(path: str) -> bool:
