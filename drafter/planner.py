@@ -94,8 +94,8 @@ class DraftPlanner:
     def corpus_sizes(self) -> tuple[Counter[str], Counter[str]]:
         """Entries and bytes per segment kind, the shared corpus and every tenant's together."""
         entries, num_bytes = Counter(), Counter()
-        for (_, segment), corpus in [*((("", name), c) for name, c in self.corpora.items()),
-                                     *self.tenant_corpora.items()]:
+        tenant_corpora = ((segment, corpus) for (_, segment), corpus in self.tenant_corpora.items())
+        for segment, corpus in [*self.corpora.items(), *tenant_corpora]:
             entries[segment] += corpus.num_entries
             num_bytes[segment] += corpus.num_bytes
         return entries, num_bytes

@@ -10,8 +10,7 @@ drafter already received (num_known_tokens), so a resync never learns twice
 and a request first seen at its end is still learned. A final update learns
 and drops the state; one for a request never seen indexes no history.
 Each state keeps its request's tenant, and the sink gets it with every closed
-segment (as a third argument, only when it is not the default tenant "", so a
-two-argument sink serves a single-tenant drafter as before).
+segment.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ from drafter.history import HistorySource
 from drafter.segments import SegmentsConfig
 from drafter.tracker import SegmentTracker
 
-SegmentSink = Callable[..., None]
-"""sink(segment, tokens) for the default tenant, sink(segment, tokens, tenant) for any other."""
+SegmentSink = Callable[[str, Sequence[int], str], None]
+"""sink(segment kind, tokens, tenant) of every closed segment ("" = the default tenant)."""
 
 
 @dataclass
@@ -145,10 +144,7 @@ class RequestStates:
 
     def _learn(self, state: RequestState, closed: list[tuple[str, list[int]]]) -> None:
         for name, tokens in closed:
-            if state.tenant:
-                self._on_segment_closed(name, tokens, state.tenant)
-            else:
-                self._on_segment_closed(name, tokens)
+            self._on_segment_closed(name, tokens, state.tenant)
 
     def _new_state(self, request_id: str, num_prompt_tokens: int, history: HistorySource,
                    tenant: str = "") -> RequestState:

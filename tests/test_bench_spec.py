@@ -331,7 +331,7 @@ def test_lookup_only_segments_config_drafts_one_chain_from_the_request_and_never
     segments = load_segments(config.drafter.segments_config)  # no markers, so no tokenizer is needed
     assert segments.kinds == () and segments.default.algorithm == "single_branch"
     learned = []
-    states = RequestStates(segments, lambda name, token_ids: learned.append((name, list(token_ids))))
+    states = RequestStates(segments, lambda name, token_ids, tenant: learned.append((name, list(token_ids))))
     planner = DraftPlanner(segments)
     tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 6]
     state = states.update("r", tokens, len(tokens), len(tokens))

@@ -139,7 +139,7 @@ def test_history_is_bounded_in_bytes_and_keeps_the_recent_tokens():
 
 def test_request_states_drop_the_least_recent_past_the_total_history_bytes():
     per_request = 100 * 8 * BYTES_PER_NGRAM
-    states = RequestStates(parse_segments(RAW), lambda name, tokens: None,
+    states = RequestStates(parse_segments(RAW), lambda name, tokens, tenant: None,
                            history_factory=lambda: HistorySource(max_bytes=per_request),
                            max_history_bytes=2 * per_request)
     for rid in "abc":
@@ -153,7 +153,7 @@ def test_request_states_drop_the_least_recent_past_the_total_history_bytes():
 
 def test_final_updates_learn_what_closes_and_nothing_twice():
     learned = []
-    states = RequestStates(parse_segments(RAW), lambda name, tokens: learned.append((name, list(tokens))))
+    states = RequestStates(parse_segments(RAW), lambda name, tokens, tenant: learned.append((name, list(tokens))))
     block = [1, 30, 31, 1]
     # Known request: the last step's tokens close a segment; the state goes.
     states.update("a", [9, 1, 30], 3, 1)

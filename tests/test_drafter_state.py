@@ -24,9 +24,9 @@ def _setup(max_requests: int = 8):
     planner = DraftPlanner(segments)
     learned: list[tuple[str, list[int]]] = []
 
-    def sink(name, tokens):
+    def sink(name, tokens, tenant):
         learned.append((name, list(tokens)))
-        planner.learn(name, tokens)
+        planner.learn(name, tokens, tenant)
 
     return planner, RequestStates(segments, sink, max_requests=max_requests), learned
 
