@@ -204,12 +204,10 @@ def read_samples(paths: Iterable[str | Path], reflow_dirs: Iterable[str | Path] 
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
     if reflow_dirs:
-        from segserve.reflow.export import _sinks, chat_examples
+        from segserve.reflow.export import chat_samples
 
         for directory in reflow_dirs:
-            for sink in _sinks(directory):
-                for turns in sink.sessions():
-                    yield from ({"messages": example} for example in chat_examples(turns))
+            yield from chat_samples(directory)
 
 
 def add_marker_tokens(tokenizer: Any, kinds: Iterable[MarkedKind]) -> list[str]:

@@ -28,17 +28,23 @@ def export(sink_dir: str | Path, out: str | Path, export_format: str) -> int:
     if export_format not in EXPORT_FORMATS:
         raise ValueError(f"export format must be one of {EXPORT_FORMATS}")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    sessions = [turns for sink in _sinks(sink_dir) for turns in sink.sessions()]
     if export_format == "parquet":
-        write_parquet(out, [turn for turns in sessions for turn in turns])
-        return sum(map(len, sessions))
-    num_examples = 0
+        turns = [turn for sink in _sinks(sink_dir) for session in sink.sessions() for turn in session]
+        write_parquet(out, turns)
+        return len(turns)
+    samples = list(chat_samples(sink_dir))
     with open(out, "w", encoding="utf-8") as f:
-        for turns in sessions:
+        f.writelines(json.dumps(sample, ensure_ascii=False) + "\n" for sample in samples)
+    return len(samples)
+
+
+def chat_samples(sink_dir: str | Path) -> Iterator[dict[str, list[dict[str, str]]]]:
+    """The fine-tuning samples ({"messages": [...]}) of every session in a reflow log directory, as the
+    openai-chat export writes them (and `segserve segments annotate --from-reflow` reads them)."""
+    for sink in _sinks(sink_dir):
+        for turns in sink.sessions():
             for example in chat_examples(turns):
-                f.write(json.dumps({"messages": example}, ensure_ascii=False) + "\n")
-                num_examples += 1
-    return num_examples
+                yield {"messages": example}
 
 
 def generated_texts(sink_dir: str | Path) -> Iterator[str]:
