@@ -33,6 +33,7 @@ from drafter.types import ContinuationSource
 from protos.segserve.v1 import drafter_pb2_grpc
 from segserve.checkpoint import resolve_model
 from segserve.health import add_health_and_reflection
+from segserve.heap import freeze_startup_heap
 from segserve.tls import TlsFiles, add_port, internal_tls
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
     servicer = build_servicer(config, segments, draft_models)
     num_replayed = await asyncio.to_thread(servicer.memory.catch_up)
     server, port = await start_server(servicer, config.host, config.port, tls)
+    freeze_startup_heap()  # segments, tokenizer, draft models and the replayed corpora
     logger.info("drafter listening on %s:%d%s with segments %s (%d log records replayed)", config.host, port,
                 " (mutual TLS)" if tls else "", [k.name for k in segments.all_kinds], num_replayed)
     keeper = asyncio.create_task(keep_memory(servicer, config))

@@ -26,6 +26,7 @@ from router.config import RouterConfig
 from router.drain import Drain
 from router.grpc_api import GrpcApi, start_grpc_server
 from router.scheduler_pool import SchedulerPool, parse_targets
+from segserve.heap import freeze_startup_heap
 from segserve.tls import internal_tls
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ async def serve(config: RouterConfig) -> None:
     check_tls(config)
     app = await build_app(config)
     grpc_api = await start_grpc_server(app.state.router, config) if config.is_grpc_api else None
+    freeze_startup_heap()  # the tokenizer, templates and apps stay out of every later collection
     try:
         await make_server(config, app, grpc_api=grpc_api).serve()
     finally:

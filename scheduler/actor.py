@@ -12,6 +12,7 @@ import ray
 
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server, stop_server
+from segserve.heap import freeze_startup_heap
 
 
 @ray.remote(num_cpus=0)
@@ -28,6 +29,7 @@ class SchedulerActor:
         if self._server is not None:
             raise RuntimeError("the scheduler actor is already started")
         self._server, self._engine = await start_server(config)
+        freeze_startup_heap()  # this process serves the scheduler alone: its start-up heap stays out of collections
         self._drain_timeout_s = config.drain_timeout_s
         return self._server.bound_port
 

@@ -23,6 +23,7 @@ from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.step import StepRequest, StepResult
 from segserve.health import Serving, add_health_and_reflection
+from segserve.heap import freeze_startup_heap
 from segserve.tls import TlsFiles, add_port, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
@@ -145,6 +146,7 @@ async def serve(config: WorkerConfig) -> None:
         await server.stop(grace=None)
         raise
     servicer.attach(runner)
+    freeze_startup_heap()  # the model and torch stay out of every later collection
     await servicer.serving.set(True)
     info = runner.info()
     logger.info("worker ready: %s, %d KV blocks of %d tokens on %s/%s", info.model_name, info.num_kv_blocks,

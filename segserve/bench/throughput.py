@@ -286,6 +286,7 @@ def bench_batched_generate(config: ThroughputConfig, model_dir: Path, notes: lis
 def run_throughput(args: argparse.Namespace) -> dict:
     """Run the whole benchmark; write JSON + PNG under --out, print the table, return the results."""
     from segserve.checkpoint import resolve_model
+    from segserve.heap import freeze_startup_heap
 
     config = config_from_args(args)
     config.dtype = peers.resolve_dtype(config.dtype)
@@ -306,6 +307,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
     results["baseline"] = peers.measure_plain_generate(model, tokenizer, PROMPTS[0], config.max_tokens,
                                                        config.baseline_runs)  # fmt: skip
     del model, tokenizer
+    freeze_startup_heap()  # the client's own full collections would stall its reading of every stream
     if not config.skip_segserve:
         results["systems"].update(bench_segserve(config, model_dir, out))
     peer = bench_peer(config, model_dir, out)
