@@ -5,6 +5,8 @@ In: a `GenerateRequest` (prompt token ids, sampling, stopping). Out: a stream of
 `validate_request()` is the one admission check: the router runs it before
 calling, the scheduler runs it again on what arrives over gRPC (a caller may skip
 the router), so both refuse the same things with the same message.
+GenerateStreams carries many requests over one call: `StartStream` /
+`CancelStream` go in, and each response is a list of (request_id, event) pairs.
 """
 
 from __future__ import annotations
@@ -194,3 +196,56 @@ def event_from_pb(pb: scheduler_pb2.GenerateResponse) -> GenerateEvent:
     if kind == "error":
         return GenerateError(pb.error.code or "internal", pb.error.message)
     return GenerateError("internal", "the scheduler sent an empty event")
+
+
+# GenerateStreams: many requests over one call, each step's events in one message.
+
+@dataclass(frozen=True)
+class StartStream:
+    """Start `request` on a GenerateStreams call; with `timeout_s`, it ends with a "timeout" error once that long
+    has passed since it arrived."""
+
+    request: GenerateRequest
+    timeout_s: float | None = None
+
+    def to_pb(self) -> scheduler_pb2.StreamsRequest:
+        timeout_ms = max(1, round(self.timeout_s * 1000)) if self.timeout_s else 0
+        return scheduler_pb2.StreamsRequest(start=scheduler_pb2.StartStream(request=self.request.to_pb(),
+                                                                           timeout_ms=timeout_ms))
+
+
+@dataclass(frozen=True)
+class CancelStream:
+    """Abort the live request `request_id` of the call (its stream ends with "cancelled")."""
+
+    request_id: str
+
+    def to_pb(self) -> scheduler_pb2.StreamsRequest:
+        return scheduler_pb2.StreamsRequest(cancel_request_id=self.request_id)
+
+
+StreamAction = StartStream | CancelStream
+
+
+def stream_action_from_pb(pb: scheduler_pb2.StreamsRequest) -> StreamAction | None:
+    """The action a StreamsRequest carries; None for an empty one (a newer client's unknown action)."""
+    kind = pb.WhichOneof("action")
+    if kind == "start":
+        timeout_ms = pb.start.timeout_ms
+        return StartStream(GenerateRequest.from_pb(pb.start.request), timeout_ms / 1000 if timeout_ms else None)
+    if kind == "cancel_request_id":
+        return CancelStream(pb.cancel_request_id)
+    return None
+
+
+def stream_events_to_pb(events: list[tuple[str, GenerateEvent]]) -> scheduler_pb2.StreamsResponse:
+    """(request_id, event) pairs, in order, as one StreamsResponse."""
+    response = scheduler_pb2.StreamsResponse()
+    add = response.events.add
+    for request_id, event in events:
+        add(request_id=request_id, event=event.to_pb())
+    return response
+
+
+def stream_events_from_pb(pb: scheduler_pb2.StreamsResponse) -> list[tuple[str, GenerateEvent]]:
+    return [(e.request_id, event_from_pb(e.event)) for e in pb.events]

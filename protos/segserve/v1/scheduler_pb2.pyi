@@ -102,6 +102,36 @@ class GenerateResponse(_message.Message):
     error: GenerateError
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., complete: _Optional[_Union[GenerateComplete, _Mapping]] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ...) -> None: ...
 
+class StreamsRequest(_message.Message):
+    __slots__ = ("start", "cancel_request_id")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    start: StartStream
+    cancel_request_id: str
+    def __init__(self, start: _Optional[_Union[StartStream, _Mapping]] = ..., cancel_request_id: _Optional[str] = ...) -> None: ...
+
+class StartStream(_message.Message):
+    __slots__ = ("request", "timeout_ms")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    timeout_ms: int
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class StreamEvent(_message.Message):
+    __slots__ = ("request_id", "event")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    event: GenerateResponse
+    def __init__(self, request_id: _Optional[str] = ..., event: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class StreamsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...
+
 class SchedulerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

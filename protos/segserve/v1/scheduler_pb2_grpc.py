@@ -40,6 +40,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStreams = channel.stream_stream(
+                '/segserve.v1.Scheduler/GenerateStreams',
+                request_serializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.StreamsRequest.SerializeToString,
+                response_deserializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.StreamsResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/segserve.v1.Scheduler/GetInfo',
                 request_serializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.SchedulerInfoRequest.SerializeToString,
@@ -64,6 +69,20 @@ class SchedulerServicer:
         """Generate tokens for one prompt, streamed as they are accepted. Cancelling
         the call aborts the request and frees its slot and KV blocks within one
         step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStreams(self, request_iterator, context):
+        """Many requests over one call (a router's connection): each StreamsRequest
+        starts or cancels one request; each StreamsResponse carries every event
+        one step produced for this call's requests, each tagged with its
+        request_id, so a step costs one message instead of one per request. A
+        request's events arrive in order and end with its terminal event. Ending
+        the call (the client gone, the stream broken) aborts every request of it
+        still live. A scheduler that is shutting down ends the call once it has
+        no live request left.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +116,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStreams,
+                    request_deserializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.StreamsRequest.FromString,
+                    response_serializer=protos_dot_segserve_dot_v1_dot_scheduler__pb2.StreamsResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -141,6 +165,33 @@ class Scheduler:
             '/segserve.v1.Scheduler/Generate',
             protos_dot_segserve_dot_v1_dot_scheduler__pb2.GenerateRequest.SerializeToString,
             protos_dot_segserve_dot_v1_dot_scheduler__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/segserve.v1.Scheduler/GenerateStreams',
+            protos_dot_segserve_dot_v1_dot_scheduler__pb2.StreamsRequest.SerializeToString,
+            protos_dot_segserve_dot_v1_dot_scheduler__pb2.StreamsResponse.FromString,
             options,
             channel_credentials,
             insecure,
