@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -131,6 +131,12 @@ async def sse_events(first, events: AsyncIterator, renderer, include_usage: bool
             yield f"data: {renderer.stream_done}\n\n"
 
 
+async def close_events(events: AsyncGenerator) -> None:
+    """Close a response's event generator, on the event loop. (A BackgroundTask of `events.aclose` itself would
+    not: Starlette sees no coroutine function and calls it in a worker thread, which only makes the awaitable.)"""
+    await events.aclose()
+
+
 async def collect(events: AsyncIterator) -> list[Delta]:
     """All deltas of a non-streamed request; a failure becomes the HTTP error."""
     deltas = []
@@ -174,4 +180,4 @@ async def respond_events(state: RouterState, request: Request, open_events: Call
         raise from_failure(first)
     # The background close covers a client that left before the body started.
     return StreamingResponse(sse_events(first, events, renderer, include_usage), headers=SSE_HEADERS,
-                             background=BackgroundTask(events.aclose))
+                             background=BackgroundTask(close_events, events))

@@ -64,8 +64,9 @@ class RouterState:
             raise model_not_found(model)
 
 
-def get_state(request: Request) -> RouterState:
-    """The FastAPI dependency giving a route its app's RouterState."""
+async def get_state(request: Request) -> RouterState:
+    """The FastAPI dependency giving a route its app's RouterState (async: FastAPI would run a plain function in
+    its thread pool, a thread hand-off on every request)."""
     return request.app.state.router
 
 
