@@ -95,15 +95,27 @@ def is_terminal(event: GenerateEvent) -> bool:
 
 
 class RequestStream:
-    """Async iterator over one request's events; ends after its terminal event."""
+    """Async iterator over one request's events; ends after its terminal event. With a listener (listen()),
+    each event goes to it instead, as it is put: no task waits on the stream (GenerateStreams). The listener
+    lives on the stream, so it follows the request when an EngineGroup moves it to another engine."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self._queue: asyncio.Queue[GenerateEvent] = asyncio.Queue()
         self._is_done = False
+        self._listener: Callable[[GenerateEvent], None] | None = None
 
     def put(self, event: GenerateEvent) -> None:
-        self._queue.put_nowait(event)
+        if self._listener is not None:
+            self._listener(event)
+        else:
+            self._queue.put_nowait(event)
+
+    def listen(self, listener: Callable[[GenerateEvent], None]) -> None:
+        """Hand every event to `listener` from now on (the ones queued already first), instead of iterating."""
+        self._listener = listener
+        while not self._queue.empty():
+            listener(self._queue.get_nowait())
 
     def __aiter__(self) -> AsyncIterator[GenerateEvent]:
         return self

@@ -4,7 +4,8 @@ Requests arrive as GenerateRequest.from_pb and pass generate.validate_request (a
 InvalidParameter becomes INVALID_ARGUMENT with its message, naming the field);
 events leave as the contract events' to_pb(). Cancelling a Generate call (the
 client going away) cancels the handler; its `finally` aborts the request, which
-frees the slot and KV blocks at once.
+frees the slot and KV blocks at once. GenerateStreams carries many requests over
+one call, each step's events in one message (scheduler/streams.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from scheduler.drafter_client import DrafterClient
 from scheduler.engine import Engine, EngineNotReady
 from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
+from scheduler.streams import StreamsCall
 from scheduler.worker_client import WorkerClient
 from segserve.health import Serving, add_health_and_reflection
 from segserve.tls import add_port, internal_tls
@@ -36,11 +38,23 @@ _DRAFTER_STATS_TIMEOUT_S = 0.5  # a drafter slower than this shows without stats
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine | EngineGroup):
         self.engine = engine
-        self.is_draining = False
-        """Set by stop_server: new Generate calls are refused while the requests under way finish."""
+        self._calls: set[StreamsCall] = set()
+        self._is_draining = False
         self.serving = Serving([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
         """The standard grpc.health.v1 status: SERVING while the server is up (start_server to stop_server);
         the Health RPC says whether a worker is ready."""
+
+    @property
+    def is_draining(self) -> bool:
+        """Set by stop_server: new requests are refused while the ones under way finish; a GenerateStreams call
+        ends once none of its requests is live."""
+        return self._is_draining
+
+    @is_draining.setter
+    def is_draining(self, value: bool) -> None:
+        self._is_draining = value
+        for call in self._calls:
+            call.wake()
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.is_draining:
@@ -62,6 +76,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 yield event.to_pb()
         finally:  # normal end: a no-op; client cancelled: frees the request now
             self.engine.abort(generate.request_id)
+
+    async def GenerateStreams(self, request_iterator, context: grpc.aio.ServicerContext):
+        await context.send_initial_metadata(())  # at once: the client writes nothing before (scheduler_client.py)
+        call = StreamsCall(self.engine, lambda: self._is_draining)
+        self._calls.add(call)
+        reader = asyncio.create_task(call.read(request_iterator))
+        try:
+            async for response in call.responses():
+                yield response
+        finally:  # the client is gone, or the call broke: abort what is left
+            self._calls.discard(call)
+            reader.cancel()
+            call.close()
 
     async def GetInfo(self, request: scheduler_pb2.SchedulerInfoRequest, context: grpc.aio.ServicerContext):
         if self.engine.info is None:

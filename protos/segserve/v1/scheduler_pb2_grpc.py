@@ -82,7 +82,9 @@ class SchedulerServicer:
         request's events arrive in order and end with its terminal event. Ending
         the call (the client gone, the stream broken) aborts every request of it
         still live. A scheduler that is shutting down ends the call once it has
-        no live request left.
+        no live request left. The scheduler sends its initial metadata at once;
+        clients send nothing before (a request racing an UNIMPLEMENTED answer
+        would turn it into INTERNAL).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
