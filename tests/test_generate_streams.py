@@ -296,3 +296,33 @@ def test_start_stream_round_trips_its_deadline(timeout_s, timeout_ms):
     assert back.request == start.request and back.timeout_s == (timeout_ms / 1000 if timeout_ms else None)
     assert stream_action_from_pb(CancelStream("x").to_pb()) == CancelStream("x")
     assert stream_action_from_pb(scheduler_pb2.StreamsRequest()) is None
+
+
+async def test_the_paced_bench_scheduler_sends_one_message_per_tick_for_all_its_streams(tiny_gemma3_dir):
+    from segserve.bench.paced_scheduler import PacedScheduler, load_tokenizer
+
+    paced = PacedScheduler(load_tokenizer(str(tiny_gemma3_dir)), token_interval_s=0.005)
+    server = await serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, paced)
+    client = SchedulerClient(f"127.0.0.1:{server.bound_port}")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            raw = RawCall(stub)
+            for i in range(8):
+                raw.send(StartStream(request(f"p{i}", [1, 2], max_tokens=6)))
+            events = await raw.read_until_ended({f"p{i}" for i in range(8)})
+            expected, _ = await collect(stub, request("one", [1, 2], max_tokens=6).to_pb())
+            assert len(expected) == 6
+            for i in range(8):
+                *chunks, last = events[f"p{i}"]
+                assert [t for c in chunks for t in c.token_ids] == expected
+                assert isinstance(last, GenerateComplete) and last.num_generated_tokens == 6
+            assert raw.num_messages < sum(len(e) for e in events.values()) // 4
+            raw.send(None)
+            assert await asyncio.wait_for(raw.call.read(), 2.0) is grpc.aio.EOF
+            tokens, last = await client_events(client, request("c", [3], max_tokens=4), timeout_s=5.0)
+            assert tokens == expected[:4] and isinstance(last, GenerateComplete)
+            assert not client.is_per_request and paced.num_running == 0
+    finally:
+        await client.close()
+        await server.stop(None)

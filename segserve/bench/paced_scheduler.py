@@ -8,7 +8,11 @@ scheduler's behaviour: every Generate, whatever its sampling, answers
 chunk, as plain decoding sends them), the first after one interval (a "prefill")
 and each next one on an absolute schedule (start + k * interval), so that a slow
 reader never shifts the pace. GetInfo/Health/GetStats answer what the router
-needs to start and serve /metrics.
+needs to start and serve /metrics. GenerateStreams (the router's path) paces all
+of a call's streams on one clock, as an engine's steps do: every tick sends one
+message holding the next token of every stream on the call (a stream's first
+token comes with the first tick after it arrived), and a reader slower than the
+ticks gets the tokens it missed together in the next message.
 
 In: the tokenizer's model directory, a port, the interval. Out: a grpc.aio
 server. Run alone (the bench starts it as its own process, so that the load
@@ -21,13 +25,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
+from dataclasses import dataclass
 
 import grpc
 from tokenizers import Tokenizer
 
 from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateRequest, TokenChunk
+from protos.segserve.v1.generate import (
+    CancelStream,
+    FinishReason,
+    GenerateComplete,
+    GenerateError,
+    GenerateEvent,
+    GenerateRequest,
+    StartStream,
+    TokenChunk,
+    stream_action_from_pb,
+    stream_events_to_pb,
+)
 from protos.segserve.v1.info import Health, WorkerInfo
 
 TEXT = ("The river runs past the old mill and under the stone bridge, where the town keeps its market "
@@ -71,6 +88,68 @@ class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
             first_token_us=round(self.token_interval_s * 1e6), decode_us=elapsed_us,
             max_batch_size=self.num_running + 1).to_pb()
 
+    async def GenerateStreams(self, request_iterator, context: grpc.aio.ServicerContext):
+        await context.send_initial_metadata(())  # the router's client sends nothing before
+        clock = _Clock(time.monotonic(), self.token_interval_s)
+        streams: dict[str, _PacedStream] = {}
+        has_streams = asyncio.Event()
+        reader = asyncio.create_task(self._read_actions(request_iterator, clock, streams, has_streams))
+        try:
+            while streams or not reader.done():
+                if not streams:
+                    has_streams.clear()
+                    waiter = asyncio.ensure_future(has_streams.wait())
+                    await asyncio.wait((reader, waiter), return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    continue
+                events = self._tick(clock.tick(time.monotonic()), streams)
+                if events:
+                    yield stream_events_to_pb(events)
+                await asyncio.sleep(max(0.0, clock.start_of(clock.tick(time.monotonic()) + 1) - time.monotonic()))
+        finally:
+            reader.cancel()
+            self.num_running -= len(streams)
+
+    async def _read_actions(self, request_iterator, clock: _Clock, streams: dict[str, _PacedStream],
+                            has_streams: asyncio.Event) -> None:
+        with contextlib.suppress(grpc.RpcError):  # the call broke: the handler's end follows
+            async for pb in request_iterator:
+                action = stream_action_from_pb(pb)
+                if isinstance(action, StartStream):
+                    now_s = time.monotonic()
+                    deadline_s = now_s + action.timeout_s if action.timeout_s else None
+                    streams[action.request.request_id] = _PacedStream(action.request, clock.tick(now_s) + 1, now_s,
+                                                                      deadline_s)
+                    self.num_running += 1
+                    has_streams.set()
+                elif isinstance(action, CancelStream) and action.request_id in streams:
+                    del streams[action.request_id]
+                    self.num_running -= 1
+
+    def _tick(self, tick: int, streams: dict[str, _PacedStream]) -> list[tuple[str, GenerateEvent]]:
+        """Every token of every stream due by `tick` (one per tick each), and the ends reached."""
+        events: list[tuple[str, GenerateEvent]] = []
+        now_s = time.monotonic()
+        for request_id, stream in list(streams.items()):
+            num_due = min(stream.num_tokens, tick - stream.first_tick + 1)
+            for k in range(stream.num_sent, num_due):
+                self.num_steps += 1
+                events.append((request_id, TokenChunk((self.text_ids[k % len(self.text_ids)],), (0.0,))))
+            stream.num_sent = max(stream.num_sent, num_due)
+            if stream.num_sent == stream.num_tokens:
+                elapsed_us = round((now_s - stream.started_s) * 1e6)
+                events.append((request_id, GenerateComplete(
+                    FinishReason.LENGTH, num_prompt_tokens=len(stream.request.prompt_token_ids),
+                    num_generated_tokens=stream.num_tokens, first_token_us=round(self.token_interval_s * 1e6),
+                    decode_us=elapsed_us, max_batch_size=len(streams))))
+            elif stream.deadline_s is not None and now_s >= stream.deadline_s:
+                events.append((request_id, GenerateError("timeout", "the request passed its deadline")))
+            else:
+                continue
+            del streams[request_id]
+            self.num_running -= 1
+        return events
+
     async def GetInfo(self, request, context):
         return scheduler_pb2.SchedulerInfo(worker=WorkerInfo(
             model_name=MODEL_NAME, num_kv_blocks=1024, block_size=16, max_model_len=self.max_model_len,
@@ -82,6 +161,35 @@ class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Health(self, request, context):
         return Health(True).to_pb()
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """Ticks of one GenerateStreams call: tick n starts at start_s + n * interval_s."""
+
+    start_s: float
+    interval_s: float
+
+    def tick(self, now_s: float) -> int:
+        # 0.1 ms early counts: a sleep until a tick's start may wake a clock resolution before it.
+        return int((now_s - self.start_s + 1e-4) // self.interval_s)
+
+    def start_of(self, tick: int) -> float:
+        return self.start_s + tick * self.interval_s
+
+
+@dataclass
+class _PacedStream:
+    request: GenerateRequest
+    first_tick: int
+    """The tick of its first token: the one after it arrived."""
+    started_s: float
+    deadline_s: float | None
+    num_sent: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.stopping.max_tokens
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:
