@@ -48,7 +48,7 @@ CONTINUATION_REFUSED = "a continuation must directly follow a step that sampled 
 scheduler recomputes such a sequence rather than failing its request."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per sequence per step: a frozen dataclass's __init__ costs ~5x a plain one's
 class ScheduledSequence:
     """One sequence's work in one step."""
 
@@ -68,10 +68,13 @@ class ScheduledSequence:
     """Async scheduling: token_ids is one placeholder for the token the worker sampled for this sequence in its
     previous step, which the worker puts in its place (worker.proto)."""
 
-    def __post_init__(self) -> None:
-        for name in ("token_ids", "block_table", "sample_indices"):
-            if type(value := getattr(self, name)) is not tuple:
-                object.__setattr__(self, name, tuple(value))
+    def __post_init__(self) -> None:  # lists become tuples, written out: this runs for every sequence every step
+        if type(self.token_ids) is not tuple:
+            self.token_ids = tuple(self.token_ids)
+        if type(self.block_table) is not tuple:
+            self.block_table = tuple(self.block_table)
+        if type(self.sample_indices) is not tuple:
+            self.sample_indices = tuple(self.sample_indices)
 
     @property
     def is_sampled(self) -> bool:
@@ -170,7 +173,7 @@ class PromptLogprobs:
         return cls(pb.start, tuple(pb.logprobs), tuple(TopLogprobs.from_pb(t) for t in pb.top_logprobs))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per sequence per step (see ScheduledSequence)
 class SequenceOutput:
     """What was sampled for one sequence in one step: one token per sample index, or for a tree the
     accepted drafts followed by the target's own token. `error` set = this sequence alone failed."""
@@ -185,10 +188,13 @@ class SequenceOutput:
     error: str = ""
     """Why this sequence failed (non-finite logits, a sampler failure, an invalid tree); no tokens then."""
 
-    def __post_init__(self) -> None:
-        for name in ("token_ids", "scores", "top_logprobs"):
-            if type(value := getattr(self, name)) is not tuple:
-                object.__setattr__(self, name, tuple(value))
+    def __post_init__(self) -> None:  # as ScheduledSequence's
+        if type(self.token_ids) is not tuple:
+            self.token_ids = tuple(self.token_ids)
+        if type(self.scores) is not tuple:
+            self.scores = tuple(self.scores)
+        if type(self.top_logprobs) is not tuple:
+            self.top_logprobs = tuple(self.top_logprobs)
 
     def to_pb(self) -> worker_pb2.SequenceOutput:
         return worker_pb2.SequenceOutput(
