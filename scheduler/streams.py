@@ -21,6 +21,7 @@ from protos.segserve.v1.generate import (
     GenerateError,
     GenerateEvent,
     StartStream,
+    TokenChunk,
     stream_action_from_pb,
     stream_events_to_pb,
     validate_request,
@@ -31,6 +32,35 @@ from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
 
 logger = logging.getLogger(__name__)
+
+
+MAX_HEAVY_BYTES = 2 << 20
+"""Bytes of logprob-carrying events per message, well under gRPC's default 4 MiB receive limit: a step where
+many requests get their prompt logprobs at once goes out as several messages, not one the router refuses."""
+
+
+def split_messages(events: list[tuple[str, GenerateEvent]], max_heavy_bytes: int = MAX_HEAVY_BYTES
+                   ) -> list[scheduler_pb2.StreamsResponse]:
+    """The events, in order, as one message, or several when their logprobs pass `max_heavy_bytes`. Only those
+    heavy events are measured (plain token chunks are a few dozen bytes each)."""
+    if not any(_is_heavy(event) for _, event in events):
+        return [stream_events_to_pb(events)]
+    messages, response, num_heavy_bytes = [], scheduler_pb2.StreamsResponse(), 0
+    for request_id, event in events:
+        pb = event.to_pb()
+        if _is_heavy(event):
+            size = pb.ByteSize()
+            if num_heavy_bytes and num_heavy_bytes + size > max_heavy_bytes:
+                messages.append(response)
+                response, num_heavy_bytes = scheduler_pb2.StreamsResponse(), 0
+            num_heavy_bytes += size
+        response.events.add(request_id=request_id, event=pb)
+    messages.append(response)
+    return messages
+
+
+def _is_heavy(event: GenerateEvent) -> bool:
+    return isinstance(event, TokenChunk) and (event.prompt_logprobs is not None or bool(event.top_logprobs))
 
 
 class StreamsCall:
@@ -127,7 +157,8 @@ class StreamsCall:
             ended, self._ended = self._ended, []
             for request_id in ended:  # as Generate's end: a no-op for the engine, an EngineGroup forgets it
                 self.engine.abort(request_id)
-            yield stream_events_to_pb(events)
+            for response in split_messages(events):
+                yield response
 
     def wake(self) -> None:
         waiter = self._waiter

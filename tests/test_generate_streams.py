@@ -326,3 +326,18 @@ async def test_the_paced_bench_scheduler_sends_one_message_per_tick_for_all_its_
     finally:
         await client.close()
         await server.stop(None)
+
+
+def test_a_step_of_many_logprob_chunks_goes_out_as_several_bounded_messages():
+    from protos.segserve.v1.step import TopLogprobs
+    from scheduler.streams import split_messages
+
+    top = tuple(TopLogprobs(tuple(range(20)), tuple(-0.5 for _ in range(20))) for _ in range(50))
+    heavy = TokenChunk(tuple(range(50)), (0.0,) * 50, top)
+    events = [(f"h{i}", heavy if i % 2 else TokenChunk((i,), (0.0,))) for i in range(40)]
+    size = heavy.to_pb().ByteSize()
+    messages = split_messages(events, max_heavy_bytes=3 * size)
+    assert len(messages) == 7  # 20 heavy chunks, 3 per message
+    assert [(e.request_id, e.event) for m in messages for e in m.events] == [(rid, ev.to_pb()) for rid, ev in events]
+    assert all(m.ByteSize() < 4 * size for m in messages)
+    assert len(split_messages(events[:1] * 100)) == 1  # plain token chunks: one message
