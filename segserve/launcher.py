@@ -33,6 +33,14 @@ from segserve.checkpoint import resolve_model
 from segserve.flags import env_names, to_argv, to_env
 from segserve.tls import internal_tls, open_blocking_channel
 from worker.config import WorkerConfig
+from worker.threads import available_cpus
+
+
+def local_worker_threads(num_workers: int) -> int:
+    """torch threads of each local worker: the CPUs this process may use but one, kept for the router, scheduler
+    and drafters (and clients) on the same machine, shared among the workers; at least 1. A worker whose threads
+    outnumber the CPUs left to it waits at every parallel op's barrier (worker/threads.py)."""
+    return max(1, (available_cpus() - 1) // num_workers)
 
 
 @dataclass
@@ -122,8 +130,9 @@ class Stack:
         cfg = self.config
         model_dir = str(resolve_model(cfg.worker.model))  # converts the default model once, with a progress bar
         ports = [cfg.worker.port] if cfg.worker.port and cfg.num_workers == 1 else [0] * cfg.num_workers
-        workers = [dataclasses.replace(cfg.worker, model=model_dir, port=port or (0 if cfg.is_ray_workers else
-                                                                                   free_port())) for port in ports]
+        num_threads = cfg.worker.num_threads or (0 if cfg.is_ray_workers else local_worker_threads(cfg.num_workers))
+        workers = [dataclasses.replace(cfg.worker, model=model_dir, num_threads=num_threads,
+                                       port=port or (0 if cfg.is_ray_workers else free_port())) for port in ports]
         worker = workers[0]
         self.worker_configs = workers
         deadline = time.monotonic() + cfg.startup_timeout_s

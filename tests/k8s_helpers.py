@@ -7,6 +7,7 @@ kubectl is the one the test extra installs beside the interpreter (the kubectl-c
 from __future__ import annotations
 
 import base64
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -116,8 +117,22 @@ def container_env(container: dict, objects) -> dict[str, str]:
         assert "configMapRef" in source, f"{container['name']}: only ConfigMaps feed envFrom"
         env.update(one(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
     for var in container.get("env", []):
-        env[var["name"]] = var.get("value", "<from a reference>")
+        resource = var.get("valueFrom", {}).get("resourceFieldRef")
+        env[var["name"]] = resource_value(container, resource) if resource else var.get("value", "<from a reference>")
     return env
+
+
+def resource_value(container: dict, ref: dict) -> str:
+    """What the kubelet puts in a variable from the container's own CPU request or limit (the downward API): the
+    quantity divided by the divisor, rounded up."""
+    assert ref.get("containerName", container["name"]) == container["name"], "a reference to another container"
+    kind, resource = ref["resource"].split(".")  # requests.cpu
+    assert resource == "cpu", f"{ref}: only CPU references are resolved here"
+    return str(math.ceil(_cpus(container["resources"][kind][resource]) / _cpus(ref.get("divisor", "1"))))
+
+
+def _cpus(quantity: str) -> float:
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
 
 
 @dataclass

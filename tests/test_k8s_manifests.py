@@ -7,6 +7,7 @@ probes, Services, HPAs, PDBs and NetworkPolicies point at what exists, and every
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import kubernetes_validate
@@ -249,3 +250,11 @@ def test_the_segments_configmap_is_the_shipped_default():
     drafter = pod_spec(one(render("cpu"), "Deployment", "segserve-drafter"))
     volume = next(v for v in drafter["volumes"] if v["name"] == "segments")
     assert one(render("cpu"), "ConfigMap", volume["configMap"]["name"])["data"]["segments.toml"] == shipped
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_the_worker_runs_as_many_torch_threads_as_the_cpus_it_requests(overlay):
+    objects = render(overlay)
+    container = pod_spec(one(objects, "Deployment", "segserve-worker"))["containers"][0]
+    threads = int(container_env(container, objects)["SEGSERVE_NUM_THREADS"])
+    assert threads == math.ceil(float(container["resources"]["requests"]["cpu"]))

@@ -1,5 +1,5 @@
 """The local launcher's start-up: a router or scheduler whose auto-picked port was taken meanwhile is started
-again on another."""
+again on another; local workers get the machine's CPUs but one as torch threads."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import segserve.launcher as launcher
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.launcher import Stack, StackConfig
+from worker.config import WorkerConfig
 
 
 class _Process:
@@ -79,3 +80,19 @@ def test_a_scheduler_port_the_user_chose_is_not_replaced(monkeypatch):
     with pytest.raises(RuntimeError, match="scheduler exited with code 3"):
         stack._start_scheduler(SchedulerConfig(port=50051), deadline=0, is_port_picked=False)
     assert spawned == [50051]
+
+
+@pytest.mark.parametrize(("num_threads", "expected"), [(0, None), (3, 3)])
+def test_local_workers_get_all_cpus_but_one_unless_told(monkeypatch, tmp_path, num_threads, expected):
+    monkeypatch.setattr(launcher, "resolve_model", lambda model: tmp_path)
+    monkeypatch.setattr(launcher, "available_cpus", lambda: 5)
+    config = StackConfig(worker=WorkerConfig(num_threads=num_threads), num_workers=2, is_speculative=False)
+    stack, spawned = Stack(config), {}
+    monkeypatch.setattr(stack, "_spawn", lambda name, config, command=None: spawned.update({name: config}))
+    monkeypatch.setattr(stack, "_wait_grpc_ready", lambda *_: None)
+    monkeypatch.setattr(stack, "_start_scheduler", lambda scheduler, *_, **__: scheduler)
+    monkeypatch.setattr(stack, "_start_router", lambda *_: None)
+    stack.start()
+    workers = [c for name, c in spawned.items() if name.startswith("worker")]
+    assert len(workers) == 2
+    assert {w.num_threads for w in workers} == {expected or (5 - 1) // 2}

@@ -26,7 +26,8 @@ class WorkerConfig:
     max_model_len: int = 0
     """Longest sequence served; 0 = the model's max_position_embeddings."""
     num_threads: int = 0
-    """torch intra-op threads on cpu; 0 = torch's default."""
+    """torch intra-op threads on cpu; 0 = torch's default capped by the CPUs this process may use (its affinity
+    and its cgroup's CPU quota: worker/threads.py). The local stack gives its worker all CPUs but one."""
     is_packed_linear: bool = True
     """On cpu, pack every linear weight once for oneDNN (worker/packed_linear.py): about twice
     the decode throughput at 16 rows, for a second copy of the linear weights in memory."""

@@ -40,6 +40,7 @@ from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.packed_linear import pack_linears
 from worker.planning import SequenceState, StepPlan, plan_step
+from worker.threads import cpu_threads
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
@@ -70,8 +71,8 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(config.num_threads))
         if self.device.type == "cuda":
             # SDPA with a boolean mask would pick cuDNN, which plans anew for every new shape (measured on an
             # H100: ~80 ms of host time per step at batch 64); the memory-efficient kernel needs no plan.
