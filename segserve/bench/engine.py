@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import engine_report as report
+from segserve.heap import freeze_startup_heap
 
 PARTS = report.PARTS
 
@@ -296,6 +297,7 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     runner, max_tokens = _make_runner(config, model_dir)
+    freeze_startup_heap()  # as the worker does once loaded: full collections would land in random parts
     results = {"benchmark": "engine", **(header or {}), "config": asdict(config),
                "model": model_label or str(model_dir), "device": str(runner.device),
                "dtype": str(runner.dtype).removeprefix("torch."), "batches": []}
