@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from protos.segserve.v1 import scheduler_pb2
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import InvalidParameter, SamplingParams, StoppingCriteria, validate
-from protos.segserve.v1.step import PromptLogprobs, TopLogprobs
+from protos.segserve.v1.step import PromptLogprobs, TopLogprobs, as_tuple
 
 
 @dataclass(frozen=True)
@@ -122,13 +122,10 @@ class TokenChunk:
     num_accepted_draft_tokens: int = 0
     """The first this many token_ids are accepted drafts; the rest are the target model's own."""
 
-    def __post_init__(self) -> None:  # lists become tuples, written out: this runs for every token chunk
-        if type(self.token_ids) is not tuple:
-            self.token_ids = tuple(self.token_ids)
-        if type(self.scores) is not tuple:
-            self.scores = tuple(self.scores)
-        if type(self.top_logprobs) is not tuple:
-            self.top_logprobs = tuple(self.top_logprobs)
+    def __post_init__(self) -> None:  # runs for every token chunk: no loop over field names
+        self.token_ids = as_tuple(self.token_ids)
+        self.scores = as_tuple(self.scores)
+        self.top_logprobs = as_tuple(self.top_logprobs)
 
     def to_pb(self) -> scheduler_pb2.GenerateResponse:
         chunk = scheduler_pb2.TokenChunk(

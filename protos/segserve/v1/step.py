@@ -15,6 +15,11 @@ from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.tree import CandidateTree
 
 
+def as_tuple(values) -> tuple:
+    """`values` as a tuple, the object itself when it is one (contract fields take lists from callers)."""
+    return values if type(values) is tuple else tuple(values)
+
+
 @dataclass(frozen=True)
 class NewSequence:
     """A sequence the worker has not seen: sent once, before its first work.
@@ -68,13 +73,10 @@ class ScheduledSequence:
     """Async scheduling: token_ids is one placeholder for the token the worker sampled for this sequence in its
     previous step, which the worker puts in its place (worker.proto)."""
 
-    def __post_init__(self) -> None:  # lists become tuples, written out: this runs for every sequence every step
-        if type(self.token_ids) is not tuple:
-            self.token_ids = tuple(self.token_ids)
-        if type(self.block_table) is not tuple:
-            self.block_table = tuple(self.block_table)
-        if type(self.sample_indices) is not tuple:
-            self.sample_indices = tuple(self.sample_indices)
+    def __post_init__(self) -> None:  # runs for every sequence every step: no loop over field names
+        self.token_ids = as_tuple(self.token_ids)
+        self.block_table = as_tuple(self.block_table)
+        self.sample_indices = as_tuple(self.sample_indices)
 
     @property
     def is_sampled(self) -> bool:
@@ -189,12 +191,9 @@ class SequenceOutput:
     """Why this sequence failed (non-finite logits, a sampler failure, an invalid tree); no tokens then."""
 
     def __post_init__(self) -> None:  # as ScheduledSequence's
-        if type(self.token_ids) is not tuple:
-            self.token_ids = tuple(self.token_ids)
-        if type(self.scores) is not tuple:
-            self.scores = tuple(self.scores)
-        if type(self.top_logprobs) is not tuple:
-            self.top_logprobs = tuple(self.top_logprobs)
+        self.token_ids = as_tuple(self.token_ids)
+        self.scores = as_tuple(self.scores)
+        self.top_logprobs = as_tuple(self.top_logprobs)
 
     def to_pb(self) -> worker_pb2.SequenceOutput:
         return worker_pb2.SequenceOutput(
