@@ -5,16 +5,16 @@ GenerateComplete or a GenerateError). Out: `Delta`s (text, the token ids behind
 it, per-token logprobs, prompt logprobs when asked for, and on the last one the
 finish reason and usage), a `GenerateError`, or `KEEPALIVE` when nothing arrived
 for a while (so
-a streaming endpoint can send an SSE comment). The gRPC stream is read by a pump
-task feeding an inbox, so waiting with a timeout never disturbs it; token chunks
-that arrived while the consumer was busy are merged into one Delta; closing the
-iterator (client gone) cancels the pump, which cancels the gRPC call.
+a streaming endpoint can send an SSE comment). The events are taken straight from
+the request's stream (`SchedulerClient.open`, scheduler_streams.py), with the
+keep-alive as the wait's timeout: token chunks that arrived while the consumer was
+busy come in one take and are merged into one Delta; closing the iterator (client
+gone) closes the stream, which cancels the request at the scheduler. A client with
+only `generate` is read through a pump task (scheduler_streams.PumpStream).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,6 +31,7 @@ from protos.segserve.v1.generate import (
 from protos.segserve.v1.step import PromptLogprobs
 from router.detokenizer import IncrementalDetokenizer
 from router.scheduler_client import SchedulerClient
+from router.scheduler_streams import open_stream
 from router.speculation import Speculation, StepQueue
 
 logger = logging.getLogger(__name__)
@@ -155,12 +156,16 @@ async def generate_deltas(
     request its client has not read yet: one detokenization and one SSE event
     for all of them.
     """
-    inbox = _Inbox()
-    pump = asyncio.create_task(_pump(client, job, inbox))
+    stream = open_stream(client, job.request, job.timeout_s)
     steps = StepQueue() if job.include_speculation else None
     try:
         while True:
-            events = await inbox.take(keepalive_s)
+            try:
+                events = await stream.take(keepalive_s)
+            except Exception as exc:  # a bug, not a scheduler answer: still end the stream
+                logger.exception("generation %s failed", job.request_id)
+                yield GenerateError("internal", f"router: {type(exc).__name__}: {exc}")
+                return
             if not events:
                 yield KEEPALIVE
                 continue
@@ -176,10 +181,7 @@ async def generate_deltas(
                     yield event
                     return
     finally:
-        inbox.close()
-        pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pump
+        await stream.close()
 
 
 def _chunk_delta(chunk: TokenChunk, job: GenerationJob, detokenizer: IncrementalDetokenizer,
@@ -215,75 +217,3 @@ def merge_chunks(events: list[GenerateEvent]) -> list[GenerateEvent]:
         else:
             merged.append(event)
     return merged
-
-
-class _Inbox:
-    """The pump's events, handed to the consumer all at once: one future per wait, no task per event.
-
-    The keep-alive deadline is one timer per stream, not one per wait: a timer scheduled and cancelled for every
-    token would cost more than the rest of the hand-over. When it fires before the current wait's deadline (the
-    consumer waited again since it was set), it is set again for that deadline."""
-
-    def __init__(self) -> None:
-        self._events: list[GenerateEvent] = []
-        self._waiter: asyncio.Future | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
-        """When the current wait, if any, gives up (loop time)."""
-
-    def put(self, event: GenerateEvent) -> None:
-        self._events.append(event)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def take(self, timeout_s: float | None) -> list[GenerateEvent]:
-        """Every event not taken yet, waiting for one if there is none; [] after `timeout_s` without any."""
-        if not self._events:
-            loop = asyncio.get_running_loop()
-            self._waiter = waiter = loop.create_future()
-            if timeout_s is not None:
-                self._deadline = loop.time() + timeout_s
-                if self._timer is None or self._timer.when() > self._deadline:
-                    self.close()
-                    self._timer = loop.call_at(self._deadline, self._on_timer)
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-        events, self._events = self._events, []
-        return events
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            return  # not waiting: the next wait sets the timer
-        loop = waiter.get_loop()
-        if loop.time() + _TIMER_SLACK_S >= self._deadline:
-            waiter.set_result(None)
-        else:
-            self._timer = loop.call_at(self._deadline, self._on_timer)
-
-    def close(self) -> None:
-        """Cancel the keep-alive timer (the stream ended)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-
-_TIMER_SLACK_S = 0.001
-"""The event loop runs a timer up to its clock resolution early."""
-
-
-async def _pump(client: SchedulerClient, job: GenerationJob, inbox: _Inbox) -> None:
-    try:
-        events = client.generate(job.request, timeout_s=job.timeout_s)
-        async with contextlib.aclosing(events):
-            async for event in events:
-                inbox.put(event)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # a bug, not a scheduler answer: still end the stream
-        logger.exception("generation %s failed", job.request_id)
-        inbox.put(GenerateError("internal", f"router: {type(exc).__name__}: {exc}"))

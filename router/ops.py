@@ -23,7 +23,6 @@ which create_app puts in the state.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -37,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateEvent, GenerateRequest, TokenChunk
 from router.errors import INVALID_REQUEST, error_body
 from router.scheduler_client import SchedulerClient, SchedulerLoad
+from router.scheduler_streams import RequestStream, open_stream, stream_events
 from router.state import StateDep
 from router.tenants import InvalidTenant, current_tenant, matching_key, tenant_for
 
@@ -240,18 +240,40 @@ class MeteredClient:
         self.metrics = metrics
         self.protocol_metrics = ProtocolMetrics(metrics, protocol)
 
-    async def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
-        tracker = RequestTracker(self.protocol_metrics, time.monotonic())
-        try:
-            async with contextlib.aclosing(self.client.generate(request, timeout_s)) as events:
-                async for event in events:
-                    tracker.observe(event, time.monotonic())
-                    yield event
-        finally:
-            tracker.close()
+    def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
+        return _MeteredStream(open_stream(self.client, request, timeout_s),
+                              RequestTracker(self.protocol_metrics, time.monotonic()))
+
+    def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
+        return stream_events(self.open, request, timeout_s)
 
     async def close(self) -> None:
         await self.client.close()
+
+
+class _MeteredStream:
+    """A request's stream whose events feed its RequestTracker as they are taken."""
+
+    __slots__ = ("stream", "tracker")
+
+    def __init__(self, stream: RequestStream, tracker: RequestTracker) -> None:
+        self.stream = stream
+        self.tracker = tracker
+
+    async def take(self, timeout_s: float | None = None) -> list[GenerateEvent]:
+        events = await self.stream.take(timeout_s)
+        if events:
+            now_s = time.monotonic()
+            tracker = self.tracker
+            for event in events:
+                tracker.observe(event, now_s)
+        return events
+
+    async def close(self) -> None:
+        try:
+            await self.stream.close()
+        finally:
+            self.tracker.close()
 
 
 class RequestGuard:

@@ -1,7 +1,7 @@
 """Several schedulers behind the one client interface the routes use.
 
 In: the scheduler targets (`host:port`, or `dns:///name:port` resolving to every replica; re-resolved
-every `refresh_s`). Out: the same calls as one SchedulerClient (generate, get_info, get_stats, health,
+every `refresh_s`). Out: the same calls as one SchedulerClient (open, generate, get_info, get_stats, health,
 wait_ready, close), served by the pool.
 
 - Placement: a request goes to the scheduler its prompt's first tokens (`affinity_key`) hash to (rendezvous hashing
@@ -26,9 +26,10 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from itertools import zip_longest
 
-from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk
+from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
 from router.scheduler_client import SchedulerClient, SchedulerLoad, SegmentLoad, SpecTotals
+from router.scheduler_streams import ReadyStream, RequestStream, open_stream, stream_events, terminal_index
 from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
 from segserve.tls import TlsFiles
 
@@ -80,36 +81,13 @@ class SchedulerPool:
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_forever())
 
-    async def generate(self, request: GenerateRequest, timeout_s: float | None = None
-                       ) -> AsyncIterator[GenerateEvent]:
+    def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
         """One request's events from the scheduler chosen for it; refused or unreachable ones are retried."""
-        tried: set[str] = set()
-        while True:
-            address = self.pick(request.prompt_token_ids, exclude=tried)
-            if address is None:
-                yield GenerateError("unavailable", "no scheduler is available")
-                return
-            tried.add(address)
-            self._in_flight[address] += 1
-            is_started, retry = False, False
-            try:
-                async with contextlib.aclosing(self._clients[address].generate(request, timeout_s)) as events:
-                    async for event in events:
-                        if isinstance(event, TokenChunk):
-                            is_started = True
-                        elif (isinstance(event, GenerateError) and not is_started and event.code in RETRIED_CODES
-                              and self.pick(request.prompt_token_ids, exclude=tried) is not None):
-                            retry = True
-                            if event.code == "unavailable":
-                                self._live.discard(address)
-                            logger.info("scheduler %s: %s; retrying request %s on another", address, event.message,
-                                        request.request_id)
-                            break
-                        yield event
-            finally:
-                self._in_flight[address] -= 1
-            if not retry:
-                return
+        return _PoolStream(self, request, timeout_s)
+
+    def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
+        """`open`'s events one by one."""
+        return stream_events(self.open, request, timeout_s)
 
     def pick(self, prompt_token_ids: Sequence[int], exclude: set[str] = frozenset()) -> str | None:
         """The scheduler for a prompt: its affinity choice unless that one is too busy, then the least busy;
@@ -223,6 +201,63 @@ class SchedulerPool:
             if self._in_flight[address] == 0:
                 self._live.discard(address)
                 await self._clients.pop(address).close()
+
+
+class _PoolStream:
+    """A request on the pool: the stream of the scheduler it was placed on, or, when that one refused it or was
+    unreachable before any token came back, of the next one."""
+
+    def __init__(self, pool: SchedulerPool, request: GenerateRequest, timeout_s: float | None) -> None:
+        self._pool = pool
+        self._request = request
+        self._timeout_s = timeout_s
+        self._tried: set[str] = set()
+        self._is_started = False
+        self._address: str | None = None
+        """The scheduler of the current attempt, counted in flight there until it is closed."""
+        self._stream: RequestStream = self._next()
+
+    def _next(self) -> RequestStream:
+        pool = self._pool
+        address = pool.pick(self._request.prompt_token_ids, exclude=self._tried)
+        if address is None:
+            return ReadyStream([GenerateError("unavailable", "no scheduler is available")])
+        self._tried.add(address)
+        pool._in_flight[address] += 1
+        self._address = address
+        return open_stream(pool._clients[address], self._request, self._timeout_s)
+
+    async def take(self, timeout_s: float | None = None) -> list[GenerateEvent]:
+        while True:
+            events = await self._stream.take(timeout_s)
+            if self._is_started:
+                return events
+            index = terminal_index(events)
+            if index != 0:  # a token came (or nothing yet)
+                self._is_started = index != -1 or bool(events)
+                return events
+            error = events[0]
+            pool = self._pool
+            if not (isinstance(error, GenerateError) and error.code in RETRIED_CODES
+                    and pool.pick(self._request.prompt_token_ids, exclude=self._tried) is not None):
+                return events
+            if error.code == "unavailable":
+                pool._live.discard(self._address)
+            logger.info("scheduler %s: %s; retrying request %s on another", self._address, error.message,
+                        self._request.request_id)
+            await self._close_attempt()
+            self._stream = self._next()
+
+    async def _close_attempt(self) -> None:
+        try:
+            await self._stream.close()
+        finally:
+            if self._address is not None:
+                self._pool._in_flight[self._address] -= 1
+                self._address = None
+
+    async def close(self) -> None:
+        await self._close_attempt()
 
 
 def _total(loads: list[SchedulerLoad]) -> SchedulerLoad:

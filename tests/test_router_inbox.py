@@ -1,4 +1,4 @@
-"""The hand-over between a request's gRPC reader and its consumer (generation._Inbox): events come out in
+"""The hand-over between a request's gRPC reader and its consumer (scheduler_streams.Inbox): events come out in
 order and all at once; a wait with nothing to take ends empty after its own keep-alive timeout, however
 many waits came before it (the timer is kept across waits, not set per wait)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.generation import _Inbox
+from router.scheduler_streams import Inbox as _Inbox
 
 TIMEOUT_S = 0.05
 SLACK_S = 0.002  # the event loop may run a timer up to its clock resolution early

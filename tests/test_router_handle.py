@@ -1,0 +1,199 @@
+"""SchedulerClient.open: a request's events taken straight from its stream, with a timeout.
+
+The real Engine and Scheduler service in front of tests/fakes.py's FakeWorker (next token = last + 1), reached
+over the shared GenerateStreams call and, for a scheduler without it, over one Generate call per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+import grpc
+import pytest
+
+from protos.segserve.v1 import scheduler_pb2, worker_pb2_grpc
+from protos.segserve.v1.generate import GenerateComplete, GenerateError, TokenChunk
+from router.ops import MeteredClient, RouterMetrics
+from router.scheduler_client import SchedulerClient
+from router.scheduler_streams import open_stream
+from scheduler.config import SchedulerConfig
+from scheduler.servicer import SchedulerServicer, start_server, stop_server
+from tests.fakes import FakeWorkerServicer, serve
+from tests.test_generate_streams import client_events, request
+from tests.test_scheduler_service import make_fake, wait_until
+
+
+@contextlib.asynccontextmanager
+async def stack(is_per_request: bool, step_delay_s: float = 0.0):
+    """(router client, engine): a scheduler with GenerateStreams, or one with only Generate and GetStats."""
+    fake = make_fake()
+    fake.step_delay_s = step_delay_s
+    worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(fake))
+    config = SchedulerConfig(worker_address=f"127.0.0.1:{worker_server.bound_port}", port=0,
+                             max_num_batched_tokens=64)
+    server, engine = await start_server(config)
+    old_server = None
+    port = server.bound_port
+    if is_per_request:
+        servicer = SchedulerServicer(engine)
+        old_server = grpc.aio.server()
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, request_deserializer=scheduler_pb2.GenerateRequest.FromString,
+                response_serializer=scheduler_pb2.GenerateResponse.SerializeToString)}
+        old_server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("segserve.v1.Scheduler", handlers),))
+        port = old_server.add_insecure_port("127.0.0.1:0")
+        await old_server.start()
+    client = SchedulerClient(f"127.0.0.1:{port}")
+    try:
+        await wait_until(lambda: engine.is_connected)
+        yield client, engine
+    finally:
+        await client.close()
+        if old_server is not None:
+            await old_server.stop(None)
+        await stop_server(server, engine, grace_s=0.1)
+        await worker_server.stop(None)
+
+
+def is_idle(engine) -> bool:
+    stats = engine.stats()
+    return (stats.num_running, stats.num_waiting, stats.num_used_kv_blocks) == (0, 0, 0)
+
+
+async def take_to_end(stream, timeout_s: float = 5.0) -> tuple[list[int], object]:
+    tokens = []
+    while True:
+        events = await stream.take(timeout_s)
+        assert events, "nothing within the timeout"
+        for event in events:
+            if not isinstance(event, TokenChunk):
+                return tokens, event
+            tokens += event.token_ids
+
+
+def router_tasks() -> list[str]:
+    """The names of the running tasks whose coroutine is the router's code (the scheduler runs in this loop too)."""
+    names = []
+    for task in asyncio.all_tasks():
+        code = getattr(task.get_coro(), "cr_code", None)
+        if code is not None and f"{os.sep}router{os.sep}" in code.co_filename:
+            names.append(task.get_name())
+    return names
+
+
+PATHS = pytest.mark.parametrize("is_per_request", [False, True], ids=["shared", "per_request"])
+
+
+@PATHS
+async def test_take_returns_every_event_that_arrived_in_one_list(is_per_request):
+    async with stack(is_per_request) as (client, engine):
+        stream = client.open(request("short", [1, 2, 3], max_tokens=5))
+        try:
+            # A longer request of the same batch ends after it: by then all of "short" has arrived.
+            tokens, last = await client_events(client, request("long", [50], max_tokens=20))
+            assert tokens == list(range(51, 71)) and isinstance(last, GenerateComplete)
+            events = await stream.take(1.0)
+            assert len(events) >= 2 and all(isinstance(e, TokenChunk) for e in events[:-1])
+            assert [t for e in events[:-1] for t in e.token_ids] == [4, 5, 6, 7, 8]
+            assert isinstance(events[-1], GenerateComplete) and events[-1].num_generated_tokens == 5
+            assert await stream.take(0.05) == []  # over: nothing more comes
+        finally:
+            await stream.close()
+        assert client.is_per_request is is_per_request
+
+
+async def test_the_per_request_path_reads_each_request_with_its_own_task():
+    async with stack(True, step_delay_s=0.02) as (client, _):
+        await client_events(client, request("warm", [1], max_tokens=1))
+        streams = [client.open(request(f"p{i}", [i + 1], max_tokens=3)) for i in range(3)]
+        try:
+            assert len(router_tasks()) == 3
+        finally:
+            for stream in streams:
+                await stream.close()
+        await asyncio.sleep(0)
+        assert router_tasks() == []
+
+
+@PATHS
+async def test_a_take_that_times_out_returns_nothing_and_the_request_goes_on(is_per_request):
+    async with stack(is_per_request, step_delay_s=0.15) as (client, engine):
+        loop = asyncio.get_running_loop()
+        stream = client.open(request("slow", [1], max_tokens=3))
+        try:
+            started_s = loop.time()
+            assert await stream.take(0.03) == []  # a step takes 0.15 s
+            assert loop.time() - started_s >= 0.03 - 0.002
+            tokens, last = await take_to_end(stream)
+        finally:
+            await stream.close()
+        assert tokens == [2, 3, 4] and isinstance(last, GenerateComplete)
+        await wait_until(lambda: is_idle(engine), timeout_s=2.0)
+
+
+@PATHS
+async def test_closing_before_the_end_cancels_the_request_at_the_scheduler(is_per_request):
+    async with stack(is_per_request, step_delay_s=0.02) as (client, engine):
+        stream = client.open(request("cut", [1, 2], max_tokens=1000))
+        try:
+            events = await stream.take(5.0)
+            assert events and isinstance(events[0], TokenChunk)
+            assert engine.stats().num_running == 1
+        finally:
+            await stream.close()
+        await wait_until(lambda: is_idle(engine), timeout_s=2.0)
+        assert engine.stats().num_running == 0
+        # The client goes on serving requests afterwards.
+        tokens, last = await client_events(client, request("after", [5], max_tokens=2))
+        assert tokens == [6, 7] and isinstance(last, GenerateComplete)
+
+
+@PATHS
+async def test_a_deadline_ends_the_stream_with_timeout(is_per_request):
+    async with stack(is_per_request, step_delay_s=0.02) as (client, engine):
+        stream = client.open(request("late", [1], max_tokens=1000), timeout_s=0.2)
+        try:
+            tokens, last = await take_to_end(stream)
+        finally:
+            await stream.close()
+        assert tokens and isinstance(last, GenerateError) and last.code == "timeout"
+        await wait_until(lambda: is_idle(engine), timeout_s=2.0)
+
+
+async def test_a_request_id_already_live_is_refused_and_the_live_one_goes_on():
+    async with stack(False, step_delay_s=0.02) as (client, _):
+        first = client.open(request("same", [1], max_tokens=3))
+        second = client.open(request("same", [9], max_tokens=3))
+        try:
+            [error] = await second.take(1.0)
+            assert error == GenerateError("invalid_request", "request_id: 'same' is already live")
+            await second.close()
+            tokens, last = await take_to_end(first)
+        finally:
+            await first.close()
+        assert tokens == [2, 3, 4] and isinstance(last, GenerateComplete)
+
+
+async def test_the_shared_call_hands_events_over_without_a_task_per_request():
+    async with stack(False, step_delay_s=0.02) as (client, engine):
+        metered = MeteredClient(client, RouterMetrics("tiny"))
+        await client_events(client, request("warm", [1], max_tokens=1))  # the shared call and its reader exist
+        streams = [open_stream(metered, request(f"m{i}", [i + 1], max_tokens=4), None) for i in range(8)]
+        try:
+            firsts = [await stream.take(5.0) for stream in streams]
+            assert all(isinstance(events[0], TokenChunk) for events in firsts)
+            assert router_tasks() == ["segserve-scheduler-streams"]  # the one reader, no pump per request
+            results = [await take_to_end(stream) for stream in streams]
+        finally:
+            for stream in streams:
+                await stream.close()
+        for i, ((tokens, last), events) in enumerate(zip(results, firsts)):
+            first_tokens = [t for e in events if isinstance(e, TokenChunk) for t in e.token_ids]
+            assert first_tokens + tokens == [i + 2, i + 3, i + 4, i + 5] and isinstance(last, GenerateComplete)
+        samples = {s.name: s.value for m in metered.metrics.registry.collect() for s in m.samples}
+        assert samples['vllm:generation_tokens_total'] == 8 * 4
+        await wait_until(lambda: is_idle(engine), timeout_s=2.0)
