@@ -24,7 +24,6 @@ in time into one Delta).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +41,7 @@ from router.generation import Delta, GenerationJob, TokenLogprob, Usage
 from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from router.protocol import MAX_STOP_STRINGS, choice_seed, sampling_temperature
 from router.responses import by_choice
+from router.scheduler_streams import RequestStream, open_stream, stream_events
 from router.state import RouterState
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -165,12 +165,12 @@ class StepLog:
         self.client = client
         self._sizes: collections.deque[int] = collections.deque()
 
-    async def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
-        async with contextlib.aclosing(self.client.generate(request, timeout_s)) as events:
-            async for event in events:
-                if isinstance(event, TokenChunk) and event.token_ids:
-                    self._sizes.append(len(event.token_ids))
-                yield event
+    def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
+        """The client's stream of the request, noting each chunk's size as it is taken (no task of its own)."""
+        return _LoggedStream(open_stream(self.client, request, timeout_s), self._sizes)
+
+    def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
+        return stream_events(self.open, request, timeout_s)
 
     def take(self, num_tokens: int) -> list[int]:
         """The step sizes behind the next `num_tokens` tokens (whole steps: a Delta never splits a chunk)."""
@@ -179,6 +179,26 @@ class StepLog:
             steps.append(self._sizes.popleft())
             num_tokens -= steps[-1]
         return steps
+
+
+class _LoggedStream:
+    """A request's stream whose token chunks' sizes go to its StepLog as they are taken."""
+
+    __slots__ = ("stream", "sizes")
+
+    def __init__(self, stream: RequestStream, sizes: collections.deque[int]) -> None:
+        self.stream = stream
+        self.sizes = sizes
+
+    async def take(self, timeout_s: float | None = None) -> list[GenerateEvent]:
+        events = await self.stream.take(timeout_s)
+        for event in events:
+            if isinstance(event, TokenChunk) and event.token_ids:
+                self.sizes.append(len(event.token_ids))
+        return events
+
+    async def close(self) -> None:
+        await self.stream.close()
 
 
 def finish_reason(delta: Delta) -> int:

@@ -15,6 +15,7 @@ import pytest
 
 from protos.segserve.v1 import scheduler_pb2, worker_pb2_grpc
 from protos.segserve.v1.generate import GenerateComplete, GenerateError, TokenChunk
+from router.grpc_convert import StepLog
 from router.ops import MeteredClient, RouterMetrics
 from router.scheduler_client import SchedulerClient
 from router.scheduler_streams import open_stream
@@ -196,4 +197,24 @@ async def test_the_shared_call_hands_events_over_without_a_task_per_request():
             assert first_tokens + tokens == [i + 2, i + 3, i + 4, i + 5] and isinstance(last, GenerateComplete)
         samples = {s.name: s.value for m in metered.metrics.registry.collect() for s in m.samples}
         assert samples['vllm:generation_tokens_total'] == 8 * 4
+        await wait_until(lambda: is_idle(engine), timeout_s=2.0)
+
+
+async def test_the_grpc_apis_step_log_notes_chunk_sizes_without_a_task_per_request():
+    async with stack(False, step_delay_s=0.02) as (client, engine):
+        await client_events(client, request("warm", [1], max_tokens=1))  # the shared call and its reader exist
+        logs = [StepLog(MeteredClient(client, RouterMetrics("tiny"))) for _ in range(4)]
+        streams = [log.open(request(f"g{i}", [i + 10], max_tokens=3), None) for i, log in enumerate(logs)]
+        try:
+            firsts = [await stream.take(5.0) for stream in streams]
+            assert all(isinstance(events[0], TokenChunk) for events in firsts)
+            assert router_tasks() == ["segserve-scheduler-streams"]  # no pump task for the gRPC API's choices
+            results = [await take_to_end(stream) for stream in streams]
+        finally:
+            for stream in streams:
+                await stream.close()
+        for i, (log, events, (tokens, last)) in enumerate(zip(logs, firsts, results)):
+            first_tokens = [t for e in events if isinstance(e, TokenChunk) for t in e.token_ids]
+            assert first_tokens + tokens == [i + 11, i + 12, i + 13] and isinstance(last, GenerateComplete)
+            assert sum(log.take(3)) == 3  # every chunk's size was noted, whole steps
         await wait_until(lambda: is_idle(engine), timeout_s=2.0)
