@@ -323,9 +323,12 @@ async def test_the_ray_actor_serves_generate_over_its_grpc_port():
     from scheduler.actor import SchedulerActor
     from scheduler.main import init_local_ray
 
-    worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(make_fake()))
+    # Ray first: it forks its node processes (running Python in the child before exec), which is only safe
+    # while no gRPC server of this test has threads inside gRPC (once, its raylet never started).
     init_local_ray()
+    worker_server = None
     try:
+        worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(make_fake()))
         actor = SchedulerActor.remote()
         port = await actor.start.remote(SchedulerConfig(worker_address=f"127.0.0.1:{worker_server.bound_port}",
                                                         port=0))
@@ -342,7 +345,8 @@ async def test_the_ray_actor_serves_generate_over_its_grpc_port():
         await actor.stop.remote()
     finally:
         ray.shutdown()
-        await worker_server.stop(None)
+        if worker_server is not None:
+            await worker_server.stop(None)
 
 
 def engine_request(request_id: str, prompt: list[int], max_tokens: int) -> GenerateRequest:
