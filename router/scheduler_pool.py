@@ -234,7 +234,7 @@ class _PoolStream:
                 return events
             index = terminal_index(events)
             if index != 0:  # a token came (or nothing yet)
-                self._is_started = index != -1 or bool(events)
+                self._is_started = bool(events)
                 return events
             error = events[0]
             pool = self._pool
