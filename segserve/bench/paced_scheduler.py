@@ -77,16 +77,22 @@ class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         try:
             for k in range(num_tokens):
                 await asyncio.sleep(max(0.0, started_s + (k + 1) * self.token_interval_s - time.monotonic()))
-                token_id = self.text_ids[k % len(self.text_ids)]
-                self.num_steps += 1
-                yield TokenChunk((token_id,), (0.0,)).to_pb()
+                yield self._token(k).to_pb()
         finally:
             self.num_running -= 1
-        elapsed_us = round((time.monotonic() - started_s) * 1e6)
-        yield GenerateComplete(
-            FinishReason.LENGTH, num_prompt_tokens=len(generate.prompt_token_ids), num_generated_tokens=num_tokens,
-            first_token_us=round(self.token_interval_s * 1e6), decode_us=elapsed_us,
-            max_batch_size=self.num_running + 1).to_pb()
+        yield self._complete(generate, started_s, self.num_running + 1).to_pb()
+
+    def _token(self, k: int) -> TokenChunk:
+        """A stream's token k: one token of TEXT (counted as a step)."""
+        self.num_steps += 1
+        return TokenChunk((self.text_ids[k % len(self.text_ids)],), (0.0,))
+
+    def _complete(self, request: GenerateRequest, started_s: float, batch_size: int) -> GenerateComplete:
+        """A stream's end: all its max_tokens, the first after one interval."""
+        return GenerateComplete(
+            FinishReason.LENGTH, num_prompt_tokens=len(request.prompt_token_ids),
+            num_generated_tokens=request.stopping.max_tokens, first_token_us=round(self.token_interval_s * 1e6),
+            decode_us=round((time.monotonic() - started_s) * 1e6), max_batch_size=batch_size)
 
     async def GenerateStreams(self, request_iterator, context: grpc.aio.ServicerContext):
         await context.send_initial_metadata(())  # the router's client sends nothing before
@@ -132,16 +138,10 @@ class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         now_s = time.monotonic()
         for request_id, stream in list(streams.items()):
             num_due = min(stream.num_tokens, tick - stream.first_tick + 1)
-            for k in range(stream.num_sent, num_due):
-                self.num_steps += 1
-                events.append((request_id, TokenChunk((self.text_ids[k % len(self.text_ids)],), (0.0,))))
+            events += [(request_id, self._token(k)) for k in range(stream.num_sent, num_due)]
             stream.num_sent = max(stream.num_sent, num_due)
             if stream.num_sent == stream.num_tokens:
-                elapsed_us = round((now_s - stream.started_s) * 1e6)
-                events.append((request_id, GenerateComplete(
-                    FinishReason.LENGTH, num_prompt_tokens=len(stream.request.prompt_token_ids),
-                    num_generated_tokens=stream.num_tokens, first_token_us=round(self.token_interval_s * 1e6),
-                    decode_us=elapsed_us, max_batch_size=len(streams))))
+                events.append((request_id, self._complete(stream.request, stream.started_s, len(streams))))
             elif stream.deadline_s is not None and now_s >= stream.deadline_s:
                 events.append((request_id, GenerateError("timeout", "the request passed its deadline")))
             else:
