@@ -13,33 +13,29 @@ import math
 import os
 from pathlib import Path
 
-_CGROUP_V2_MAX = Path("/sys/fs/cgroup/cpu.max")
-_CGROUP_V1_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
-_CGROUP_V1_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def available_cpus(cgroup_v2_max: Path = _CGROUP_V2_MAX, cgroup_v1_quota: Path = _CGROUP_V1_QUOTA,
-                   cgroup_v1_period: Path = _CGROUP_V1_PERIOD) -> int:
+def available_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
     """CPUs in this process's affinity mask, capped by its cgroup's CPU quota (rounded down, at least 1)."""
     count = len(os.sched_getaffinity(0))
-    quota = cgroup_cpu_quota(cgroup_v2_max, cgroup_v1_quota, cgroup_v1_period)
+    quota = cgroup_cpu_quota(cgroup_root)
     if quota is not None:
         count = min(count, math.floor(quota))
     return max(1, count)
 
 
-def cgroup_cpu_quota(cgroup_v2_max: Path = _CGROUP_V2_MAX, cgroup_v1_quota: Path = _CGROUP_V1_QUOTA,
-                     cgroup_v1_period: Path = _CGROUP_V1_PERIOD) -> float | None:
-    """The cgroup's CPU quota in CPUs (cgroup v2 `cpu.max`, else v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`);
-    None when there is none or it cannot be read."""
+def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT) -> float | None:
+    """The cgroup's CPU quota in CPUs (cgroup v2 `cpu.max`, else v1 `cpu/cpu.cfs_quota_us` over
+    `cpu/cpu.cfs_period_us`); None when there is none or it cannot be read."""
     try:
-        quota, period = cgroup_v2_max.read_text().split()[:2]
+        quota, period = (cgroup_root / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        quota_us = int(cgroup_v1_quota.read_text())
-        period_us = int(cgroup_v1_period.read_text())
+        quota_us = int((cgroup_root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup_root / "cpu" / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         return None
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
