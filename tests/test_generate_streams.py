@@ -245,13 +245,10 @@ async def test_draining_ends_the_streams_with_unavailable_without_waiting_for_th
             assert last == GenerateError("unavailable", "the scheduler is shutting down")
 
 
-async def test_a_scheduler_without_generate_streams_gets_one_generate_call_per_request():
-    fake = make_fake()
-    worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(fake))
-    config = SchedulerConfig(worker_address=f"127.0.0.1:{worker_server.bound_port}", port=0)
-    full_server, engine = await start_server(config)
+async def start_older_scheduler(engine) -> tuple[grpc.aio.Server, int]:
+    """An older scheduler in front of `engine`: Generate and GetStats, no GenerateStreams; (server, port)."""
     servicer = SchedulerServicer(engine)
-    old_server = grpc.aio.server()  # an older scheduler: Generate and GetStats, no GenerateStreams
+    server = grpc.aio.server()
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate, request_deserializer=scheduler_pb2.GenerateRequest.FromString,
@@ -259,30 +256,33 @@ async def test_a_scheduler_without_generate_streams_gets_one_generate_call_per_r
         "GetStats": grpc.unary_unary_rpc_method_handler(
             servicer.GetStats, request_deserializer=scheduler_pb2.StatsRequest.FromString,
             response_serializer=scheduler_pb2.SchedulerStats.SerializeToString)}
-    old_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("segserve.v1.Scheduler", handlers),))
-    port = old_server.add_insecure_port("127.0.0.1:0")
-    await old_server.start()
-    client = SchedulerClient(f"127.0.0.1:{port}")
-    try:
-        await wait_until(lambda: engine.is_connected)
-        results = await asyncio.gather(*(client_events(client, request(f"o{i}", [i + 1], max_tokens=3))
-                                         for i in range(3)))
-        assert [tokens for tokens, _ in results] == [[i + 2, i + 3, i + 4] for i in range(3)]
-        assert all(isinstance(last, GenerateComplete) for _, last in results)
-        assert client.is_per_request
-        tokens, last = await client_events(client, request("later", [7], max_tokens=2), timeout_s=5.0)
-        assert tokens == [8, 9] and isinstance(last, GenerateComplete)
-        events = client.generate(request("cut", [1], max_tokens=1000))
-        assert isinstance(await anext(events), TokenChunk)
-        await events.aclose()
-        stats = await client.get_stats()
-        await wait_until(lambda: engine.stats().num_running == 0, timeout_s=2.0)
-        assert stats.num_total_kv_blocks > 0
-    finally:
-        await client.close()
-        await old_server.stop(None)
-        await stop_server(full_server, engine, grace_s=0.1)
-        await worker_server.stop(None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("segserve.v1.Scheduler", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def test_a_scheduler_without_generate_streams_gets_one_generate_call_per_request():
+    async with running_stack() as (_, _, _, _, engine):
+        old_server, port = await start_older_scheduler(engine)
+        client = SchedulerClient(f"127.0.0.1:{port}")
+        try:
+            results = await asyncio.gather(*(client_events(client, request(f"o{i}", [i + 1], max_tokens=3))
+                                             for i in range(3)))
+            assert [tokens for tokens, _ in results] == [[i + 2, i + 3, i + 4] for i in range(3)]
+            assert all(isinstance(last, GenerateComplete) for _, last in results)
+            assert client.is_per_request
+            tokens, last = await client_events(client, request("later", [7], max_tokens=2), timeout_s=5.0)
+            assert tokens == [8, 9] and isinstance(last, GenerateComplete)
+            events = client.generate(request("cut", [1], max_tokens=1000))
+            assert isinstance(await anext(events), TokenChunk)
+            await events.aclose()
+            stats = await client.get_stats()
+            await wait_until(lambda: engine.stats().num_running == 0, timeout_s=2.0)
+            assert stats.num_total_kv_blocks > 0
+        finally:
+            await client.close()
+            await old_server.stop(None)
 
 
 @pytest.mark.parametrize("timeout_s, timeout_ms", [(None, 0), (0.25, 250), (0.0001, 1)])

@@ -10,54 +10,31 @@ import asyncio
 import contextlib
 import os
 
-import grpc
 import pytest
 
-from protos.segserve.v1 import scheduler_pb2, worker_pb2_grpc
 from protos.segserve.v1.generate import GenerateComplete, GenerateError, TokenChunk
 from router.grpc_convert import StepLog
 from router.ops import MeteredClient, RouterMetrics
 from router.scheduler_client import SchedulerClient
 from router.scheduler_streams import open_stream
-from scheduler.config import SchedulerConfig
-from scheduler.servicer import SchedulerServicer, start_server, stop_server
-from tests.fakes import FakeWorkerServicer, serve
-from tests.test_generate_streams import client_events, request
-from tests.test_scheduler_service import make_fake, wait_until
+from tests.test_generate_streams import client_events, request, running_stack, start_older_scheduler
+from tests.test_scheduler_service import wait_until
 
 
 @contextlib.asynccontextmanager
 async def stack(is_per_request: bool, step_delay_s: float = 0.0):
-    """(router client, engine): a scheduler with GenerateStreams, or one with only Generate and GetStats."""
-    fake = make_fake()
-    fake.step_delay_s = step_delay_s
-    worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(fake))
-    config = SchedulerConfig(worker_address=f"127.0.0.1:{worker_server.bound_port}", port=0,
-                             max_num_batched_tokens=64)
-    server, engine = await start_server(config)
-    old_server = None
-    port = server.bound_port
-    if is_per_request:
-        servicer = SchedulerServicer(engine)
-        old_server = grpc.aio.server()
-        handlers = {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                servicer.Generate, request_deserializer=scheduler_pb2.GenerateRequest.FromString,
-                response_serializer=scheduler_pb2.GenerateResponse.SerializeToString)}
-        old_server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("segserve.v1.Scheduler", handlers),))
-        port = old_server.add_insecure_port("127.0.0.1:0")
-        await old_server.start()
-    client = SchedulerClient(f"127.0.0.1:{port}")
-    try:
-        await wait_until(lambda: engine.is_connected)
-        yield client, engine
-    finally:
-        await client.close()
-        if old_server is not None:
+    """(router client, engine): a scheduler with GenerateStreams, or an older one with only Generate and GetStats."""
+    async with running_stack(step_delay_s) as (_, _, client, _, engine):
+        if not is_per_request:
+            yield client, engine
+            return
+        old_server, port = await start_older_scheduler(engine)
+        old_client = SchedulerClient(f"127.0.0.1:{port}")
+        try:
+            yield old_client, engine
+        finally:
+            await old_client.close()
             await old_server.stop(None)
-        await stop_server(server, engine, grace_s=0.1)
-        await worker_server.stop(None)
 
 
 def is_idle(engine) -> bool:
