@@ -1,7 +1,9 @@
 """The browser playground at /playground, driven in headless Chromium against a real stack on a tiny model.
 
 Speculation is on and the cost gate off (is_spec_adaptive=False), so that drafts from the request's own
-history are verified every step; a tiny random model repeats itself, so some of them are accepted.
+history are verified every step; a tiny random model repeats itself, so some of them are accepted. The Draft
+deadline is 2 s, not the default 20 ms: on a loaded 2-core machine (Chromium beside the stack) a missed
+deadline backs the drafter off for a second, which is the whole answer, and no draft would be shown.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ WAIT_S = 60
 
 @pytest.fixture(scope="module")
 def stack(tiny_gemma3_dir, tmp_path_factory):
-    with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), scheduler={"is_spec_adaptive": False}) as s:
+    with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), scheduler={"is_spec_adaptive": False, "draft_timeout_ms": 2000}) as s:
         yield s
 
 
