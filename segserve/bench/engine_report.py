@@ -69,17 +69,18 @@ def plot(path: Path, results: dict) -> Path:
 
     batches = results["batches"]
     labels = [str(b["batch_size"]) for b in batches]
+    positions = list(range(len(batches)))  # numeric x with batch-size tick labels (no categorical axis)
     fig, (absolute, share) = plt.subplots(1, 2, figsize=(13, 4.8))
     bottoms, share_bottoms = [0.0] * len(batches), [0.0] * len(batches)
     for color, part in enumerate(PARTS):
         values = [b["parts"][part]["median_ms"] for b in batches]
         totals = [sum(b["parts"][p]["median_ms"] for p in PARTS) or 1.0 for b in batches]
         shares = [100 * v / t for v, t in zip(values, totals)]
-        absolute.bar(labels, values, bottom=bottoms, color=f"C{color}", label=part)
-        share.bar(labels, shares, bottom=share_bottoms, color=f"C{color}", label=part)
+        absolute.bar(positions, values, bottom=bottoms, color=f"C{color}", label=part)
+        share.bar(positions, shares, bottom=share_bottoms, color=f"C{color}", label=part)
         bottoms = [b + v for b, v in zip(bottoms, values)]
         share_bottoms = [b + s for b, s in zip(share_bottoms, shares)]
-    hf = [(label, b["hf_compiled"]["median_ms"]) for label, b in zip(labels, batches)
+    hf = [(x, b["hf_compiled"]["median_ms"]) for x, b in zip(positions, batches)
           if (b.get("hf_compiled") or {}).get("median_ms") is not None]
     if hf:
         absolute.plot([x for x, _ in hf], [y for _, y in hf], "k*", markersize=12, label="HF generate, compiled")
@@ -87,6 +88,7 @@ def plot(path: Path, results: dict) -> Path:
     share.set_title("share of the step (%)")
     for axis in (absolute, share):
         axis.set_xlabel("batch size")
+        axis.set_xticks(positions, labels)
         axis.grid(True, axis="y", alpha=0.3)
     absolute.legend(fontsize=8)
     fig.suptitle(f"segserve bench engine: {results.get('model', '')} on {results.get('device', '')}")
