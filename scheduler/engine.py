@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -154,6 +156,9 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.num_lost = 0
         """Times the worker was lost (and its requests handed over)."""
+        self._step_ids = itertools.count(random.getrandbits(48) + 1)
+        """Step ids for async scheduling, from a random start so that a restarted scheduler's never meet
+        the ids a worker remembers from before."""
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -287,7 +292,7 @@ class Engine:
         sent = self._send(request)
         while True:
             ahead = self.scheduler.schedule_ahead(request) if self._is_async else None
-            ahead_sent = None if ahead is None else self._send(ahead)
+            ahead_sent = None if ahead is None else self._send(ahead, follows=request)
             try:
                 events = await self._run_step(request, sent)
             except BaseException as exc:
@@ -310,8 +315,12 @@ class Engine:
     def _is_async(self) -> bool:
         return self.config.is_async_scheduling and (self.speculator is None or not self.speculator.is_drafting)
 
-    def _send(self, request: StepRequest) -> asyncio.Task:
-        """The worker's step, under way (steps reach the worker in the order they are sent)."""
+    def _send(self, request: StepRequest, follows: StepRequest | None = None) -> asyncio.Task:
+        """The worker's step, under way. With async scheduling every step has an id, and a step ahead names the
+        step it `follows`: the worker runs it after that one, whichever of the two RPCs reaches it first."""
+        if self.config.is_async_scheduling:
+            request.step_id = next(self._step_ids)
+            request.follows_step_id = 0 if follows is None else follows.step_id
         return asyncio.ensure_future(self._timed_step(request))
 
     async def _timed_step(self, request: StepRequest) -> tuple[StepResult, float]:

@@ -151,7 +151,7 @@ class FakeWorker:
         """Apply the request like the real worker (state first, then the forward); raise InjectedFailure
         for an injected whole-step failure, AssertionError for a contract violation."""
         self.requests.append(request)
-        problem = self._register(request)
+        problem = self._register(request) or self._order_problem(request)
         refused: list[str] = []
         if problem is None:
             request, refused = self._continued(request)
@@ -193,6 +193,15 @@ class FakeWorker:
             self.kv[new.seq_id] = list(new.prompt_token_ids)
             self.sampling[new.seq_id] = new.sampling
             self.num_prompt_tokens[new.seq_id] = new.num_prompt_tokens
+        return None
+
+    def _order_problem(self, request: StepRequest) -> str | None:
+        """Steps with ids (the engine's async scheduling): one with continuations names the step before it."""
+        if not request.step_id or not any(work.is_continuation for work in request.sequences):
+            return None
+        before = self.requests[-2].step_id if len(self.requests) > 1 else 0
+        if request.follows_step_id != before:
+            return f"step {request.step_id} follows step {request.follows_step_id}, not the one before it ({before})"
         return None
 
     def _continued(self, request: StepRequest) -> tuple[StepRequest, list[str]]:

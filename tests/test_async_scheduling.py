@@ -179,6 +179,8 @@ async def test_the_engine_pipelines_decode_steps_only_when_asked(is_async):
         for (rid, prompt), (tokens, last) in zip(prompts.items(), results):
             assert (tokens, last.finish_reason) == ([prompt[-1] + 1 + k for k in range(12)], FinishReason.LENGTH)
         assert (fake.num_continuations > 0) == is_async and fake.problems == []
+        # every step ahead named the step it follows (the fake checks it is the one before it)
+        assert any(request.follows_step_id for request in fake.requests) == is_async
         assert await idle_stats(stub) == (0, 0, 0)
 
 

@@ -132,6 +132,47 @@ async def test_bad_sequences_fail_alone(served, runner, work, message):
     await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["s", "ok", work.seq_id]))
 
 
+async def test_a_step_ahead_that_arrives_first_runs_after_the_step_it_follows(served, runner):
+    """Async scheduling: the step ahead reaches the worker before the step it follows. The worker holds it
+    back, and its continuation computes the token that step samples instead of being refused."""
+    servicer, stub = served
+    servicer.attach(runner)
+    prompt = [1, 40, 41, 42, 43, 44]
+    first = StepRequest([ScheduledSequence("d", tuple(prompt), 0, (3, 7), (len(prompt) - 1,))],
+                        [NewSequence("d", SamplingParams(), len(prompt))], step_id=11)
+    ahead = StepRequest([ScheduledSequence("d", (0,), len(prompt), (3, 7), (0,), is_continuation=True)],
+                        step_id=12, follows_step_id=11)
+    ahead_call = asyncio.ensure_future(stub.Step(ahead.to_pb()))
+    while not servicer.order.has_arrived(12):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    assert not ahead_call.done()  # waiting for step 11, not refused
+    (first_out,) = StepResult.from_pb(await stub.Step(first.to_pb())).outputs
+    (ahead_out,) = StepResult.from_pb(await asyncio.wait_for(ahead_call, 30)).outputs
+    assert not first_out.error and not ahead_out.error, ahead_out.error
+    await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["d"]))
+    assert [*first_out.token_ids, *ahead_out.token_ids] == _decode_in_process(runner, prompt, 2)
+
+
+async def test_a_step_ahead_whose_step_never_comes_runs_after_the_arrival_timeout(served, runner):
+    """The step it names never reaches the worker (a cancelled RPC): it waits arrival_timeout_s, not forever,
+    then runs with what the worker has (here the sequence's last step did sample, so it continues)."""
+    servicer, stub = served
+    servicer.attach(runner)
+    servicer.order.arrival_timeout_s = 0.3
+    prompt = [1, 40, 41]
+    first = StepRequest([ScheduledSequence("e", tuple(prompt), 0, (3,), (len(prompt) - 1,))],
+                        [NewSequence("e", SamplingParams(), len(prompt))])
+    (first_out,) = StepResult.from_pb(await stub.Step(first.to_pb())).outputs
+    ahead = StepRequest([ScheduledSequence("e", (0,), len(prompt), (3,), (0,), is_continuation=True)],
+                        step_id=22, follows_step_id=21)
+    started = asyncio.get_running_loop().time()
+    (out,) = StepResult.from_pb(await asyncio.wait_for(stub.Step(ahead.to_pb()), 30)).outputs
+    assert asyncio.get_running_loop().time() - started >= 0.3 and servicer.order.num_timed_out == 1
+    await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["e"]))
+    assert not out.error and [*first_out.token_ids, *out.token_ids] == _decode_in_process(runner, prompt, 2)
+
+
 async def test_serve_binds_loads_and_becomes_ready(tiny_gemma3_dir):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

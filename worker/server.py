@@ -3,10 +3,11 @@
 Protobuf is converted here and nowhere else, with the contract types' from_pb / to_pb
 (protos/segserve/v1/step.py, info.py). The forward runs in a thread so the event loop keeps
 answering Health while a step computes; steps are serialized (the runner and its KV cache are
-single-threaded). A failure of one sequence is an error in its SequenceOutput, not a status;
-exceptions (a failure of the whole step) become gRPC status codes in one place, `_status_errors`:
-a malformed step is INVALID_ARGUMENT, out of memory RESOURCE_EXHAUSTED (the scheduler preempts and
-retries with a smaller batch), anything else INTERNAL.
+single-threaded), and a step ahead runs after the step it follows (worker/step_order.py). A failure
+of one sequence is an error in its SequenceOutput, not a status; exceptions (a failure of the whole
+step) become gRPC status codes in one place, `_status_errors`: a malformed step is INVALID_ARGUMENT,
+out of memory RESOURCE_EXHAUSTED (the scheduler preempts and retries with a smaller batch), anything
+else INTERNAL.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from segserve.heap import freeze_startup_heap
 from segserve.tls import TlsFiles, add_port, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
+from worker.step_order import StepOrder
 from worker.validation import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._runner: ModelRunner | None = None
         self._detail = "loading the model"
         self._step_lock = asyncio.Lock()
+        self.order = StepOrder()
+        """A step ahead (async scheduling) runs after the step it follows, whichever RPC came first."""
         self.serving = Serving([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
         """The standard grpc.health.v1 status: SERVING only once the model is loaded and warmed up."""
         if runner is not None:
@@ -93,12 +97,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @_status_errors
     async def Step(self, request, context):
-        runner = self._ready_runner()
-        step = StepRequest.from_pb(request)
-        async with self._step_lock:
-            start = time.perf_counter_ns()
-            outputs = await asyncio.to_thread(runner.step, step)
-            compute_us = (time.perf_counter_ns() - start) // 1000
+        self.order.arrived(request.step_id)
+        try:
+            runner = self._ready_runner()
+            step = StepRequest.from_pb(request)
+            await self.order.after(step.follows_step_id)
+            async with self._step_lock:
+                start = time.perf_counter_ns()
+                outputs = await asyncio.to_thread(runner.step, step)
+                compute_us = (time.perf_counter_ns() - start) // 1000
+        finally:
+            self.order.finished(request.step_id)
         return StepResult(outputs, compute_us).to_pb()
 
     @_status_errors

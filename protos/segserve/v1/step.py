@@ -113,6 +113,11 @@ class StepRequest:
     new_sequences: list[NewSequence] = field(default_factory=list)
     finished_seq_ids: list[str] = field(default_factory=list)
     """Sequences that ended: the worker drops their sampling state."""
+    step_id: int = 0
+    """Set by a scheduler that sends steps ahead (0 = none), so that a step ahead can name the step it follows."""
+    follows_step_id: int = 0
+    """A step ahead: the step whose sampled tokens its continuations compute; the worker runs it after that one
+    (0 = it follows none)."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -125,12 +130,14 @@ class StepRequest:
     def to_pb(self) -> worker_pb2.StepRequest:
         return worker_pb2.StepRequest(new_sequences=[n.to_pb() for n in self.new_sequences],
                                       sequences=[s.to_pb() for s in self.sequences],
-                                      finished_seq_ids=self.finished_seq_ids)
+                                      finished_seq_ids=self.finished_seq_ids, step_id=self.step_id,
+                                      follows_step_id=self.follows_step_id)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.StepRequest) -> StepRequest:
         return cls([ScheduledSequence.from_pb(s) for s in pb.sequences],
-                   [NewSequence.from_pb(n) for n in pb.new_sequences], list(pb.finished_seq_ids))
+                   [NewSequence.from_pb(n) for n in pb.new_sequences], list(pb.finished_seq_ids), pb.step_id,
+                   pb.follows_step_id)
 
 
 @dataclass(frozen=True)

@@ -38,14 +38,18 @@ class ScheduledSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., is_continuation: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("new_sequences", "sequences", "finished_seq_ids")
+    __slots__ = ("new_sequences", "sequences", "finished_seq_ids", "step_id", "follows_step_id")
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     sequences: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    step_id: int
+    follows_step_id: int
+    def __init__(self, new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., step_id: _Optional[int] = ..., follows_step_id: _Optional[int] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
     __slots__ = ("seq_id", "token_ids", "scores", "top_logprobs", "prompt_logprobs", "error")
