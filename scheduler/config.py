@@ -66,12 +66,11 @@ class SchedulerConfig:
     """Steps between probes of a speculation setting the policy has turned off (its stats go stale)."""
     drafter_retry_s: float = 1.0
     """First backoff after a drafter replica fails; it doubles per failure up to 60 s."""
-    is_async_scheduling: bool = False
+    is_async_scheduling: bool = True
     """While the worker runs a decode step, send it the next one (vLLM's async scheduling): the worker fills in
     the tokens it is sampling, so it never waits for the scheduler's round trip between steps. Only in the
-    steady decode state (no request waiting, no prefill) and without speculation, whose trees need each step's
-    tokens first; greedy output is the same either way. Off by default for now: two steps in flight can reach
-    the worker out of order, and a sequence whose continuation arrives first is recomputed (correct, slower)."""
+    steady decode state (no request waiting, no prefill) and while nothing is drafted, since a tree needs each
+    step's tokens first; greedy output is the same either way."""
     is_prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
     whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""

@@ -163,10 +163,10 @@ def test_a_refused_continuation_with_a_step_ahead_of_it_skips_that_step_too():
     assert scheduler.block_manager.num_used_blocks == 0
 
 
-def test_async_scheduling_is_off_unless_asked():
+def test_async_scheduling_is_on_unless_turned_off():
     from scheduler.config import SchedulerConfig
 
-    assert SchedulerConfig().is_async_scheduling is False
+    assert SchedulerConfig().is_async_scheduling is True
 
 
 @pytest.mark.parametrize("is_async", [True, False])

@@ -76,7 +76,7 @@ class ThroughputConfig:
     """Weights dtype for every system: auto = bfloat16 on cuda, float32 on cpu."""
     speculation: bool = True
     """Run the launched stack with drafters and speculative decoding (False: plain decoding, as the baseline)."""
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     """The launched scheduler's async scheduling (the next decode step sent while one runs; speculation off only)."""
     out: str = "bench-results"
     """Directory for throughput.json, throughput.png and logs."""
