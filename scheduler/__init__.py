@@ -16,11 +16,11 @@ Layers, outermost first:
   postprocess -> deliver) and per-request event streams.
 - worker_client.py, drafter_client.py: gRPC clients to the worker and the
   drafter replicas (protobuf converted here).
-- speculator.py: one batched Draft call per step; usable trees go to the
-  scheduler, failures only make the step plain. It owns the drafter-side state
+- speculator.py: one batched Draft call per step; usable trees are fitted into
+  the step (drafting.py), failures only make the step plain. It owns the drafter-side state
   (sync points, segments, ended ids to release, acceptance stats).
-- scheduler.py, block_manager.py, sequence.py, outputs.py, stopping.py,
-  spec_policy.py, spec_gate.py: pure logic, no I/O (scheduler.py also handles
+- scheduler.py, drafting.py, block_manager.py, sequence.py, outputs.py,
+  stopping.py, spec_policy.py, spec_gate.py: pure logic, no I/O (scheduler.py also handles
   failed steps: preempt, retry at a smaller batch, end the culprit with
   FINISH_REASON_ERROR; spec_policy chooses the node budget from measured step
   times and acceptance; spec_gate lets each segment kind draft only where that

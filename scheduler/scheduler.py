@@ -5,9 +5,8 @@ postprocess() takes the worker's StepResult and returns events for the
 requests' streams. One code path serves prompt chunks and decode tokens alike
 (vLLM v1 style): each step computes up to `num_uncomputed_tokens` of every
 running sequence, within max_num_batched_tokens and max_num_seqs. Speculation
-plugs in between schedule() and the worker: draft_candidates() names the decode
-sequences, attach_drafts() turns them into candidate trees within the leftover
-budget.
+plugs in between schedule() and the worker (scheduler/drafting.py turns decode
+work into candidate trees within the leftover budget).
 
 Prefix caching (block_manager.py): a sequence being admitted takes the
 longest cached prefix of full blocks of its tokens and starts computing past
@@ -26,17 +25,15 @@ max_failed_steps steps in a row, ends with FinishReason.ERROR.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 from protos.segserve.v1.generate import FinishReason
 from protos.segserve.v1.sampling import InvalidParameter
 from protos.segserve.v1.step import (
     CONTINUATION_REFUSED, NewSequence, ScheduledSequence, SequenceOutput, StepRequest, StepResult, output_problem,
 )
-from protos.segserve.v1.tree import CandidateTree
 from scheduler.block_manager import BlockManager
 from scheduler.outputs import RequestEvent, completion, token_chunk
 from scheduler.sequence import RequestMetrics, Sequence, SequenceStatus
@@ -240,35 +237,9 @@ class Scheduler:
                                        if seq_id not in self.requests and seq_id not in self._finished_seq_ids]
         self._ahead, self._ahead_seqs = None, {}
 
-    def draft_candidates(self, request: StepRequest) -> list[Sequence]:
-        """This step's decode sequences: their only uncomputed token is the last sampled one."""
-        return [seq for work in request.sequences
-                if (seq := self._in_flight[work.seq_id]).num_uncomputed_tokens == 1 and work.sample_indices]
-
-    def draft_room(self, request: StepRequest) -> int:
-        """Draft tokens that still fit in the step's token budget."""
-        return self.max_num_batched_tokens - request.num_scheduled_tokens
-
-    def attach_drafts(self, request: StepRequest, trees: Mapping[str, CandidateTree]) -> None:
-        """Turn decode work into tree verification, within the step's token budget and free KV blocks.
-
-        Trees shrink (or drop) to fit: the budget left after schedule(), the
-        stop conditions (no node past max_tokens or the context), and the
-        free blocks (drafts never preempt anything).
-        """
-        room = self.draft_room(request)
-        for index, work in enumerate(request.sequences):
-            tree = trees.get(work.seq_id)
-            seq = self._in_flight.get(work.seq_id)
-            if tree is None or seq is None or not work.sample_indices or seq.num_uncomputed_tokens != 1:
-                continue
-            tree = fit_tree(tree, seq, room, self.max_len, self.block_manager)
-            if not tree:
-                continue
-            self.block_manager.allocate(seq, 1 + len(tree))
-            room -= len(tree)
-            request.sequences[index] = dataclasses.replace(
-                work, block_table=tuple(seq.block_table), sample_indices=(), draft=tree)
+    def in_flight(self, seq_id: str) -> Sequence | None:
+        """The sequence that `seq_id` names in the step in flight (None: not in it, or ended)."""
+        return self._in_flight.get(seq_id)
 
     def postprocess(self, request: StepRequest, result: StepResult) -> list[RequestEvent]:
         """Account the step's computed tokens, append sampled ones, apply stop conditions.
@@ -478,14 +449,3 @@ class Scheduler:
         self.num_steps += 1
         self.current_step = request
         return request
-
-
-def fit_tree(tree: CandidateTree, seq: Sequence, room: int, max_len: int,
-             block_manager: BlockManager) -> CandidateTree:
-    """tree pruned to what seq can use this step: room draft tokens, free KV slots, and no node
-    that could only be accepted past max_tokens or max_len (the target adds one token more)."""
-    max_depth = min(seq.stopping.max_tokens - seq.num_output_tokens, max_len - seq.num_tokens) - 1
-    max_nodes = min(room, block_manager.num_free_slots(seq) - 1)  # the root takes one slot
-    if max_depth <= 0 or max_nodes <= 0:
-        return CandidateTree()
-    return tree.prune(max_nodes, max_depth)

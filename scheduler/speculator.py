@@ -31,6 +31,7 @@ from typing import Protocol
 from protos.segserve.v1.step import StepRequest, StepResult, output_problem
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.drafter_client import DraftQuery, DraftReply
+from scheduler.drafting import attach_drafts, draft_candidates, draft_room
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence as Seq
 from scheduler.spec_policy import AcceptanceStats, SpecPolicy
@@ -161,11 +162,11 @@ class Speculator:
         for seq in scheduler.running:  # every request runs a step built by schedule() before any step ahead
             if seq.request_id not in seqs:
                 seqs[seq.request_id] = seq
-        candidates = scheduler.draft_candidates(request)
+        candidates = draft_candidates(scheduler, request)
         if self.policy is None or not candidates:
             return
         groups = Counter(self._segments.get(seq.request_id, "") for seq in candidates)
-        budgets = self.policy.choose(groups, request.num_scheduled_tokens, scheduler.draft_room(request))
+        budgets = self.policy.choose(groups, request.num_scheduled_tokens, draft_room(scheduler, request))
         is_speculating = any(budgets.values())
         self._last_step = (len(candidates), is_speculating)
         if not is_speculating:
@@ -177,7 +178,7 @@ class Speculator:
         start = self.clock()
         replies = await self.drafter.draft(queries, [])
         self.policy.observe_draft_call(self.clock() - start)
-        scheduler.attach_drafts(request, self._accept_replies(candidates, queries, replies))
+        attach_drafts(scheduler, request, self._accept_replies(candidates, queries, replies))
 
     def _query(self, seq: Seq, max_nodes: int) -> DraftQuery:
         num_synced = self._num_synced.setdefault(seq.request_id, 0)

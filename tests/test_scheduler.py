@@ -13,6 +13,7 @@ from protos.segserve.v1.generate import FinishReason, GenerateComplete, TokenChu
 from protos.segserve.v1.sampling import InvalidParameter, SamplingParams, StoppingCriteria
 from protos.segserve.v1.step import SequenceOutput, StepRequest, StepResult
 from protos.segserve.v1.tree import CandidateTree
+from scheduler.drafting import attach_drafts
 from scheduler.outputs import RequestEvent
 from scheduler.scheduler import RequestRejected, Scheduler
 from scheduler.sequence import Sequence
@@ -245,7 +246,7 @@ def test_several_sampled_tokens_per_step_stop_at_the_first_stop_condition():
     request = scheduler.schedule()
     scheduler.postprocess(request, StepResult([SequenceOutput("spec", (3,), (0.5,))]))
     request = scheduler.schedule()
-    scheduler.attach_drafts(request, {"spec": CandidateTree((4, 7), (-1, 0))})
+    attach_drafts(scheduler, request, {"spec": CandidateTree((4, 7), (-1, 0))})
     result = StepResult([SequenceOutput("spec", (4, 7, 8), (0.1, 0.2, 0.3))])  # both drafts + the target's own
     chunk, complete = (item.event for item in scheduler.postprocess(request, result))
     assert (chunk.token_ids, chunk.scores) == ((4, 7), (0.1, 0.2))

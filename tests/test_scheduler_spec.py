@@ -287,7 +287,7 @@ async def test_a_failed_step_with_trees_is_retried_and_stays_lossless():
 def test_fit_tree_prunes_to_the_budget_the_free_slots_and_the_stop_conditions():
     from protos.segserve.v1.tree import CandidateTree
     from scheduler.block_manager import BlockManager
-    from scheduler.scheduler import fit_tree
+    from scheduler.drafting import fit_tree
 
     tree = CandidateTree((10, 11, 12, 13, 14), (-1, -1, 0, 2, 1))  # depths 1, 1, 2, 3, 2
     seq = Sequence("a", [1, 2, 3], stopping=StoppingCriteria(max_tokens=10))

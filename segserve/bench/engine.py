@@ -5,7 +5,8 @@ Per batch size: the real Scheduler (scheduler/scheduler.py) and a real ModelRunn
 timed), a few decode steps warm up, then --repeats rounds of --steps decode steps
 are timed. Each step is split into
   schedule  Scheduler.schedule()
-  draft     with --draft: the drafter's state update and planner, in-process, and attach_drafts()
+  draft     with --draft: the drafter's state update and planner, in-process, and
+            attach_drafts() (scheduler/drafting.py)
   metadata  the runner's host-side preparation (state update, validation, expansion,
             attention metadata, input tensors): ModelRunner.timings
   forward   the model call
@@ -149,8 +150,10 @@ class InProcessDrafter:
         self._num_sent: dict[str, int] = {}
 
     def propose(self, scheduler, request) -> None:
+        from scheduler.drafting import attach_drafts, draft_candidates
+
         trees = {}
-        for seq in scheduler.draft_candidates(request):
+        for seq in draft_candidates(scheduler, request):
             known = self._num_sent.get(seq.request_id, 0)
             state = self.states.update(seq.request_id, seq.token_ids[known:], seq.num_tokens, seq.num_prompt_tokens)
             if state is None:  # out of step: resync with every token
@@ -159,7 +162,7 @@ class InProcessDrafter:
             tree, _ = self.planner.draft(state, self.max_nodes)
             if tree:
                 trees[seq.request_id] = tree
-        scheduler.attach_drafts(request, trees)
+        attach_drafts(scheduler, request, trees)
 
 
 def _make_runner(config: EngineBenchConfig, model_dir: Path):
