@@ -48,6 +48,7 @@ from protos.segserve.v1.step import (
 from protos.segserve.v1.tree import ROOT, CandidateTree
 from scheduler.drafter_client import DraftQuery, DraftReply
 from scheduler.worker_client import WorkerError
+from worker.step_order import StepOrder
 
 Rule = Callable[[Sequence[int]], int]
 SCORE = 0.5
@@ -342,10 +343,12 @@ class FakeWorker:
 
 
 class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """A FakeWorker over gRPC: injected failures become their status, violations INVALID_ARGUMENT."""
+    """A FakeWorker over gRPC: injected failures become their status, violations INVALID_ARGUMENT. A step ahead
+    runs after the step it follows, with the real worker's StepOrder (gRPC does not order two calls)."""
 
     def __init__(self, worker: FakeWorker):
         self.worker = worker
+        self.order = StepOrder()
 
     async def GetInfo(self, request, context):
         return (await self.worker.get_info()).to_pb()
@@ -354,12 +357,16 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
         return (await self.worker.health()).to_pb()
 
     async def Step(self, request, context):
+        self.order.arrived(request.step_id)
         try:
+            await self.order.after(request.follows_step_id)
             result = await self.worker.step(StepRequest.from_pb(request))
         except InjectedFailure as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.detail)
         except AssertionError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self.order.finished(request.step_id)
         return result.to_pb()
 
 
