@@ -290,16 +290,11 @@ class Engine:
         if self.speculator is not None:
             await self.speculator.propose(self.scheduler, request)
         sent = self._send(request)
-        previous_end = 0.0  # when the step before this one ended at the worker (0: none in this cycle)
         while True:
-            ahead = self.scheduler.schedule_ahead(request) if self._may_go_ahead else None
-            ahead_sent = None
-            if ahead is not None:
-                ahead_sent = self._send(ahead, follows=request)
-                if self.speculator is not None:
-                    self.speculator.went_ahead()
+            ahead = self.scheduler.schedule_ahead(request) if self._is_async else None
+            ahead_sent = None if ahead is None else self._send(ahead, follows=request)
             try:
-                events, previous_end = await self._run_step(request, sent, previous_end)
+                events = await self._run_step(request, sent)
             except BaseException as exc:
                 if ahead_sent is not None and isinstance(exc, asyncio.CancelledError):
                     ahead_sent.cancel()
@@ -317,9 +312,8 @@ class Engine:
             request, sent = ahead, ahead_sent
 
     @property
-    def _may_go_ahead(self) -> bool:
-        """Async scheduling, unless the next step may draft (a tree needs the step's tokens first)."""
-        return self.config.is_async_scheduling and (self.speculator is None or self.speculator.may_go_ahead)
+    def _is_async(self) -> bool:
+        return self.config.is_async_scheduling and (self.speculator is None or not self.speculator.is_drafting)
 
     def _send(self, request: StepRequest, follows: StepRequest | None = None) -> asyncio.Task:
         """The worker's step, under way. With async scheduling every step has an id, and a step ahead names the
@@ -329,26 +323,23 @@ class Engine:
             request.follows_step_id = 0 if follows is None else follows.step_id
         return asyncio.ensure_future(self._timed_step(request))
 
-    async def _timed_step(self, request: StepRequest) -> tuple[StepResult, float, float]:
+    async def _timed_step(self, request: StepRequest) -> tuple[StepResult, float]:
         start = time.perf_counter()
         result = await self.worker.step(request)
-        return result, start, time.perf_counter()
+        return result, time.perf_counter() - start
 
-    async def _run_step(self, request: StepRequest, sent: asyncio.Task, previous_end: float
-                        ) -> tuple[list[RequestEvent], float]:
-        """The worker's step with its outputs applied, and when it ended; a failed step is retried or fails its
-        requests. A step sent ahead waited at the worker until `previous_end`: its time counts from there."""
+    async def _run_step(self, request: StepRequest, sent: asyncio.Task) -> list[RequestEvent]:
+        """The worker's step with its outputs applied; a failed step is retried or fails its requests."""
         try:
-            result, start, end = await sent
+            result, seconds = await sent
         except WorkerError as exc:
-            return self._on_failed_step(request, exc), time.perf_counter()
+            return self._on_failed_step(request, exc)
         except Exception as exc:  # a bug on this side of the wire: handled like a failed step
             logger.exception("worker step failed")
-            return (self._on_failed_step(request, WorkerError(f"step failed: {type(exc).__name__}: {exc}")),
-                    time.perf_counter())
+            return self._on_failed_step(request, WorkerError(f"step failed: {type(exc).__name__}: {exc}"))
         if self.speculator is not None:
-            self.speculator.observe_step(request, result, end - max(start, previous_end))
-        return self.scheduler.postprocess(request, result), end
+            self.speculator.observe_step(request, result, seconds)
+        return self.scheduler.postprocess(request, result)
 
     def _on_failed_step(self, request: StepRequest, exc: WorkerError) -> list[RequestEvent]:
         """An unreachable worker's state is unknown: the step's requests fail (GenerateError "internal").

@@ -16,8 +16,7 @@ nothing, and when a request ends its tokens since the last sync go as a final
 update (the whole sequence if the drafter never saw it; with the count of
 tokens a drafter already received, so nothing is learned twice). Final updates
 are batched and sent by a background task, one call at a time, never awaited
-by a step. While the last proposal drafted nothing, the engine may send the next
-steps ahead without one (async scheduling, `may_go_ahead`), a few at a time.
+by a step.
 """
 
 from __future__ import annotations
@@ -41,10 +40,6 @@ logger = logging.getLogger(__name__)
 
 _LOG_EVERY = 100
 _MAX_FINALS = 4096  # final updates waiting for the background call; past it the oldest are dropped
-MAX_STEPS_AHEAD = 4
-"""Steps in a row sent ahead (async scheduling) without a proposal while the policy drafts nothing; then a step
-is proposed again. The policy's probes and the gate's exploration count proposals, so while nothing is drafted
-they come up to 1 + MAX_STEPS_AHEAD times as many steps apart."""
 
 
 class Drafter(Protocol):
@@ -79,27 +74,11 @@ class Speculator:
         """Final updates of ended requests, for the background call."""
         self._sending: asyncio.Task | None = None
         self._last_step = (0, False)  # (decode sequences, whether it speculated) of the step proposed last
-        self._num_ahead = 0  # steps sent ahead since the last proposal
 
     @property
     def is_drafting(self) -> bool:
         """Whether trees are ever asked for (False: learning only)."""
         return self.policy is not None
-
-    @property
-    def may_go_ahead(self) -> bool:
-        """Whether the engine may send the next step before this one's result (async scheduling), skipping
-        that step's proposal: nothing is ever drafted, or the last proposal drafted nothing and fewer than
-        MAX_STEPS_AHEAD steps have skipped theirs since (so that the policy and the gate still decide, probe
-        and explore every few steps)."""
-        if self.policy is None:
-            return True
-        num_sequences, is_speculating = self._last_step
-        return num_sequences > 0 and not is_speculating and self._num_ahead < MAX_STEPS_AHEAD
-
-    def went_ahead(self) -> None:
-        """A step was sent ahead without a proposal."""
-        self._num_ahead += 1
 
     @property
     def acceptance(self) -> AcceptanceStats:
@@ -126,7 +105,7 @@ class Speculator:
 
     async def propose(self, scheduler: Scheduler, request: StepRequest) -> None:
         """Attach candidate trees to the request's decode sequences (or nothing, on any failure)."""
-        self._last_step, self._num_ahead = (0, False), 0
+        self._last_step = (0, False)
         try:
             await self._propose(scheduler, request)
         except Exception:  # a bug here must cost speed, never a request
