@@ -137,6 +137,7 @@ async def test_a_step_ahead_that_arrives_first_runs_after_the_step_it_follows(se
     back, and its continuation computes the token that step samples instead of being refused."""
     servicer, stub = served
     servicer.attach(runner)
+    servicer.order.arrival_timeout_s = 60  # it waits for step 11 however slow this machine is
     prompt = [1, 40, 41, 42, 43, 44]
     first = StepRequest([ScheduledSequence("d", tuple(prompt), 0, (3, 7), (len(prompt) - 1,))],
                         [NewSequence("d", SamplingParams(), len(prompt))], step_id=11)
