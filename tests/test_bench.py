@@ -251,7 +251,8 @@ def test_throughput_flags_build_a_validated_config():
     args = parser.parse_args(["--concurrency", "16,1,4", "--max-tokens", "32", "--peer", "batched-generate"])
     config = throughput.config_from_args(args)
     assert config.concurrency == (1, 4, 16) and config.max_tokens == 32 and config.peer == "batched-generate"
-    assert config.router_overhead is True and config.grpc_api is True
+    assert config.router_overhead is True and config.grpc_api is True and config.overhead_rounds == 0
+    assert throughput.config_from_args(parser.parse_args(["--overhead-rounds", "3"])).overhead_rounds == 3
     assert throughput.config_from_args(parser.parse_args(["--no-router-overhead"])).router_overhead is False
     assert throughput.config_from_args(parser.parse_args(["--no-grpc-api"])).grpc_api is False
     assert parser.parse_args([]).out == "bench-results"
@@ -259,6 +260,8 @@ def test_throughput_flags_build_a_validated_config():
         throughput.ThroughputConfig(concurrency=(0, 4))
     with pytest.raises(ValueError, match="loopback"):
         throughput.ThroughputConfig(segserve_url="http://10.0.0.1:8000")
+    with pytest.raises(ValueError, match="overhead_rounds"):
+        throughput.ThroughputConfig(overhead_rounds=-1)
 
 
 # ----- peers -----
@@ -319,14 +322,23 @@ def test_router_overhead_against_the_schedulers_grpc(tiny_gemma3_dir, fake_serve
     _, url = fake_server
     server, scheduler, port = start_fake_scheduler(AutoTokenizer.from_pretrained(tiny_gemma3_dir))
     try:
-        config = throughput.ThroughputConfig(concurrency=(1, 3), max_tokens=10, requests_per_stream=2)
+        config = throughput.ThroughputConfig(concurrency=(1, 3), max_tokens=10, requests_per_stream=2,
+                                             overhead_rounds=2)
         systems = throughput.bench_router_and_scheduler(config, tiny_gemma3_dir, url, f"127.0.0.1:{port}")
     finally:
         server.stop(grace=None)
     direct = systems["segserve_grpc"]
     assert direct["kind"] == "grpc-direct" and [level["concurrency"] for level in direct["levels"]] == [1, 3]
     measured = [request for request in scheduler.requests if request.stopping.max_tokens == 10]
-    assert len(measured) == 2 * (1 + 3)  # the warm-up asks for 4 and 8 tokens
+    assert len(measured) == 3 * 2 * (1 + 3)  # the levels, then two rounds; the warm-up asks for 4 and 8 tokens
+    # The rounds: each level through the router, then directly, back to back, round after round.
+    assert [(r["round"], r["concurrency"]) for r in direct["overhead_rounds"]] == [(0, 1), (0, 3), (1, 1), (1, 3)]
+    assert all(r["num_errors"] == 0 and r["router_tpot_ms"] > r["grpc_tpot_ms"] + 5 for r in direct["overhead_rounds"])
+    rounds = report.overhead_rounds(direct["overhead_rounds"])
+    assert [(level["concurrency"], len(level["overhead_ms_per_token"])) for level in rounds] == [(1, 2), (3, 2)]
+    assert all(level["min"] <= level["median"] <= level["max"] and level["min"] > 5 for level in rounds)
+    table = report.markdown_table({"systems": systems, "router_overhead_rounds": rounds})
+    assert "alternated rounds: median [min-max]" in table and f"| 3 | {rounds[1]['median']:.2f} [" in table
     prompt_ids = grpc_direct.tokenize_prompts(tiny_gemma3_dir, throughput.PROMPTS)
     assert {tuple(r.prompt_token_ids) for r in measured} <= {tuple(ids) for ids in prompt_ids}
     assert all(r.stopping.ignore_eos and not r.sampling.do_sample for r in measured)

@@ -106,8 +106,14 @@ def bench_grpc(address: str, prompt_token_ids: list[list[int]], config: Throughp
     warm_concurrency = min(4, config.concurrency[-1])
     asyncio.run(run_load(GrpcLoadSpec(concurrency=warm_concurrency, max_tokens=min(8, config.max_tokens), **spec)))
     for concurrency in config.concurrency:
-        level_spec = GrpcLoadSpec(concurrency=concurrency, max_tokens=config.max_tokens,
-                                  requests_per_stream=config.requests_per_stream, **spec)  # fmt: skip
-        run = asyncio.run(run_load(level_spec))
-        system["levels"].append(report.level_result(concurrency, run.records, run.started_at, run.finished_at))
+        system["levels"].append(grpc_level(address, prompt_token_ids, config, concurrency))
     return system
+
+
+def grpc_level(address: str, prompt_token_ids: list[list[int]], config: ThroughputConfig, concurrency: int) -> dict:
+    """One level against the scheduler directly (no warm-up)."""
+    level_spec = GrpcLoadSpec(address=address, prompt_token_ids=prompt_token_ids, concurrency=concurrency,
+                              max_tokens=config.max_tokens, requests_per_stream=config.requests_per_stream,
+                              request_timeout_s=config.request_timeout_s, time_limit_s=config.level_time_limit_s)
+    run = asyncio.run(run_load(level_spec))
+    return report.level_result(concurrency, run.records, run.started_at, run.finished_at)

@@ -15,7 +15,9 @@ throughput in generated tokens per second.
 - Router overhead per token: segserve's TPOT through the router (HTTP/SSE, and
   its public gRPC API's GenerateStream) minus its TPOT calling the scheduler's
   gRPC directly in the same run; the TTFT difference is reported beside it (the
-  per-request part of the overhead).
+  per-request part of the overhead). With --overhead-rounds, the two are also
+  run back to back per level, round after round, and each level's overhead is
+  given per round with its median and spread.
 """
 
 from __future__ import annotations
@@ -140,6 +142,18 @@ def router_overhead(http: dict, grpc: dict) -> list[dict]:
     return levels
 
 
+def overhead_rounds(rounds: list[dict]) -> list[dict]:
+    """Per level of the alternated rounds (throughput.overhead_rounds): the router's overhead per token in each
+    round (router TPOT minus direct TPOT, measured back to back), and their median, min and max."""
+    by_level: dict[int, list[float]] = {}
+    for item in rounds:
+        overhead = _difference(item["router_tpot_ms"], item["grpc_tpot_ms"])
+        if overhead is not None:
+            by_level.setdefault(item["concurrency"], []).append(overhead)
+    return [{"concurrency": concurrency, "overhead_ms_per_token": values, "median": median(values),
+             "min": min(values), "max": max(values)} for concurrency, values in sorted(by_level.items())]
+
+
 def _difference(minuend: float | None, subtrahend: float | None) -> float | None:
     return None if minuend is None or subtrahend is None else minuend - subtrahend
 
@@ -182,6 +196,13 @@ def markdown_table(results: dict) -> str:
         )
     lines += overhead_table(results.get("router_overhead") or [])
     lines += overhead_table(results.get("grpc_api_overhead") or [], via="gRPC API")
+    rounds = results.get("router_overhead_rounds") or []
+    if rounds:
+        lines += ["", "| streams | router overhead ms/token, alternated rounds: median [min-max] | each round |",
+                  "|---:|---:|---|"]
+        lines += [f"| {level['concurrency']} | {_fmt(level['median'], 2)} [{_fmt(level['min'], 2)}-"
+                  f"{_fmt(level['max'], 2)}] | {', '.join(_fmt(v, 2) for v in level['overhead_ms_per_token'])} |"
+                  for level in rounds]
     lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
     for goal in results.get("goals", []):
         verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]

@@ -6,7 +6,9 @@ or an already running one via --segserve-url) -> the launched stack's router
 through its public gRPC API (`grpc_public`, GenerateStream; skipped with
 --no-grpc-api or --segserve-url) -> the launched stack's scheduler
 called directly over gRPC (`grpc_direct`, for the router's own overhead over
-HTTP and over gRPC; skipped with --no-router-overhead or --segserve-url) -> the peer (`transformers serve
+HTTP and over gRPC; skipped with --no-router-overhead or --segserve-url) -> with
+--overhead-rounds N, N rounds of each level through the router and then directly,
+back to back -> the peer (`transformers serve
 --continuous-batching`, or batched `generate()` when that cannot start). Each
 server is warmed up first (a short request, then a short batched round).
 Outputs go to --out: throughput.json, throughput.png, the peer's log; the
@@ -62,6 +64,10 @@ class ThroughputConfig:
     """Measure only the baseline and the peer."""
     router_overhead: bool = True
     """Also drive the launched stack's scheduler over gRPC directly, for the router's overhead per token."""
+    overhead_rounds: int = 0
+    """With router_overhead, this many more rounds after the levels: each runs every level through the router
+    and then straight to the scheduler, back to back; the report gives each level's overhead per round, and
+    their median and spread (this machine's speed drifts between the levels of one pass)."""
     grpc_api: bool = True
     """Also drive the launched stack's router through its public gRPC API (GenerateStream) at every level."""
     baseline_runs: int = 2
@@ -87,6 +93,8 @@ class ThroughputConfig:
             raise ValueError("concurrency must list positive stream counts")
         if self.max_tokens < 2 or self.requests_per_stream <= 0 or self.baseline_runs <= 0:
             raise ValueError("max_tokens must be >= 2; requests_per_stream and baseline_runs > 0")
+        if self.overhead_rounds < 0:
+            raise ValueError("overhead_rounds must be >= 0")
         if self.peer not in PEER_CHOICES:
             raise ValueError(f"peer must be one of {PEER_CHOICES}")
         if min(self.level_time_limit_s, self.request_timeout_s, self.startup_timeout_s) <= 0:
@@ -117,6 +125,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-segserve", action="store_true")
     parser.add_argument("--router-overhead", action=argparse.BooleanOptionalAction, default=defaults.router_overhead,
                         help="also call the scheduler's gRPC directly to measure the router's overhead")  # fmt: skip
+    parser.add_argument("--overhead-rounds", type=int, default=defaults.overhead_rounds,
+                        help="more rounds of router-then-direct per level, for the overhead's median and spread")
     parser.add_argument("--grpc-api", action=argparse.BooleanOptionalAction, default=defaults.grpc_api,
                         help="also stream through the router's public gRPC API (GenerateStream)")  # fmt: skip
     parser.add_argument("--baseline-runs", type=int, default=defaults.baseline_runs)
@@ -170,13 +180,37 @@ def bench_http(name: str, base_url: str, model: str | None, extra_body: dict, co
     asyncio.run(loadgen.run_load(loadgen.LoadSpec(extra_body=extra_body, **warm)))
     system["levels"] = []
     for concurrency in config.concurrency:
-        level_spec = loadgen.LoadSpec(
-            concurrency=concurrency, requests_per_stream=config.requests_per_stream, extra_body=extra_body, **spec
-        )
-        run = asyncio.run(loadgen.run_load(level_spec))
-        system["levels"].append(report.level_result(concurrency, run.records, run.started_at, run.finished_at))
+        system["levels"].append(http_level(base_url, model, extra_body, config, concurrency))
         _progress(name, system["levels"][-1])
     return system
+
+
+def http_level(base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig, concurrency: int) -> dict:
+    """One level against an OpenAI-compatible server (no warm-up)."""
+    level_spec = loadgen.LoadSpec(base_url=base_url, prompts=PROMPTS, max_tokens=config.max_tokens, model=model,
+                                  request_timeout_s=config.request_timeout_s, time_limit_s=config.level_time_limit_s,
+                                  concurrency=concurrency, requests_per_stream=config.requests_per_stream,
+                                  extra_body=extra_body)
+    run = asyncio.run(loadgen.run_load(level_spec))
+    return report.level_result(concurrency, run.records, run.started_at, run.finished_at)
+
+
+def overhead_rounds(config: ThroughputConfig, base_url: str, model: str | None, scheduler_address: str,
+                    prompt_token_ids: list[list[int]]) -> list[dict]:
+    """config.overhead_rounds rounds; in each, every level through the router and then straight to the scheduler,
+    back to back, so that the machine's drift falls on both sides of each difference alike."""
+    rounds = []
+    for number in range(config.overhead_rounds):
+        for concurrency in config.concurrency:
+            via_router = http_level(base_url, model, {"ignore_eos": True}, config, concurrency)["summary"]
+            direct = grpc_direct.grpc_level(scheduler_address, prompt_token_ids, config, concurrency)["summary"]
+            rounds.append({"round": number, "concurrency": concurrency,
+                           "router_tpot_ms": via_router["tpot_ms_mean"], "grpc_tpot_ms": direct["tpot_ms_mean"],
+                           "num_errors": via_router["num_errors"] + direct["num_errors"]})
+            print(f"[bench] overhead round {number + 1}/{config.overhead_rounds} x{concurrency}: router "
+                  f"{via_router['tpot_ms_mean'] or 0:.2f}, direct {direct['tpot_ms_mean'] or 0:.2f} ms/token",
+                  file=sys.stderr, flush=True)
+    return rounds
 
 
 def _progress(name: str, level: dict) -> None:
@@ -240,6 +274,8 @@ def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_u
             direct = {"name": "segserve scheduler gRPC (direct)", "error": f"{type(exc).__name__}: {exc}", "levels": []}
         for level in direct["levels"]:
             _progress(direct["name"], level)
+        if config.overhead_rounds and not direct.get("error"):
+            direct["overhead_rounds"] = overhead_rounds(config, base_url, model, scheduler_address, prompt_token_ids)
         systems["segserve_grpc"] = direct
     return systems
 
@@ -316,6 +352,8 @@ def run_throughput(args: argparse.Namespace) -> dict:
     systems = results["systems"]
     if "segserve_grpc" in systems:
         results["router_overhead"] = report.router_overhead(systems["segserve"], systems["segserve_grpc"])
+        if systems["segserve_grpc"].get("overhead_rounds"):
+            results["router_overhead_rounds"] = report.overhead_rounds(systems["segserve_grpc"]["overhead_rounds"])
         if "segserve_grpc_api" in systems:
             api, direct = systems["segserve_grpc_api"], systems["segserve_grpc"]
             results["grpc_api_overhead"] = report.router_overhead(api, direct)
