@@ -195,14 +195,14 @@ def http_level(base_url: str, model: str | None, extra_body: dict, config: Throu
     return report.level_result(concurrency, run.records, run.started_at, run.finished_at)
 
 
-def overhead_rounds(config: ThroughputConfig, base_url: str, model: str | None, scheduler_address: str,
-                    prompt_token_ids: list[list[int]]) -> list[dict]:
+def overhead_rounds(config: ThroughputConfig, base_url: str, model: str | None, extra_body: dict,
+                    scheduler_address: str, prompt_token_ids: list[list[int]]) -> list[dict]:
     """config.overhead_rounds rounds; in each, every level through the router and then straight to the scheduler,
     back to back, so that the machine's drift falls on both sides of each difference alike."""
     rounds = []
     for number in range(config.overhead_rounds):
         for concurrency in config.concurrency:
-            via_router = http_level(base_url, model, {"ignore_eos": True}, config, concurrency)["summary"]
+            via_router = http_level(base_url, model, extra_body, config, concurrency)["summary"]
             direct = grpc_direct.grpc_level(scheduler_address, prompt_token_ids, config, concurrency)["summary"]
             rounds.append({"round": number, "concurrency": concurrency,
                            "router_tpot_ms": via_router["tpot_ms_mean"], "grpc_tpot_ms": direct["tpot_ms_mean"],
@@ -275,7 +275,12 @@ def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_u
         for level in direct["levels"]:
             _progress(direct["name"], level)
         if config.overhead_rounds and not direct.get("error"):
-            direct["overhead_rounds"] = overhead_rounds(config, base_url, model, scheduler_address, prompt_token_ids)
+            extra_body = systems["segserve"].get("extra_body", {})
+            try:
+                direct["overhead_rounds"] = overhead_rounds(config, base_url, model, extra_body, scheduler_address,
+                                                            prompt_token_ids)
+            except Exception as exc:  # keep both systems' levels when a round fails
+                direct.setdefault("notes", []).append(f"overhead rounds failed: {type(exc).__name__}: {exc}")
         systems["segserve_grpc"] = direct
     return systems
 
