@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from protos.segserve.v1.generate import GenerateComplete, GenerateEvent, GenerateRequest, TokenChunk
@@ -97,23 +97,27 @@ def tokenize_prompts(model_dir, prompts: list[str]) -> list[list[int]]:
 
 def bench_grpc(address: str, prompt_token_ids: list[list[int]], config: ThroughputConfig) -> dict:
     """Warm up like `throughput.bench_http`, then run every level against the scheduler directly."""
-    spec = dict(address=address, prompt_token_ids=prompt_token_ids, request_timeout_s=config.request_timeout_s,
-                time_limit_s=config.level_time_limit_s)  # fmt: skip
+    spec = level_spec(address, prompt_token_ids, config, 1)
     system = {"name": "segserve scheduler gRPC (direct)", "kind": "grpc-direct", "address": address, "levels": []}
-    warmup = asyncio.run(run_load(GrpcLoadSpec(concurrency=1, max_tokens=4, **spec)))
+    warmup = asyncio.run(run_load(replace(spec, max_tokens=4, requests_per_stream=1)))
     if warmup.records[0].error:
         return {**system, "error": f"warm-up request failed: {warmup.records[0].error}"}
-    warm_concurrency = min(4, config.concurrency[-1])
-    asyncio.run(run_load(GrpcLoadSpec(concurrency=warm_concurrency, max_tokens=min(8, config.max_tokens), **spec)))
+    asyncio.run(run_load(replace(spec, concurrency=min(4, config.concurrency[-1]),
+                                 max_tokens=min(8, config.max_tokens), requests_per_stream=1)))
     for concurrency in config.concurrency:
         system["levels"].append(grpc_level(address, prompt_token_ids, config, concurrency))
     return system
 
 
+def level_spec(address: str, prompt_token_ids: list[list[int]], config: ThroughputConfig,
+               concurrency: int) -> GrpcLoadSpec:
+    """A level of `concurrency` streams as `config` sets it (the warm-ups replace its sizes)."""
+    return GrpcLoadSpec(address=address, prompt_token_ids=prompt_token_ids, concurrency=concurrency,
+                        max_tokens=config.max_tokens, requests_per_stream=config.requests_per_stream,
+                        request_timeout_s=config.request_timeout_s, time_limit_s=config.level_time_limit_s)
+
+
 def grpc_level(address: str, prompt_token_ids: list[list[int]], config: ThroughputConfig, concurrency: int) -> dict:
     """One level against the scheduler directly (no warm-up)."""
-    level_spec = GrpcLoadSpec(address=address, prompt_token_ids=prompt_token_ids, concurrency=concurrency,
-                              max_tokens=config.max_tokens, requests_per_stream=config.requests_per_stream,
-                              request_timeout_s=config.request_timeout_s, time_limit_s=config.level_time_limit_s)
-    run = asyncio.run(run_load(level_spec))
+    run = asyncio.run(run_load(level_spec(address, prompt_token_ids, config, concurrency)))
     return report.level_result(concurrency, run.records, run.started_at, run.finished_at)

@@ -24,7 +24,7 @@ import os
 import platform
 import shlex
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from segserve.bench import grpc_direct, grpc_public, loadgen, peers, report
@@ -165,19 +165,19 @@ def machine_info() -> dict:
 
 def bench_http(name: str, base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig) -> dict:
     """Warm up (one short request, then one short batched round), then run every level against one server."""
-    spec = dict(base_url=base_url, prompts=PROMPTS, max_tokens=config.max_tokens, model=model,
-                request_timeout_s=config.request_timeout_s, time_limit_s=config.level_time_limit_s)  # fmt: skip
+    spec = http_spec(base_url, model, extra_body, config, 1)
     system = {"name": name, "kind": "openai-sse", "base_url": base_url, "model": model, "extra_body": extra_body}
-    warmup = asyncio.run(loadgen.probe(loadgen.LoadSpec(concurrency=1, extra_body=extra_body, **spec)))
+    warmup = asyncio.run(loadgen.probe(spec))
     if warmup.error and extra_body and warmup.error.startswith("HTTP 4"):
         system["notes"] = [f"server refused extra body {extra_body} ({warmup.error}); EOS may end requests early"]
         extra_body = system["extra_body"] = {}
-        warmup = asyncio.run(loadgen.probe(loadgen.LoadSpec(concurrency=1, **spec)))
+        spec = replace(spec, extra_body=extra_body)
+        warmup = asyncio.run(loadgen.probe(spec))
     if warmup.error:
         return {**system, "error": f"warm-up request failed: {warmup.error}", "levels": []}
     # A short batched round too: the first batched steps of a server are slower than the rest.
-    warm = dict(spec, concurrency=min(4, config.concurrency[-1]), max_tokens=min(8, config.max_tokens))
-    asyncio.run(loadgen.run_load(loadgen.LoadSpec(extra_body=extra_body, **warm)))
+    asyncio.run(loadgen.run_load(replace(spec, concurrency=min(4, config.concurrency[-1]),
+                                         max_tokens=min(8, config.max_tokens), requests_per_stream=1)))
     system["levels"] = []
     for concurrency in config.concurrency:
         system["levels"].append(http_level(base_url, model, extra_body, config, concurrency))
@@ -185,12 +185,18 @@ def bench_http(name: str, base_url: str, model: str | None, extra_body: dict, co
     return system
 
 
+def http_spec(base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig,
+              concurrency: int) -> loadgen.LoadSpec:
+    """A level of `concurrency` streams as `config` sets it (the warm-ups replace its sizes)."""
+    return loadgen.LoadSpec(base_url=base_url, prompts=PROMPTS, max_tokens=config.max_tokens, model=model,
+                            request_timeout_s=config.request_timeout_s, time_limit_s=config.level_time_limit_s,
+                            concurrency=concurrency, requests_per_stream=config.requests_per_stream,
+                            extra_body=extra_body)
+
+
 def http_level(base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig, concurrency: int) -> dict:
     """One level against an OpenAI-compatible server (no warm-up)."""
-    level_spec = loadgen.LoadSpec(base_url=base_url, prompts=PROMPTS, max_tokens=config.max_tokens, model=model,
-                                  request_timeout_s=config.request_timeout_s, time_limit_s=config.level_time_limit_s,
-                                  concurrency=concurrency, requests_per_stream=config.requests_per_stream,
-                                  extra_body=extra_body)
+    level_spec = http_spec(base_url, model, extra_body, config, concurrency)
     run = asyncio.run(loadgen.run_load(level_spec))
     return report.level_result(concurrency, run.records, run.started_at, run.finished_at)
 
