@@ -357,16 +357,14 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
         return (await self.worker.health()).to_pb()
 
     async def Step(self, request, context):
-        self.order.arrived(request.step_id)
-        try:
-            await self.order.after(request.follows_step_id)
-            result = await self.worker.step(StepRequest.from_pb(request))
-        except InjectedFailure as exc:
-            await context.abort(grpc.StatusCode[exc.code], exc.detail)
-        except AssertionError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finally:
-            self.order.finished(request.step_id)
+        with self.order.handling(request.step_id):
+            try:
+                await self.order.after(request.follows_step_id)
+                result = await self.worker.step(StepRequest.from_pb(request))
+            except InjectedFailure as exc:
+                await context.abort(grpc.StatusCode[exc.code], exc.detail)
+            except AssertionError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return result.to_pb()
 
 

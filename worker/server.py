@@ -97,8 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @_status_errors
     async def Step(self, request, context):
-        self.order.arrived(request.step_id)
-        try:
+        with self.order.handling(request.step_id):
             runner = self._ready_runner()
             step = StepRequest.from_pb(request)
             await self.order.after(step.follows_step_id)
@@ -106,8 +105,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 start = time.perf_counter_ns()
                 outputs = await asyncio.to_thread(runner.step, step)
                 compute_us = (time.perf_counter_ns() - start) // 1000
-        finally:
-            self.order.finished(request.step_id)
         return StepResult(outputs, compute_us).to_pb()
 
     @_status_errors

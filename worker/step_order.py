@@ -3,8 +3,8 @@
 A scheduler with async scheduling sends step B while step A still runs; B's continuations compute the
 tokens A samples, so B must run after A. The two are separate unary RPCs, and B can reach the worker's
 step lock first (a small B converts from protobuf faster than a large A, and gRPC does not order calls).
-B names A (`StepRequest.follows_step_id`); the servicer calls `arrived` as a step comes in, waits in
-`after` for the step it follows, and calls `finished` once it ran or failed.
+B names A (`StepRequest.follows_step_id`); the servicer handles each step inside `handling`, which marks
+its arrival and its end, and waits in `after` for the step it follows.
 
 A followed step that never arrives (its RPC was cancelled or lost) holds its follower back for at most
 `arrival_timeout_s`; the follower then runs, its continuations are refused, and the scheduler recomputes
@@ -15,8 +15,10 @@ own deadline bounds it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +41,19 @@ class StepOrder:
         """Followers that ran without their followed step having arrived (their continuations recompute)."""
         self._steps: OrderedDict[int, _Step] = OrderedDict()
 
-    def arrived(self, step_id: int) -> None:
+    @contextlib.contextmanager
+    def handling(self, step_id: int) -> Iterator[None]:
+        """Around the whole handling of step `step_id` (0: no id): it has arrived on entry, and it has finished,
+        run or failed, on exit."""
         if step_id:
             self._get(step_id).arrived.set()
-
-    def finished(self, step_id: int) -> None:
-        if step_id:
-            step = self._get(step_id)
-            step.arrived.set()
-            step.finished.set()
+        try:
+            yield
+        finally:
+            if step_id:
+                step = self._get(step_id)
+                step.arrived.set()  # its entry may have been evicted meanwhile
+                step.finished.set()
 
     def has_arrived(self, step_id: int) -> bool:
         step = self._steps.get(step_id)
