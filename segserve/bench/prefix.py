@@ -94,13 +94,13 @@ def segserve_chat(model_dir: Path, config: PrefixBenchConfig, is_prefix_caching:
 
     from router.config import RouterConfig
     from scheduler.config import SchedulerConfig
-    from segserve.launcher import Stack, StackConfig, free_port
+    from segserve.launcher import Stack, StackConfig
     from worker.config import WorkerConfig
 
     stack_config = StackConfig(
         worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0),
         scheduler=SchedulerConfig(port=0, is_prefix_caching=is_prefix_caching),
-        router=RouterConfig(port=free_port(), grpc_port=0), is_speculative=False,  # 0: the launcher picks
+        router=RouterConfig(port=0, grpc_port=0), is_speculative=False,  # 0: the launcher picks
         startup_timeout_s=config.startup_timeout_s, log_dir=str(log_dir))
     with Stack(stack_config) as stack:
         # trust_env=False: a proxy configured for package registries must never see loopback traffic.

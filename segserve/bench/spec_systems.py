@@ -109,7 +109,7 @@ def stack_config(model_dir: Path, dtype: str, mode: str, log_dir: Path, startup_
     from drafter.config import DrafterConfig
     from router.config import RouterConfig
     from scheduler.config import SchedulerConfig
-    from segserve.launcher import StackConfig, free_port
+    from segserve.launcher import StackConfig
     from worker.config import WorkerConfig
 
     if mode not in SEGSERVE_MODES:
@@ -123,7 +123,7 @@ def stack_config(model_dir: Path, dtype: str, mode: str, log_dir: Path, startup_
     return StackConfig(
         worker=WorkerConfig(model=str(model_dir), dtype=dtype, port=0),
         scheduler=SchedulerConfig(port=0),
-        router=RouterConfig(port=free_port(), grpc_port=0),  # 0: the launcher picks
+        router=RouterConfig(port=0, grpc_port=0),  # 0: the launcher picks
         drafter=drafter,
         is_speculative=mode != "off",
         startup_timeout_s=startup_timeout_s,

@@ -247,7 +247,7 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
             worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0),  # 0 = the launcher picks
             scheduler=SchedulerConfig(port=0, is_async_scheduling=config.async_scheduling),
             is_speculative=config.speculation,
-            router=RouterConfig(port=peers.free_port(), is_grpc_api=config.grpc_api, grpc_port=0),  # 0: picked
+            router=RouterConfig(port=0, is_grpc_api=config.grpc_api, grpc_port=0),  # 0: the launcher picks
             startup_timeout_s=config.startup_timeout_s,
             log_dir=str(out / "segserve-logs"),
         )
