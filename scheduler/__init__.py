@@ -13,7 +13,7 @@ Layers, outermost first:
 - servicer.py + convert.py: the Scheduler gRPC service; requests are validated
   here (generate.validate_request), stats converted.
 - engine.py: the async step loop (schedule -> draft -> worker step ->
-  postprocess -> deliver) and per-request event streams.
+  postprocess -> deliver); request_stream.py: per-request event streams.
 - worker_client.py, drafter_client.py: gRPC clients to the worker and the
   drafter replicas (protobuf converted here).
 - speculator.py: one batched Draft call per step; usable trees are fitted into

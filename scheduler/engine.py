@@ -6,8 +6,8 @@ GenerateComplete or a GenerateError. The loop sleeps on an event when there is
 no work and never lets a failed step hang a stream: a step the worker fails is
 retried by preemption at a smaller batch size (Scheduler.fail_step), a step the
 worker does not answer (unreachable, past its deadline) fails its requests.
-With a drafter, each step first asks it for candidate trees (speculator.py); a
-drafter that fails only makes that step plain.
+With a drafter, a step the speculation policy drafts in first asks it for
+candidate trees (speculator.py); a drafter that fails only makes that step plain.
 """
 
 from __future__ import annotations
@@ -18,17 +18,19 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk
+from protos.segserve.v1.generate import GenerateError, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.step import StepRequest, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import RequestEvent
+from scheduler.request_stream import RequestStream
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
+from scheduler.spec_gate import GateDecision
 from scheduler.spec_policy import SegmentStats, SpecPolicy
 from scheduler.speculator import Drafter, Speculator
 from scheduler.worker_client import WorkerError
@@ -90,44 +92,6 @@ async def _settle(task: asyncio.Task | None) -> None:
     """Wait for a step whose result is not wanted (a dropped step ahead), whatever its outcome."""
     if task is not None:
         await asyncio.gather(task, return_exceptions=True)
-
-
-def is_terminal(event: GenerateEvent) -> bool:
-    return not isinstance(event, TokenChunk)
-
-
-class RequestStream:
-    """Async iterator over one request's events; ends after its terminal event. With a listener (listen()),
-    each event goes to it instead, as it is put: no task waits on the stream (GenerateStreams). The listener
-    lives on the stream, so it follows the request when an EngineGroup moves it to another engine."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self._queue: asyncio.Queue[GenerateEvent] = asyncio.Queue()
-        self._is_done = False
-        self._listener: Callable[[GenerateEvent], None] | None = None
-
-    def put(self, event: GenerateEvent) -> None:
-        if self._listener is not None:
-            self._listener(event)
-        else:
-            self._queue.put_nowait(event)
-
-    def listen(self, listener: Callable[[GenerateEvent], None]) -> None:
-        """Hand every event to `listener` from now on (the ones queued already first), instead of iterating."""
-        self._listener = listener
-        while not self._queue.empty():
-            listener(self._queue.get_nowait())
-
-    def __aiter__(self) -> AsyncIterator[GenerateEvent]:
-        return self
-
-    async def __anext__(self) -> GenerateEvent:
-        if self._is_done:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        self._is_done = is_terminal(event)
-        return event
 
 
 LostHandler = Callable[["Engine", list[tuple[Sequence, RequestStream]], str], None]
@@ -281,20 +245,23 @@ class Engine:
 
         With async scheduling, the step after a decode step is built and sent before that step's result is
         back (Scheduler.schedule_ahead), and so on while the batch stays in the steady decode state: the
-        worker goes from one step to the next without waiting for this loop's round trip."""
-        cycle_start = time.perf_counter()
+        worker goes from one step to the next without waiting for this loop's round trip. With speculation,
+        only while the policy, asked for every step as without steps ahead, drafts nothing: a tree needs the
+        tokens of the step before it."""
+        mark = time.perf_counter()  # end of the previous step's cycle: each cycle is timed from there
         request = self.scheduler.schedule()
         if not request.sequences:  # only right after a preemption left nothing runnable; retry next turn
             await asyncio.sleep(0.001)
             return
+        decision = None
         if self.speculator is not None:
-            await self.speculator.propose(self.scheduler, request)
-        sent = self._send(request)
+            decision = await self.speculator.propose(self.scheduler, request)
+        sent, previous_end = self._send(request), 0.0
         while True:
-            ahead = self.scheduler.schedule_ahead(request) if self._is_async else None
+            ahead, ahead_decision = self._schedule_ahead(request)
             ahead_sent = None if ahead is None else self._send(ahead, follows=request)
             try:
-                events = await self._run_step(request, sent)
+                events, previous_end = await self._run_step(request, sent, previous_end)
             except BaseException as exc:
                 if ahead_sent is not None and isinstance(exc, asyncio.CancelledError):
                     ahead_sent.cancel()
@@ -302,18 +269,28 @@ class Engine:
                 raise
             for event in events:
                 self._deliver(event)
+            now = time.perf_counter()
             if self.speculator is not None:
-                self.speculator.observe_cycle(sum(e.num_tokens for e in events), time.perf_counter() - cycle_start)
+                self.speculator.observe_cycle(decision, sum(e.num_tokens for e in events), now - mark)
+            mark = now
             if ahead is None:
                 return
             if self.scheduler.current_step is not ahead:  # dropped: the step before it failed
                 await _settle(ahead_sent)
                 return
-            request, sent = ahead, ahead_sent
+            request, sent, decision = ahead, ahead_sent, ahead_decision
 
-    @property
-    def _is_async(self) -> bool:
-        return self.config.is_async_scheduling and (self.speculator is None or not self.speculator.is_drafting)
+    def _schedule_ahead(self, request: StepRequest) -> tuple[StepRequest | None, GateDecision | None]:
+        """The step after `request`, to send now, and the gate's decision for it; (None, None) when it must wait
+        for `request`'s result: async scheduling off, a step schedule_ahead() cannot build, or one that drafts."""
+        if not self.config.is_async_scheduling:
+            return None, None
+        if self.speculator is not None and not self.speculator.plan_next(self.scheduler, request):
+            return None, None
+        ahead = self.scheduler.schedule_ahead(request)
+        if ahead is None or self.speculator is None:
+            return ahead, None
+        return ahead, self.speculator.take_planned()
 
     def _send(self, request: StepRequest, follows: StepRequest | None = None) -> asyncio.Task:
         """The worker's step, under way. With async scheduling every step has an id, and a step ahead names the
@@ -323,23 +300,27 @@ class Engine:
             request.follows_step_id = 0 if follows is None else follows.step_id
         return asyncio.ensure_future(self._timed_step(request))
 
-    async def _timed_step(self, request: StepRequest) -> tuple[StepResult, float]:
+    async def _timed_step(self, request: StepRequest) -> tuple[StepResult, float, float]:
         start = time.perf_counter()
         result = await self.worker.step(request)
-        return result, time.perf_counter() - start
+        return result, start, time.perf_counter()
 
-    async def _run_step(self, request: StepRequest, sent: asyncio.Task) -> list[RequestEvent]:
-        """The worker's step with its outputs applied; a failed step is retried or fails its requests."""
+    async def _run_step(self, request: StepRequest, sent: asyncio.Task, previous_end: float
+                        ) -> tuple[list[RequestEvent], float]:
+        """The worker's step with its outputs applied, and when its result came; a failed step is retried or
+        fails its requests. previous_end: when the step before it answered (0.0: none in this cycle). A step
+        sent ahead waits at the worker for the step before it, so its cost is timed from that one's answer."""
         try:
-            result, seconds = await sent
+            result, start, end = await sent
         except WorkerError as exc:
-            return self._on_failed_step(request, exc)
+            return self._on_failed_step(request, exc), time.perf_counter()
         except Exception as exc:  # a bug on this side of the wire: handled like a failed step
             logger.exception("worker step failed")
-            return self._on_failed_step(request, WorkerError(f"step failed: {type(exc).__name__}: {exc}"))
+            failure = WorkerError(f"step failed: {type(exc).__name__}: {exc}")
+            return self._on_failed_step(request, failure), time.perf_counter()
         if self.speculator is not None:
-            self.speculator.observe_step(request, result, seconds)
-        return self.scheduler.postprocess(request, result)
+            self.speculator.observe_step(request, result, end - max(start, previous_end))
+        return self.scheduler.postprocess(request, result), end
 
     def _on_failed_step(self, request: StepRequest, exc: WorkerError) -> list[RequestEvent]:
         """An unreachable worker's state is unknown: the step's requests fail (GenerateError "internal").

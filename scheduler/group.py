@@ -29,7 +29,8 @@ from itertools import zip_longest
 from protos.segserve.v1.generate import GenerateError, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, EngineNotReady, EngineStats, RequestStream, Worker
+from scheduler.engine import Engine, EngineNotReady, EngineStats, Worker
+from scheduler.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SegmentStats
 from scheduler.speculator import Drafter

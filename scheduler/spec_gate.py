@@ -1,9 +1,13 @@
 """Whether drafting pays, per segment kind: the speculation gate, from whole-step goodput, with hysteresis.
 
-In: per scheduler step, the decode sequences per segment kind (`decide`), then
-the tokens the step generated and its seconds end to end (`observe`). Out: per
-segment kind, whether the policy may draft for it this step, and each kind's
-state for the stats. Pure: no I/O, no clock.
+In: per scheduler step, the decode sequences per segment kind (`decide`), then,
+with the decision it returned, the tokens the step generated and its seconds end
+to end (`observe`). Out: per segment kind, whether the policy may draft for it
+this step, and each kind's state for the stats. Pure: no I/O, no clock.
+
+A decision is handed back with its step's measurement rather than remembered:
+with async scheduling the step after one is decided before that one's result
+is back, so two decisions can be open at once.
 
 Why: the policy's cost model sees only the worker's step time; the drafter,
 the scheduler's bookkeeping and the router's per-token work share the same
@@ -65,9 +69,12 @@ class GateState:
 
 
 @dataclass(frozen=True)
-class _Decision:
+class GateDecision:
+    """What the gate let one step do; observe() takes it back with that step's measurement."""
+
     bucket: int
     allowed: dict[str, bool]
+    """Segment kind -> whether the policy may draft for it in the step."""
     exploring: str | None
     """The one segment kind whose decision differs from its state this step (None: all follow their states)."""
 
@@ -118,7 +125,6 @@ class SpeculationGate:
     """(batch-size bucket, whether any kind may draft) of the latest decide; None before the first."""
     last_segments: dict[str, tuple[int, bool]] = field(default_factory=dict)
     """Segment kind -> (bucket, is_open) of its state at the latest step that had it, for the stats."""
-    _pending: _Decision | None = None
 
     def __post_init__(self) -> None:
         if self.min_steps < 1 or self.explore_interval < 2 or self.margin < 0 or self.min_dwell < 0:
@@ -128,7 +134,7 @@ class SpeculationGate:
     def bucket(num_sequences: int) -> int:
         return 1 << max(num_sequences - 1, 0).bit_length()
 
-    def decide(self, groups: Mapping[str, int]) -> dict[str, bool]:
+    def decide(self, groups: Mapping[str, int]) -> GateDecision:
         """Whether each segment kind present (segment -> its decode sequences) may draft this step."""
         bucket = self.bucket(sum(groups.values()))
         present = {segment: self.states.setdefault((segment, bucket), GateState()) for segment in sorted(groups)}
@@ -140,15 +146,13 @@ class SpeculationGate:
         if exploring is not None:
             present[exploring].num_steps_since_explore = 0
         allowed = {segment: state.is_open != (segment == exploring) for segment, state in present.items()}
-        self._pending = _Decision(bucket, allowed, exploring)
         self.last_decision = (bucket, any(allowed.values()))
         self.last_segments.update((segment, (bucket, state.is_open)) for segment, state in present.items())
-        return allowed
+        return GateDecision(bucket, allowed, exploring)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """The step of the latest decide, finished: tokens it generated, seconds end to end."""
-        decision, self._pending = self._pending, None
-        if decision is None or seconds <= 0:
+    def observe(self, decision: GateDecision, num_tokens: int, seconds: float) -> None:
+        """The step `decision` was made for, finished: tokens it generated, seconds end to end."""
+        if seconds <= 0:
             return
         for segment, is_allowed in decision.allowed.items():
             if decision.exploring in (None, segment):

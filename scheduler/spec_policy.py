@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler.spec_gate import SpeculationGate
+from scheduler.spec_gate import GateDecision, SpeculationGate
 
 _EMA = 0.1  # weight of a new observation; ~10 observations of memory
 _PRIOR_RATE = 0.5  # acceptance assumed before measuring, and its decay per unmeasured depth
@@ -181,19 +181,19 @@ class SpecPolicy:
     num_steps: int = 0
     last_budgets: dict[str, int] = field(default_factory=dict)
     """Segment kind -> its budget at the latest step that had it (0 = drafting off for it), for the stats."""
+    last_gate_decision: GateDecision | None = None
+    """The gate's decision at the latest choose(), for observe_cycle() once that step is done (None: the gate
+    was not asked: a fixed policy, or a cost model not fitted yet)."""
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)
 
-    def observe_cycle(self, num_sequences: int, is_speculating: bool, num_tokens: int, seconds: float) -> None:
-        """A whole scheduler step (schedule, draft, worker, postprocess) and the tokens it generated.
-
-        The gate attributes it to its own latest decision (which kinds it let
-        draft); a step without decode sequences had none and counts for nothing.
-        is_speculating (whether any tree was drafted) is the speculator's view, not needed here.
-        """
-        if self.is_adaptive and num_sequences > 0:
-            self.gate.observe(num_tokens, seconds)
+    def observe_cycle(self, decision: GateDecision | None, num_tokens: int, seconds: float) -> None:
+        """A whole scheduler step (schedule, draft, worker, postprocess), the tokens it generated and the gate's
+        decision for it (last_gate_decision after its choose()); the gate attributes the step to that decision.
+        A step without decode sequences had no choose() and counts for nothing."""
+        if self.is_adaptive and decision is not None:
+            self.gate.observe(decision, num_tokens, seconds)
 
     def observe_draft_call(self, seconds: float) -> None:
         self.draft_overhead_s += (_EMA if self.draft_overhead_s else 1.0) * (seconds - self.draft_overhead_s)
@@ -205,6 +205,7 @@ class SpecPolicy:
         num_base_tokens: tokens the step computes without drafts;
         token_room: draft tokens that still fit in the step's budget.
         """
+        self.last_gate_decision = None
         budgets = self._choose(groups, num_base_tokens, token_room)
         self.last_budgets.update(budgets)
         return budgets
@@ -217,7 +218,8 @@ class SpecPolicy:
         budgets = {segment: 0 for segment in groups}
         if not self.cost.is_fitted:
             return budgets  # measure a plain step first
-        allowed = [segment for segment, is_allowed in self.gate.decide(groups).items() if is_allowed]
+        self.last_gate_decision = self.gate.decide(groups)
+        allowed = [segment for segment, is_allowed in self.last_gate_decision.allowed.items() if is_allowed]
         best = self._tokens_per_s(budgets, groups, num_base_tokens)
         while allowed:
             move = None

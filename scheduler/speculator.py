@@ -17,6 +17,10 @@ update (the whole sequence if the drafter never saw it; with the count of
 tokens a drafter already received, so nothing is learned twice). Final updates
 are batched and sent by a background task, one call at a time, never awaited
 by a step.
+
+With async scheduling the engine asks for the next step's budgets before the
+step in flight has answered (`plan_next`): a step that drafts nothing goes
+ahead, one that drafts waits for the tokens its trees start from.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from protos.segserve.v1.step import StepRequest, StepResult, output_problem
@@ -34,12 +39,21 @@ from scheduler.drafter_client import DraftQuery, DraftReply
 from scheduler.drafting import attach_drafts, draft_candidates, draft_room
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence as Seq
+from scheduler.spec_gate import GateDecision
 from scheduler.spec_policy import AcceptanceStats, SpecPolicy
 
 logger = logging.getLogger(__name__)
 
 _LOG_EVERY = 100
 _MAX_FINALS = 4096  # final updates waiting for the background call; past it the oldest are dropped
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """plan_next()'s choice for the step after the one in flight."""
+
+    budgets: dict[str, int]
+    decision: GateDecision | None
 
 
 class Drafter(Protocol):
@@ -73,7 +87,8 @@ class Speculator:
         self._finals: list[DraftQuery] = []
         """Final updates of ended requests, for the background call."""
         self._sending: asyncio.Task | None = None
-        self._last_step = (0, False)  # (decode sequences, whether it speculated) of the step proposed last
+        self._planned: _Plan | None = None
+        """The next step's budgets, chosen by plan_next() before the step in flight answered."""
 
     @property
     def is_drafting(self) -> bool:
@@ -103,19 +118,44 @@ class Speculator:
             del self._finals[0]
             self.num_finals_dropped += 1
 
-    async def propose(self, scheduler: Scheduler, request: StepRequest) -> None:
-        """Attach candidate trees to the request's decode sequences (or nothing, on any failure)."""
-        self._last_step = (0, False)
+    async def propose(self, scheduler: Scheduler, request: StepRequest) -> GateDecision | None:
+        """Attach candidate trees to the request's decode sequences (or nothing, on any failure). Returns the
+        gate's decision for the step, for observe_cycle() (None: the gate was not asked)."""
+        planned, self._planned = self._planned, None
         try:
-            await self._propose(scheduler, request)
+            return await self._propose(scheduler, request, planned)
         except Exception:  # a bug here must cost speed, never a request
             self.num_errors += 1
             if self.num_errors % _LOG_EVERY == 1:
                 logger.exception("speculation failed; the step runs without it (%d failures)", self.num_errors)
-        self._send_finals()  # after this step's own call, so that the drafter answers that one first
+            return None
+        finally:
+            self._send_finals()  # after this step's own call, so that the drafter answers that one first
+
+    def plan_next(self, scheduler: Scheduler, request: StepRequest) -> bool:
+        """Async scheduling: choose the budgets of the step after `request` now, before `request` has answered.
+        True: that step drafts nothing, so it may be built and sent ahead, and take_planned() gives its gate
+        decision. False: it drafts, so it must wait for `request`'s tokens; the next propose() asks the drafter
+        with the budgets chosen here. Either way the policy decides once per step, as without steps ahead."""
+        self._planned = None
+        candidates = draft_candidates(scheduler, request)
+        if self.policy is None or not candidates:
+            return True
+        num_base_tokens = len(request.sequences)  # a step ahead computes one token per sequence
+        budgets = self.policy.choose(self._groups(candidates), num_base_tokens,
+                                     scheduler.max_num_batched_tokens - num_base_tokens)
+        self._planned = _Plan(budgets, self.policy.last_gate_decision)
+        return not any(budgets.values())
+
+    def take_planned(self) -> GateDecision | None:
+        """The gate's decision for the step that plan_next() chose and the engine has sent ahead."""
+        planned, self._planned = self._planned, None
+        return None if planned is None else planned.decision
 
     async def flush_ended(self) -> None:
-        """Start sending the final updates now, without waiting (the engine calls this before it idles)."""
+        """Start sending the final updates now, without waiting (the engine calls this before it idles: a
+        planned next step will not come)."""
+        self._planned = None
         self._send_finals()
 
     async def wait_finals_sent(self) -> None:
@@ -150,27 +190,29 @@ class Speculator:
             self.acceptance.record(self._segments.get(work.seq_id, ""), work.draft.max_depth, len(work.draft),
                                    len(output.token_ids) - 1)
 
-    def observe_cycle(self, num_generated_tokens: int, seconds: float) -> None:
-        """The last proposed step, end to end, and the tokens it generated: for the gate."""
-        if self.policy is None:
-            return
-        num_sequences, is_speculating = self._last_step
-        self.policy.observe_cycle(num_sequences, is_speculating, num_generated_tokens, seconds)
+    def observe_cycle(self, decision: GateDecision | None, num_generated_tokens: int, seconds: float) -> None:
+        """A step, end to end, the tokens it generated and the gate's decision for it (from propose() or
+        take_planned()): for the gate."""
+        if self.policy is not None:
+            self.policy.observe_cycle(decision, num_generated_tokens, seconds)
 
-    async def _propose(self, scheduler: Scheduler, request: StepRequest) -> None:
+    async def _propose(self, scheduler: Scheduler, request: StepRequest, planned: _Plan | None
+                       ) -> GateDecision | None:
         seqs = self._seqs
         for seq in scheduler.running:  # every request runs a step built by schedule() before any step ahead
             if seq.request_id not in seqs:
                 seqs[seq.request_id] = seq
         candidates = draft_candidates(scheduler, request)
         if self.policy is None or not candidates:
-            return
-        groups = Counter(self._segments.get(seq.request_id, "") for seq in candidates)
-        budgets = self.policy.choose(groups, request.num_scheduled_tokens, draft_room(scheduler, request))
-        is_speculating = any(budgets.values())
-        self._last_step = (len(candidates), is_speculating)
-        if not is_speculating:
-            return  # the drafter catches up on these sequences' tokens at the next call, or the final update
+            return None
+        groups = self._groups(candidates)
+        if planned is None:
+            budgets = self.policy.choose(groups, request.num_scheduled_tokens, draft_room(scheduler, request))
+            decision = self.policy.last_gate_decision
+        else:
+            budgets, decision = {s: planned.budgets.get(s, 0) for s in groups}, planned.decision
+        if not any(budgets.values()):
+            return decision  # the drafter catches up on these sequences' tokens at the next call, or the final update
         queries = [self._query(seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates]
         if self._finals:  # a reused id's old final update must not reach the drafter after its new first query
             queried = {query.request_id for query in queries}
@@ -179,6 +221,11 @@ class Speculator:
         replies = await self.drafter.draft(queries, [])
         self.policy.observe_draft_call(self.clock() - start)
         attach_drafts(scheduler, request, self._accept_replies(candidates, queries, replies))
+        return decision
+
+    def _groups(self, candidates: list[Seq]) -> Counter:
+        """Segment kind -> how many of the candidates are in it."""
+        return Counter(self._segments.get(seq.request_id, "") for seq in candidates)
 
     def _query(self, seq: Seq, max_nodes: int) -> DraftQuery:
         num_synced = self._num_synced.setdefault(seq.request_id, 0)

@@ -27,7 +27,8 @@ from protos.segserve.v1.generate import (
     validate_request,
 )
 from protos.segserve.v1.sampling import InvalidParameter
-from scheduler.engine import Engine, EngineNotReady, is_terminal
+from scheduler.engine import Engine, EngineNotReady
+from scheduler.request_stream import is_terminal
 from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
 

@@ -16,6 +16,7 @@ from protos.segserve.v1 import drafter_pb2_grpc, scheduler_pb2, scheduler_pb2_gr
 from protos.segserve.v1.generate import FinishReason, GenerateComplete
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server, stop_server
+from scheduler.spec_policy import SpecPolicy
 from tests.fakes import FakeDrafter, FakeDrafterServicer, FakeWorker, FakeWorkerServicer, serve
 from tests.test_scheduler_service import collect, generate_request, wait_until
 from tests.test_scheduler_spec import EOS, RULE, VOCAB, reference
@@ -178,9 +179,37 @@ async def test_a_drafter_too_slow_for_get_stats_shows_without_stats_and_get_stat
 async def test_with_max_draft_nodes_0_the_drafter_learns_every_request_and_drafts_nothing():
     """--no-speculation: the launcher passes max_draft_nodes 0 with the drafters; the engine asks for no tree
     (async scheduling stays on), and every request's whole sequence reaches the drafter when it ends."""
-    async with spec_stack(max_draft_nodes=0, is_async_scheduling=True) as (stub, _, drafter, _, lane):
+    async with spec_stack(max_draft_nodes=0, is_async_scheduling=True) as (stub, worker, drafter, _, lane):
         assert await generate_all(stub) == expected()
         await wait_until(lambda: len(drafter.drafter.finals) == len(PROMPTS))
         assert drafter.drafter.finals == {rid: p + reference(p, 30) for rid, p in PROMPTS.items()}
-        assert lane.speculator is not None and not lane.speculator.is_drafting and lane._is_async
+        assert lane.speculator is not None and not lane.speculator.is_drafting and worker.num_continuations > 0
         assert drafter.drafter.state == {} and lane.stats().spec.num_verified == 0
+
+
+class _DraftsEveryFourthStep(SpecPolicy):
+    """A policy that drafts with every segment kind at every fourth step it is asked about, and not otherwise."""
+
+    def _choose(self, groups, num_base_tokens, token_room):
+        self.num_steps += 1
+        return {segment: self.max_nodes if self.num_steps % 4 == 0 else 0 for segment in groups}
+
+
+async def test_with_speculation_on_steps_go_ahead_while_the_policy_drafts_nothing():
+    """Async scheduling with a drafting policy: the policy is asked about every step; a step it drafts nothing in
+    goes ahead of the step before it, and a step it drafts in waits for that step's tokens and carries trees."""
+    async with spec_stack(draft_timeout_ms=2000, is_async_scheduling=True) as (stub, worker, drafter, _, lane):
+        worker.step_delay_s = 0.002
+        lane.speculator.policy = policy = _DraftsEveryFourthStep(8)
+        assert await generate_all(stub, max_tokens=60) == expected(60)
+        stats = lane.stats()
+        assert worker.num_continuations > 0 and stats.spec.num_verified > 0 and worker.problems == []
+        # one decision per step: every step with decode sequences was either sent ahead or proposed
+        num_drafting = sum(request.num_draft_tokens > 0 for request in worker.requests)
+        assert 0 < num_drafting <= policy.num_steps // 4
+        ahead = [request for request in worker.requests if request.follows_step_id]
+        assert ahead and not any(request.num_draft_tokens for request in ahead)
+    async with spec_stack(draft_timeout_ms=2000, is_async_scheduling=True,
+                          is_spec_adaptive=False) as (stub, worker, drafter, _, lane):
+        assert await generate_all(stub) == expected()
+        assert worker.num_continuations == 0 and lane.stats().spec.num_verified > 0  # it drafts at every step

@@ -122,9 +122,9 @@ def run_gate(gate: SpeculationGate, groups: dict[str, int], steps: int, goodput,
     """
     history = []
     for step in range(start, start + steps):
-        allowed = gate.decide(groups)
-        history.append({s: (allowed[s], gate.last_segments[s][1]) for s in groups})
-        gate.observe(100, 100 / goodput(step, allowed))
+        decision = gate.decide(groups)
+        history.append({s: (decision.allowed[s], gate.last_segments[s][1]) for s in groups})
+        gate.observe(decision, 100, 100 / goodput(step, decision.allowed))
     return history
 
 
@@ -204,6 +204,21 @@ def test_a_closed_kind_reopens_once_drafting_clearly_pays():
     assert allowed_of(history, "code")[reopened:].count(False) <= (300 - reopened) // 16 + 1  # explorations
 
 
+def test_two_open_decisions_are_each_observed_for_their_own_step():
+    """With async scheduling a step is decided before the one in flight is measured: each measurement goes
+    to the arm of its own step's decision."""
+    gate = SpeculationGate(min_steps=1)
+    first = gate.decide({"code": 1})
+    gate.observe(first, 10, 1.0)
+    second, third = gate.decide({"code": 1}), gate.decide({"code": 1})  # both explore the plain arm
+    assert first.allowed == {"code": True} and second.allowed == third.allowed == {"code": False}
+    gate.observe(second, 50, 1.0)
+    gate.observe(third, 40, 1.0)
+    state = gate.states[("code", 1)]
+    assert (state.arms[True].num_steps, state.arms[False].num_steps) == (1, 2)
+    assert state.arms[True].tokens_per_s == 10 and state.is_decided and not state.is_open
+
+
 def test_the_gate_rejects_a_setting_that_cannot_work():
     with pytest.raises(ValueError, match="explore_interval"):
         SpeculationGate(explore_interval=1)
@@ -214,13 +229,14 @@ def test_the_gate_rejects_a_setting_that_cannot_work():
 def test_a_policy_whose_model_says_speculate_stops_when_the_stack_measured_otherwise():
     policy = policy_with(0.9, GPU_LIKE_COSTS)
     assert policy.choose({"code": 1}, 1, 255)["code"] > 0
-    policy.observe_cycle(1, True, 3, 1.0)
+    policy.observe_cycle(policy.last_gate_decision, 3, 1.0)
     for _ in range(8):  # whole steps: speculating is 3x slower
         is_speculating = policy.choose({"code": 1}, 1, 255)["code"] > 0
-        policy.observe_cycle(1, is_speculating, 3 if is_speculating else 10, 1.0)
+        policy.observe_cycle(policy.last_gate_decision, 3 if is_speculating else 10, 1.0)
     assert [policy.choose({"code": 1}, 1, 255)["code"] for _ in range(15)].count(0) >= 14
     fixed = SpecPolicy(8, is_adaptive=False)
-    fixed.observe_cycle(1, True, 1, 10.0)
+    assert fixed.choose({"code": 1}, 1, 100) == {"code": 8} and fixed.last_gate_decision is None
+    fixed.observe_cycle(None, 1, 10.0)
     assert fixed.choose({"code": 1}, 1, 100) == {"code": 8}
 
 
@@ -230,12 +246,12 @@ def test_a_policy_drafts_for_the_kind_that_pays_and_not_for_the_one_the_gate_clo
     policy.acceptance.segments["prose"] = policy.acceptance.segments["code"]
     groups = {"code": 2, "prose": 2}
     assert all(policy.choose(groups, 4, 255).values())
-    policy.observe_cycle(4, True, 10, 1.0)
+    policy.observe_cycle(policy.last_gate_decision, 10, 1.0)
     budgets = []
     for _ in range(100):
         budget = policy.choose(groups, 4, 255)
-        policy.observe_cycle(4, any(budget.values()), round(100 * (1 + 0.3 * (budget["code"] > 0)
-                                                                   - 0.2 * (budget["prose"] > 0))), 1.0)
+        policy.observe_cycle(policy.last_gate_decision, round(100 * (1 + 0.3 * (budget["code"] > 0)
+                                                                    - 0.2 * (budget["prose"] > 0))), 1.0)
         budgets.append(budget)
     assert sum(b["code"] == 0 for b in budgets[-32:]) <= 2 and sum(b["prose"] > 0 for b in budgets[-32:]) <= 2
     assert not any(b["code"] == 0 and b["prose"] > 0 for b in budgets[-32:])  # one kind explores at a time
