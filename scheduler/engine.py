@@ -256,12 +256,12 @@ class Engine:
         decision = None
         if self.speculator is not None:
             decision = await self.speculator.propose(self.scheduler, request)
-        sent, previous_end = self._send(request), 0.0
+        sent, is_ahead = self._send(request), False
         while True:
             ahead, ahead_decision = self._schedule_ahead(request)
             ahead_sent = None if ahead is None else self._send(ahead, follows=request)
             try:
-                events, previous_end = await self._run_step(request, sent, previous_end)
+                events = await self._run_step(request, sent, is_ahead)
             except BaseException as exc:
                 if ahead_sent is not None and isinstance(exc, asyncio.CancelledError):
                     ahead_sent.cancel()
@@ -278,7 +278,7 @@ class Engine:
             if self.scheduler.current_step is not ahead:  # dropped: the step before it failed
                 await _settle(ahead_sent)
                 return
-            request, sent, decision = ahead, ahead_sent, ahead_decision
+            request, sent, decision, is_ahead = ahead, ahead_sent, ahead_decision, True
 
     def _schedule_ahead(self, request: StepRequest) -> tuple[StepRequest | None, GateDecision | None]:
         """The step after `request`, to send now, and the gate's decision for it; (None, None) when it must wait
@@ -300,27 +300,24 @@ class Engine:
             request.follows_step_id = 0 if follows is None else follows.step_id
         return asyncio.ensure_future(self._timed_step(request))
 
-    async def _timed_step(self, request: StepRequest) -> tuple[StepResult, float, float]:
+    async def _timed_step(self, request: StepRequest) -> tuple[StepResult, float]:
         start = time.perf_counter()
         result = await self.worker.step(request)
-        return result, start, time.perf_counter()
+        return result, time.perf_counter() - start
 
-    async def _run_step(self, request: StepRequest, sent: asyncio.Task, previous_end: float
-                        ) -> tuple[list[RequestEvent], float]:
-        """The worker's step with its outputs applied, and when its result came; a failed step is retried or
-        fails its requests. previous_end: when the step before it answered (0.0: none in this cycle). A step
-        sent ahead waits at the worker for the step before it, so its cost is timed from that one's answer."""
+    async def _run_step(self, request: StepRequest, sent: asyncio.Task, is_ahead: bool) -> list[RequestEvent]:
+        """The worker's step with its outputs applied; a failed step is retried or fails its requests. A step
+        sent ahead (is_ahead) waited at the worker for the step before it: its round trip is not its cost."""
         try:
-            result, start, end = await sent
+            result, seconds = await sent
         except WorkerError as exc:
-            return self._on_failed_step(request, exc), time.perf_counter()
+            return self._on_failed_step(request, exc)
         except Exception as exc:  # a bug on this side of the wire: handled like a failed step
             logger.exception("worker step failed")
-            failure = WorkerError(f"step failed: {type(exc).__name__}: {exc}")
-            return self._on_failed_step(request, failure), time.perf_counter()
+            return self._on_failed_step(request, WorkerError(f"step failed: {type(exc).__name__}: {exc}"))
         if self.speculator is not None:
-            self.speculator.observe_step(request, result, end - max(start, previous_end))
-        return self.scheduler.postprocess(request, result), end
+            self.speculator.observe_step(request, result, None if is_ahead else seconds)
+        return self.scheduler.postprocess(request, result)
 
     def _on_failed_step(self, request: StepRequest, exc: WorkerError) -> list[RequestEvent]:
         """An unreachable worker's state is unknown: the step's requests fail (GenerateError "internal").

@@ -150,6 +150,18 @@ class SpeculationGate:
         self.last_segments.update((segment, (bucket, state.is_open)) for segment, state in present.items())
         return GateDecision(bucket, allowed, exploring)
 
+    def keeps_off(self, groups: Mapping[str, int]) -> bool:
+        """Whether decide(groups), called next, would let no kind draft: every kind present is closed at the
+        batch's bucket and none is due to explore. Changes nothing."""
+        bucket = self.bucket(sum(groups.values()))
+        for segment in groups:
+            state = self.states.get((segment, bucket))
+            if state is None or state.is_open:  # a closed state is a decided one
+                return False
+            if state.num_steps_since_explore + 1 >= self.explore_interval:  # decide() counts this step first
+                return False
+        return True
+
     def observe(self, decision: GateDecision, num_tokens: int, seconds: float) -> None:
         """The step `decision` was made for, finished: tokens it generated, seconds end to end."""
         if seconds <= 0:

@@ -210,6 +210,11 @@ class SpecPolicy:
         self.last_budgets.update(budgets)
         return budgets
 
+    def keeps_off(self, groups: Mapping[str, int]) -> bool:
+        """Whether choose(groups, ...), called next, would draft for no kind because the gate keeps them all off
+        (so it needs nothing measured in between). Changes nothing."""
+        return self.is_adaptive and self.cost.is_fitted and self.gate.keeps_off(groups)
+
     def _choose(self, groups: Mapping[str, int], num_base_tokens: int, token_room: int) -> dict[str, int]:
         self.num_steps += 1
         options = budget_options(self.max_nodes)

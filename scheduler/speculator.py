@@ -18,9 +18,9 @@ tokens a drafter already received, so nothing is learned twice). Final updates
 are batched and sent by a background task, one call at a time, never awaited
 by a step.
 
-With async scheduling the engine asks for the next step's budgets before the
-step in flight has answered (`plan_next`): a step that drafts nothing goes
-ahead, one that drafts waits for the tokens its trees start from.
+With async scheduling the next step may go ahead of the step in flight only
+where the gate keeps drafting off for every kind in it (`plan_next`); anywhere
+else it waits for the tokens its trees would start from.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from protos.segserve.v1.step import StepRequest, StepResult, output_problem
@@ -46,14 +45,7 @@ logger = logging.getLogger(__name__)
 
 _LOG_EVERY = 100
 _MAX_FINALS = 4096  # final updates waiting for the background call; past it the oldest are dropped
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """plan_next()'s choice for the step after the one in flight."""
-
-    budgets: dict[str, int]
-    decision: GateDecision | None
+_ROUND_TRIP_EMA = 0.1
 
 
 class Drafter(Protocol):
@@ -87,8 +79,12 @@ class Speculator:
         self._finals: list[DraftQuery] = []
         """Final updates of ended requests, for the background call."""
         self._sending: asyncio.Task | None = None
-        self._planned: _Plan | None = None
-        """The next step's budgets, chosen by plan_next() before the step in flight answered."""
+        self._planned: GateDecision | None = None
+        """The gate's decision for the next step, made by plan_next() before the step in flight answered (it keeps
+        drafting off for every kind)."""
+        self._round_trip_extra_s = 0.0
+        """EMA of a step's round trip less its compute time, over the steps not sent ahead."""
+        self._num_round_trips = 0
 
     @property
     def is_drafting(self) -> bool:
@@ -133,24 +129,27 @@ class Speculator:
             self._send_finals()  # after this step's own call, so that the drafter answers that one first
 
     def plan_next(self, scheduler: Scheduler, request: StepRequest) -> bool:
-        """Async scheduling: choose the budgets of the step after `request` now, before `request` has answered.
-        True: that step drafts nothing, so it may be built and sent ahead, and take_planned() gives its gate
-        decision. False: it drafts, so it must wait for `request`'s tokens; the next propose() asks the drafter
-        with the budgets chosen here. Either way the policy decides once per step, as without steps ahead."""
+        """Async scheduling: whether the step after `request` may be built and sent now, before `request` has
+        answered. Only where the gate keeps drafting off for every kind in it (and explores none): the policy
+        then decides that step now (take_planned() gives its gate decision). Elsewhere the policy decides it
+        after `request`'s result, in propose(), as without steps ahead: a tree needs the tokens `request`
+        samples, and the budgets should see what `request` measured."""
         self._planned = None
-        candidates = draft_candidates(scheduler, request)
-        if self.policy is None or not candidates:
+        if self.policy is None:
             return True
+        candidates = draft_candidates(scheduler, request)
+        groups = self._groups(candidates)
+        if not candidates or not self.policy.keeps_off(groups):
+            return False
         num_base_tokens = len(request.sequences)  # a step ahead computes one token per sequence
-        budgets = self.policy.choose(self._groups(candidates), num_base_tokens,
-                                     scheduler.max_num_batched_tokens - num_base_tokens)
-        self._planned = _Plan(budgets, self.policy.last_gate_decision)
-        return not any(budgets.values())
+        self.policy.choose(groups, num_base_tokens, scheduler.max_num_batched_tokens - num_base_tokens)  # all 0
+        self._planned = self.policy.last_gate_decision
+        return True
 
     def take_planned(self) -> GateDecision | None:
         """The gate's decision for the step that plan_next() chose and the engine has sent ahead."""
         planned, self._planned = self._planned, None
-        return None if planned is None else planned.decision
+        return planned
 
     async def flush_ended(self) -> None:
         """Start sending the final updates now, without waiting (the engine calls this before it idles: a
@@ -177,10 +176,22 @@ class Speculator:
             except Exception:
                 self.num_errors += 1
 
-    def observe_step(self, request: StepRequest, result: StepResult, seconds: float) -> None:
-        """A worker step that succeeded: its time for the cost model, its verified trees for the stats."""
+    def observe_step(self, request: StepRequest, result: StepResult, seconds: float | None) -> None:
+        """A worker step that succeeded: its time for the cost model, its verified trees for the stats.
+
+        seconds: the step's round trip, or None for a step sent ahead, which waited at the worker for the step
+        before it. The cost model prices steps as round trips (a drafting step always is one), so a step ahead
+        counts as its compute time (StepResult.compute_us) plus the rest of a round trip as measured on the
+        steps that were not sent ahead."""
         if self.policy is None:
             return
+        compute_s = result.compute_us / 1e6
+        if seconds is None:
+            seconds = compute_s + self._round_trip_extra_s
+        else:
+            weight = _ROUND_TRIP_EMA if self._num_round_trips else 1.0
+            self._round_trip_extra_s += weight * (max(seconds - compute_s, 0.0) - self._round_trip_extra_s)
+            self._num_round_trips += 1
         self.policy.observe_step(request.num_scheduled_tokens, seconds)
         outputs = {output.seq_id: output for output in result.outputs}
         for work in request.sequences:
@@ -196,7 +207,7 @@ class Speculator:
         if self.policy is not None:
             self.policy.observe_cycle(decision, num_generated_tokens, seconds)
 
-    async def _propose(self, scheduler: Scheduler, request: StepRequest, planned: _Plan | None
+    async def _propose(self, scheduler: Scheduler, request: StepRequest, planned: GateDecision | None
                        ) -> GateDecision | None:
         seqs = self._seqs
         for seq in scheduler.running:  # every request runs a step built by schedule() before any step ahead
@@ -209,8 +220,8 @@ class Speculator:
         if planned is None:
             budgets = self.policy.choose(groups, request.num_scheduled_tokens, draft_room(scheduler, request))
             decision = self.policy.last_gate_decision
-        else:
-            budgets, decision = {s: planned.budgets.get(s, 0) for s in groups}, planned.decision
+        else:  # decided by plan_next(), which the step ahead it allowed did not follow (schedule_ahead() refused)
+            budgets, decision = {segment: 0 for segment in groups}, planned
         if not any(budgets.values()):
             return decision  # the drafter catches up on these sequences' tokens at the next call, or the final update
         queries = [self._query(seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates]

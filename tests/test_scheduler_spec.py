@@ -11,6 +11,7 @@ import pytest
 
 from protos.segserve.v1.generate import FinishReason
 from protos.segserve.v1.sampling import StoppingCriteria
+from protos.segserve.v1.step import ScheduledSequence, StepRequest, StepResult
 from scheduler.block_manager import num_blocks_for
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
@@ -299,3 +300,18 @@ def test_fit_tree_prunes_to_the_budget_the_free_slots_and_the_stop_conditions():
     assert fit_tree(tree, seq, 10, 100, blocks) == CandidateTree()
     small = BlockManager(num_blocks=1, block_size=4)  # 4 slots: the root and 3 drafts
     assert len(fit_tree(tree, Sequence("b", [1]), 10, 100, small)) == 3
+
+
+def test_a_step_sent_ahead_is_priced_as_its_compute_time_plus_a_measured_round_trip():
+    """The cost model prices steps as round trips; a step ahead waited at the worker for the step before it,
+    so its own round trip says nothing: it counts as its compute time plus the round trip's measured rest."""
+    policy = SpecPolicy(8)
+    speculator = Speculator(make_drafter(), policy, VOCAB)
+
+    def decode_step(num_sequences: int) -> StepRequest:
+        return StepRequest([ScheduledSequence(f"s{i}", (1,), 4, (i,), sample_indices=(0,))
+                            for i in range(num_sequences)])
+
+    speculator.observe_step(decode_step(1), StepResult([], compute_us=3000), 0.005)  # 2 ms beyond its compute
+    speculator.observe_step(decode_step(2), StepResult([], compute_us=4000), None)  # sent ahead
+    assert policy.cost.estimate(1) == pytest.approx(0.005) and policy.cost.estimate(2) == pytest.approx(0.006)

@@ -16,6 +16,7 @@ from protos.segserve.v1 import drafter_pb2_grpc, scheduler_pb2, scheduler_pb2_gr
 from protos.segserve.v1.generate import FinishReason, GenerateComplete
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server, stop_server
+from scheduler.spec_gate import GateDecision
 from scheduler.spec_policy import SpecPolicy
 from tests.fakes import FakeDrafter, FakeDrafterServicer, FakeWorker, FakeWorkerServicer, serve
 from tests.test_scheduler_service import collect, generate_request, wait_until
@@ -187,20 +188,34 @@ async def test_with_max_draft_nodes_0_the_drafter_learns_every_request_and_draft
         assert drafter.drafter.state == {} and lane.stats().spec.num_verified == 0
 
 
-class _DraftsEveryFourthStep(SpecPolicy):
-    """A policy that drafts with every segment kind at every fourth step it is asked about, and not otherwise."""
+class _GateExploresEveryFourthStep(SpecPolicy):
+    """A policy whose gate keeps every segment kind off but lets them all draft at every fourth step it is asked
+    about (use it with is_adaptive=False: its decisions are not the real gate's, which must not observe them)."""
+
+    def keeps_off(self, groups):
+        return (self.num_steps + 1) % 4 != 0
 
     def _choose(self, groups, num_base_tokens, token_room):
         self.num_steps += 1
-        return {segment: self.max_nodes if self.num_steps % 4 == 0 else 0 for segment in groups}
+        is_drafting = self.num_steps % 4 == 0
+        self.last_gate_decision = GateDecision(1, {segment: is_drafting for segment in groups}, None)
+        return {segment: self.max_nodes if is_drafting else 0 for segment in groups}
 
 
-async def test_with_speculation_on_steps_go_ahead_while_the_policy_drafts_nothing():
-    """Async scheduling with a drafting policy: the policy is asked about every step; a step it drafts nothing in
-    goes ahead of the step before it, and a step it drafts in waits for that step's tokens and carries trees."""
+class _GateOpenNoTree(SpecPolicy):
+    """A policy whose gate lets every kind draft (keeps_off() is False) and whose cost model never gives a tree."""
+
+    def _choose(self, groups, num_base_tokens, token_room):
+        self.last_gate_decision = GateDecision(1, {segment: True for segment in groups}, None)
+        return {segment: 0 for segment in groups}
+
+
+async def test_with_speculation_on_steps_go_ahead_while_the_gate_keeps_drafting_off():
+    """Async scheduling with a drafting policy: the policy is asked about every step; a step where the gate keeps
+    drafting off goes ahead of the step before it, and a step it drafts in waits for that step's tokens."""
     async with spec_stack(draft_timeout_ms=2000, is_async_scheduling=True) as (stub, worker, drafter, _, lane):
         worker.step_delay_s = 0.002
-        lane.speculator.policy = policy = _DraftsEveryFourthStep(8)
+        lane.speculator.policy = policy = _GateExploresEveryFourthStep(8, is_adaptive=False)
         assert await generate_all(stub, max_tokens=60) == expected(60)
         stats = lane.stats()
         assert worker.num_continuations > 0 and stats.spec.num_verified > 0 and worker.problems == []
@@ -213,3 +228,8 @@ async def test_with_speculation_on_steps_go_ahead_while_the_policy_drafts_nothin
                           is_spec_adaptive=False) as (stub, worker, drafter, _, lane):
         assert await generate_all(stub) == expected()
         assert worker.num_continuations == 0 and lane.stats().spec.num_verified > 0  # it drafts at every step
+    async with spec_stack(draft_timeout_ms=2000, is_async_scheduling=True) as (stub, worker, drafter, _, lane):
+        lane.speculator.policy = _GateOpenNoTree(8, is_adaptive=False)
+        assert await generate_all(stub) == expected()
+        assert worker.num_continuations == 0 and lane.stats().spec.num_verified == 0  # open gate: round trips
+

@@ -219,6 +219,27 @@ def test_two_open_decisions_are_each_observed_for_their_own_step():
     assert state.arms[True].tokens_per_s == 10 and state.is_decided and not state.is_open
 
 
+def test_the_gate_tells_ahead_of_deciding_whether_it_keeps_every_kind_off():
+    gate = SpeculationGate(min_steps=1, explore_interval=4, min_dwell=0)
+    assert not gate.keeps_off({"prose": 1})  # never measured: open
+    first = gate.decide({"prose": 1})
+    gate.observe(first, 50, 1.0)
+    second = gate.decide({"prose": 1})  # explores the plain arm, which measures faster: prose closes
+    gate.observe(second, 100, 1.0)
+    state = gate.states[("prose", 1)]
+    assert state.is_decided and not state.is_open
+    checks = []
+    for _ in range(6):
+        is_off = gate.keeps_off({"prose": 1})
+        assert gate.keeps_off({"prose": 1}) == is_off  # asking changes nothing
+        decision = gate.decide({"prose": 1})
+        assert is_off == (not any(decision.allowed.values()) and decision.exploring is None)
+        checks.append(is_off)
+        gate.observe(decision, 100 if is_off else 50, 1.0)
+    assert checks.count(False) == 1  # the exploration step, every fourth
+    assert not gate.keeps_off({"prose": 1, "code": 1})  # code was never measured at bucket 2
+
+
 def test_the_gate_rejects_a_setting_that_cannot_work():
     with pytest.raises(ValueError, match="explore_interval"):
         SpeculationGate(explore_interval=1)
