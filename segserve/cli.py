@@ -72,6 +72,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         is_ray_workers=args.ray_workers,
         num_drafters=args.drafters,
         log_dir=args.log_dir,
+        is_cpu_pinned=args.cpu_pinning,
     )
     # Ctrl-C reaches the whole process group; the stack then stops every service.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -249,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drafters", type=int, default=1,
                        help="drafter replicas; several share what they learn through one log (default: 1)")
     serve.add_argument("--log-dir", default=None, help="write each service's log to this directory")
+    serve.add_argument("--cpu-pinning", action=argparse.BooleanOptionalAction, default=True,
+                       help="on a CPU, pin the workers to their cores and the other services to the one kept for "
+                            "them (default: on)")
     serve.set_defaults(func=_serve_command)
 
     for name, cls, func in (("worker", WorkerConfig, _worker_command),

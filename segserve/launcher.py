@@ -43,6 +43,18 @@ def local_worker_threads(num_workers: int) -> int:
     return max(1, (available_cpus() - 1) // num_workers)
 
 
+def local_cpu_sets(num_workers: int) -> tuple[list[set[int]], set[int]] | None:
+    """CPU pinning of a local stack: the CPUs of each worker, and the one CPU the router, scheduler (and its Ray
+    processes) and drafters share, out of this process's affinity mask: the first CPU for the services, the rest
+    shared out among the workers, as local_worker_threads() counts them. None where there is nothing to split:
+    fewer CPUs than workers + 1, or a cgroup quota below the mask (the quota, not the CPUs, is the limit there)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < num_workers + 1 or available_cpus() != len(cpus):
+        return None
+    per_worker = local_worker_threads(num_workers)
+    return [set(cpus[1 + i * per_worker:1 + (i + 1) * per_worker]) for i in range(num_workers)], {cpus[0]}
+
+
 @dataclass
 class StackConfig:
     """One local deployment: the three services' configs (ports 0 = pick free ones)."""
@@ -70,6 +82,11 @@ class StackConfig:
     """How long to wait for every service to report ready."""
     log_dir: str | None = None
     """Write each service's output to <log_dir>/<service>.log instead of the terminal."""
+    is_cpu_pinned: bool = True
+    """Pin each local CPU worker to the CPUs its torch threads use and the other services to the CPU kept for
+    them (local_cpu_sets), as vLLM's CPU backend binds its threads: the worker's step then runs without the
+    router, scheduler and drafters taking turns on its cores. Only where the launcher chose the workers' thread
+    count, and they run on the CPU."""
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
@@ -107,6 +124,10 @@ class Stack:
         """Worker actors, with is_ray_workers."""
         self.worker_configs: list[WorkerConfig] = []
         """Every worker's config as started (worker i is process replica_name("worker", i))."""
+        self._cpus: dict[str, set[int]] = {}
+        """With CPU pinning: worker process name -> its CPUs."""
+        self._service_cpus: set[int] | None = None
+        """With CPU pinning: the CPUs of every other service."""
 
     @property
     def base_url(self) -> str:
@@ -135,6 +156,10 @@ class Stack:
                                        port=port or (0 if cfg.is_ray_workers else free_port())) for port in ports]
         worker = workers[0]
         self.worker_configs = workers
+        cpu_sets = local_cpu_sets(cfg.num_workers) if self._is_pinnable(cfg) else None
+        if cpu_sets is not None:
+            self._cpus = {replica_name("worker", i): cpus for i, cpus in enumerate(cpu_sets[0])}
+            self._service_cpus = cpu_sets[1]
         deadline = time.monotonic() + cfg.startup_timeout_s
         if cfg.is_ray_workers:
             worker_addresses = self._start_ray_workers(workers, deadline)
@@ -279,8 +304,21 @@ class Stack:
         index = 0 if name == "worker" else int(name.removeprefix("worker-"))
         self._spawn(name, self.worker_configs[index], "worker")
 
+    @staticmethod
+    def _is_pinnable(cfg: StackConfig) -> bool:
+        """Whether the stack's workers are local CPU processes whose thread count the launcher chooses."""
+        if not cfg.is_cpu_pinned or cfg.is_ray_workers or cfg.worker.num_threads:
+            return False
+        if cfg.worker.device == "auto":
+            import torch
+
+            return not torch.cuda.is_available()
+        return cfg.worker.device == "cpu"
+
     def _spawn(self, name: str, config, command: str | None = None) -> None:
-        """Run `segserve <command or name>` with config's flags; its output goes to <log_dir>/<name>.log."""
+        """Run `segserve <command or name>` with config's flags; its output goes to <log_dir>/<name>.log. With CPU
+        pinning, a worker runs on its CPUs and any other service on the services' CPU (Ray's processes, which
+        the scheduler starts, inherit its mask)."""
         argv = [sys.executable, "-m", "segserve.cli", command or name, *to_argv(config)]
         out = None
         if self.config.log_dir:
@@ -293,6 +331,12 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if k not in flag_vars}
         env.update(to_env(config), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.processes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+        cpus = self._cpus.get(name, self._service_cpus)
+        if cpus is not None:  # right after exec, before the interpreter has started a thread (they inherit the mask)
+            try:
+                os.sched_setaffinity(self.processes[name].pid, cpus)
+            except OSError:
+                pass  # it died already: _check_alive reports that
 
     def _check_alive(self, name: str) -> None:
         proc = self.processes[name]

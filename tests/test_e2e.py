@@ -8,13 +8,14 @@ when the KV cache is too small to hold every request at once.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import os
 
 import pytest
 import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from segserve.launcher import Stack
+from segserve.launcher import Stack, local_cpu_sets
 from tests.e2e_helpers import scheduler_stats, tiny_stack
 
 pytestmark = pytest.mark.e2e
@@ -81,6 +82,19 @@ def test_greedy_matches_generate_streamed_and_not(running_stack, tiny_references
     for prompt in PROMPTS[:3]:
         assert complete(client, model, prompt, 40) == tiny_references[prompt]
         assert complete(client, model, prompt, 40, stream=True) == tiny_references[prompt]
+
+
+def test_the_worker_has_its_own_cpus(running_stack):
+    """CPU pinning: the worker on the CPUs its threads use, the router and the scheduler (with its Ray processes)
+    on the CPU kept for them; a machine with one CPU pins nothing."""
+    processes = running_stack.processes
+    affinity = {name: os.sched_getaffinity(processes[name].pid) for name in ("worker", "router", "scheduler")}
+    cpu_sets = local_cpu_sets(1)
+    if cpu_sets is None:
+        assert all(cpus == os.sched_getaffinity(0) for cpus in affinity.values())
+    else:
+        (worker_cpus,), service_cpus = cpu_sets
+        assert affinity == {"worker": worker_cpus, "router": service_cpus, "scheduler": service_cpus}
 
 
 def test_batch_invariance_among_concurrent_requests(running_stack, tiny_references):

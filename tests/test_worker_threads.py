@@ -53,3 +53,17 @@ def test_the_affinity_mask_caps_a_larger_quota(cgroup, monkeypatch):
 def test_local_workers_leave_one_cpu_to_the_rest_of_the_stack(monkeypatch, cpus, num_workers, threads):
     monkeypatch.setattr(launcher, "available_cpus", lambda: cpus)
     assert launcher.local_worker_threads(num_workers) == threads
+
+
+@pytest.mark.parametrize(("cpus", "quota", "num_workers", "expected"), [
+    ({0, 1}, 2, 1, ([{1}], {0})),
+    ({4, 5, 6, 7}, 4, 2, ([{5}, {6}], {4})),  # one thread each, as local_worker_threads counts
+    (set(range(16)), 16, 1, ([set(range(1, 16))], {0})),
+    ({3}, 1, 1, None),  # one CPU: nothing to split
+    ({0, 1, 2}, 3, 4, None),  # fewer CPUs than workers + 1
+    (set(range(8)), 2, 1, None),  # a cgroup quota below the mask
+])
+def test_a_local_stack_pins_its_workers_apart_from_the_other_services(monkeypatch, cpus, quota, num_workers, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
+    monkeypatch.setattr(launcher, "available_cpus", lambda: quota)
+    assert launcher.local_cpu_sets(num_workers) == expected
