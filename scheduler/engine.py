@@ -246,8 +246,8 @@ class Engine:
         With async scheduling, the step after a decode step is built and sent before that step's result is
         back (Scheduler.schedule_ahead), and so on while the batch stays in the steady decode state: the
         worker goes from one step to the next without waiting for this loop's round trip. With speculation,
-        only while the policy, asked for every step as without steps ahead, drafts nothing: a tree needs the
-        tokens of the step before it."""
+        only where the gate keeps drafting off for every kind in the batch (Speculator.plan_next): a tree needs
+        the tokens of the step before it."""
         mark = time.perf_counter()  # end of the previous step's cycle: each cycle is timed from there
         request = self.scheduler.schedule()
         if not request.sequences:  # only right after a preemption left nothing runnable; retry next turn
@@ -282,7 +282,8 @@ class Engine:
 
     def _schedule_ahead(self, request: StepRequest) -> tuple[StepRequest | None, GateDecision | None]:
         """The step after `request`, to send now, and the gate's decision for it; (None, None) when it must wait
-        for `request`'s result: async scheduling off, a step schedule_ahead() cannot build, or one that drafts."""
+        for `request`'s result: async scheduling off, a step the gate may let draft, or one schedule_ahead() cannot
+        build."""
         if not self.config.is_async_scheduling:
             return None, None
         if self.speculator is not None and not self.speculator.plan_next(self.scheduler, request):
