@@ -93,16 +93,22 @@ class ScheduledSequence:
         return self.num_computed_tokens + len(self.token_ids) + self.num_draft_tokens
 
     def to_pb(self) -> worker_pb2.ScheduledSequence:
-        return worker_pb2.ScheduledSequence(
-            seq_id=self.seq_id, token_ids=self.token_ids, num_computed_tokens=self.num_computed_tokens,
-            block_table=self.block_table, sample_indices=self.sample_indices,
-            draft=None if self.draft is None else self.draft.to_pb(), is_continuation=self.is_continuation)
+        # one per sequence per step: fields at their defaults are left out, not passed (each argument costs)
+        pb = worker_pb2.ScheduledSequence(seq_id=self.seq_id, token_ids=self.token_ids,
+                                          num_computed_tokens=self.num_computed_tokens, block_table=self.block_table,
+                                          sample_indices=self.sample_indices)
+        if self.draft is not None:
+            pb.draft.CopyFrom(self.draft.to_pb())
+        if self.is_continuation:
+            pb.is_continuation = True
+        return pb
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.ScheduledSequence) -> ScheduledSequence:
         draft = CandidateTree.from_pb(pb.draft) if pb.HasField("draft") and pb.draft.token_ids else None
-        return cls(pb.seq_id, tuple(pb.token_ids), pb.num_computed_tokens, tuple(pb.block_table),
-                   tuple(pb.sample_indices), draft, pb.is_continuation)
+        # a slice of a repeated field is a list, which __post_init__ makes a tuple: ~2x faster than tuple(field)
+        return cls(pb.seq_id, pb.token_ids[:], pb.num_computed_tokens, pb.block_table[:], pb.sample_indices[:],
+                   draft, pb.is_continuation)
 
 
 @dataclass
@@ -203,16 +209,21 @@ class SequenceOutput:
         self.top_logprobs = as_tuple(self.top_logprobs)
 
     def to_pb(self) -> worker_pb2.SequenceOutput:
-        return worker_pb2.SequenceOutput(
-            seq_id=self.seq_id, token_ids=self.token_ids, scores=self.scores,
-            top_logprobs=[t.to_pb() for t in self.top_logprobs],
-            prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.to_pb(), error=self.error)
+        # one per sequence per step: fields at their defaults are left out, not passed (each argument costs)
+        pb = worker_pb2.SequenceOutput(seq_id=self.seq_id, token_ids=self.token_ids, scores=self.scores)
+        if self.top_logprobs:
+            pb.top_logprobs.extend(t.to_pb() for t in self.top_logprobs)
+        if self.prompt_logprobs is not None:
+            pb.prompt_logprobs.CopyFrom(self.prompt_logprobs.to_pb())
+        if self.error:
+            pb.error = self.error
+        return pb
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.SequenceOutput) -> SequenceOutput:
         prompt = PromptLogprobs.from_pb(pb.prompt_logprobs) if pb.HasField("prompt_logprobs") else None
-        return cls(pb.seq_id, tuple(pb.token_ids), tuple(pb.scores),
-                   tuple(TopLogprobs.from_pb(t) for t in pb.top_logprobs), prompt, pb.error)
+        top = tuple(TopLogprobs.from_pb(t) for t in pb.top_logprobs) if pb.top_logprobs else ()
+        return cls(pb.seq_id, pb.token_ids[:], pb.scores[:], top, prompt, pb.error)  # lists: see ScheduledSequence
 
 
 @dataclass
