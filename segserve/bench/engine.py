@@ -1,4 +1,4 @@
-"""`segserve bench engine`: where the time of one engine step goes, in-process (no gRPC, no HTTP).
+"""`segserve bench engine`: where the time of one engine step goes, in-process (no gRPC transport, no HTTP).
 
 Per batch size: the real Scheduler (scheduler/scheduler.py) and a real ModelRunner
 (worker/model_runner.py) on one model; N sequences are added and prefilled (not
@@ -7,6 +7,10 @@ are timed. Each step is split into
   schedule  Scheduler.schedule()
   draft     with --draft: the drafter's state update and planner, in-process, and
             attach_drafts() (scheduler/drafting.py)
+  wire      the step's protobuf round trip, both ways, as the stack makes it between
+            the scheduler and the worker (StepRequest to_pb, serialize, parse, from_pb;
+            the same for StepResult), without the gRPC transport; the runner gets the
+            request that came through it
   metadata  the runner's host-side preparation (state update, validation, expansion,
             attention metadata, input tensors): ModelRunner.timings
   forward   the model call
@@ -184,7 +188,8 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
 
 def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[dict[str, float], int]:
     """One engine step; (seconds per part, total seconds under "total"), tokens it produced."""
-    from protos.segserve.v1.step import StepResult
+    from protos.segserve.v1 import worker_pb2
+    from protos.segserve.v1.step import StepRequest, StepResult
 
     t0 = time.perf_counter()
     request = scheduler.schedule()
@@ -193,14 +198,19 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     if drafter is not None:
         drafter.propose(scheduler, request)
         t2 = time.perf_counter()
-    outputs = runner.step(request)
+    received = StepRequest.from_pb(worker_pb2.StepRequest.FromString(request.to_pb().SerializeToString()))
     t3 = time.perf_counter()
-    scheduler.postprocess(request, StepResult(outputs))
+    outputs = runner.step(received)
     t4 = time.perf_counter()
-    parts = {"schedule": t1 - t0, "draft": t2 - t1, "output": t4 - t3, "total": t4 - t0}
+    result = StepResult.from_pb(worker_pb2.StepResponse.FromString(StepResult(outputs).to_pb().SerializeToString()))
+    t5 = time.perf_counter()
+    scheduler.postprocess(request, result)
+    t6 = time.perf_counter()
+    parts = {"schedule": t1 - t0, "draft": t2 - t1, "wire": (t3 - t2) + (t5 - t4), "output": t6 - t5,
+             "total": t6 - t0}
     for part in ("metadata", "forward", "sample"):
         parts[part] = runner.timings.get(part, 0.0)
-    return parts, sum(len(o.token_ids) for o in outputs)
+    return parts, sum(len(o.token_ids) for o in result.outputs)
 
 
 def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: int) -> dict:

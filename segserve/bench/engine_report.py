@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-PARTS = ("schedule", "metadata", "forward", "sample", "draft", "output")
+PARTS = ("schedule", "draft", "wire", "metadata", "forward", "sample", "output")
 """The parts of one engine step, in step order (draft runs between schedule and metadata)."""
 
 
