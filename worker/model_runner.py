@@ -38,6 +38,7 @@ from protos.segserve.v1.step import (
 )
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
+from worker.fused_norm import fuse_rms_norms
 from worker.packed_linear import pack_linears
 from worker.planning import SequenceState, StepPlan, plan_step
 from worker.threads import cpu_threads
@@ -84,6 +85,7 @@ class ModelRunner:
         self.device = self.model.device  # "cuda" resolved to "cuda:0"
         if config.is_packed_linear:
             logger.info("packed %d linear weights for oneDNN", pack_linears(self.model))
+        logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
         model_config = self.model.config.get_text_config()
         max_len = model_config.max_position_embeddings
         if config.max_model_len > max_len:
