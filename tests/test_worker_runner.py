@@ -280,3 +280,39 @@ def test_info_describes_model_and_cache(gemma3_runner):
     assert info.eos_token_ids == (gemma3_runner.model.config.eos_token_id,)
     assert info.dtype == "float32" and info.device == str(gemma3_runner.model.device)
     assert gemma3_runner.is_ready
+
+
+@pytest.mark.parametrize("chunks", [[(1, 1), (1, 1)], [(3, 3), (3, 3)], [(4, 4), (4, 4)], [(1, 1), (3, 3)]],
+                         ids=["decoding", "padded-prefill", "whole-prefill", "mixed"])
+def test_attention_without_gather_or_scatter_gives_the_same_logits(runner, monkeypatch, chunks):
+    """The step's only group with no padding query reads its queries and writes its output in place; the logits
+    are exactly those of gathering and scattering its rows."""
+    import worker.model_runner as model_runner
+
+    plan_groups = model_runner.plan_groups
+    seen = []
+
+    def plan_groups_without_shortcut(*args):
+        plans = plan_groups(*args)
+        seen.append(len(plans) == 1 and plans[0].is_whole_step)
+        for plan in plans:
+            plan.is_whole_step = False
+        return plans
+
+    prompts = [PROMPT[:9], PROMPT[2:11]]
+    logits = {}
+    for is_shortcut in (True, False):
+        if not is_shortcut:
+            monkeypatch.setattr(model_runner, "plan_groups", plan_groups_without_shortcut)
+        ids = [f"s{i}" for i in range(len(chunks))]
+        new = [NewSequence(i, SamplingParams(), len(p)) for i, p in zip(ids, prompts)]
+        prefill = [ScheduledSequence(i, p[:4], 0, [10 * k, 10 * k + 1, 10 * k + 2], sample_indices=[3])
+                   for k, (i, p) in enumerate(zip(ids, prompts))]
+        runner.compute_logits(StepRequest(prefill, new))
+        step = [ScheduledSequence(i, p[4:4 + n], 4, [10 * k, 10 * k + 1, 10 * k + 2], sample_indices=list(range(s)))
+                for k, (i, p, (n, s)) in enumerate(zip(ids, prompts, chunks))]
+        logits[is_shortcut] = runner.compute_logits(StepRequest(step))
+        runner.step(StepRequest(finished_seq_ids=ids))
+    assert torch.equal(logits[True], logits[False])
+    is_whole = {"[(1, 1), (1, 1)]": True, "[(3, 3), (3, 3)]": False, "[(4, 4), (4, 4)]": True, "[(1, 1), (3, 3)]": False}
+    assert seen[-1] == is_whole[str(chunks)]  # the compared step's, after its prefill's
