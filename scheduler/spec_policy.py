@@ -29,6 +29,11 @@ _EMA = 0.1  # weight of a new observation; ~10 observations of memory
 _PRIOR_RATE = 0.5  # acceptance assumed before measuring, and its decay per unmeasured depth
 
 
+def _ema(mean: float, value: float, is_first: bool) -> float:
+    """A running latency: the first observation itself, then each new one weighted _EMA."""
+    return value if is_first else mean + _EMA * (value - mean)
+
+
 @dataclass
 class SegmentStats:
     """Acceptance of one segment kind: cumulative counts for metrics, EMAs for the policy."""
@@ -178,6 +183,9 @@ class SpecPolicy:
     gate: SpeculationGate = field(default_factory=SpeculationGate)
     draft_overhead_s: float = 0.0
     """EMA of the Draft call's latency: paid only by steps that speculate."""
+    round_trip_extra_s: float = 0.0
+    """EMA of a step's round trip less its compute time, over the steps not sent ahead (async scheduling)."""
+    num_round_trips: int = 0
     num_steps: int = 0
     last_budgets: dict[str, int] = field(default_factory=dict)
     """Segment kind -> its budget at the latest step that had it (0 = drafting off for it), for the stats."""
@@ -185,7 +193,17 @@ class SpecPolicy:
     """The gate's decision at the latest choose(), for observe_cycle() once that step is done (None: the gate
     was not asked: a fixed policy, or a cost model not fitted yet)."""
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, compute_s: float, seconds: float | None) -> None:
+        """A worker step of `num_tokens` tokens: its compute time at the worker and its round trip, or None for a
+        step sent ahead, which waited at the worker for the step before it. The cost model prices steps as round
+        trips (a drafting step always is one), so a step ahead counts as its compute time plus the rest of a
+        round trip as measured on the steps that were not sent ahead."""
+        if seconds is None:
+            seconds = compute_s + self.round_trip_extra_s
+        else:
+            extra = max(seconds - compute_s, 0.0)
+            self.round_trip_extra_s = _ema(self.round_trip_extra_s, extra, self.num_round_trips == 0)
+            self.num_round_trips += 1
         self.cost.observe(num_tokens, seconds)
 
     def observe_cycle(self, decision: GateDecision | None, num_tokens: int, seconds: float) -> None:
@@ -196,7 +214,7 @@ class SpecPolicy:
             self.gate.observe(decision, num_tokens, seconds)
 
     def observe_draft_call(self, seconds: float) -> None:
-        self.draft_overhead_s += (_EMA if self.draft_overhead_s else 1.0) * (seconds - self.draft_overhead_s)
+        self.draft_overhead_s = _ema(self.draft_overhead_s, seconds, not self.draft_overhead_s)
 
     def choose(self, groups: Mapping[str, int], num_base_tokens: int, token_room: int) -> dict[str, int]:
         """Node budget per segment group.

@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 _LOG_EVERY = 100
 _MAX_FINALS = 4096  # final updates waiting for the background call; past it the oldest are dropped
-_ROUND_TRIP_EMA = 0.1
 
 
 class Drafter(Protocol):
@@ -82,9 +81,6 @@ class Speculator:
         self._planned: GateDecision | None = None
         """The gate's decision for the next step, made by plan_next() before the step in flight answered (it keeps
         drafting off for every kind)."""
-        self._round_trip_extra_s = 0.0
-        """EMA of a step's round trip less its compute time, over the steps not sent ahead."""
-        self._num_round_trips = 0
 
     @property
     def is_drafting(self) -> bool:
@@ -180,19 +176,10 @@ class Speculator:
         """A worker step that succeeded: its time for the cost model, its verified trees for the stats.
 
         seconds: the step's round trip, or None for a step sent ahead, which waited at the worker for the step
-        before it. The cost model prices steps as round trips (a drafting step always is one), so a step ahead
-        counts as its compute time (StepResult.compute_us) plus the rest of a round trip as measured on the
-        steps that were not sent ahead."""
+        before it (SpecPolicy.observe_step prices it from its compute time, StepResult.compute_us)."""
         if self.policy is None:
             return
-        compute_s = result.compute_us / 1e6
-        if seconds is None:
-            seconds = compute_s + self._round_trip_extra_s
-        else:
-            weight = _ROUND_TRIP_EMA if self._num_round_trips else 1.0
-            self._round_trip_extra_s += weight * (max(seconds - compute_s, 0.0) - self._round_trip_extra_s)
-            self._num_round_trips += 1
-        self.policy.observe_step(request.num_scheduled_tokens, seconds)
+        self.policy.observe_step(request.num_scheduled_tokens, result.compute_us / 1e6, seconds)
         outputs = {output.seq_id: output for output in result.outputs}
         for work in request.sequences:
             output = outputs.get(work.seq_id)

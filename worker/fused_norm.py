@@ -26,6 +26,7 @@ from torch import nn
 
 GEMMA_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
 LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm"})
+_KNOWN_NORMS = GEMMA_NORMS | LLAMA_NORMS
 
 
 class FusedRMSNorm(nn.Module):
@@ -54,7 +55,7 @@ class FusedRMSNorm(nn.Module):
 def is_known_norm(module: nn.Module) -> bool:
     """One of transformers' own RMSNorm classes whose formula FusedRMSNorm reproduces (not a namesake)."""
     cls = type(module)
-    return cls.__module__.startswith("transformers.") and cls.__name__ in GEMMA_NORMS | LLAMA_NORMS
+    return cls.__module__.startswith("transformers.") and cls.__name__ in _KNOWN_NORMS
 
 
 def fuse_rms_norms(model: nn.Module) -> int:
