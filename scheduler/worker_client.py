@@ -12,7 +12,7 @@ import grpc
 
 from protos.segserve.v1 import common_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health, WorkerInfo
-from protos.segserve.v1.step import StepRequest, StepResult
+from protos.segserve.v1.step import MalformedStep, StepRequest, StepResult
 from segserve.tls import TlsFiles, open_channel
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -46,20 +46,27 @@ class WorkerClient:
         self.step_timeout_s = step_timeout_s
         self._channel = open_channel(address, tls, _CHANNEL_OPTIONS, server_name)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self.is_packed = False
+        """Steps go packed (step.py): the worker said at its last GetInfo that it reads them."""
 
     async def get_info(self, timeout_s: float = 10.0) -> WorkerInfo:
         try:
-            return WorkerInfo.from_pb(await self._stub.GetInfo(common_pb2.WorkerInfoRequest(), timeout=timeout_s))
+            info = WorkerInfo.from_pb(await self._stub.GetInfo(common_pb2.WorkerInfoRequest(), timeout=timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("GetInfo", exc) from exc
+        self.is_packed = info.packed_steps
+        return info
 
     async def step(self, request: StepRequest) -> StepResult:
         """The worker's answer, unchecked (Scheduler.postprocess checks it against the request)."""
         try:
-            response = await self._stub.Step(request.to_pb(), timeout=self.step_timeout_s)
+            response = await self._stub.Step(request.to_pb(packed=self.is_packed), timeout=self.step_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error("Step", exc) from exc
-        return StepResult.from_pb(response)
+        try:
+            return StepResult.from_pb(response)
+        except MalformedStep as exc:
+            raise WorkerError(f"worker Step answered a malformed result: {exc}", "INTERNAL") from exc
 
     async def health(self, timeout_s: float = 5.0) -> Health:
         """The worker's readiness; unreachable counts as not ready (never raises for RPC errors)."""

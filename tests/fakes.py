@@ -344,19 +344,30 @@ class FakeWorker:
 
 class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
     """A FakeWorker over gRPC: injected failures become their status, violations INVALID_ARGUMENT. A step ahead
-    runs after the step it follows, with the real worker's StepOrder (gRPC does not order two calls)."""
+    runs after the step it follows, with the real worker's StepOrder (gRPC does not order two calls).
 
-    def __init__(self, worker: FakeWorker):
+    Like the real worker it reads packed steps and answers them packed; with packed_steps=False it plays a
+    worker that predates them: its GetInfo does not offer them, and a packed step is refused."""
+
+    def __init__(self, worker: FakeWorker, packed_steps: bool = True):
         self.worker = worker
         self.order = StepOrder()
+        self.packed_steps = packed_steps
+        self.num_packed = self.num_unpacked = 0
+        """Steps received packed and one message per sequence."""
 
     async def GetInfo(self, request, context):
-        return (await self.worker.get_info()).to_pb()
+        return dataclasses.replace(await self.worker.get_info(), packed_steps=self.packed_steps).to_pb()
 
     async def Health(self, request, context):
         return (await self.worker.health()).to_pb()
 
     async def Step(self, request, context):
+        packed = request.HasField("packed_sequences")
+        if packed and not self.packed_steps:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this worker does not read packed steps")
+        self.num_packed += packed
+        self.num_unpacked += not packed
         with self.order.handling(request.step_id):
             try:
                 await self.order.after(request.follows_step_id)
@@ -365,7 +376,7 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode[exc.code], exc.detail)
             except AssertionError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return result.to_pb()
+        return result.to_pb(packed=packed)
 
 
 class FakeDrafter:

@@ -35,6 +35,7 @@ from protos.segserve.v1.sampling import (
     validate,
 )
 from protos.segserve.v1.step import (
+    MalformedStep,
     NewSequence,
     PromptLogprobs,
     ScheduledSequence,
@@ -72,7 +73,8 @@ top_logprobs = st.integers(0, 4).flatmap(lambda n: st.builds(
     TopLogprobs, st.lists(uint32, min_size=n, max_size=n), st.lists(float32s, min_size=n, max_size=n)))
 prompt_logprobs = st.builds(PromptLogprobs, uint32, st.lists(float32s, max_size=4),
                             st.lists(top_logprobs, max_size=3))
-worker_infos = st.builds(WorkerInfo, st.text(), uint32, uint32, uint32, uint32, token_ids, st.text(), st.text())
+worker_infos = st.builds(WorkerInfo, st.text(), uint32, uint32, uint32, uint32, token_ids, st.text(), st.text(),
+                         st.booleans())
 
 
 def wire(message):
@@ -126,6 +128,54 @@ def test_candidate_tree_round_trip(tree):
 def test_step_request_round_trip(sequences, new_sequences, finished):
     request = StepRequest(sequences, new_sequences, finished)
     assert StepRequest.from_pb(wire(request.to_pb())) == request
+    assert StepRequest.from_pb(wire(request.to_pb(packed=True))) == request
+
+
+@settings(max_examples=50)
+@given(st.lists(st.builds(ScheduledSequence, st.text(), token_ids, uint32, token_ids, token_ids,
+                          st.none() | trees().filter(len), st.booleans()), max_size=6),
+       uint64, uint64)
+def test_a_packed_step_request_keeps_every_sequence_in_order(sequences, step_id, follows_step_id):
+    request = StepRequest(sequences, step_id=step_id, follows_step_id=follows_step_id)
+    pb = wire(request.to_pb(packed=True))
+    assert pb.HasField("packed_sequences") and not pb.sequences
+    assert StepRequest.from_pb(pb) == request
+
+
+def _packed_step(**columns) -> worker_pb2.StepRequest:
+    """A packed step of two sequences, one token, one block and one sample index each, with `columns` replaced."""
+    fields = {"seq_ids": ["a", "b"], "num_computed_tokens": [3, 4], "num_token_ids": [1, 1], "token_ids": [7, 8],
+              "num_blocks": [1, 1], "block_tables": [0, 1], "num_sample_indices": [1, 1], "sample_indices": [0, 0],
+              **columns}
+    return worker_pb2.StepRequest(packed_sequences=worker_pb2.PackedSequences(**fields))
+
+
+def test_the_packed_step_helper_is_well_formed():
+    assert [s.seq_id for s in StepRequest.from_pb(_packed_step()).sequences] == ["a", "b"]
+
+
+@pytest.mark.parametrize("columns, message", [
+    ({"num_computed_tokens": [3]}, "num_computed_tokens"),
+    ({"num_token_ids": [1]}, "lengths of token_ids"),
+    ({"token_ids": [7]}, "token_ids holds 1 values"),
+    ({"num_blocks": [1, 2]}, "block_tables holds 2 values, its lengths sum to 3"),
+    ({"sample_indices": [0, 0, 0]}, "sample_indices holds 3"),
+    ({"continuations": [2]}, "continuations must be ascending indices below 2"),
+    ({"continuations": [1, 1]}, "continuations"),
+    ({"drafted": [0], "drafts": []}, "0 drafts for 1 drafted"),
+    ({"drafted": [1, 0], "drafts": [common_pb2.CandidateTree(token_ids=[1], parents=[-1])] * 2}, "drafted"),
+], ids=["computed", "token-lengths", "token-values", "blocks", "samples", "continuation-range",
+        "continuation-twice", "drafts-missing", "drafted-order"])
+def test_a_packed_step_whose_columns_disagree_is_malformed(columns, message):
+    with pytest.raises(MalformedStep, match=message):
+        StepRequest.from_pb(wire(_packed_step(**columns)))
+
+
+def test_a_step_with_sequences_both_packed_and_one_message_each_is_malformed():
+    pb = _packed_step()
+    pb.sequences.add(seq_id="c", token_ids=[1], block_table=[2])
+    with pytest.raises(MalformedStep, match="both"):
+        StepRequest.from_pb(pb)
 
 
 @given(st.lists(st.builds(SequenceOutput, st.text(), token_ids, st.lists(float32s, max_size=8),
@@ -134,6 +184,26 @@ def test_step_request_round_trip(sequences, new_sequences, finished):
 def test_step_result_round_trip(outputs, compute_us):
     result = StepResult(outputs, compute_us)
     assert StepResult.from_pb(wire(result.to_pb())) == result
+    # packed: the outputs of only tokens and a score each go as columns, after the others (order is not kept)
+    packed = StepResult.from_pb(wire(result.to_pb(packed=True)))
+    assert packed.compute_us == compute_us
+    assert sorted(map(repr, packed.outputs)) == sorted(map(repr, outputs))
+
+
+def test_packed_outputs_carry_plain_outputs_as_columns_and_the_rest_one_message_each():
+    plain = [SequenceOutput("a", (1, 2), (-0.5, -1.0)), SequenceOutput("b", (3,), (-2.0,))]
+    rich = [SequenceOutput("c", (4,), (-0.25,), (TopLogprobs((4, 5), (-0.25, -1.5)),)),
+            SequenceOutput("d", error="non-finite logits")]
+    pb = wire(StepResult([plain[0], *rich, plain[1]], 7).to_pb(packed=True))
+    assert list(pb.packed_outputs.seq_ids) == ["a", "b"] and [o.seq_id for o in pb.outputs] == ["c", "d"]
+    assert StepResult.from_pb(pb) == StepResult([*rich, *plain], 7)
+
+
+def test_packed_outputs_whose_scores_do_not_match_their_tokens_are_malformed():
+    pb = worker_pb2.StepResponse(packed_outputs=worker_pb2.PackedOutputs(
+        seq_ids=["a"], num_token_ids=[2], token_ids=[1, 2], scores=[-0.5]))
+    with pytest.raises(MalformedStep, match="scores holds 1 values, its lengths sum to 2"):
+        StepResult.from_pb(pb)
 
 
 @given(worker_infos, st.booleans(), st.text())

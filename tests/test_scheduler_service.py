@@ -42,9 +42,9 @@ def make_fake(**kwargs) -> FakeWorker:
 
 
 @contextlib.asynccontextmanager
-async def running_service(fake: FakeWorker, **config):
-    """(scheduler stub, fake worker, engine), all on the running event loop."""
-    worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(fake))
+async def running_service(fake: FakeWorker, servicer: FakeWorkerServicer | None = None, **config):
+    """(scheduler stub, fake worker, engine), all on the running event loop; `servicer` serves `fake`."""
+    worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, servicer or FakeWorkerServicer(fake))
     config = SchedulerConfig(**{"worker_address": f"127.0.0.1:{worker_server.bound_port}", "port": 0,
                                 "max_num_batched_tokens": 32, **config})
     server, engine = await start_server(config)
@@ -108,6 +108,23 @@ async def test_generate_streams_tokens_then_complete_with_metrics(service):
     tokens, last = await collect(stub, generate_request("r2", [296], max_tokens=10))
     assert (tokens, last.finish_reason) == ([297, 298, EOS], FinishReason.EOS_TOKEN)
     assert fake.problems == []
+
+
+@pytest.mark.parametrize("packed_steps", [True, False], ids=["packed", "older-worker"])
+async def test_steps_go_packed_only_to_a_worker_that_reads_them(packed_steps):
+    """A worker that offers packed steps gets them, and answers them packed, with outputs that carry top
+    log-probabilities one message each in the same step; one that predates them (and would refuse them) gets
+    one message per sequence. Either way every request gets its tokens."""
+    fake = make_fake()
+    fake.step_delay_s = 0.005  # the requests share steps
+    servicer = FakeWorkerServicer(fake, packed_steps=packed_steps)
+    async with running_service(fake, servicer) as (stub, _, _):
+        results = await asyncio.gather(*(collect(stub, generate_request(
+            f"p{i}", [10 * i + 1, 10 * i + 2], max_tokens=4, num_top_logprobs=2 * (i % 2))) for i in range(4)))
+    assert [last.finish_reason for _, last in results] == [FinishReason.LENGTH] * 4
+    assert [tokens for tokens, _ in results] == [[10 * i + 3 + k for k in range(4)] for i in range(4)]
+    assert fake.max_batch > 1 and fake.problems == []
+    assert (servicer.num_packed > 0, servicer.num_unpacked > 0) == (packed_steps, not packed_steps)
 
 
 async def test_an_absent_sampling_message_means_greedy_defaults(service):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 
 import grpc
@@ -54,11 +55,12 @@ async def test_health_and_info_follow_loading(served, runner):
     servicer.attach(runner)
     assert Health.from_pb(await stub.Health(common_pb2.HealthRequest())).is_ready
     info = WorkerInfo.from_pb(await stub.GetInfo(common_pb2.WorkerInfoRequest()))
-    assert info == runner.info()
+    assert info == dataclasses.replace(runner.info(), packed_steps=True)  # the server reads packed steps
     assert (info.num_kv_blocks, info.block_size, info.vocab_size) == (32, 4, 400)
 
 
-async def test_steps_decode_and_match_in_process_runner(served, runner):
+@pytest.mark.parametrize("packed", [False, True], ids=["per-sequence", "packed"])
+async def test_steps_decode_and_match_in_process_runner(served, runner, packed):
     servicer, stub = served
     servicer.attach(runner)
     prompt = [1, 40, 41, 42, 43, 44]
@@ -71,12 +73,15 @@ async def test_steps_decode_and_match_in_process_runner(served, runner):
     tokens = list(reply.outputs[0].token_ids)
     for _ in range(3):
         step = ScheduledSequence("a", (tokens[-1],), len(prompt) + len(tokens) - 1, (3, 7, 9), sample_indices=(0,))
-        tokens += StepResult.from_pb(await stub.Step(StepRequest([step]).to_pb())).outputs[0].token_ids
+        answer = await stub.Step(StepRequest([step]).to_pb(packed=packed))
+        assert answer.HasField("packed_outputs") == packed  # a packed step is answered packed
+        tokens += StepResult.from_pb(answer).outputs[0].token_ids
     await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["a"]))
     # A tree step over the wire: the root and two drafts under it; the answer is a path plus one token.
     tree = CandidateTree((6, 7), (-1, -1))
     work = ScheduledSequence("b", (5,), 0, (0,), draft=tree)
-    reply = StepResult.from_pb(await stub.Step(StepRequest([work], [NewSequence("b", SamplingParams(), 1)]).to_pb()))
+    reply = StepResult.from_pb(await stub.Step(
+        StepRequest([work], [NewSequence("b", SamplingParams(), 1)]).to_pb(packed=packed)))
     (out,) = reply.outputs
     assert not out.error and tree.is_path(out.token_ids) and len(out.scores) == len(out.token_ids)
     await stub.Step(worker_pb2.StepRequest(finished_seq_ids=["b"]))
@@ -102,7 +107,10 @@ def _decode_in_process(runner: ModelRunner, prompt: list[int], num_new: int) -> 
     worker_pb2.StepRequest(new_sequences=[_new("s", 2)],
                            sequences=[worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2], block_table=[0]),
                                       worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2], block_table=[1])]),
-], ids=["shared-kv-slot", "scheduled-twice"])
+    worker_pb2.StepRequest(new_sequences=[_new("s", 2)], packed_sequences=worker_pb2.PackedSequences(
+        seq_ids=["s"], num_computed_tokens=[0], num_token_ids=[2], token_ids=[1], num_blocks=[1], block_tables=[0],
+        num_sample_indices=[0])),
+], ids=["shared-kv-slot", "scheduled-twice", "packed-columns-disagree"])
 async def test_malformed_steps_are_invalid_argument(served, runner, request_pb):
     servicer, stub = served
     servicer.attach(runner)
@@ -119,12 +127,15 @@ async def test_malformed_steps_are_invalid_argument(served, runner, request_pb):
     (worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1], block_table=[0],
                                   draft=common_pb2.CandidateTree(token_ids=[2, 3], parents=[-1, 7])), "tree"),
 ], ids=["unknown-seq", "short-block-table", "out-of-vocab", "bad-tree"])
-async def test_bad_sequences_fail_alone(served, runner, work, message):
+@pytest.mark.parametrize("packed", [False, True], ids=["per-sequence", "packed"])
+async def test_bad_sequences_fail_alone(served, runner, work, message, packed):
     servicer, stub = served
     servicer.attach(runner)
     good = worker_pb2.ScheduledSequence(seq_id="ok", token_ids=[1, 2, 3], block_table=[5], sample_indices=[2])
     request = worker_pb2.StepRequest(new_sequences=[_new("s", 2), _new("ok", 3)], sequences=[work, good],
                                      finished_seq_ids=[])
+    if packed:  # the same step as columns; the answer comes back with the error output first either way
+        request = StepRequest.from_pb(request).to_pb(packed=True)
     reply = StepResult.from_pb(await stub.Step(request))
     bad, ok = reply.outputs
     assert (bad.seq_id, ok.seq_id) == (work.seq_id, "ok")

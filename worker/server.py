@@ -13,6 +13,7 @@ else INTERNAL.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -22,7 +23,7 @@ import torch
 
 from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health
-from protos.segserve.v1.step import StepRequest, StepResult
+from protos.segserve.v1.step import MalformedStep, StepRequest, StepResult
 from segserve.health import Serving, add_health_and_reflection
 from segserve.heap import freeze_startup_heap
 from segserve.tls import TlsFiles, add_port, internal_tls
@@ -93,19 +94,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @_status_errors
     async def GetInfo(self, request, context):
-        return self._ready_runner().info().to_pb()
+        return dataclasses.replace(self._ready_runner().info(), packed_steps=True).to_pb()
 
     @_status_errors
     async def Step(self, request, context):
         with self.order.handling(request.step_id):
             runner = self._ready_runner()
-            step = StepRequest.from_pb(request)
+            try:
+                step = StepRequest.from_pb(request)
+            except MalformedStep as exc:
+                raise InvalidRequest(str(exc)) from exc
             await self.order.after(step.follows_step_id)
             async with self._step_lock:
                 start = time.perf_counter_ns()
                 outputs = await asyncio.to_thread(runner.step, step)
                 compute_us = (time.perf_counter_ns() - start) // 1000
-        return StepResult(outputs, compute_us).to_pb()
+        return StepResult(outputs, compute_us).to_pb(packed=request.HasField("packed_sequences"))
 
     @_status_errors
     async def Health(self, request, context):

@@ -198,11 +198,12 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     if drafter is not None:
         drafter.propose(scheduler, request)
         t2 = time.perf_counter()
-    received = StepRequest.from_pb(worker_pb2.StepRequest.FromString(request.to_pb().SerializeToString()))
+    received = StepRequest.from_pb(worker_pb2.StepRequest.FromString(request.to_pb(packed=True).SerializeToString()))
     t3 = time.perf_counter()
     outputs = runner.step(received)
     t4 = time.perf_counter()
-    result = StepResult.from_pb(worker_pb2.StepResponse.FromString(StepResult(outputs).to_pb().SerializeToString()))
+    result = StepResult.from_pb(
+        worker_pb2.StepResponse.FromString(StepResult(outputs).to_pb(packed=True).SerializeToString()))
     t5 = time.perf_counter()
     scheduler.postprocess(request, result)
     t6 = time.perf_counter()

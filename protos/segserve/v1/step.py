@@ -4,15 +4,26 @@ The scheduler builds a `StepRequest` (new sequences, each sequence's work, ended
 sequences); the worker answers with a `StepResult` (one `SequenceOutput` per
 sampled sequence). `output_problem()` is the one check that an answer fits the
 work it answers. Protobuf is converted here, at either side's edge.
+
+A step's sequences travel one message each, or packed: one message of columns for
+the whole step (worker.proto's PackedSequences and PackedOutputs), which costs a
+fraction of hundreds of small messages to build and read. A scheduler packs only
+for a worker that says it reads packed steps (WorkerInfo.packed_steps), and the
+worker answers a packed step packed; from_pb reads either form.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from protos.segserve.v1 import common_pb2, worker_pb2
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.tree import CandidateTree
+
+
+class MalformedStep(ValueError):
+    """A packed step or answer whose columns do not fit together (lengths that disagree, an index out of range)."""
 
 
 def as_tuple(values) -> tuple:
@@ -133,17 +144,86 @@ class StepRequest:
     def num_draft_tokens(self) -> int:
         return sum(s.num_draft_tokens for s in self.sequences)
 
-    def to_pb(self) -> worker_pb2.StepRequest:
+    def to_pb(self, packed: bool = False) -> worker_pb2.StepRequest:
+        """With `packed`, the sequences go as PackedSequences (for a worker with WorkerInfo.packed_steps)."""
+        sequences = {"packed_sequences": _pack_sequences(self.sequences)} if packed else {
+            "sequences": [s.to_pb() for s in self.sequences]}
         return worker_pb2.StepRequest(new_sequences=[n.to_pb() for n in self.new_sequences],
-                                      sequences=[s.to_pb() for s in self.sequences],
                                       finished_seq_ids=self.finished_seq_ids, step_id=self.step_id,
-                                      follows_step_id=self.follows_step_id)
+                                      follows_step_id=self.follows_step_id, **sequences)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.StepRequest) -> StepRequest:
-        return cls([ScheduledSequence.from_pb(s) for s in pb.sequences],
-                   [NewSequence.from_pb(n) for n in pb.new_sequences], list(pb.finished_seq_ids), pb.step_id,
-                   pb.follows_step_id)
+        """Raises MalformedStep for packed sequences whose columns disagree."""
+        if pb.HasField("packed_sequences"):
+            if pb.sequences:
+                raise MalformedStep("a step has sequences both packed and one message each")
+            sequences = _unpack_sequences(pb.packed_sequences)
+        else:
+            sequences = [ScheduledSequence.from_pb(s) for s in pb.sequences]
+        return cls(sequences, [NewSequence.from_pb(n) for n in pb.new_sequences], list(pb.finished_seq_ids),
+                   pb.step_id, pb.follows_step_id)
+
+
+def _pack_sequences(sequences: list[ScheduledSequence]) -> worker_pb2.PackedSequences:
+    seq_ids, num_computed, num_token_ids, token_ids, num_blocks, block_tables = [], [], [], [], [], []
+    num_sample_indices, sample_indices, continuations, drafted, drafts = [], [], [], [], []
+    for index, seq in enumerate(sequences):  # one loop of appends: 2x faster than a comprehension per column
+        seq_ids.append(seq.seq_id)
+        num_computed.append(seq.num_computed_tokens)
+        num_token_ids.append(len(seq.token_ids))
+        token_ids += seq.token_ids
+        num_blocks.append(len(seq.block_table))
+        block_tables += seq.block_table
+        num_sample_indices.append(len(seq.sample_indices))
+        sample_indices += seq.sample_indices
+        if seq.is_continuation:
+            continuations.append(index)
+        if seq.draft is not None:
+            drafted.append(index)
+            drafts.append(seq.draft.to_pb())
+    return worker_pb2.PackedSequences(
+        seq_ids=seq_ids, num_computed_tokens=num_computed, num_token_ids=num_token_ids, token_ids=token_ids,
+        num_blocks=num_blocks, block_tables=block_tables, num_sample_indices=num_sample_indices,
+        sample_indices=sample_indices, continuations=continuations, drafted=drafted, drafts=drafts)
+
+
+def _unpack_sequences(pb: worker_pb2.PackedSequences) -> list[ScheduledSequence]:
+    seq_ids = pb.seq_ids[:]
+    num_computed = pb.num_computed_tokens[:]
+    if len(num_computed) != len(seq_ids):
+        raise MalformedStep(f"{len(num_computed)} num_computed_tokens for {len(seq_ids)} packed sequences")
+    token_ids = _runs(pb.token_ids, pb.num_token_ids, len(seq_ids), "token_ids")
+    block_tables = _runs(pb.block_tables, pb.num_blocks, len(seq_ids), "block_tables")
+    sample_indices = _runs(pb.sample_indices, pb.num_sample_indices, len(seq_ids), "sample_indices")
+    continuations = set(_indices(pb.continuations, len(seq_ids), "continuations"))
+    drafted = _indices(pb.drafted, len(seq_ids), "drafted")
+    if len(drafted) != len(pb.drafts):
+        raise MalformedStep(f"{len(pb.drafts)} drafts for {len(drafted)} drafted sequences")
+    drafts = {index: CandidateTree.from_pb(tree) for index, tree in zip(drafted, pb.drafts) if tree.token_ids}
+    return [ScheduledSequence(seq_id, tokens, computed, blocks, samples, drafts.get(index), index in continuations)
+            for index, (seq_id, tokens, computed, blocks, samples)
+            in enumerate(zip(seq_ids, token_ids, num_computed, block_tables, sample_indices))]
+
+
+def _runs(values, lengths, num_entries: int, name: str) -> list[tuple]:
+    """A packed column cut into its entries' runs: `values` at `lengths`. The runs are tuples (slices of a
+    tuple), which the contract types' __post_init__ keep as they are."""
+    lengths = lengths[:]
+    if len(lengths) != num_entries:
+        raise MalformedStep(f"{len(lengths)} lengths of {name} for {num_entries} packed entries")
+    values = tuple(values[:])
+    ends = list(accumulate(lengths))
+    if (ends[-1] if ends else 0) != len(values):
+        raise MalformedStep(f"{name} holds {len(values)} values, its lengths sum to {ends[-1] if ends else 0}")
+    return [values[end - length:end] for length, end in zip(lengths, ends)]
+
+
+def _indices(indices, num_sequences: int, name: str) -> list[int]:
+    indices = indices[:]
+    if any(b <= a for a, b in zip(indices, indices[1:])) or (indices and indices[-1] >= num_sequences):
+        raise MalformedStep(f"{name} must be ascending indices below {num_sequences}")
+    return indices
 
 
 @dataclass(frozen=True)
@@ -234,12 +314,38 @@ class StepResult:
     compute_us: int = 0
     """Wall time of the forward and sampling."""
 
-    def to_pb(self) -> worker_pb2.StepResponse:
-        return worker_pb2.StepResponse(outputs=[o.to_pb() for o in self.outputs], compute_us=self.compute_us)
+    def to_pb(self, packed: bool = False) -> worker_pb2.StepResponse:
+        """With `packed` (the answer to a packed step), outputs of only tokens and one score per token go as
+        PackedOutputs, the rest one message each."""
+        if not packed:
+            return worker_pb2.StepResponse(outputs=[o.to_pb() for o in self.outputs], compute_us=self.compute_us)
+        seq_ids, num_token_ids, token_ids, scores, others = [], [], [], [], []
+        for output in self.outputs:
+            if (output.top_logprobs or output.prompt_logprobs is not None or output.error
+                    or len(output.scores) != len(output.token_ids)):
+                others.append(output.to_pb())
+                continue
+            seq_ids.append(output.seq_id)
+            num_token_ids.append(len(output.token_ids))
+            token_ids += output.token_ids
+            scores += output.scores
+        return worker_pb2.StepResponse(
+            outputs=others, compute_us=self.compute_us,
+            packed_outputs=worker_pb2.PackedOutputs(seq_ids=seq_ids, num_token_ids=num_token_ids,
+                                                    token_ids=token_ids, scores=scores))
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.StepResponse) -> StepResult:
-        return cls([SequenceOutput.from_pb(o) for o in pb.outputs], pb.compute_us)
+        """The outputs one message each first, then the packed ones. Raises MalformedStep for packed outputs
+        whose columns disagree."""
+        outputs = [SequenceOutput.from_pb(o) for o in pb.outputs]
+        if pb.HasField("packed_outputs"):
+            packed = pb.packed_outputs
+            seq_ids = packed.seq_ids[:]
+            token_ids = _runs(packed.token_ids, packed.num_token_ids, len(seq_ids), "token_ids")
+            scores = _runs(packed.scores, packed.num_token_ids, len(seq_ids), "scores")
+            outputs += [SequenceOutput(*output) for output in zip(seq_ids, token_ids, scores)]
+        return cls(outputs, pb.compute_us)
 
 
 def output_problem(work: ScheduledSequence, output: SequenceOutput | None) -> str | None:

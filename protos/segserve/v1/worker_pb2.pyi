@@ -38,18 +38,46 @@ class ScheduledSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., is_continuation: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("new_sequences", "sequences", "finished_seq_ids", "step_id", "follows_step_id")
+    __slots__ = ("new_sequences", "sequences", "finished_seq_ids", "step_id", "follows_step_id", "packed_sequences")
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     sequences: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[str]
     step_id: int
     follows_step_id: int
-    def __init__(self, new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., step_id: _Optional[int] = ..., follows_step_id: _Optional[int] = ...) -> None: ...
+    packed_sequences: PackedSequences
+    def __init__(self, new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., step_id: _Optional[int] = ..., follows_step_id: _Optional[int] = ..., packed_sequences: _Optional[_Union[PackedSequences, _Mapping]] = ...) -> None: ...
+
+class PackedSequences(_message.Message):
+    __slots__ = ("seq_ids", "num_computed_tokens", "num_token_ids", "token_ids", "num_blocks", "block_tables", "num_sample_indices", "sample_indices", "continuations", "drafted", "drafts")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: _containers.RepeatedScalarFieldContainer[int]
+    block_tables: _containers.RepeatedScalarFieldContainer[int]
+    num_sample_indices: _containers.RepeatedScalarFieldContainer[int]
+    sample_indices: _containers.RepeatedScalarFieldContainer[int]
+    continuations: _containers.RepeatedScalarFieldContainer[int]
+    drafted: _containers.RepeatedScalarFieldContainer[int]
+    drafts: _containers.RepeatedCompositeFieldContainer[_common_pb2.CandidateTree]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., num_sample_indices: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., continuations: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[_common_pb2.CandidateTree, _Mapping]]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
     __slots__ = ("seq_id", "token_ids", "scores", "top_logprobs", "prompt_logprobs", "error")
@@ -68,9 +96,23 @@ class SequenceOutput(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("outputs", "compute_us")
+    __slots__ = ("outputs", "compute_us", "packed_outputs")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    PACKED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
     compute_us: int
-    def __init__(self, outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    packed_outputs: PackedOutputs
+    def __init__(self, outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., compute_us: _Optional[int] = ..., packed_outputs: _Optional[_Union[PackedOutputs, _Mapping]] = ...) -> None: ...
+
+class PackedOutputs(_message.Message):
+    __slots__ = ("seq_ids", "num_token_ids", "token_ids", "scores")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
