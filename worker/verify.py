@@ -77,7 +77,7 @@ RowMaker = Callable[[Work], list[SampleRow]]
 """Builds the SampleRows of a work's sample indices, in order (each with its own prefix where it is read)."""
 
 
-@dataclass
+@dataclass(slots=True)  # one per sampled sequence per step
 class Sampled:
     """What one work sampled this step, token by token."""
 
