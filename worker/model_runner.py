@@ -213,28 +213,34 @@ class ModelRunner:
         # failed: work index -> why it failed (non-finite logits at any of its rows, a sampler error)
         sampled, failed = sample_works(works, logits, self.sample_rows)
         prompt = self._prompt_logprobs(plan, logits[plan.num_sample_rows:], failed)
-        for i, out in sampled.items():
-            if out.accepted_nodes is not None:
-                self._keep_accepted(works[i], out.accepted_nodes)
-            if out.accepted_nodes is not None or works[i].sample_indices[-1] == len(works[i].token_ids) - 1:
-                self._states[works[i].seq_id].last_sampled = out.token_ids[-1]  # what a continuation computes
-        by_id = {work.seq_id: i for i, work in enumerate(works)}
         outputs = []
+        work_index = iter(range(len(works)))  # the works are the sequences not rejected, in request order
         for seq_id in plan.seq_ids:
-            i = by_id.get(seq_id)
             if seq_id in plan.rejected:
                 outputs.append(SequenceOutput(seq_id, error=plan.rejected[seq_id]))
-            elif i in failed:
+                continue
+            i = next(work_index)
+            if i in failed:
                 outputs.append(SequenceOutput(seq_id, error=f"sequence {seq_id!r}: {failed[i]}"))
-            elif i in sampled or i in prompt:
-                outputs.append(self._output(seq_id, sampled.get(i), prompt.get(i)))
+                continue
+            out, state = sampled.get(i), self._states[seq_id]
+            if out is not None:
+                work = works[i]
+                if out.accepted_nodes is not None:
+                    self._keep_accepted(work, out.accepted_nodes)
+                if out.accepted_nodes is not None or work.sample_indices[-1] == len(work.token_ids) - 1:
+                    state.last_sampled = out.token_ids[-1]  # what a continuation computes
+            if out is not None or i in prompt:
+                outputs.append(self._output(seq_id, state, out, prompt.get(i)))
         return outputs
 
-    def _output(self, seq_id: str, sampled: Sampled | None, prompt: PromptLogprobs | None) -> SequenceOutput:
+    @staticmethod
+    def _output(seq_id: str, state: SequenceState, sampled: Sampled | None, prompt: PromptLogprobs | None
+                ) -> SequenceOutput:
         if sampled is None:
             return SequenceOutput(seq_id, prompt_logprobs=prompt)
         tops = ()
-        if self._states[seq_id].params.num_top_logprobs > 0:
+        if state.params.num_top_logprobs > 0:
             tops = tuple(TopLogprobs(*top) for top in sampled.top_logprobs)
         return SequenceOutput(seq_id, tuple(sampled.token_ids), tuple(sampled.scores), tops, prompt)
 
