@@ -424,16 +424,15 @@ class Scheduler:
         if not chosen:
             return request  # finished ids wait for the next step that runs
         now = self.clock()
+        batch_size = len(chosen)
         for seq, num_new in chosen:
             start = seq.num_computed_tokens
             is_at_end = start + num_new == seq.num_tokens
-            request.sequences.append(ScheduledSequence(
-                seq_id=seq.request_id,
-                token_ids=tuple(seq.token_ids[start:start + num_new]),
-                num_computed_tokens=start,
-                block_table=tuple(seq.block_table),
-                sample_indices=(num_new - 1,) if is_at_end else (),
-            ))
+            # positional arguments, and a decoding sequence's one token without a slice: this runs for every
+            # sequence every step
+            token_ids = (seq.token_ids[start],) if num_new == 1 else tuple(seq.token_ids[start:start + num_new])
+            request.sequences.append(ScheduledSequence(seq.request_id, token_ids, start, tuple(seq.block_table),
+                                                       (num_new - 1,) if is_at_end else ()))
             if not seq.is_known_to_worker:
                 # every token so far: a sequence moved from a lost worker may start past a cached prefix that
                 # covers some of its output too
@@ -443,7 +442,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 seq.queue_wait_us = RequestMetrics.of(seq).queue_wait_us
-            seq.max_batch_size = max(seq.max_batch_size, len(chosen))
+            seq.max_batch_size = max(seq.max_batch_size, batch_size)
             self._in_flight[seq.request_id] = seq
         request.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         self.num_steps += 1

@@ -128,12 +128,21 @@ class TokenChunk:
         self.top_logprobs = as_tuple(self.top_logprobs)
 
     def to_pb(self) -> scheduler_pb2.GenerateResponse:
-        chunk = scheduler_pb2.TokenChunk(
-            token_ids=self.token_ids, scores=self.scores, top_logprobs=[t.to_pb() for t in self.top_logprobs],
-            batch_size=self.batch_size, queue_wait_us=self.queue_wait_us,
-            prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.to_pb(),
-            segment=self.segment, num_draft_tokens=self.num_draft_tokens, draft_depth=self.draft_depth,
-            num_accepted_draft_tokens=self.num_accepted_draft_tokens)
+        # one per sequence per step: fields at their defaults are left out, not passed (each argument costs)
+        chunk = scheduler_pb2.TokenChunk(token_ids=self.token_ids, scores=self.scores, batch_size=self.batch_size,
+                                         queue_wait_us=self.queue_wait_us)
+        if self.top_logprobs:
+            chunk.top_logprobs.extend(t.to_pb() for t in self.top_logprobs)
+        if self.prompt_logprobs is not None:
+            chunk.prompt_logprobs.CopyFrom(self.prompt_logprobs.to_pb())
+        if self.segment:
+            chunk.segment = self.segment
+        if self.num_draft_tokens:
+            chunk.num_draft_tokens = self.num_draft_tokens
+        if self.draft_depth:
+            chunk.draft_depth = self.draft_depth
+        if self.num_accepted_draft_tokens:
+            chunk.num_accepted_draft_tokens = self.num_accepted_draft_tokens
         return scheduler_pb2.GenerateResponse(chunk=chunk)
 
 
