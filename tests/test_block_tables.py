@@ -107,6 +107,7 @@ def test_a_step_of_one_token_each_is_planned_as_one_group_exactly_as_the_general
     layout = step_layout(works, [tables.row(s.seq_id) for s in seqs], tables.host, block_size)
     (fast,) = plan_groups(works, layout)
     general = _plan_group(works, np.arange(len(works)), 1, layout)
-    assert fast.is_whole_step and (fast.num_queries, fast.num_keys) == (general.num_queries, general.num_keys) == (1, 16)
+    assert fast.is_whole_step
+    assert (fast.num_queries, fast.num_keys) == (general.num_queries, general.num_keys) == (1, 16)
     for got, expected in zip(fast.arrays(), general.arrays()):
         assert got.dtype == expected.dtype and np.array_equal(got, expected)

@@ -163,9 +163,10 @@ def _plan_one_token_each(layout: StepLayout) -> GroupPlan:
     queries in order (query r is token r)."""
     num_works = len(layout.rows)
     index = np.arange(num_works)
-    return GroupPlan(1, _bucket_keys(int(layout.starts.max()) + 1), np.stack([layout.rows, layout.starts, layout.lengths]),
-                     np.zeros((num_works, 1), np.int64), np.ones((num_works, 1, 1), bool),
-                     np.zeros((num_works, 1), bool), index[:, None], index, index, is_whole_step=True)
+    per_row = np.stack([layout.rows, layout.starts, layout.lengths])
+    return GroupPlan(1, _bucket_keys(int(layout.starts.max()) + 1), per_row, np.zeros((num_works, 1), np.int64),
+                     np.ones((num_works, 1, 1), bool), np.zeros((num_works, 1), bool), index[:, None], index, index,
+                     is_whole_step=True)
 
 
 def _plan_group(works: list[Work], members: np.ndarray, num_queries: int, layout: StepLayout) -> GroupPlan:

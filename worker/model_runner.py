@@ -271,11 +271,10 @@ class ModelRunner:
         watermark) they are one row, kept on the sequence's state, with no history, so a tree costs no row per
         node and a decode step builds no row."""
         state = self._states[work.seq_id]
-        if state.plain_row is not None:
-            return [state.plain_row] * len(work.sample_indices)
-        if not (state.params.has_penalty or state.params.watermark):
-            # the sampler reads no history: one row object for the sequence's life
+        if state.plain_row is None and not (state.params.has_penalty or state.params.watermark):
+            # the sampler reads no history: one row object for the sequence's life, made at its first step
             state.plain_row = SampleRow(state.params, (), state.num_prompt_tokens, state.generator)
+        if state.plain_row is not None:
             return [state.plain_row] * len(work.sample_indices)
         return [SampleRow(state.params, PrefixedHistory(state.history, work.num_computed_tokens, path),
                           state.num_prompt_tokens, state.generator) for path in step_paths(work)]
