@@ -41,14 +41,20 @@ class CorpusGuard:
         self._lock = threading.Lock()
         self._readers = threading.Condition()
         self._num_readers = 0  # waiting for the lock or holding it
+        self.num_slices = 0
+        """The learner's slices done under the lock so far."""
+        self.most_slices_waited = 0
+        """The most slices one reader waited through before it got the lock (readers first: at most 1)."""
 
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold the corpora still (a Draft batch, a snapshot)."""
         with self._readers:
             self._num_readers += 1
+            arrived_at = self.num_slices
         try:
             with self._lock:
+                self.most_slices_waited = max(self.most_slices_waited, self.num_slices - arrived_at)
                 yield
         finally:
             with self._readers:
@@ -63,7 +69,10 @@ class CorpusGuard:
             while self._num_readers:
                 self._readers.wait()
         with self._lock:
-            yield
+            try:
+                yield
+            finally:
+                self.num_slices += 1
 
 
 class Learner:
