@@ -144,6 +144,7 @@ class BlockManager:
         for block_id in prefix:  # before allocating, so that allocation cannot evict them
             self._ref(block_id)
         seq.block_table = list(prefix)
+        seq.num_blocks_sent = 0
         seq.num_hashed_blocks = len(prefix)
         seq.num_computed_tokens = len(prefix) * self.block_size
         self.allocate(seq, num_new_tokens)
@@ -169,6 +170,7 @@ class BlockManager:
             elif cached_id != block_id:
                 self._ref(cached_id)
                 seq.block_table[index] = cached_id
+                seq.num_blocks_sent = min(seq.num_blocks_sent, index)
                 self._unref(block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
@@ -178,6 +180,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table[keep:]):
             self._unref(block_id)
         del seq.block_table[keep:]
+        seq.num_blocks_sent = min(seq.num_blocks_sent, keep)
         seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
 
     def free(self, seq: Sequence) -> None:
@@ -185,6 +188,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._unref(block_id)
         seq.block_table = []
+        seq.num_blocks_sent = 0
         seq.num_hashed_blocks = 0
 
     def reset_prefix_cache(self) -> None:

@@ -44,10 +44,11 @@ def attach_drafts(scheduler: Scheduler, request: StepRequest, trees: Mapping[str
         tree = fit_tree(tree, seq, room, scheduler.max_len, block_manager)
         if not tree:
             continue
-        block_manager.allocate(seq, 1 + len(tree))
+        block_manager.allocate(seq, 1 + len(tree))  # appends: the entries before work.block_table_start stay
         room -= len(tree)
         request.sequences[index] = dataclasses.replace(
-            work, block_table=tuple(seq.block_table), sample_indices=(), draft=tree)
+            work, block_table=tuple(seq.block_table[work.block_table_start:]), sample_indices=(), draft=tree)
+        seq.num_blocks_sent = len(seq.block_table)
 
 
 def fit_tree(tree: CandidateTree, seq: Sequence, room: int, max_len: int,

@@ -355,6 +355,7 @@ class Engine:
             max_num_batched_tokens=self.config.max_num_batched_tokens, max_num_waiting=self.config.max_num_waiting,
             max_num_waiting_tokens=self.config.max_num_waiting_tokens,
             max_failed_steps=self.config.max_failed_steps, is_prefix_caching=self.config.is_prefix_caching,
+            is_block_table_delta=info.block_table_deltas,
             on_end=self.speculator.forget if self.speculator is not None else None)
         self.scheduler.release_later(self._stale_ids)
         self._stale_ids = []

@@ -74,6 +74,7 @@ class Scheduler:
         max_num_waiting_tokens: int = 262144,
         max_failed_steps: int = 8,
         is_prefix_caching: bool = True,
+        is_block_table_delta: bool = False,
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[str], None] | None = None,
     ):
@@ -88,6 +89,9 @@ class Scheduler:
         self.max_num_waiting = max_num_waiting
         self.max_num_waiting_tokens = max_num_waiting_tokens
         self.max_failed_steps = max_failed_steps
+        self.is_block_table_delta = is_block_table_delta
+        """Steps send each sequence only the block-table entries its worker lacks (Sequence.num_blocks_sent), for a
+        worker with WorkerInfo.block_table_deltas; otherwise whole tables."""
         self.clock = clock
         self._on_end = on_end
         self.requests: dict[str, Sequence] = {}
@@ -222,8 +226,9 @@ class Scheduler:
         ahead = StepRequest()
         for seq, work in chosen:
             self.block_manager.allocate(seq, len(work.token_ids) + 1)
-            ahead.sequences.append(ScheduledSequence(seq.request_id, (0,), seq.num_tokens, tuple(seq.block_table),
-                                                     (0,), is_continuation=True))
+            table_start, table = self._table_to_send(seq)
+            ahead.sequences.append(ScheduledSequence(seq.request_id, (0,), seq.num_tokens, table, (0,), None, True,
+                                                     table_start))
             seq.max_batch_size = max(seq.max_batch_size, len(chosen))
         ahead.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         self._ahead, self._ahead_seqs = ahead, {seq.request_id: seq for seq, _ in chosen}
@@ -419,6 +424,16 @@ class Scheduler:
         if self._on_end is not None:
             self._on_end(seq.request_id)
 
+    def _table_to_send(self, seq: Sequence) -> tuple[int, tuple[int, ...]]:
+        """seq's block_table_start and block table entries for the step being built; the worker has them all
+        once it takes the step (a step that fails preempts its sequences, and with them this count)."""
+        table = seq.block_table
+        table_start = seq.num_blocks_sent if self.is_block_table_delta else 0
+        seq.num_blocks_sent = len(table)
+        if not table_start:
+            return 0, tuple(table)
+        return table_start, () if table_start == len(table) else tuple(table[table_start:])
+
     def _build_request(self, chosen: list[tuple[Sequence, int]]) -> StepRequest:
         request = StepRequest()
         if not chosen:
@@ -431,8 +446,9 @@ class Scheduler:
             # positional arguments, and a decoding sequence's one token without a slice: this runs for every
             # sequence every step
             token_ids = (seq.token_ids[start],) if num_new == 1 else tuple(seq.token_ids[start:start + num_new])
-            request.sequences.append(ScheduledSequence(seq.request_id, token_ids, start, tuple(seq.block_table),
-                                                       (num_new - 1,) if is_at_end else ()))
+            table_start, table = self._table_to_send(seq)
+            request.sequences.append(ScheduledSequence(seq.request_id, token_ids, start, table,
+                                                       (num_new - 1,) if is_at_end else (), None, False, table_start))
             if not seq.is_known_to_worker:
                 # every token so far: a sequence moved from a lost worker may start past a cached prefix that
                 # covers some of its output too

@@ -50,6 +50,10 @@ class Sequence:
     """Prefix-cache hashes of the full blocks of token_ids computed so far (block_manager.hash_block)."""
     num_hashed_blocks: int = 0
     """Leading blocks of block_table that are in the prefix cache (taken from it, or computed and hashed)."""
+    num_blocks_sent: int = 0
+    """Leading entries of block_table that the worker has as they are, from earlier steps: a step sends only the
+    ones after them (ScheduledSequence.block_table_start). Every change to block_table lowers it to where the
+    change starts (block_manager.py); 0 sends the whole table."""
     num_cached_prompt_tokens: int | None = None
     """Prompt tokens taken from the prefix cache at first admission (None until then)."""
     status: SequenceStatus = SequenceStatus.WAITING

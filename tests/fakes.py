@@ -92,9 +92,9 @@ class FakeWorker:
     """A rule-following model behind the Engine's Worker protocol; see the module docstring."""
 
     def __init__(self, rule: Rule, vocab_size: int, eos_token_ids: Sequence[int] = (), *, num_kv_blocks: int = 64,
-                 block_size: int = 4, max_model_len: int = 128):
+                 block_size: int = 4, max_model_len: int = 128, block_table_deltas: bool = True):
         self.info = WorkerInfo("fake", num_kv_blocks, block_size, max_model_len, vocab_size, tuple(eos_token_ids),
-                               "cpu", "float32")
+                               "cpu", "float32", block_table_deltas=block_table_deltas)
         self.rule = rule
         self.step_delay_s = 0.0
         self.kv: dict[str, list[int]] = {}
@@ -102,6 +102,10 @@ class FakeWorker:
         history[:num_computed_tokens] + the step's tokens (+ accepted drafts), like the real worker."""
         self.slots: dict[int, int] = {}
         """KV-cache slot -> the token whose KV it holds (-1: garbage left by a failed step)."""
+        self.tables: dict[str, tuple[int, ...]] = {}
+        """Each sequence's last whole block table, which a delta (block_table_start) continues."""
+        self.num_table_entries = 0
+        """Block-table entries received, over every step."""
         self.sampling: dict[str, SamplingParams] = {}
         self.num_prompt_tokens: dict[str, int] = {}
         self.ever_announced: set[str] = set()
@@ -152,14 +156,19 @@ class FakeWorker:
         """Apply the request like the real worker (state first, then the forward); raise InjectedFailure
         for an injected whole-step failure, AssertionError for a contract violation."""
         self.requests.append(request)
+        self.num_table_entries += sum(len(work.block_table) for work in request.sequences)
         problem = self._register(request) or self._order_problem(request)
         refused: list[str] = []
+        if problem is None:
+            request, problem = self._whole_tables(request)
         if problem is None:
             request, refused = self._continued(request)
         problem = problem or self._check(request)
         if problem is not None:
             self.problems.append(problem)
             raise AssertionError(problem)
+        for work in request.sequences:  # taken in whether or not the step then runs, as the real worker's tables
+            self.tables[work.seq_id] = work.block_table
         failure = self._injected_failure(request)
         for work in request.sequences:
             self.last_sampled.pop(work.seq_id, None)  # until this step samples
@@ -188,6 +197,7 @@ class FakeWorker:
                 return f"released {seq_id!r}, never announced"
             self.released.append(seq_id)
             self.kv.pop(seq_id, None)
+            self.tables.pop(seq_id, None)
             self.sampling.pop(seq_id, None)
         for new in request.new_sequences:  # a known id restarts (e.g. re-announced after a failed step)
             self.ever_announced.add(new.seq_id)
@@ -204,6 +214,24 @@ class FakeWorker:
         if request.follows_step_id != before:
             return f"step {request.step_id} follows step {request.follows_step_id}, not the one before it ({before})"
         return None
+
+    def _whole_tables(self, request: StepRequest) -> tuple[StepRequest, str | None]:
+        """A copy of the request with every block table whole: a delta continues the sequence's last table."""
+        if not any(work.block_table_start for work in request.sequences):
+            return request, None
+        if not self.info.block_table_deltas:
+            return request, "a block-table delta sent to a worker that does not offer them"
+        sequences = []
+        for work in request.sequences:
+            if work.block_table_start:
+                base = self.tables.get(work.seq_id, ())
+                if work.block_table_start > len(base):
+                    return request, (f"{work.seq_id}: block_table_start {work.block_table_start}, but the worker "
+                                     f"holds {len(base)} entries")
+                work = dataclasses.replace(work, block_table=base[:work.block_table_start] + work.block_table,
+                                           block_table_start=0)
+            sequences.append(work)
+        return dataclasses.replace(request, sequences=sequences), None
 
     def _continued(self, request: StepRequest) -> tuple[StepRequest, list[str]]:
         """A copy of the request with the token each continuation's previous step sampled in place of its

@@ -60,6 +60,35 @@ def test_out_of_range_block_ids_are_refused_and_leave_the_row_as_it_was():
     assert tables.stage(seq("a", (1, 2, 3)), 3) is None  # the row still knows its first two blocks
 
 
+def delta(seq_id: str, start: int, entries: tuple[int, ...]) -> ScheduledSequence:
+    return ScheduledSequence(seq_id, (3,), 0, entries, (0,), block_table_start=start)
+
+
+def test_a_delta_continues_the_last_whole_table_the_sequence_was_staged_with():
+    tables = BlockTables(max_blocks_per_seq=8, num_blocks=100, device=torch.device("cpu"))
+    tables.stage(seq("a", (5, 9, 11)), 2)  # the table runs a block past what the step needs: it is kept whole
+    for work, whole in ((delta("a", 3, ()), (5, 9, 11)), (delta("a", 3, (12,)), (5, 9, 11, 12)),
+                        (delta("a", 1, (7,)), (5, 7))):  # nothing new; one more block; changed from index 1
+        assert tables.resolve(work) is None
+        assert work.block_table == whole and work.block_table_start == 0
+        assert tables.stage(work, len(whole)) is None
+        tables.flush()
+        assert row_of(tables, "a", len(whole)) == list(whole)
+    whole = seq("a", (1, 2))
+    assert tables.resolve(whole) is None and whole.block_table == (1, 2)  # start 0: the table as it came
+
+
+def test_a_delta_past_what_the_worker_holds_is_refused():
+    tables = BlockTables(max_blocks_per_seq=8, num_blocks=100, device=torch.device("cpu"))
+    tables.stage(seq("a", (5, 9)), 2)
+    assert "block_table_start=3, but the worker holds 2 entries" in tables.resolve(delta("a", 3, (1,)))
+    assert "holds 0 entries" in tables.resolve(delta("b", 1, ()))  # never staged
+    assert "block ids must be in" in tables.stage(seq("a", (5, 9, 100)), 3)  # refused: the last table stays
+    assert tables.resolve(delta("a", 3, ())) is not None
+    tables.release("a")
+    assert "holds 0 entries" in tables.resolve(delta("a", 1, ()))
+
+
 def test_rows_are_reused_after_release_and_the_tables_grow_past_their_first_size():
     tables = BlockTables(max_blocks_per_seq=2, num_blocks=1000, device=torch.device("cpu"), num_rows=4)
     for i in range(10):

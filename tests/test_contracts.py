@@ -74,7 +74,7 @@ top_logprobs = st.integers(0, 4).flatmap(lambda n: st.builds(
 prompt_logprobs = st.builds(PromptLogprobs, uint32, st.lists(float32s, max_size=4),
                             st.lists(top_logprobs, max_size=3))
 worker_infos = st.builds(WorkerInfo, st.text(), uint32, uint32, uint32, uint32, token_ids, st.text(), st.text(),
-                         st.booleans())
+                         st.booleans(), st.booleans())
 
 
 def wire(message):
@@ -122,7 +122,7 @@ def test_candidate_tree_round_trip(tree):
 
 @settings(max_examples=50)
 @given(st.lists(st.builds(ScheduledSequence, st.text(), token_ids, uint32, token_ids, token_ids,
-                          st.none() | trees().filter(len)), max_size=3),
+                          st.none() | trees().filter(len), st.booleans(), uint32), max_size=3),
        st.lists(st.builds(NewSequence, st.text(), sampling_params, uint32, token_ids), max_size=3),
        st.lists(st.text(), max_size=3))
 def test_step_request_round_trip(sequences, new_sequences, finished):
@@ -133,7 +133,7 @@ def test_step_request_round_trip(sequences, new_sequences, finished):
 
 @settings(max_examples=50)
 @given(st.lists(st.builds(ScheduledSequence, st.text(), token_ids, uint32, token_ids, token_ids,
-                          st.none() | trees().filter(len), st.booleans()), max_size=6),
+                          st.none() | trees().filter(len), st.booleans(), st.just(0) | uint32), max_size=6),
        uint64, uint64)
 def test_a_packed_step_request_keeps_every_sequence_in_order(sequences, step_id, follows_step_id):
     request = StepRequest(sequences, step_id=step_id, follows_step_id=follows_step_id)
@@ -164,11 +164,21 @@ def test_the_packed_step_helper_is_well_formed():
     ({"continuations": [1, 1]}, "continuations"),
     ({"drafted": [0], "drafts": []}, "0 drafts for 1 drafted"),
     ({"drafted": [1, 0], "drafts": [common_pb2.CandidateTree(token_ids=[1], parents=[-1])] * 2}, "drafted"),
+    ({"block_table_starts": [2]}, "1 block_table_starts for 2"),
 ], ids=["computed", "token-lengths", "token-values", "blocks", "samples", "continuation-range",
-        "continuation-twice", "drafts-missing", "drafted-order"])
+        "continuation-twice", "drafts-missing", "drafted-order", "table-starts"])
 def test_a_packed_step_whose_columns_disagree_is_malformed(columns, message):
     with pytest.raises(MalformedStep, match=message):
         StepRequest.from_pb(wire(_packed_step(**columns)))
+
+
+def test_a_packed_step_sends_the_block_table_starts_only_when_one_is_not_0():
+    whole = ScheduledSequence("a", (1,), 4, (0,), (0,))
+    delta = ScheduledSequence("b", (2,), 16, (), (0,), block_table_start=1)
+    assert not StepRequest([whole, whole]).to_pb(packed=True).packed_sequences.block_table_starts
+    pb = wire(StepRequest([whole, delta]).to_pb(packed=True))
+    assert list(pb.packed_sequences.block_table_starts) == [0, 1]
+    assert StepRequest.from_pb(pb).sequences == [whole, delta]
 
 
 def test_a_step_with_sequences_both_packed_and_one_message_each_is_malformed():

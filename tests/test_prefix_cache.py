@@ -25,7 +25,8 @@ BLOCK = 4
 
 def make_scheduler(**overrides) -> Scheduler:
     args = dict(num_kv_blocks=64, block_size=BLOCK, max_model_len=512, eos_token_ids=[EOS], max_num_seqs=8,
-                max_num_batched_tokens=64)
+                max_num_batched_tokens=64,
+                is_block_table_delta=True)  # as for the real worker (and the fake, which offers them)
     args.update(overrides)
     return Scheduler(**args)
 

@@ -25,7 +25,8 @@ EOS = 99
 
 def make_scheduler(**overrides) -> Scheduler:
     args = dict(num_kv_blocks=64, block_size=4, max_model_len=512, eos_token_ids=[EOS], max_num_seqs=8,
-                max_num_batched_tokens=64)
+                max_num_batched_tokens=64,
+                is_block_table_delta=True)  # as for the real worker (and the fake, which offers them)
     args.update(overrides)
     return Scheduler(**args)
 
@@ -287,6 +288,25 @@ def test_metrics_follow_the_request_timeline():
 # Faults: one sequence's error output, whole-step failures, malformed answers.
 
 PROMPTS = {f"r{i}": [10 * i + j for j in range(1 + i % 3)] for i in range(8)}
+
+
+def test_block_tables_go_as_deltas_to_a_worker_that_keeps_them_and_whole_to_one_that_does_not():
+    """The fake worker reads every sequence's KV back through the tables it rebuilds from the deltas, so a
+    delta that misses a change to a table (here the preemptions) changes the tokens or fails the step."""
+    prompts = {f"r{i}": [10 * i + j for j in range(6)] for i in range(4)}
+    results, num_entries = {}, {}
+    for is_delta in (True, False):
+        scheduler = make_scheduler(num_kv_blocks=10, is_block_table_delta=is_delta)  # short of blocks: preemptions
+        worker = FakeWorker(increment(VOCAB), VOCAB, [EOS], block_size=4, block_table_deltas=is_delta)
+        add_all(scheduler, prompts, max_tokens=12)
+        results[is_delta] = run_to_completion(scheduler, worker)
+        assert scheduler.num_preemptions > 0
+        num_entries[is_delta] = worker.num_table_entries
+        starts = [work.block_table_start for step in worker.requests for work in step.sequences]
+        assert any(starts) if is_delta else not any(starts)
+    assert results[True] == results[False] == {
+        request_id: (expected_output(prompt, 12), FinishReason.LENGTH) for request_id, prompt in prompts.items()}
+    assert num_entries[True] * 3 < num_entries[False], num_entries  # decode steps send no entries, mostly
 
 
 def add_all(scheduler: Scheduler, prompts: dict[str, list[int]], max_tokens: int = 6) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -111,11 +112,13 @@ async def test_generate_streams_tokens_then_complete_with_metrics(service):
 
 
 @pytest.mark.parametrize("packed_steps", [True, False], ids=["packed", "older-worker"])
-async def test_steps_go_packed_only_to_a_worker_that_reads_them(packed_steps):
+async def test_steps_go_packed_and_tables_as_deltas_only_to_a_worker_that_reads_them(packed_steps):
     """A worker that offers packed steps gets them, and answers them packed, with outputs that carry top
     log-probabilities one message each in the same step; one that predates them (and would refuse them) gets
-    one message per sequence. Either way every request gets its tokens."""
+    one message per sequence. The same for block-table deltas (the fake fails a step that sends one to a
+    worker that did not offer them). Either way every request gets its tokens."""
     fake = make_fake()
+    fake.info = dataclasses.replace(fake.info, block_table_deltas=packed_steps)
     fake.step_delay_s = 0.005  # the requests share steps
     servicer = FakeWorkerServicer(fake, packed_steps=packed_steps)
     async with running_service(fake, servicer) as (stub, _, _):
@@ -125,6 +128,7 @@ async def test_steps_go_packed_only_to_a_worker_that_reads_them(packed_steps):
     assert [tokens for tokens, _ in results] == [[10 * i + 3 + k for k in range(4)] for i in range(4)]
     assert fake.max_batch > 1 and fake.problems == []
     assert (servicer.num_packed > 0, servicer.num_unpacked > 0) == (packed_steps, not packed_steps)
+    assert any(work.block_table_start for step in fake.requests for work in step.sequences) == packed_steps
 
 
 async def test_an_absent_sampling_message_means_greedy_defaults(service):

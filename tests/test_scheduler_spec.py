@@ -33,7 +33,8 @@ def reference(prompt: list[int], max_tokens: int, max_len: int = 10**9) -> list[
 
 def make_scheduler(speculator: Speculator | None = None, **overrides) -> Scheduler:
     args = dict(num_kv_blocks=64, block_size=4, max_model_len=512, eos_token_ids=[EOS], max_num_seqs=8,
-                max_num_batched_tokens=64, on_end=speculator.forget if speculator is not None else None)
+                max_num_batched_tokens=64, on_end=speculator.forget if speculator is not None else None,
+                is_block_table_delta=True)  # as for the real worker (and the fake, which offers them)
     args.update(overrides)
     return Scheduler(**args)
 

@@ -1,5 +1,6 @@
 """The worker side of prefix caching: a sequence announced with its prompt may start its first step past a
-prefix another sequence computed (sharing those KV blocks), with the same tokens as computing it all."""
+prefix another sequence computed (sharing those KV blocks), with the same tokens as computing it all. And block
+tables sent as deltas, which keep the worker's view of a sequence's blocks between steps."""
 
 from __future__ import annotations
 
@@ -45,3 +46,30 @@ def test_a_step_past_tokens_the_worker_never_learned_is_still_refused(tiny_gemma
     work = ScheduledSequence("s", PROMPT[8:], 8, [0, 1, 2], sample_indices=[len(PROMPT) - 9])
     (out,) = runner.step(StepRequest([work], [NewSequence("s", SamplingParams(), len(PROMPT))]))
     assert "num_computed_tokens=8" in out.error and out.token_ids == ()
+
+
+def test_block_tables_sent_as_deltas_decode_like_whole_tables(tiny_gemma3_dir):
+    """A scheduler that keeps count sends each step only the blocks the worker lacks: none while a block has
+    room, one when the sequence crosses into the next."""
+    runner = make_runner(tiny_gemma3_dir)  # block size 4
+    assert runner.info().block_table_deltas
+    blocks, sent, output = [40, 41, 42], 0, []
+    work = ScheduledSequence("d", PROMPT, 0, tuple(blocks), sample_indices=[len(PROMPT) - 1])
+    new = [NewSequence("d", SamplingParams(), len(PROMPT), tuple(PROMPT))]
+    for step in range(NUM_NEW + 4):
+        sent = len(blocks)
+        (out,) = runner.step(StepRequest([work], new))
+        assert not out.error, out.error
+        output += out.token_ids
+        new = []
+        num_tokens = len(PROMPT) + len(output)
+        if num_tokens > 4 * len(blocks):
+            blocks.append(43 + step)
+        work = ScheduledSequence("d", [output[-1]], num_tokens - 1, tuple(blocks[sent:]), sample_indices=[0],
+                                 block_table_start=sent)
+    assert len(blocks) > 4  # the sequence did cross into new blocks
+    assert output == reference_greedy(runner.model, PROMPT, NUM_NEW + 4)
+    # a delta past the table the worker holds is refused for that sequence alone, naming the field
+    (out,) = runner.step(StepRequest([ScheduledSequence("d", [output[-1]], len(PROMPT) + len(output) - 1, (),
+                                                        sample_indices=[0], block_table_start=len(blocks) + 1)]))
+    assert "block_table_start" in out.error and out.token_ids == ()

@@ -9,6 +9,10 @@ changed entries are range-checked, so a step costs O(changed blocks), not O(ever
 The rows stay in sync with what the scheduler sent last, whether or not the step then ran: an
 entry only says which block holds a position, and nothing reads it before a step that covers
 the position has checked it.
+
+A scheduler may also send only a table's new entries (ScheduledSequence.block_table_start, for a
+worker with WorkerInfo.block_table_deltas): `resolve` puts them after the entries kept from the
+sequence's last table, which every sequence that passed its checks leaves here.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class BlockTables:
         self._rows: dict[str, int] = {}
         self._known: dict[str, tuple[int, ...]] = {}
         """seq_id -> the entries its row holds (a prefix of the last table the scheduler sent)."""
+        self._sent: dict[str, tuple[int, ...]] = {}
+        """seq_id -> the last whole table it was staged with (what block_table_start counts into)."""
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._pending: list[tuple[int, int, tuple[int, ...]]] = []
         """(row, first column, block ids) written on the host, not yet on the device."""
@@ -52,14 +58,34 @@ class BlockTables:
         if row is not None:
             self._known.pop(seq_id)
             self._free_rows.append(row)
+        self._sent.pop(seq_id, None)
 
     def retain(self, seq_ids) -> None:
         """Release every sequence not in seq_ids (a collection with fast membership)."""
-        for seq_id in [s for s in self._rows if s not in seq_ids]:
+        for seq_id in [s for s in {**self._rows, **self._sent} if s not in seq_ids]:
             self.release(seq_id)
 
+    def resolve(self, seq: ScheduledSequence) -> str | None:
+        """Make seq's block_table whole (block_table_start 0): the entries before block_table_start are those of
+        the last table the sequence was staged with. Changes seq in place (its meaning stays the same), or
+        returns why it cannot: the worker holds fewer entries than block_table_start."""
+        start = seq.block_table_start
+        if not start:
+            return None
+        sent = self._sent.get(seq.seq_id, ())
+        if start > len(sent):
+            return (f"block_table_start={start}, but the worker holds {len(sent)} entries of its block table "
+                    "(send the whole table)")
+        if start == len(sent) and not seq.block_table:  # most decode steps: nothing new
+            seq.block_table = sent
+        else:
+            seq.block_table = sent[:start] + seq.block_table
+        seq.block_table_start = 0
+        return None
+
     def stage(self, seq: ScheduledSequence, num_blocks_needed: int) -> str | None:
-        """Take the first num_blocks_needed entries of seq.block_table into its row (host side).
+        """Take the first num_blocks_needed entries of seq.block_table (whole: see resolve) into its row (host
+        side), and keep the whole table for the sequence's next resolve.
 
         Returns why they cannot be taken (a block id out of range, more blocks than a sequence
         may have), or None. Only entries that differ from the row's are checked and written.
@@ -72,10 +98,12 @@ class BlockTables:
         if first > num_blocks_needed or table[:first] != known:
             first = _common_prefix(table, known, num_blocks_needed)
         if first == num_blocks_needed and first == len(known):
+            self._sent[seq.seq_id] = table
             return None
         new = table[first:num_blocks_needed]
         if new and (min(new) < 0 or max(new) >= self.num_blocks):
             return f"block ids must be in [0, {self.num_blocks})"
+        self._sent[seq.seq_id] = table
         row = self.row(seq.seq_id)
         self.host[row, first:num_blocks_needed] = new
         self._known[seq.seq_id] = table[:num_blocks_needed]

@@ -108,6 +108,7 @@ class ModelRunner:
             eos_token_ids=_eos_token_ids(self.model),
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            block_table_deltas=True,  # plan_step resolves them (BlockTables.resolve)
         )
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
         self._states: dict[str, SequenceState] = {}

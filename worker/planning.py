@@ -94,10 +94,12 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
     runnable = []
     for seq in request.sequences:
         state = states.get(seq.seq_id)
-        if seq.is_continuation:
+        problem = None
+        if seq.block_table_start and state is not None:  # (an unknown sequence gets sequence_problem's message)
+            problem = tables.resolve(seq)
+            problem = None if problem is None else f"sequence {seq.seq_id!r}: {problem}"
+        if seq.is_continuation and problem is None:
             seq, problem = _continued(seq, state)
-        else:
-            problem = None
         problem = problem or sequence_problem(seq, None if state is None else len(state.history), limits)
         if problem is None:
             problem = tables.stage(seq, -(-seq.num_tokens // limits.block_size))

@@ -227,7 +227,8 @@ def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: 
         num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
         eos_token_ids=info.eos_token_ids, max_num_seqs=batch_size,
         max_num_batched_tokens=max(2048, batch_size * (1 + config.max_draft_nodes)),
-        max_num_waiting=batch_size, max_num_waiting_tokens=batch_size * config.prompt_len + 1)
+        max_num_waiting=batch_size, max_num_waiting_tokens=batch_size * config.prompt_len + 1,
+        is_block_table_delta=info.block_table_deltas)
     sampling = SamplingParams(repetition_penalty=config.repetition_penalty)
     stopping = StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)
     seq_ids = [f"b{batch_size}-{i}" for i in range(batch_size)]

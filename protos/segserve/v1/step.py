@@ -10,6 +10,10 @@ the whole step (worker.proto's PackedSequences and PackedOutputs), which costs a
 fraction of hundreds of small messages to build and read. A scheduler packs only
 for a worker that says it reads packed steps (WorkerInfo.packed_steps), and the
 worker answers a packed step packed; from_pb reads either form.
+
+Block tables travel as deltas to a worker that keeps them (WorkerInfo.block_table_deltas): a sequence's
+`block_table` then holds only the entries from `block_table_start` on, which the worker appends to the ones it
+kept from the steps before; a decoding sequence mostly sends none.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ class ScheduledSequence:
     num_computed_tokens: int
     """Tokens already in the KV cache (0 = start over, e.g. after a preemption)."""
     block_table: tuple[int, ...]
-    """Covers num_computed_tokens + len(token_ids) + len(draft) positions."""
+    """The entries from block_table_start on of the table, which covers num_computed_tokens + len(token_ids) +
+    len(draft) positions."""
     sample_indices: tuple[int, ...] = ()
     """Indices into token_ids whose next token is sampled; empty for a prefill chunk short of the end
     and for a tree step."""
@@ -83,6 +88,9 @@ class ScheduledSequence:
     is_continuation: bool = False
     """Async scheduling: token_ids is one placeholder for the token the worker sampled for this sequence in its
     previous step, which the worker puts in its place (worker.proto)."""
+    block_table_start: int = 0
+    """The worker has the table's entries before this index from the steps before (0: block_table is whole);
+    only for a worker with WorkerInfo.block_table_deltas."""
 
     def __post_init__(self) -> None:  # runs for every sequence every step: no loop over field names
         self.token_ids = as_tuple(self.token_ids)
@@ -112,6 +120,8 @@ class ScheduledSequence:
             pb.draft.CopyFrom(self.draft.to_pb())
         if self.is_continuation:
             pb.is_continuation = True
+        if self.block_table_start:
+            pb.block_table_start = self.block_table_start
         return pb
 
     @classmethod
@@ -119,7 +129,7 @@ class ScheduledSequence:
         draft = CandidateTree.from_pb(pb.draft) if pb.HasField("draft") and pb.draft.token_ids else None
         # a slice of a repeated field is a list, which __post_init__ makes a tuple: ~2x faster than tuple(field)
         return cls(pb.seq_id, pb.token_ids[:], pb.num_computed_tokens, pb.block_table[:], pb.sample_indices[:],
-                   draft, pb.is_continuation)
+                   draft, pb.is_continuation, pb.block_table_start)
 
 
 @dataclass
@@ -168,6 +178,7 @@ class StepRequest:
 def _pack_sequences(sequences: list[ScheduledSequence]) -> worker_pb2.PackedSequences:
     seq_ids, num_computed, num_token_ids, token_ids, num_blocks, block_tables = [], [], [], [], [], []
     num_sample_indices, sample_indices, continuations, drafted, drafts = [], [], [], [], []
+    block_table_starts = []
     for index, seq in enumerate(sequences):  # one loop of appends: 2x faster than a comprehension per column
         seq_ids.append(seq.seq_id)
         num_computed.append(seq.num_computed_tokens)
@@ -175,6 +186,7 @@ def _pack_sequences(sequences: list[ScheduledSequence]) -> worker_pb2.PackedSequ
         token_ids += seq.token_ids
         num_blocks.append(len(seq.block_table))
         block_tables += seq.block_table
+        block_table_starts.append(seq.block_table_start)
         num_sample_indices.append(len(seq.sample_indices))
         sample_indices += seq.sample_indices
         if seq.is_continuation:
@@ -185,7 +197,8 @@ def _pack_sequences(sequences: list[ScheduledSequence]) -> worker_pb2.PackedSequ
     return worker_pb2.PackedSequences(
         seq_ids=seq_ids, num_computed_tokens=num_computed, num_token_ids=num_token_ids, token_ids=token_ids,
         num_blocks=num_blocks, block_tables=block_tables, num_sample_indices=num_sample_indices,
-        sample_indices=sample_indices, continuations=continuations, drafted=drafted, drafts=drafts)
+        sample_indices=sample_indices, continuations=continuations, drafted=drafted, drafts=drafts,
+        block_table_starts=block_table_starts if any(block_table_starts) else None)
 
 
 def _unpack_sequences(pb: worker_pb2.PackedSequences) -> list[ScheduledSequence]:
@@ -201,9 +214,13 @@ def _unpack_sequences(pb: worker_pb2.PackedSequences) -> list[ScheduledSequence]
     if len(drafted) != len(pb.drafts):
         raise MalformedStep(f"{len(pb.drafts)} drafts for {len(drafted)} drafted sequences")
     drafts = {index: CandidateTree.from_pb(tree) for index, tree in zip(drafted, pb.drafts) if tree.token_ids}
-    return [ScheduledSequence(seq_id, tokens, computed, blocks, samples, drafts.get(index), index in continuations)
-            for index, (seq_id, tokens, computed, blocks, samples)
-            in enumerate(zip(seq_ids, token_ids, num_computed, block_tables, sample_indices))]
+    starts = pb.block_table_starts[:] or [0] * len(seq_ids)
+    if len(starts) != len(seq_ids):
+        raise MalformedStep(f"{len(starts)} block_table_starts for {len(seq_ids)} packed sequences")
+    return [ScheduledSequence(seq_id, tokens, computed, blocks, samples, drafts.get(index), index in continuations,
+                              start)
+            for index, (seq_id, tokens, computed, blocks, samples, start)
+            in enumerate(zip(seq_ids, token_ids, num_computed, block_tables, sample_indices, starts))]
 
 
 def _runs(values, lengths, num_entries: int, name: str) -> list[tuple]:

@@ -20,7 +20,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "block_table", "sample_indices", "draft", "is_continuation")
+    __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "block_table", "sample_indices", "draft", "is_continuation", "block_table_start")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class ScheduledSequence(_message.Message):
     SAMPLE_INDICES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     IS_CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_START_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -35,7 +36,8 @@ class ScheduledSequence(_message.Message):
     sample_indices: _containers.RepeatedScalarFieldContainer[int]
     draft: _common_pb2.CandidateTree
     is_continuation: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., is_continuation: _Optional[bool] = ...) -> None: ...
+    block_table_start: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., is_continuation: _Optional[bool] = ..., block_table_start: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("new_sequences", "sequences", "finished_seq_ids", "step_id", "follows_step_id", "packed_sequences")
@@ -54,7 +56,7 @@ class StepRequest(_message.Message):
     def __init__(self, new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., step_id: _Optional[int] = ..., follows_step_id: _Optional[int] = ..., packed_sequences: _Optional[_Union[PackedSequences, _Mapping]] = ...) -> None: ...
 
 class PackedSequences(_message.Message):
-    __slots__ = ("seq_ids", "num_computed_tokens", "num_token_ids", "token_ids", "num_blocks", "block_tables", "num_sample_indices", "sample_indices", "continuations", "drafted", "drafts")
+    __slots__ = ("seq_ids", "num_computed_tokens", "num_token_ids", "token_ids", "num_blocks", "block_tables", "num_sample_indices", "sample_indices", "continuations", "drafted", "drafts", "block_table_starts")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,7 @@ class PackedSequences(_message.Message):
     CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_STARTS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -77,7 +80,8 @@ class PackedSequences(_message.Message):
     continuations: _containers.RepeatedScalarFieldContainer[int]
     drafted: _containers.RepeatedScalarFieldContainer[int]
     drafts: _containers.RepeatedCompositeFieldContainer[_common_pb2.CandidateTree]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., num_sample_indices: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., continuations: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[_common_pb2.CandidateTree, _Mapping]]] = ...) -> None: ...
+    block_table_starts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., num_sample_indices: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., continuations: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[_common_pb2.CandidateTree, _Mapping]]] = ..., block_table_starts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
     __slots__ = ("seq_id", "token_ids", "scores", "top_logprobs", "prompt_logprobs", "error")
