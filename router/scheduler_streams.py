@@ -24,9 +24,11 @@ from protos.segserve.v1.generate import (
     GenerateError,
     GenerateEvent,
     GenerateRequest,
+    MalformedEvents,
     StartStream,
     TokenChunk,
     event_from_pb,
+    stream_events_from_pb,
 )
 
 logger = logging.getLogger(__name__)
@@ -160,12 +162,15 @@ class SharedCall:
         try:
             async for response in self._call:
                 inboxes = self.inboxes
-                for pb in response.events:
-                    inbox = inboxes.get(pb.request_id)
+                for request_id, event in stream_events_from_pb(response):
+                    inbox = inboxes.get(request_id)
                     if inbox is not None:
-                        inbox.put(event_from_pb(pb.event))
+                        inbox.put(event)
         except grpc.aio.AioRpcError as exc:
             failure = UNIMPLEMENTED if exc.code() == grpc.StatusCode.UNIMPLEMENTED else failure_of(exc)
+        except MalformedEvents as exc:  # a scheduler bug: the call's requests fail, the router goes on
+            logger.error("the scheduler sent a malformed response: %s", exc)
+            failure = GenerateError("internal", f"scheduler: malformed response: {exc}")
         except asyncio.CancelledError:
             failure = GenerateError("unavailable", "scheduler: the client was closed")
             raise

@@ -40,12 +40,13 @@ MAX_HEAVY_BYTES = 2 << 20
 many requests get their prompt logprobs at once goes out as several messages, not one the router refuses."""
 
 
-def split_messages(events: list[tuple[str, GenerateEvent]], max_heavy_bytes: int = MAX_HEAVY_BYTES
-                   ) -> list[scheduler_pb2.StreamsResponse]:
-    """The events, in order, as one message, or several when their logprobs pass `max_heavy_bytes`. Only those
-    heavy events are measured (plain token chunks are a few dozen bytes each)."""
+def split_messages(events: list[tuple[str, GenerateEvent]], max_heavy_bytes: int = MAX_HEAVY_BYTES,
+                   packed: bool = False) -> list[scheduler_pb2.StreamsResponse]:
+    """The events, in order, as one message (with `packed`, its plain token chunks as columns), or several,
+    one message per event, when their logprobs pass `max_heavy_bytes`. Only those heavy events are measured
+    (plain token chunks are a few dozen bytes each)."""
     if not any(_is_heavy(event) for _, event in events):
-        return [stream_events_to_pb(events)]
+        return [stream_events_to_pb(events, packed)]
     messages, response, num_heavy_bytes = [], scheduler_pb2.StreamsResponse(), 0
     for request_id, event in events:
         pb = event.to_pb()
@@ -78,6 +79,8 @@ class StreamsCall:
         self._waiter: asyncio.Future | None = None
         self.is_reading = True
         """The client may still send actions (it has not closed its side)."""
+        self.is_packed = False
+        """The client reads packed chunks (it said so in a StreamsRequest): responses carry them."""
 
     @property
     def num_live(self) -> int:
@@ -87,6 +90,8 @@ class StreamsCall:
         """Apply the client's actions as they arrive, until it closes its side (or the call breaks)."""
         try:
             async for pb in requests:
+                if pb.packed_chunks:
+                    self.is_packed = True
                 action = stream_action_from_pb(pb)
                 if isinstance(action, StartStream):
                     self.start(action)
@@ -158,7 +163,7 @@ class StreamsCall:
             ended, self._ended = self._ended, []
             for request_id in ended:  # as Generate's end: a no-op for the engine, an EngineGroup forgets it
                 self.engine.abort(request_id)
-            for response in split_messages(events):
+            for response in split_messages(events, packed=self.is_packed):
                 yield response
 
     def wake(self) -> None:

@@ -21,8 +21,11 @@ from protos.segserve.v1.generate import (
     GenerateComplete,
     GenerateError,
     GenerateRequest,
+    MalformedEvents,
     TokenChunk,
     event_from_pb,
+    stream_events_from_pb,
+    stream_events_to_pb,
     validate_request,
 )
 from protos.segserve.v1.info import Health, WorkerInfo
@@ -104,14 +107,66 @@ def test_generate_request_without_sampling_is_greedy_defaults():
     assert GenerateRequest.from_pb(pb).sampling == SamplingParams()
 
 
-@given(st.one_of(
+generate_events = st.one_of(
     st.builds(TokenChunk, token_ids, st.lists(float32s, max_size=8), st.lists(top_logprobs, max_size=3), uint32,
               uint64, st.none() | prompt_logprobs, st.text(), uint32, uint32, uint32),
     st.builds(GenerateComplete, st.sampled_from(FinishReason), uint32, uint32, uint64, uint64, uint64, uint32,
               st.text(), uint32),
-    st.builds(GenerateError, st.text(min_size=1), st.text())))
+    st.builds(GenerateError, st.text(min_size=1), st.text()))
+plain_chunks = st.integers(0, 6).flatmap(lambda n: st.builds(
+    TokenChunk, st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n), st.lists(float32s, min_size=n, max_size=n),
+    st.just(()), uint32, st.just(0) | uint64, st.none(), st.just("") | st.text(), st.just(0) | uint32, uint32, uint32))
+
+
+@given(generate_events)
 def test_generate_events_round_trip(event):
     assert event_from_pb(wire(event.to_pb())) == event
+
+
+def _by_request(events: list) -> dict[str, list]:
+    by_request: dict[str, list] = {}
+    for request_id, event in events:
+        by_request.setdefault(request_id, []).append(event)
+    return by_request
+
+
+@settings(max_examples=80)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), plain_chunks | generate_events), max_size=12))
+def test_a_streams_response_keeps_each_requests_events_in_order_packed_or_not(events):
+    assert stream_events_from_pb(wire(stream_events_to_pb(events))) == events
+    packed = wire(stream_events_to_pb(events, packed=True))
+    assert _by_request(stream_events_from_pb(packed)) == _by_request(events)
+    # a request's events go packed up to its first one that cannot, then one message each (a lone event: one)
+    for request_id, own in _by_request(events).items():
+        num_packed = next((i for i, e in enumerate(own) if not _is_packable(e)), len(own)) if len(events) > 1 else 0
+        assert list(packed.packed_chunks.request_ids).count(request_id) == num_packed
+
+
+def _is_packable(event) -> bool:
+    return (isinstance(event, TokenChunk) and not event.top_logprobs and event.prompt_logprobs is None
+            and len(event.scores) == len(event.token_ids))
+
+
+def test_packed_chunks_leave_the_columns_of_fields_at_their_defaults_empty():
+    events = [(f"r{i}", TokenChunk((i, i + 1), (0.5, -0.5), batch_size=4, queue_wait_us=120)) for i in range(3)]
+    packed = stream_events_to_pb(events, packed=True).packed_chunks
+    assert list(packed.batch_sizes) == [4] * 3 and not packed.segments and not packed.num_draft_tokens
+    assert stream_events_from_pb(wire(scheduler_pb2.StreamsResponse(packed_chunks=packed))) == events
+
+
+@pytest.mark.parametrize("columns, message", [
+    ({"num_token_ids": [1]}, "1 num_token_ids for 2"),
+    ({"token_ids": [7]}, "1 token_ids and 2 scores"),
+    ({"scores": [0.5]}, "2 token_ids and 1 scores"),
+    ({"batch_sizes": [1]}, "1 batch_sizes for 2"),
+    ({"segments": ["x", "y", "z"]}, "3 segments for 2"),
+], ids=["lengths", "tokens", "scores", "batch-sizes", "segments"])
+def test_packed_chunks_whose_columns_disagree_are_malformed(columns, message):
+    fields = {"request_ids": ["a", "b"], "num_token_ids": [1, 1], "token_ids": [7, 8], "scores": [0.5, 0.5],
+              **columns}
+    pb = scheduler_pb2.StreamsResponse(packed_chunks=scheduler_pb2.PackedChunks(**fields))
+    with pytest.raises(MalformedEvents, match=message):
+        stream_events_from_pb(wire(pb))
 
 
 @given(trees())

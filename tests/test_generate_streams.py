@@ -64,10 +64,12 @@ class RawCall:
         self.actions: asyncio.Queue = asyncio.Queue()
         self.call = stub.GenerateStreams(self._send())
         self.num_messages = 0
+        self.num_packed_messages = 0
+        """Messages with packed chunks (StreamsResponse.packed_chunks)."""
 
     async def _send(self):
         while (action := await self.actions.get()) is not None:
-            yield action.to_pb()
+            yield action if isinstance(action, scheduler_pb2.StreamsRequest) else action.to_pb()
 
     def send(self, action) -> None:
         self.actions.put_nowait(action)
@@ -83,6 +85,7 @@ class RawCall:
                 response = await self.call.read()
                 assert response is not grpc.aio.EOF, f"the call ended with {pending} still live"
                 self.num_messages += 1
+                self.num_packed_messages += response.HasField("packed_chunks")
                 for request_id, event in stream_events_from_pb(response):
                     events.setdefault(request_id, []).append(event)
                     if not isinstance(event, TokenChunk):
@@ -127,6 +130,29 @@ async def test_concurrent_requests_share_messages_and_each_gets_its_events_in_or
         assert await asyncio.wait_for(raw.call.read(), 2.0) is grpc.aio.EOF
         assert await raw.call.code() is grpc.StatusCode.OK
         assert await is_idle(stub)
+
+
+@pytest.mark.parametrize("is_packed", [True, False], ids=["packed", "older-client"])
+async def test_chunks_go_packed_only_to_a_client_that_reads_them(is_packed):
+    """A client that says it reads packed chunks (as StartStream.to_pb does) gets each step's plain chunks as
+    columns, and its requests' completions one message each; one that predates them gets every event one
+    message each. Either way each request gets the same events."""
+    async with running_stack(step_delay_s=0.002) as (_, stub, _, fake, _):
+        raw = RawCall(stub)
+        prompts = {f"r{i}": [10 * i + 1, 10 * i + 2] for i in range(6)}
+        for rid, prompt in prompts.items():
+            start = StartStream(request(rid, prompt, max_tokens=6)).to_pb()
+            if not is_packed:
+                start.ClearField("packed_chunks")
+            raw.send(start)
+        events = await raw.read_until_ended(set(prompts))
+        for rid, prompt in prompts.items():
+            *chunks, last = events[rid]
+            assert [t for c in chunks for t in c.token_ids] == [prompt[-1] + 1 + k for k in range(6)], rid
+            assert all(c.batch_size >= 1 for c in chunks), rid  # a per-chunk column
+            assert isinstance(last, GenerateComplete) and last.finish_reason is FinishReason.LENGTH
+        assert (raw.num_packed_messages > 0) == is_packed and fake.problems == []
+        raw.send(None)
 
 
 async def test_router_client_output_equals_the_per_request_generate_path():

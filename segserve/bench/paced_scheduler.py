@@ -99,7 +99,8 @@ class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         clock = _Clock(time.monotonic(), self.token_interval_s)
         streams: dict[str, _PacedStream] = {}
         has_streams = asyncio.Event()
-        reader = asyncio.create_task(self._read_actions(request_iterator, clock, streams, has_streams))
+        is_packed = asyncio.Event()  # the client reads packed chunks (it said so): they go packed, as from the scheduler
+        reader = asyncio.create_task(self._read_actions(request_iterator, clock, streams, has_streams, is_packed))
         try:
             while streams or not reader.done():
                 if not streams:
@@ -110,16 +111,18 @@ class PacedScheduler(scheduler_pb2_grpc.SchedulerServicer):
                     continue
                 events = self._tick(clock.tick(time.monotonic()), streams)
                 if events:
-                    yield stream_events_to_pb(events)
+                    yield stream_events_to_pb(events, packed=is_packed.is_set())
                 await asyncio.sleep(max(0.0, clock.start_of(clock.tick(time.monotonic()) + 1) - time.monotonic()))
         finally:
             reader.cancel()
             self.num_running -= len(streams)
 
     async def _read_actions(self, request_iterator, clock: _Clock, streams: dict[str, _PacedStream],
-                            has_streams: asyncio.Event) -> None:
+                            has_streams: asyncio.Event, is_packed: asyncio.Event) -> None:
         with contextlib.suppress(grpc.RpcError):  # the call broke: the handler's end follows
             async for pb in request_iterator:
+                if pb.packed_chunks:
+                    is_packed.set()
                 action = stream_action_from_pb(pb)
                 if isinstance(action, StartStream):
                     now_s = time.monotonic()

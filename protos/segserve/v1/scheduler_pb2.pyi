@@ -103,12 +103,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., complete: _Optional[_Union[GenerateComplete, _Mapping]] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ...) -> None: ...
 
 class StreamsRequest(_message.Message):
-    __slots__ = ("start", "cancel_request_id")
+    __slots__ = ("start", "cancel_request_id", "packed_chunks")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     start: StartStream
     cancel_request_id: str
-    def __init__(self, start: _Optional[_Union[StartStream, _Mapping]] = ..., cancel_request_id: _Optional[str] = ...) -> None: ...
+    packed_chunks: bool
+    def __init__(self, start: _Optional[_Union[StartStream, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., packed_chunks: _Optional[bool] = ...) -> None: ...
 
 class StartStream(_message.Message):
     __slots__ = ("request", "timeout_ms")
@@ -127,10 +129,36 @@ class StreamEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., event: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class StreamsResponse(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "packed_chunks")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...
+    packed_chunks: PackedChunks
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ..., packed_chunks: _Optional[_Union[PackedChunks, _Mapping]] = ...) -> None: ...
+
+class PackedChunks(_message.Message):
+    __slots__ = ("request_ids", "num_token_ids", "token_ids", "scores", "batch_sizes", "queue_wait_us", "segments", "num_draft_tokens", "draft_depths", "num_accepted_draft_tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    queue_wait_us: _containers.RepeatedScalarFieldContainer[int]
+    segments: _containers.RepeatedScalarFieldContainer[str]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_depths: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., queue_wait_us: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_depths: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerInfoRequest(_message.Message):
     __slots__ = ()
