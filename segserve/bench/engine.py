@@ -15,7 +15,9 @@ are timed. Each step is split into
             attention metadata, input tensors): ModelRunner.timings
   forward   the model call
   sample    checks, sampling / tree verification, outputs
-  output    Scheduler.postprocess()
+  output    Scheduler.postprocess(), and its events' way to the router: one
+            GenerateStreams message (packed chunks) built, serialized, parsed
+            and read back
 A round's part is its mean over the round's steps; the report gives the median over
 rounds and the spread (min, max). With --hf-compiled, HF `generate()` with a static
 cache and torch.compile runs at the same batch sizes in the same run (ms per decode
@@ -188,7 +190,8 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
 
 def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[dict[str, float], int]:
     """One engine step; (seconds per part, total seconds under "total"), tokens it produced."""
-    from protos.segserve.v1 import worker_pb2
+    from protos.segserve.v1 import scheduler_pb2, worker_pb2
+    from protos.segserve.v1.generate import stream_events_from_pb, stream_events_to_pb
     from protos.segserve.v1.step import StepRequest, StepResult
 
     t0 = time.perf_counter()
@@ -205,7 +208,9 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     result = StepResult.from_pb(
         worker_pb2.StepResponse.FromString(StepResult(outputs).to_pb(packed=True).SerializeToString()))
     t5 = time.perf_counter()
-    scheduler.postprocess(request, result)
+    events = scheduler.postprocess(request, result)
+    stream_events_from_pb(scheduler_pb2.StreamsResponse.FromString(  # to the router, as GenerateStreams sends them
+        stream_events_to_pb([(e.request_id, e.event) for e in events], packed=True).SerializeToString()))
     t6 = time.perf_counter()
     parts = {"schedule": t1 - t0, "draft": t2 - t1, "wire": (t3 - t2) + (t5 - t4), "output": t6 - t5,
              "total": t6 - t0}
