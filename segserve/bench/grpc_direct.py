@@ -12,7 +12,6 @@ generation contract's types (protos/segserve/v1/generate.py).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from dataclasses import dataclass, replace
@@ -99,10 +98,10 @@ def bench_grpc(address: str, prompt_token_ids: list[list[int]], config: Throughp
     """Warm up like `throughput.bench_http`, then run every level against the scheduler directly."""
     spec = level_spec(address, prompt_token_ids, config, 1)
     system = {"name": "segserve scheduler gRPC (direct)", "kind": "grpc-direct", "address": address, "levels": []}
-    warmup = asyncio.run(run_load(replace(spec, max_tokens=4, requests_per_stream=1)))
+    warmup = loadgen.run(run_load(replace(spec, max_tokens=4, requests_per_stream=1)))
     if warmup.records[0].error:
         return {**system, "error": f"warm-up request failed: {warmup.records[0].error}"}
-    asyncio.run(run_load(replace(spec, concurrency=min(4, config.concurrency[-1]),
+    loadgen.run(run_load(replace(spec, concurrency=min(4, config.concurrency[-1]),
                                  max_tokens=min(8, config.max_tokens), requests_per_stream=1)))
     for concurrency in config.concurrency:
         system["levels"].append(grpc_level(address, prompt_token_ids, config, concurrency))
@@ -119,5 +118,5 @@ def level_spec(address: str, prompt_token_ids: list[list[int]], config: Throughp
 
 def grpc_level(address: str, prompt_token_ids: list[list[int]], config: ThroughputConfig, concurrency: int) -> dict:
     """One level against the scheduler directly (no warm-up)."""
-    run = asyncio.run(run_load(level_spec(address, prompt_token_ids, config, concurrency)))
+    run = loadgen.run(run_load(level_spec(address, prompt_token_ids, config, concurrency)))
     return report.level_result(concurrency, run.records, run.started_at, run.finished_at)

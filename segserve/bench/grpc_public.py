@@ -14,7 +14,6 @@ per token compares with HTTP's and, against the scheduler's gRPC called directly
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -93,15 +92,15 @@ def bench_public_grpc(address: str, prompts: list[str], model: str | None, confi
     spec = dict(address=address, prompts=prompts, model=model or "", request_timeout_s=config.request_timeout_s,
                 time_limit_s=config.level_time_limit_s)  # fmt: skip
     system = {"name": NAME, "kind": "grpc-api", "address": address, "model": model, "levels": []}
-    warmup = asyncio.run(run_load(PublicGrpcLoadSpec(concurrency=1, max_tokens=4, **spec)))
+    warmup = loadgen.run(run_load(PublicGrpcLoadSpec(concurrency=1, max_tokens=4, **spec)))
     if warmup.records[0].error:
         return {**system, "error": f"warm-up request failed: {warmup.records[0].error}"}
     warm_concurrency = min(4, config.concurrency[-1])
-    asyncio.run(run_load(PublicGrpcLoadSpec(concurrency=warm_concurrency, max_tokens=min(8, config.max_tokens),
+    loadgen.run(run_load(PublicGrpcLoadSpec(concurrency=warm_concurrency, max_tokens=min(8, config.max_tokens),
                                             **spec)))  # fmt: skip
     for concurrency in config.concurrency:
         level_spec = PublicGrpcLoadSpec(concurrency=concurrency, max_tokens=config.max_tokens,
                                         requests_per_stream=config.requests_per_stream, **spec)  # fmt: skip
-        run = asyncio.run(run_load(level_spec))
+        run = loadgen.run(run_load(level_spec))
         system["levels"].append(report.level_result(concurrency, run.records, run.started_at, run.finished_at))
     return system

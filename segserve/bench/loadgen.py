@@ -15,10 +15,12 @@ Timings are `time.perf_counter()` seconds; statistics live in `report`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -94,6 +96,21 @@ class LoadRun:
 
 SendRequest = Callable[[int, RequestRecord], Awaitable[None]]
 """send(prompt_number, record): one request of a closed loop (HTTP here, gRPC in `grpc_direct`), filling record."""
+
+
+T = TypeVar("T")
+_runner: asyncio.Runner | None = None
+
+
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on the benchmark process's one event loop, kept open between calls (asyncio.run makes
+    and closes one per call). grpc.aio binds its poller to the first loop a channel runs on; once that loop is
+    closed, the poller's callbacks fail with "Event loop is closed" on every later one."""
+    global _runner
+    if _runner is None:
+        _runner = asyncio.Runner()
+        atexit.register(_runner.close)
+    return _runner.run(coroutine)
 
 
 def check_loopback(base_url: str) -> None:

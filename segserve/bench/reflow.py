@@ -18,7 +18,6 @@ table and the goal (at most --goal-ms of p99 TTFT and ITL added) are printed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
 import os
@@ -149,7 +148,7 @@ def _level(base_url: str, config: ReflowBenchConfig, **overrides) -> loadgen.Loa
     spec = dict(base_url=base_url, prompts=PROMPTS, max_tokens=config.max_tokens, concurrency=config.concurrency,
                 requests_per_stream=config.requests_per_stream, request_timeout_s=config.request_timeout_s,
                 time_limit_s=config.request_timeout_s * config.requests_per_stream)
-    return asyncio.run(loadgen.run_load(loadgen.LoadSpec(**{**spec, **overrides})))
+    return loadgen.run(loadgen.run_load(loadgen.LoadSpec(**{**spec, **overrides})))
 
 
 def _recorder_counters(base_url: str) -> dict[str, float]:

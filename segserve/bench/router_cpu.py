@@ -136,7 +136,7 @@ def cpu_seconds(pid: int) -> float:
 def measure_level(base_url: str, router_pid: int, endpoint: str, config: RouterBenchConfig) -> dict:
     """One endpoint's streams, with the router's CPU time around them."""
     cpu_before, wall_before, client_before = cpu_seconds(router_pid), time.perf_counter(), time.process_time()
-    records = asyncio.run(run_streams(base_url, endpoint, config))
+    records = loadgen.run(run_streams(base_url, endpoint, config))
     wall_s, cpu_s = time.perf_counter() - wall_before, cpu_seconds(router_pid) - cpu_before
     client_cpu_s = time.process_time() - client_before
     num_tokens = sum(r.num_tokens for r in records)
@@ -177,9 +177,9 @@ async def _grpc_streams(scheduler_address: str, config: RouterBenchConfig, max_t
 def measure_grpc_floor(scheduler_address: str, config: RouterBenchConfig) -> dict:
     """CPU per token of receiving the streams alone (this process, the router's SchedulerClient, no HTTP):
     the part of the router's cost that its gRPC client takes, whatever the router does with the tokens."""
-    asyncio.run(_grpc_streams(scheduler_address, config, 8))  # warm-up
+    loadgen.run(_grpc_streams(scheduler_address, config, 8))  # warm-up
     cpu_before, wall_before = time.process_time(), time.perf_counter()
-    num_events = asyncio.run(_grpc_streams(scheduler_address, config, config.max_tokens))
+    num_events = loadgen.run(_grpc_streams(scheduler_address, config, config.max_tokens))
     cpu_s, wall_s = time.process_time() - cpu_before, time.perf_counter() - wall_before
     return {"num_tokens": num_events, "cpu_s": cpu_s, "wall_s": wall_s,
             "cpu_ms_per_token": 1000 * cpu_s / num_events if num_events else None}
@@ -222,7 +222,7 @@ def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path, wo
         _wait_ready(services[1], deadline, log_dir)
         router_pid = services[1].process.pid
         for endpoint in ENDPOINTS:  # warm-up: imports, first-call caches, connections
-            asyncio.run(run_streams(base_url, endpoint, config, max_tokens=8))
+            loadgen.run(run_streams(base_url, endpoint, config, max_tokens=8))
         rounds = []
         for index in range(config.rounds):
             order = ENDPOINTS if index % 2 == 0 else ENDPOINTS[::-1]

@@ -18,7 +18,6 @@ markdown table is printed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import platform
@@ -167,16 +166,16 @@ def bench_http(name: str, base_url: str, model: str | None, extra_body: dict, co
     """Warm up (one short request, then one short batched round), then run every level against one server."""
     spec = http_spec(base_url, model, extra_body, config, 1)
     system = {"name": name, "kind": "openai-sse", "base_url": base_url, "model": model, "extra_body": extra_body}
-    warmup = asyncio.run(loadgen.probe(spec))
+    warmup = loadgen.run(loadgen.probe(spec))
     if warmup.error and extra_body and warmup.error.startswith("HTTP 4"):
         system["notes"] = [f"server refused extra body {extra_body} ({warmup.error}); EOS may end requests early"]
         extra_body = system["extra_body"] = {}
         spec = replace(spec, extra_body=extra_body)
-        warmup = asyncio.run(loadgen.probe(spec))
+        warmup = loadgen.run(loadgen.probe(spec))
     if warmup.error:
         return {**system, "error": f"warm-up request failed: {warmup.error}", "levels": []}
     # A short batched round too: the first batched steps of a server are slower than the rest.
-    asyncio.run(loadgen.run_load(replace(spec, concurrency=min(4, config.concurrency[-1]),
+    loadgen.run(loadgen.run_load(replace(spec, concurrency=min(4, config.concurrency[-1]),
                                          max_tokens=min(8, config.max_tokens), requests_per_stream=1)))
     system["levels"] = []
     for concurrency in config.concurrency:
@@ -197,7 +196,7 @@ def http_spec(base_url: str, model: str | None, extra_body: dict, config: Throug
 def http_level(base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig, concurrency: int) -> dict:
     """One level against an OpenAI-compatible server (no warm-up)."""
     level_spec = http_spec(base_url, model, extra_body, config, concurrency)
-    run = asyncio.run(loadgen.run_load(level_spec))
+    run = loadgen.run(loadgen.run_load(level_spec))
     return report.level_result(concurrency, run.records, run.started_at, run.finished_at)
 
 
@@ -230,7 +229,7 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
     """{"segserve": through the router} and, when measured, {"segserve_grpc": its scheduler called directly}."""
     extra_body = {"ignore_eos": True}
     if config.segserve_url:
-        model = asyncio.run(loadgen.fetch_model_name(config.segserve_url))
+        model = loadgen.run(loadgen.fetch_model_name(config.segserve_url))
         system = bench_http("segserve", config.segserve_url, model, extra_body, config)
         if config.router_overhead:
             system.setdefault("notes", []).append("router overhead not measured: --segserve-url names no scheduler")
@@ -262,7 +261,7 @@ def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_u
                                grpc_address: str | None = None):
     """One running stack: every level through the router over HTTP, then (grpc_api) through its public gRPC API
     at `grpc_address`, then (router_overhead) straight to its scheduler."""
-    model = asyncio.run(loadgen.fetch_model_name(base_url))
+    model = loadgen.run(loadgen.fetch_model_name(base_url))
     systems = {"segserve": bench_http("segserve", base_url, model, {"ignore_eos": True}, config)}
     if config.grpc_api and grpc_address:
         try:
