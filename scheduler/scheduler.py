@@ -427,12 +427,9 @@ class Scheduler:
     def _table_to_send(self, seq: Sequence) -> tuple[int, tuple[int, ...]]:
         """seq's block_table_start and block table entries for the step being built; the worker has them all
         once it takes the step (a step that fails preempts its sequences, and with them this count)."""
-        table = seq.block_table
         table_start = seq.num_blocks_sent if self.is_block_table_delta else 0
-        seq.num_blocks_sent = len(table)
-        if not table_start:
-            return 0, tuple(table)
-        return table_start, () if table_start == len(table) else tuple(table[table_start:])
+        seq.num_blocks_sent = len(seq.block_table)
+        return table_start, tuple(seq.block_table[table_start:])
 
     def _build_request(self, chosen: list[tuple[Sequence, int]]) -> StepRequest:
         request = StepRequest()

@@ -62,7 +62,7 @@ class BlockTables:
 
     def retain(self, seq_ids) -> None:
         """Release every sequence not in seq_ids (a collection with fast membership)."""
-        for seq_id in [s for s in {**self._rows, **self._sent} if s not in seq_ids]:
+        for seq_id in [s for s in self._rows.keys() | self._sent.keys() if s not in seq_ids]:
             self.release(seq_id)
 
     def resolve(self, seq: ScheduledSequence) -> str | None:
@@ -76,10 +76,7 @@ class BlockTables:
         if start > len(sent):
             return (f"block_table_start={start}, but the worker holds {len(sent)} entries of its block table "
                     "(send the whole table)")
-        if start == len(sent) and not seq.block_table:  # most decode steps: nothing new
-            seq.block_table = sent
-        else:
-            seq.block_table = sent[:start] + seq.block_table
+        seq.block_table = sent[:start] + seq.block_table  # nothing new (most decode steps): `sent` itself, no copy
         seq.block_table_start = 0
         return None
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from protos.segserve.v1 import scheduler_pb2
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import InvalidParameter, SamplingParams, StoppingCriteria, validate
-from protos.segserve.v1.step import PromptLogprobs, TopLogprobs, as_tuple
+from protos.segserve.v1.step import PromptLogprobs, TopLogprobs, as_tuple, per_entry, unless_default
 
 
 @dataclass(frozen=True)
@@ -286,15 +286,10 @@ def stream_events_to_pb(events: list[tuple[str, GenerateEvent]], packed: bool = 
     if request_ids:
         response.packed_chunks.CopyFrom(scheduler_pb2.PackedChunks(
             request_ids=request_ids, num_token_ids=num_token_ids, token_ids=token_ids, scores=scores,
-            batch_sizes=_unless_default(batch_sizes), queue_wait_us=_unless_default(queue_wait_us),
-            segments=_unless_default(segments), num_draft_tokens=_unless_default(num_draft_tokens),
-            draft_depths=_unless_default(draft_depths), num_accepted_draft_tokens=_unless_default(num_accepted)))
+            batch_sizes=unless_default(batch_sizes), queue_wait_us=unless_default(queue_wait_us),
+            segments=unless_default(segments), num_draft_tokens=unless_default(num_draft_tokens),
+            draft_depths=unless_default(draft_depths), num_accepted_draft_tokens=unless_default(num_accepted)))
     return response
-
-
-def _unless_default(column: list) -> list | None:
-    """A per-chunk column, or None (left empty) when every chunk has the field's default."""
-    return column if any(column) else None
 
 
 def stream_events_from_pb(pb: scheduler_pb2.StreamsResponse) -> list[tuple[str, GenerateEvent]]:
@@ -314,7 +309,7 @@ def _unpack_chunks(pb: scheduler_pb2.PackedChunks) -> list[tuple[str, TokenChunk
     if sum(lengths) != len(token_ids) or len(scores) != len(token_ids):
         raise MalformedEvents(f"{len(token_ids)} token_ids and {len(scores)} scores, their lengths sum to "
                               f"{sum(lengths)}")
-    columns = [_per_chunk(column, num_chunks, name, default) for column, name, default in (
+    columns = [per_entry(column, num_chunks, name, default, MalformedEvents) for column, name, default in (
         (pb.batch_sizes, "batch_sizes", 0), (pb.queue_wait_us, "queue_wait_us", 0), (pb.segments, "segments", ""),
         (pb.num_draft_tokens, "num_draft_tokens", 0), (pb.draft_depths, "draft_depths", 0),
         (pb.num_accepted_draft_tokens, "num_accepted_draft_tokens", 0))]
@@ -325,13 +320,3 @@ def _unpack_chunks(pb: scheduler_pb2.PackedChunks) -> list[tuple[str, TokenChunk
         events.append((request_id, TokenChunk(token_ids[start:end], scores[start:end], (), batch_size, queue_wait,
                                               None, segment, num_draft, depth, num_accepted)))
     return events
-
-
-def _per_chunk(column, num_chunks: int, name: str, default) -> list:
-    """A per-chunk column's values; an empty one is every chunk's default."""
-    values = column[:]
-    if not values:
-        return [default] * num_chunks
-    if len(values) != num_chunks:
-        raise MalformedEvents(f"{len(values)} {name} for {num_chunks} packed chunks")
-    return values

@@ -198,7 +198,7 @@ def _pack_sequences(sequences: list[ScheduledSequence]) -> worker_pb2.PackedSequ
         seq_ids=seq_ids, num_computed_tokens=num_computed, num_token_ids=num_token_ids, token_ids=token_ids,
         num_blocks=num_blocks, block_tables=block_tables, num_sample_indices=num_sample_indices,
         sample_indices=sample_indices, continuations=continuations, drafted=drafted, drafts=drafts,
-        block_table_starts=block_table_starts if any(block_table_starts) else None)
+        block_table_starts=unless_default(block_table_starts))
 
 
 def _unpack_sequences(pb: worker_pb2.PackedSequences) -> list[ScheduledSequence]:
@@ -214,9 +214,7 @@ def _unpack_sequences(pb: worker_pb2.PackedSequences) -> list[ScheduledSequence]
     if len(drafted) != len(pb.drafts):
         raise MalformedStep(f"{len(pb.drafts)} drafts for {len(drafted)} drafted sequences")
     drafts = {index: CandidateTree.from_pb(tree) for index, tree in zip(drafted, pb.drafts) if tree.token_ids}
-    starts = pb.block_table_starts[:] or [0] * len(seq_ids)
-    if len(starts) != len(seq_ids):
-        raise MalformedStep(f"{len(starts)} block_table_starts for {len(seq_ids)} packed sequences")
+    starts = per_entry(pb.block_table_starts, len(seq_ids), "block_table_starts", 0)
     return [ScheduledSequence(seq_id, tokens, computed, blocks, samples, drafts.get(index), index in continuations,
                               start)
             for index, (seq_id, tokens, computed, blocks, samples, start)
@@ -234,6 +232,22 @@ def _runs(values, lengths, num_entries: int, name: str) -> list[tuple]:
     if (ends[-1] if ends else 0) != len(values):
         raise MalformedStep(f"{name} holds {len(values)} values, its lengths sum to {ends[-1] if ends else 0}")
     return [values[end - length:end] for length, end in zip(lengths, ends)]
+
+
+def unless_default(column: list) -> list | None:
+    """A packed per-entry column, or None (left empty) when every entry has the field's default."""
+    return column if any(column) else None
+
+
+def per_entry(column, num_entries: int, name: str, default, error: type[ValueError] = MalformedStep) -> list:
+    """A packed per-entry column's values (unless_default's inverse: an empty one is every entry's default);
+    `error` when it has neither 0 nor num_entries values."""
+    values = column[:]
+    if not values:
+        return [default] * num_entries
+    if len(values) != num_entries:
+        raise error(f"{len(values)} {name} for {num_entries} packed entries")
+    return values
 
 
 def _indices(indices, num_sequences: int, name: str) -> list[int]:
