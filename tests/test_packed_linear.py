@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.packed_linear import PackedLinear, is_packing_supported, pack_linears
+from worker.packed_linear import MergedLinearPart, PackedLinear, is_packing_supported, pack_linears
 
 pytestmark = pytest.mark.skipif(not is_packing_supported(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN")
@@ -54,6 +54,10 @@ def test_packing_a_model_keeps_tied_weights_tied_and_outputs_equal(tiny_llama_di
                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                                head_dim=16, tie_word_embeddings=True))
     assert pack_linears(model) == 8  # q, k, v, o, gate, up, down, head
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert all(isinstance(m, MergedLinearPart) for m in (attention.q_proj, attention.k_proj, attention.v_proj,
+                                                         mlp.gate_proj, mlp.up_proj))
+    assert isinstance(attention.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)
     assert isinstance(model.get_output_embeddings(), PackedLinear)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
@@ -63,3 +67,54 @@ def test_packing_a_model_keeps_tied_weights_tied_and_outputs_equal(tiny_llama_di
     input_ids = torch.arange(3, 40).unsqueeze(0)
     with torch.inference_mode():
         torch.testing.assert_close(packed(input_ids).logits, reference(input_ids).logits, rtol=1e-4, atol=1e-4)
+
+
+class Siblings(nn.Module):
+    """Three linears on one input size, as an attention module's q, k and v projections."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(48, n, bias=bias) for n in (64, 32, 32))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_merged_siblings_each_return_their_own_linear_of_their_own_input(bias):
+    torch.manual_seed(0)
+    siblings = Siblings(bias)
+    reference = {name: PackedLinear(getattr(siblings, name)) for name in ("q_proj", "k_proj", "v_proj")}  # apart
+    assert pack_linears(siblings) == 3
+    parts = {name: getattr(siblings, name) for name in reference}
+    assert all(isinstance(part, MergedLinearPart) for part in parts.values())
+    x, y = torch.randn(1, 5, 48), torch.randn(1, 5, 48)
+    with torch.inference_mode():
+        for calls in ([("q_proj", x), ("k_proj", x), ("v_proj", x)],  # the model's order: one product
+                      [("v_proj", x), ("q_proj", x), ("k_proj", x)],  # any order
+                      [("q_proj", x), ("k_proj", y), ("v_proj", x)],  # another input in between
+                      [("q_proj", x), ("q_proj", x), ("k_proj", x)],  # one part twice, one never
+                      [("k_proj", y)]):
+            for name, inputs in calls:
+                part = parts[name]
+                expected = torch.nn.functional.linear(inputs, part.weight, part.bias)
+                torch.testing.assert_close(part(inputs), expected, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(reference[name](inputs), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_merged_part_row_does_not_depend_on_the_rest_of_the_batch():
+    torch.manual_seed(0)
+    siblings = Siblings(bias=False)
+    pack_linears(siblings)
+    x = torch.randn(64, 48)
+    with torch.inference_mode():
+        full = [siblings.q_proj(x), siblings.k_proj(x), siblings.v_proj(x)]
+        for num_rows in (1, 2, 5, 16, 33):
+            rows = x[:num_rows].clone()
+            assert torch.equal(siblings.q_proj(rows), full[0][:num_rows])
+            assert torch.equal(siblings.k_proj(rows), full[1][:num_rows])
+            assert torch.equal(siblings.v_proj(rows), full[2][:num_rows])
+
+
+def test_siblings_that_differ_are_packed_apart():
+    siblings = Siblings(bias=False)
+    siblings.v_proj = nn.Linear(48, 32, bias=True)  # a bias where the others have none
+    assert pack_linears(siblings) == 3
+    assert all(isinstance(getattr(siblings, name), PackedLinear) for name in ("q_proj", "k_proj", "v_proj"))

@@ -19,7 +19,7 @@ Modules:
   work             Work: one sequence's tokens as the forward runs them (trees expanded to nodes).
   kv_cache         PagedKVCache: per-layer [num_blocks, block_size, kv_heads, head_dim] K and V.
   attention        the "segserve_paged" attention function under the stock transformers model.
-  packed_linear    CPU linears on weights packed once for oneDNN.
+  packed_linear    CPU linears on weights packed once for oneDNN; q/k/v and gate/up siblings as one.
   model_runner     ModelRunner: the packed forward, then sampling and the outputs.
   faults           non-finite logits and sampler failures, isolated to their sequence.
   verify           sampling level by level with the tree acceptance walk; KV compaction moves.

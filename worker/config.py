@@ -29,8 +29,9 @@ class WorkerConfig:
     """torch intra-op threads on cpu; 0 = torch's default capped by the CPUs this process may use (its affinity
     and its cgroup's CPU quota: worker/threads.py). The local stack gives its worker all CPUs but one."""
     is_packed_linear: bool = True
-    """On cpu, pack every linear weight once for oneDNN (worker/packed_linear.py): about twice
-    the decode throughput at 16 rows, for a second copy of the linear weights in memory."""
+    """On cpu, pack every linear weight once for oneDNN (worker/packed_linear.py), the q/k/v and gate/up siblings
+    as one weight each: about twice the decode throughput at 16 rows, for a second copy of the linear weights in
+    memory."""
     host: str = "127.0.0.1"
     """Address the gRPC server binds to (localhost by default)."""
     port: int = 50061

@@ -15,6 +15,21 @@ copy. Rows stay independent: a row's output is bit-identical whatever else is
 in the batch, so batch invariance holds. The results differ from `F.linear`
 only by float rounding order.
 
+Sibling linears that read the same input share one packed weight: attention's
+q, k and v projections, the MLP's gate and up (`MERGED_SIBLINGS`), as vLLM's
+QKV and gate-up layers do. transformers calls them one after another on the same
+tensor, so the first call computes all of them in one oneDNN call and the others
+take their slices (`MergedLinearPart`). A part called on an input the product was
+not made from (or twice on one) computes a new product, so it always returns its
+own linear of its own input. Rows stay independent here too. Measured on the
+2-core CPU, one thread, two runners in one process, alternated rounds of 10
+decode steps, merged against separate (the same tokens):
+- gemma-3-270m at one row: 84.1-87.1 ms per forward against 90.1-93.6 (8 rounds),
+  and medians of 92.8 against 98.0 ms in a second run; at 16 rows, 143.4 against
+  144.8 ms (the output head dominates there);
+- the tiny Gemma3 at one row: medians of 3.05 against 3.26 ms and 2.84 against
+  2.99 (12 rounds each); at 64 rows, 5.10 against 5.26 (within the spread).
+
 Cost: the packed copy is a second copy of each weight; the original stays,
 because tied embeddings and code that inspects `.weight` read it.
 """
@@ -27,6 +42,8 @@ from torch import nn
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 PACKING_ROWS = 32
 """Row count the packed layout is chosen for; measured 16-128 within noise of each other at 1-32 rows."""
+MERGED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Children of one module that transformers' causal LMs (Llama, Gemma, Qwen, Mistral...) call on one input."""
 
 
 def is_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -54,13 +71,69 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class MergedProduct:
+    """The packed weight of sibling linears stacked [W_1; W_2; ...], and the last product, handed out by parts."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.sizes = [linear.out_features for linear in linears]
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
+        self._bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
+        self._input: torch.Tensor | None = None
+        self._parts: list[torch.Tensor | None] = []
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Linear `index` of x: a slice of the product of x, computed unless this part of it is still unclaimed."""
+        if x is not self._input or self._parts[index] is None:
+            product = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
+            self._input, self._parts = x, list(product.split(self.sizes, dim=-1))
+        out, self._parts[index] = self._parts[index], None
+        if all(part is None for part in self._parts):
+            self._input = None  # every part claimed: hold no tensor between forwards
+        return out
+
+
+class MergedLinearPart(nn.Module):
+    """Drop-in for one of the sibling linears of a MergedProduct; shares its parameters."""
+
+    def __init__(self, linear: nn.Linear, product: MergedProduct, index: int):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._product, self._index = product, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product.part(self._index, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, merged part {self._index}"
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of a CPU model with a PackedLinear when oneDNN supports its dtype;
-    returns how many were replaced (0 on a GPU or an unsupported dtype)."""
+    """Replace every nn.Linear of a CPU model with a PackedLinear when oneDNN supports its dtype, siblings
+    (MERGED_SIBLINGS) with parts of one MergedProduct; returns how many were replaced (0 on a GPU or an
+    unsupported dtype)."""
     count = 0
     for parent in list(model.modules()):
+        for names in MERGED_SIBLINGS:
+            siblings = [getattr(parent, name, None) for name in names]
+            if _is_mergeable(siblings):
+                product = MergedProduct(siblings)
+                for index, (name, linear) in enumerate(zip(names, siblings)):
+                    setattr(parent, name, MergedLinearPart(linear, product, index))
+                count += len(names)
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and is_packing_supported(child.weight.device, child.weight.dtype):
                 setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
+
+
+def _is_mergeable(siblings: list) -> bool:
+    """Plain packable linears on one input size, dtype and device, with a bias each or none."""
+    first = siblings[0]
+    return (all(type(s) is nn.Linear for s in siblings)
+            and is_packing_supported(first.weight.device, first.weight.dtype)
+            and all(s.in_features == first.in_features and s.weight.dtype == first.weight.dtype
+                    and s.weight.device == first.weight.device and (s.bias is None) == (first.bias is None)
+                    for s in siblings))
