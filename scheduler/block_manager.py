@@ -191,6 +191,17 @@ class BlockManager:
         seq.num_blocks_sent = 0
         seq.num_hashed_blocks = 0
 
+    def uncache(self, seq: Sequence) -> None:
+        """Take seq's blocks out of the prefix cache, for a sequence whose step failed: the KV it computed may be
+        wrong (a forward that overflowed, whose non-finite values the worker has set to 0), so no later prefix
+        may take it. Whoever holds a block still reads it; once free it is reused as an uncached block."""
+        for block_id in seq.block_table:
+            block_hash = self._hashes[block_id]
+            if block_hash is not None:
+                del self._cached[block_hash]
+                self._hashes[block_id] = None
+        seq.num_hashed_blocks = 0
+
     def reset_prefix_cache(self) -> None:
         """Forget every hash (the worker's KV may be gone, e.g. it restarted); refcounts are untouched."""
         for block_id in self._cached.values():

@@ -364,7 +364,8 @@ class Scheduler:
             self.running.remove(seq)
             self._preempt(seq)
             return []
-        if output is not None and output.error:  # this sequence alone failed
+        if output is not None and output.error:  # this sequence alone failed; what it cached may be wrong
+            self.block_manager.uncache(seq)
             self._end(seq, SequenceStatus.FINISHED, FinishReason.ERROR, output.error)
             return [RequestEvent(seq.request_id, completion(seq))]
         seq.num_failed_steps = 0  # failures count in a row

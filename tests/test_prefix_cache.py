@@ -258,6 +258,24 @@ def test_failed_steps_keep_refcounts_right_and_outputs_lossless():
     assert all(results[seq.request_id][0] == expected(seq.prompt_token_ids) for seq in seqs)
 
 
+def test_a_sequence_that_failed_leaves_nothing_in_the_cache_and_its_prefix_is_computed_again():
+    """Its KV may be wrong (the real worker sets an overflowed forward's non-finite values to 0): the blocks it
+    cached leave the cache, a sequence that shares them keeps reading them, and the next one computes afresh."""
+    scheduler = make_scheduler()
+    worker = make_worker(scheduler)
+    prompt = list(range(1, 23))  # 22 tokens: 5 full blocks, hashed after its first step
+    worker.sequence_errors["broken"] = 2  # two tokens, then an error output
+    results = run(scheduler, worker, [make_seq("broken", prompt), make_seq("sharer", prompt + [7])])
+    assert results["broken"] == (expected(prompt, 2), FinishReason.ERROR)
+    assert results["sharer"][0] == expected(prompt + [7])
+    manager = scheduler.block_manager
+    hits = manager.num_prefix_cache_hits
+    assert manager.cached_prefix(make_seq("probe", prompt)) == []  # the sharer had taken the same blocks
+    run(scheduler, worker, [make_seq("after", prompt)], results)
+    assert results["after"][0] == expected(prompt)
+    assert manager.num_prefix_cache_hits == hits and first_work(worker, "after").num_computed_tokens == 0
+
+
 def test_aborts_release_shared_blocks():
     scheduler = make_scheduler()
     worker = make_worker(scheduler)

@@ -4,7 +4,8 @@ Eight sequences decode together on the tiny Gemma3; at one step one of them is b
 logits at its row, a sampler exception at its row, an invalid tree, an out-of-vocabulary token).
 It gets an error output and no tokens, and the seven others produce exactly the tokens they
 produce decoding alone. A failure of the whole step (out of memory in the forward) is a gRPC
-status instead, and the server keeps serving.
+status instead, and the server keeps serving. A forward that overflowed leaves no NaN in the
+blocks that later sequences take.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
 from protos.segserve.v1.tree import CandidateTree
 from tests.test_worker_runner import make_runner
+from worker.kv_cache import KVCacheShape, PagedKVCache
 from worker.server import WorkerServicer, start_server
 
 SEQ_IDS = [f"s{i}" for i in range(8)]
@@ -216,3 +218,50 @@ async def test_a_failed_forward_fails_the_step_and_the_server_keeps_serving(runn
     assert not out.error and list(out.token_ids) == solo["greedy"][seq_id][:1]
     await stub.Step(StepRequest(finished_seq_ids=[seq_id]).to_pb())
 
+
+
+def test_a_sequence_that_overflowed_leaves_no_nan_in_blocks_others_take_later(runner):
+    """A forward that goes non-finite fails its sequence; the KV it wrote must not fail the next owner of its
+    blocks, whose attention reads the slots past its own tokens (masked, but a NaN value still counts)."""
+    size = runner.kv_cache.block_size
+    clean = [1, 12, 23, 34][:max(1, size // 2)]  # half a block: the rest of it is read, masked
+    expected = runner.step(StepRequest([ScheduledSequence("fresh", clean, 0, (40,), sample_indices=[len(clean) - 1])],
+                                       [NewSequence("fresh", SamplingParams(), len(clean))]))[0]
+    embeddings = runner.model.get_input_embeddings().weight
+    poison, saved = 7, embeddings[7].clone()
+    with torch.no_grad():
+        embeddings[poison] = float("nan")  # a sequence holding this token overflows from its position on
+    broken = [poison] + [5] * (3 * size - 1)
+    try:
+        (out,) = runner.step(StepRequest(
+            [ScheduledSequence("broken", broken, 0, (41, 42, 43), sample_indices=[len(broken) - 1])],
+            [NewSequence("broken", SamplingParams(), len(broken))], finished_seq_ids=["fresh"]))
+    finally:
+        with torch.no_grad():
+            embeddings[poison] = saved
+    assert "non-finite logits" in out.error
+    # block 41 goes to a new sequence, whose tokens leave the broken sequence's last slots in it
+    (reused,) = runner.step(StepRequest(
+        [ScheduledSequence("reused", clean, 0, (41,), sample_indices=[len(clean) - 1])],
+        [NewSequence("reused", SamplingParams(), len(clean))], finished_seq_ids=["broken"]))
+    assert not reused.error and reused.token_ids == expected.token_ids and reused.scores == expected.scores
+    runner.step(StepRequest(finished_seq_ids=["reused"]))
+
+
+def test_clearing_a_block_sets_only_its_non_finite_values_to_zero():
+    cache = PagedKVCache(KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=3), num_blocks=4, block_size=2,
+                         dtype=torch.float32, device="cpu")
+    for layer in range(2):
+        cache.keys[layer].normal_()
+        cache.values[layer].normal_()
+        cache.keys[layer][1, 0, 1, 2] = float("nan")
+        cache.values[layer][1, 1, 0, 0] = float("-inf")
+        cache.values[layer][3, 0, 0, 0] = float("nan")  # a block not cleared keeps its NaN
+    before = [t.clone() for t in (*cache.keys, *cache.values)]
+    cache.clear_non_finite(torch.tensor([1, 2]))
+    for layer in range(2):
+        assert cache.keys[layer][1, 0, 1, 2] == 0 and cache.values[layer][1, 1, 0, 0] == 0
+        assert cache.values[layer][3, 0, 0, 0].isnan()
+    for old, new in zip(before, (*cache.keys, *cache.values)):
+        is_finite = old.isfinite()
+        assert torch.equal(new[is_finite], old[is_finite])  # every finite value untouched

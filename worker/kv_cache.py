@@ -64,6 +64,15 @@ class PagedKVCache:
         self._flat_keys[layer_idx].index_copy_(0, slots, key)
         self._flat_values[layer_idx].index_copy_(0, slots, value)
 
+    def clear_non_finite(self, blocks: torch.Tensor) -> None:
+        """Set every non-finite key and value in `blocks` [B] (block ids) to 0, in every layer; finite ones stay.
+
+        For the blocks of a sequence whose forward overflowed: a block outlives its sequence, and attention
+        reads the slots of a block past a sequence's own tokens (masked, but a masked value still enters the
+        product as 0 * value), so a NaN left there would fail whichever sequence takes the block next."""
+        for cache in (*self.keys, *self.values):
+            cache.index_copy_(0, blocks, cache.index_select(0, blocks).nan_to_num_(0.0, 0.0, 0.0))
+
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every layer's K and V from src_slots [M] to dst_slots [M] (all sources read first)."""
         for flat in (*self._flat_keys, *self._flat_values):

@@ -7,8 +7,10 @@ of prompt tokens it computed, or failed, in request order.
 Fault isolation: whatever is tied to ONE sequence fails that sequence alone, with an error output
 and no tokens, and every other sequence gets exactly the output it would have had: a failed
 check (worker/validation.py: it is left out of the forward, its state untouched), non-finite
-logits at any of its rows, a sampler exception at its row (worker/faults.py). Only a failure of
-the whole step (the batched forward itself, out of memory) raises.
+logits at any of its rows, a sampler exception at its row (worker/faults.py). A sequence whose
+logits were not finite may have written non-finite KV: its blocks are cleared of it before the
+answer goes back, so the next owner of a block is not failed by what it reads there, masked. Only a
+failure of the whole step (the batched forward itself, out of memory) raises.
 
 Sequence state lives in worker/planning.py. KV slots and history are only meaningful up to the
 scheduler's next `num_computed_tokens`: tree nodes that were not accepted are overwritten by
@@ -46,7 +48,7 @@ from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
 from worker.validation import InvalidRequest, StepLimits
-from worker.verify import Sampled, kv_moves, sample_works, step_paths
+from worker.verify import NON_FINITE, Sampled, kv_moves, sample_works, step_paths
 from worker.work import Work
 
 
@@ -213,6 +215,9 @@ class ModelRunner:
         works = plan.works
         # failed: work index -> why it failed (non-finite logits at any of its rows, a sampler error)
         sampled, failed = sample_works(works, logits, self.sample_rows)
+        overflowed = {block for i, why in failed.items() if why == NON_FINITE for block in works[i].block_table}
+        if overflowed:  # before the scheduler can give these blocks to anyone else (it frees them on the error)
+            self.kv_cache.clear_non_finite(to_device(torch.tensor(sorted(overflowed)), self.device))
         prompt = self._prompt_logprobs(plan, logits[plan.num_sample_rows:], failed)
         outputs = []
         work_index = iter(range(len(works)))  # the works are the sequences not rejected, in request order

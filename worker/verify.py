@@ -32,6 +32,10 @@ from worker.sampler import SampleRow, SamplerOutput
 from worker.work import Work
 
 
+NON_FINITE = "non-finite logits (NaN or infinity)"
+"""Why a work failed when its logits were not finite: its forward overflowed, and so may the KV it wrote."""
+
+
 class TreeWalk:
     """The acceptance walk over one tree step: `node` is where the next token is chosen.
 
@@ -124,7 +128,7 @@ def sample_works(works: Sequence[Work], logits: torch.Tensor, make_rows: RowMake
     if is_bad.any():
         owners = [i for i, w in enumerate(works) for _ in w.sample_indices]
         owners += [i for i, w in enumerate(works) for _ in w.prompt_offsets]
-        failed |= {owners[row]: "non-finite logits (NaN or infinity)" for row in np.flatnonzero(is_bad).tolist()}
+        failed |= {owners[row]: NON_FINITE for row in np.flatnonzero(is_bad).tolist()}
     sampled = {i: _accept(works[i], chosen, first_rows[i]) for i in sampling if i not in failed}
     for j, draws in seeded.items():
         if drawing[j] in sampled:
