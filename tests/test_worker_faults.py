@@ -4,8 +4,8 @@ Eight sequences decode together on the tiny Gemma3; at one step one of them is b
 logits at its row, a sampler exception at its row, an invalid tree, an out-of-vocabulary token).
 It gets an error output and no tokens, and the seven others produce exactly the tokens they
 produce decoding alone. A failure of the whole step (out of memory in the forward) is a gRPC
-status instead, and the server keeps serving. A forward that overflowed leaves no NaN in the
-blocks that later sequences take.
+status instead, and the server keeps serving. A forward that overflowed fails its sequence even
+where it samples nothing, and leaves no NaN in the blocks that later sequences take.
 """
 
 from __future__ import annotations
@@ -220,9 +220,11 @@ async def test_a_failed_forward_fails_the_step_and_the_server_keeps_serving(runn
 
 
 
-def test_a_sequence_that_overflowed_leaves_no_nan_in_blocks_others_take_later(runner):
-    """A forward that goes non-finite fails its sequence; the KV it wrote must not fail the next owner of its
-    blocks, whose attention reads the slots past its own tokens (masked, but a NaN value still counts)."""
+@pytest.mark.parametrize("is_sampled", [True, False], ids=["sampling-step", "prefill-chunk"])
+def test_a_sequence_that_overflowed_leaves_no_nan_in_blocks_others_take_later(runner, is_sampled):
+    """A forward that goes non-finite fails its sequence, also in a prefill chunk that samples nothing (its
+    keys and values are checked); the KV it wrote must not fail the next owner of its blocks, whose attention
+    reads the slots past its own tokens (masked, but a NaN value still counts)."""
     size = runner.kv_cache.block_size
     clean = [1, 12, 23, 34][:max(1, size // 2)]  # half a block: the rest of it is read, masked
     expected = runner.step(StepRequest([ScheduledSequence("fresh", clean, 0, (40,), sample_indices=[len(clean) - 1])],
@@ -234,12 +236,13 @@ def test_a_sequence_that_overflowed_leaves_no_nan_in_blocks_others_take_later(ru
     broken = [poison] + [5] * (3 * size - 1)
     try:
         (out,) = runner.step(StepRequest(
-            [ScheduledSequence("broken", broken, 0, (41, 42, 43), sample_indices=[len(broken) - 1])],
-            [NewSequence("broken", SamplingParams(), len(broken))], finished_seq_ids=["fresh"]))
+            [ScheduledSequence("broken", broken, 0, (41, 42, 43), sample_indices=[len(broken) - 1] * is_sampled)],
+            [NewSequence("broken", SamplingParams(), len(broken) + (not is_sampled))], finished_seq_ids=["fresh"]))
     finally:
         with torch.no_grad():
             embeddings[poison] = saved
-    assert "non-finite logits" in out.error
+    assert out.error.endswith("non-finite logits (NaN or infinity)" if is_sampled
+                              else "non-finite keys or values (NaN or infinity)"), out.error
     # block 41 goes to a new sequence, whose tokens leave the broken sequence's last slots in it
     (reused,) = runner.step(StepRequest(
         [ScheduledSequence("reused", clean, 0, (41,), sample_indices=[len(clean) - 1])],

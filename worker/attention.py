@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
+from worker.faults import non_finite_tokens
 from worker.kv_cache import PagedKVCache
 from worker.work import Work
 
@@ -80,6 +81,8 @@ class AttentionBatch:
     kv_cache: PagedKVCache
     slots: torch.Tensor  # [T] long: cache slot of every new token
     groups: list[AttentionGroup]
+    non_finite: torch.Tensor | None = None
+    """[T] bool, set by the last layer: the new tokens whose key or value there is not finite."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,8 @@ def paged_attention_forward(
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     layer = module.layer_idx
     cache = segserve_batch.kv_cache
+    if layer == cache.shape.num_layers - 1:  # an overflow in any layer reaches this one
+        segserve_batch.non_finite = non_finite_tokens(key, value)
     cache.write(layer, segserve_batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], value.shape[-1]
     tokens_query = query[0].transpose(0, 1)  # [T, H, D]

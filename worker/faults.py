@@ -1,9 +1,12 @@
 """Per-sequence fault isolation after the forward: a fault tied to one sequence fails it alone.
 
-Two checks, both free on the normal path:
+Three checks, all free on the normal path:
 - `non_finite_mask`: which logits rows cannot be sampled from (a NaN, +inf, or nothing but -inf),
   computed on the device; the caller brings it to the host with the sampled tokens, in the step's
   one transfer, and fails the sequences those rows belong to (their tokens are discarded).
+- `non_finite_tokens`: which new tokens' keys or values are not finite in the last layer (a value
+  that overflows in any layer reaches every later one), so that a forward that overflows fails its
+  sequence even in a step that samples nothing from it (a prefill chunk); same transfer.
 - `sample_isolated`: sample every row in one call; when the sampler raises, sample each sequence's
   rows on their own, so only the sequence that raises again fails and every other one gets exactly
   the tokens it would have had. Nothing is saved or restored for that: the uniforms are drawn
@@ -35,6 +38,12 @@ def non_finite_mask(logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[0] == 0:
         return torch.zeros(0, dtype=torch.bool, device=logits.device)
     return ~torch.isfinite(logits.amax(dim=1))  # [N]
+
+
+def non_finite_tokens(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Per new token of one layer, whether its key or value holds a NaN or an infinity: [T] bool on their device.
+    key/value: [1, KVH, T, D], as the model hands them to attention."""
+    return ~(torch.isfinite(key[0]) & torch.isfinite(value[0])).all(dim=2).all(dim=0)
 
 
 def non_finite_rows(logits: torch.Tensor) -> list[bool]:

@@ -7,10 +7,11 @@ of prompt tokens it computed, or failed, in request order.
 Fault isolation: whatever is tied to ONE sequence fails that sequence alone, with an error output
 and no tokens, and every other sequence gets exactly the output it would have had: a failed
 check (worker/validation.py: it is left out of the forward, its state untouched), non-finite
-logits at any of its rows, a sampler exception at its row (worker/faults.py). A sequence whose
-logits were not finite may have written non-finite KV: its blocks are cleared of it before the
-answer goes back, so the next owner of a block is not failed by what it reads there, masked. Only a
-failure of the whole step (the batched forward itself, out of memory) raises.
+logits at any of its rows or non-finite keys or values at any of its new tokens, a sampler exception
+at its row (worker/faults.py). A sequence whose forward was not finite may have written non-finite
+KV: its blocks are cleared of it before the answer goes back, so the next owner of a block is not
+failed by what it reads there, masked. Only a failure of the whole step (the batched forward itself,
+out of memory) raises.
 
 Sequence state lives in worker/planning.py. KV slots and history are only meaningful up to the
 scheduler's next `num_computed_tokens`: tree nodes that were not accepted are overwritten by
@@ -194,6 +195,7 @@ class ModelRunner:
         self._lap("metadata")
         output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             logits_to_keep=logits_to_keep, segserve_batch=batch)
+        plan.non_finite_tokens = batch.non_finite
         logits = output.logits[0].float()  # [N + R, V]
         self._lap("forward")
         return logits
@@ -214,8 +216,8 @@ class ModelRunner:
         sequence that has something to say, in request order. logits: [N + R, V] from execute()."""
         works = plan.works
         # failed: work index -> why it failed (non-finite logits at any of its rows, a sampler error)
-        sampled, failed = sample_works(works, logits, self.sample_rows)
-        overflowed = {block for i, why in failed.items() if why == NON_FINITE for block in works[i].block_table}
+        sampled, failed = sample_works(works, logits, self.sample_rows, plan.non_finite_tokens)
+        overflowed = {block for i, why in failed.items() if why in NON_FINITE for block in works[i].block_table}
         if overflowed:  # before the scheduler can give these blocks to anyone else (it frees them on the error)
             self.kv_cache.clear_non_finite(to_device(torch.tensor(sorted(overflowed)), self.device))
         prompt = self._prompt_logprobs(plan, logits[plan.num_sample_rows:], failed)

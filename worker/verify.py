@@ -32,8 +32,10 @@ from worker.sampler import SampleRow, SamplerOutput
 from worker.work import Work
 
 
-NON_FINITE = "non-finite logits (NaN or infinity)"
-"""Why a work failed when its logits were not finite: its forward overflowed, and so may the KV it wrote."""
+NON_FINITE_LOGITS = "non-finite logits (NaN or infinity)"
+NON_FINITE_KV = "non-finite keys or values (NaN or infinity)"
+NON_FINITE = (NON_FINITE_LOGITS, NON_FINITE_KV)
+"""Why a work failed when its forward overflowed: the KV it wrote may not be finite either."""
 
 
 class TreeWalk:
@@ -103,12 +105,14 @@ def step_paths(work: Work) -> list[tuple[int, ...]]:
     return [paths[index] for index in work.sample_indices]
 
 
-def sample_works(works: Sequence[Work], logits: torch.Tensor, make_rows: RowMaker
-                 ) -> tuple[dict[int, Sampled], dict[int, str]]:
+def sample_works(works: Sequence[Work], logits: torch.Tensor, make_rows: RowMaker,
+                 non_finite_tokens: torch.Tensor | None = None) -> tuple[dict[int, Sampled], dict[int, str]]:
     """Sample every row of every work in one sampler call, then walk the trees over the chosen tokens.
 
     logits: [N + R, V]: N rows, one per sample index in work order (a tree has one per node), then R
     rows kept for prompt log-probabilities, in work order; all N + R are checked for non-finite values.
+    non_finite_tokens: [T] bool, per new token of the step in work order, whether its keys or values were
+    not finite (the forward's check); fetched in the same transfer, and fails the works they belong to.
     Returns (work index -> what it sampled, for the works that sampled and did not fail; work index ->
     why it failed). Seeded generators are left where one draw per emitted token leaves them.
     """
@@ -123,12 +127,20 @@ def sample_works(works: Sequence[Work], logits: torch.Tensor, make_rows: RowMake
     uniform, seeded = draw_uniforms(plans, num_rows, logits.device)
     groups = [(first_rows[i], first_rows[i] + len(works[i].sample_indices)) for i in sampling]
     parts, failed_groups = sample_isolated(logits[:num_rows], rows, uniform, groups) if rows else ([], {})
-    is_bad, chosen = _fetch(non_finite_mask(logits), parts, num_rows)
+    checks = non_finite_mask(logits)
+    if non_finite_tokens is not None:
+        checks = torch.cat([checks, non_finite_tokens])
+    is_bad, chosen = _fetch(checks, parts, num_rows)
     failed = {sampling[g]: message for g, message in failed_groups.items()}
     if is_bad.any():
         owners = [i for i, w in enumerate(works) for _ in w.sample_indices]
         owners += [i for i, w in enumerate(works) for _ in w.prompt_offsets]
-        failed |= {owners[row]: NON_FINITE for row in np.flatnonzero(is_bad).tolist()}
+        num_logits = len(owners)
+        owners += [i for i, w in enumerate(works) for _ in w.token_ids]
+        non_finite: dict[int, str] = {}  # a work's first bad row names it: its logits before its keys and values
+        for row in np.flatnonzero(is_bad).tolist():
+            non_finite.setdefault(owners[row], NON_FINITE_LOGITS if row < num_logits else NON_FINITE_KV)
+        failed |= non_finite
     sampled = {i: _accept(works[i], chosen, first_rows[i]) for i in sampling if i not in failed}
     for j, draws in seeded.items():
         if drawing[j] in sampled:
