@@ -57,10 +57,10 @@ class StepPlan:
     seq_ids: list[str] = field(default_factory=list)
     """Every scheduled sequence, in request order (the order of the outputs)."""
     layout: StepLayout | None = None
+    """Where the works sit in the block tables and the packed row (None when nothing runs)."""
     non_finite_tokens: torch.Tensor | None = None
     """[T] bool on the device, set by the forward (ModelRunner.execute): the new tokens whose keys or values
     were not finite."""
-    """Where the works sit in the block tables and the packed row (None when nothing runs)."""
 
     @property
     def num_sample_rows(self) -> int:
