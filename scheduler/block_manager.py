@@ -196,10 +196,8 @@ class BlockManager:
         wrong (a forward that overflowed, whose non-finite values the worker has set to 0), so no later prefix
         may take it. Whoever holds a block still reads it; once free it is reused as an uncached block."""
         for block_id in seq.block_table:
-            block_hash = self._hashes[block_id]
-            if block_hash is not None:
-                del self._cached[block_hash]
-                self._hashes[block_id] = None
+            if self._hashes[block_id] is not None:
+                self._unhash(block_id)
         seq.num_hashed_blocks = 0
 
     def reset_prefix_cache(self) -> None:
@@ -225,10 +223,14 @@ class BlockManager:
             block_id = self._free_uncached.popleft()
         else:
             block_id, _ = self._free_cached.popitem(last=False)
-            del self._cached[self._hashes[block_id]]
-            self._hashes[block_id] = None
+            self._unhash(block_id)
         self._ref_counts[block_id] = 1
         return block_id
+
+    def _unhash(self, block_id: int) -> None:
+        """Forget a hashed block's hash: no prefix lookup finds it any more."""
+        del self._cached[self._hashes[block_id]]
+        self._hashes[block_id] = None
 
     def _ref(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:  # a cached free block comes back into use

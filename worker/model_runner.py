@@ -215,7 +215,8 @@ class ModelRunner:
         """Check the logits, sample, score prompt tokens, keep accepted tree KV; one output per
         sequence that has something to say, in request order. logits: [N + R, V] from execute()."""
         works = plan.works
-        # failed: work index -> why it failed (non-finite logits at any of its rows, a sampler error)
+        # failed: work index -> why it failed (non-finite logits at any of its rows or keys and values at any of
+        # its tokens, a sampler error)
         sampled, failed = sample_works(works, logits, self.sample_rows, plan.non_finite_tokens)
         overflowed = {block for i, why in failed.items() if why in NON_FINITE for block in works[i].block_table}
         if overflowed:  # before the scheduler can give these blocks to anyone else (it frees them on the error)
