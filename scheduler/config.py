@@ -81,6 +81,10 @@ class SchedulerConfig:
     ray_address: str | None = None
     """Ray cluster to run the scheduler actor on (e.g. 10.0.0.5:6379 of `ray start --head`, or "auto");
     None = a private Ray instance on this machine."""
+    start_timeout_s: float = 120.0
+    """Seconds for Ray's start and the scheduler actor's (placed, serving gRPC); past them the process exits with
+    code 1, for its supervisor (the launcher, Kubernetes) to start it again, rather than hang unready. Raise it
+    for a cluster that must first scale up to place the actor."""
     internal_tls_cert_file: str = ""
     """PEM certificate the scheduler presents, as the router's server and as the workers' and drafters' client;
     with internal_tls_key_file and internal_tls_ca_file it turns on mutual TLS (all three empty = plaintext)."""
@@ -116,6 +120,8 @@ class SchedulerConfig:
             raise ValueError("drafter_retry_s must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.start_timeout_s <= 0:
+            raise ValueError("start_timeout_s must be > 0")
         internal_tls(self)  # ValueError naming the fields when only some are given
 
     def resolve_max_num_seqs(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> int:

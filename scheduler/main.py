@@ -5,17 +5,21 @@ Ray is a private instance on this machine by default, or an existing cluster wit
 (`ray start --head` on this machine, or a KubeRay cluster): the actor then runs there as a named
 actor in the "segserve" namespace, on this process's own node when this process is a cluster
 node (so its gRPC address is this host's), anywhere when connected through the Ray client
-(ray://...; its address is then logged). This process supervises it and stops it on exit.
+(ray://...; its address is then logged). This process supervises it and stops it on exit; a start that
+takes longer than start_timeout_s (Ray's or the actor's) ends it with code 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
+
+import psutil
 
 from scheduler.config import SchedulerConfig
 from segserve.tls import internal_tls
@@ -56,6 +60,18 @@ def actor_options(config: SchedulerConfig) -> dict:
     return options
 
 
+def _give_up_start(timeout_s: float) -> None:
+    """Exit with code 1 from a start that hangs (a scheduler once stayed unready for 300 s in CI, on a loaded
+    2-core machine): a supervisor can start a new one, it cannot unstick this one. Every process this one
+    started goes first: Ray's GCS and raylet die with their parent, but the raylet's agents outlive it."""
+    logger.error("Ray and the scheduler actor did not start within start_timeout_s (%.0f s); exiting", timeout_s)
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    logging.shutdown()
+    os._exit(1)
+
+
 def run(config: SchedulerConfig) -> None:
     """Serve the Scheduler gRPC API from a Ray actor; block until SIGINT/SIGTERM, then shut down."""
     import ray
@@ -65,9 +81,13 @@ def run(config: SchedulerConfig) -> None:
     tls = internal_tls(config)
     if tls is not None and not (config.ray_address or "").startswith("ray://"):
         tls.check()  # the actor runs on this node and reads them there: a clear error before Ray starts
+    watchdog = threading.Timer(config.start_timeout_s, _give_up_start, (config.start_timeout_s,))
+    watchdog.daemon = True
+    watchdog.start()
     if config.ray_address:
         init_cluster_ray(config.ray_address)
     else:
+        logger.info("starting a private Ray instance")
         init_local_ray()
     # After ray.init, which installs its own SIGTERM handler.
     stop = threading.Event()
@@ -78,6 +98,7 @@ def run(config: SchedulerConfig) -> None:
         actor = SchedulerActor.options(**actor_options(config)).remote()
         port = ray.get(actor.start.remote(config))
         node_ip = ray.get(actor.node_ip.remote())
+        watchdog.cancel()
         logger.info("scheduler serving on %s:%d, Ray node %s (worker %s)", config.host, port, node_ip,
                     config.worker_address)
         while not stop.wait(_LIVENESS_CHECK_S):

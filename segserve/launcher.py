@@ -346,27 +346,47 @@ class Stack:
 
     def _wait_grpc_ready(self, name: str, stub_cls, address: str, deadline: float, config) -> None:
         """Poll the Health RPC of the service `config` configures (over its internal TLS, when it has one)."""
+        detail = "not polled"
         with open_blocking_channel(address, internal_tls(config)) as channel:
             stub = stub_cls(channel)
             while time.monotonic() < deadline:
                 self._check_alive(name)
                 try:
-                    if stub.Health(common_pb2.HealthRequest(), timeout=2.0).ready:
+                    health = stub.Health(common_pb2.HealthRequest(), timeout=2.0)
+                    if health.ready:
                         return
-                except grpc.RpcError:
-                    pass
+                    detail = health.detail
+                except grpc.RpcError as exc:
+                    detail = f"Health: {exc.code().name}"
                 time.sleep(0.5)
-        raise TimeoutError(f"{name} at {address} was not ready in time")
+        raise self._not_ready(name, address, detail)
 
     def _wait_http_ready(self, deadline: float) -> None:
+        detail = "not polled"
         while time.monotonic() < deadline:
             self._check_alive("router")
             try:
                 # A liveness poll of the process started here, sending nothing secret: the router's certificate
                 # is for the names its clients use, which need not include the bind address dialled here.
-                if httpx.get(self.base_url + "/health", timeout=2.0, verify=False).status_code == 200:
+                response = httpx.get(self.base_url + "/health", timeout=2.0, verify=False)
+                if response.status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
+                detail = f"/health answered {response.status_code}"
+            except httpx.HTTPError as exc:
+                detail = f"/health: {type(exc).__name__}"
             time.sleep(0.5)
-        raise TimeoutError(f"router at {self.base_url} was not ready in time")
+        raise self._not_ready("router", self.base_url, detail)
+
+    def _not_ready(self, name: str, address: str, detail: str, num_lines: int = 40) -> TimeoutError:
+        """The error for a service still not ready at the deadline: its last answer, and the end of its log
+        (where it is stuck is there, and a test's failure report is often all anyone sees)."""
+        message = f"{name} at {address} was not ready in time (last: {detail})"
+        if self.config.log_dir:
+            path = Path(self.config.log_dir) / f"{name}.log"
+            try:
+                lines = path.read_text(errors="replace").splitlines()[-num_lines:]
+            except OSError:
+                lines = []
+            if lines:
+                message += f"; the end of {path}:\n" + "\n".join(lines)
+        return TimeoutError(message)

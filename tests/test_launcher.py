@@ -1,11 +1,15 @@
 """The local launcher's start-up: a router or scheduler whose auto-picked port was taken meanwhile is started
-again on another; local workers get the machine's CPUs but one as torch threads."""
+again on another; a service not ready in time is reported with the end of its log; local workers get the
+machine's CPUs but one as torch threads."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 import segserve.launcher as launcher
+from protos.segserve.v1 import scheduler_pb2_grpc
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.launcher import Stack, StackConfig
@@ -80,6 +84,20 @@ def test_a_scheduler_port_the_user_chose_is_not_replaced(monkeypatch):
     with pytest.raises(RuntimeError, match="scheduler exited with code 3"):
         stack._start_scheduler(SchedulerConfig(port=50051), deadline=0, is_port_picked=False)
     assert spawned == [50051]
+
+
+def test_a_service_not_ready_in_time_is_reported_with_its_last_answer_and_the_end_of_its_log(tmp_path):
+    stack = Stack(StackConfig(log_dir=str(tmp_path)))
+    stack.processes["scheduler"] = _Process(None)  # alive, never ready
+    (tmp_path / "scheduler.log").write_text("".join(f"line {i}\n" for i in range(100)))
+    address = f"127.0.0.1:{launcher.free_port()}"  # nothing listens there
+    with pytest.raises(TimeoutError) as raised:
+        stack._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, address, time.monotonic() + 1.0,
+                               SchedulerConfig())
+    message = str(raised.value)
+    assert message.startswith(f"scheduler at {address} was not ready in time (last: Health: UNAVAILABLE)")
+    assert message.endswith("\n".join(f"line {i}" for i in range(60, 100)))
+    assert "line 59\n" not in message
 
 
 @pytest.mark.parametrize(("num_threads", "expected"), [(0, None), (3, 3)])

@@ -1,17 +1,19 @@
 """The whole stack on a Ray cluster started with `ray start --head`, joined through --ray-address: the scheduler
-and two workers run there as Ray actors."""
+and two workers run there as Ray actors. A scheduler whose Ray start hangs exits instead."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from tests.router_server import free_port
 
@@ -107,4 +109,45 @@ def _is_up(url: str) -> bool:
     try:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
+        return False
+
+
+def test_a_scheduler_whose_ray_start_hangs_exits_for_its_supervisor(tmp_path):
+    """A cluster address that accepts connections and never answers holds ray.init up for minutes (Ray retries
+    its GCS); the scheduler gives up after start_timeout_s and exits with code 1, naming the setting."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        start = time.monotonic()
+        scheduler = subprocess.run(
+            [sys.executable, "-m", "segserve.cli", "scheduler", "--port", "0", "--start-timeout-s", "3",
+             "--ray-address", "127.0.0.1:%d" % silent.getsockname()[1]],
+            capture_output=True, text=True, timeout=120, env={**os.environ, **cluster_env(tmp_path)})
+    assert scheduler.returncode == 1, scheduler.stdout + scheduler.stderr
+    assert "did not start within start_timeout_s (3 s)" in scheduler.stdout + scheduler.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_a_scheduler_giving_up_its_start_kills_every_process_it_started():
+    """As Ray's raylet and the agents it starts, which outlive it: a child, and the child's own child."""
+    script = ("import subprocess\n"
+              "from scheduler.main import _give_up_start\n"
+              "child = subprocess.Popen(['sh', '-c', 'sleep 300 & echo $!; wait'], stdout=subprocess.PIPE, text=True)\n"
+              "print(child.pid, child.stdout.readline().strip(), flush=True)\n"
+              "_give_up_start(7)\n")
+    scheduler = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert scheduler.returncode == 1, scheduler.stderr
+    assert "did not start within start_timeout_s (7 s)" in scheduler.stderr
+    pids = [int(pid) for pid in scheduler.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_is_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a process the scheduler started outlived it"
+        time.sleep(0.1)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
