@@ -60,7 +60,8 @@ class AttentionGroup:
     _masks: dict = field(default_factory=dict)
 
     def attn_mask(self, window: int | None, num_groups: int) -> torch.Tensor:
-        """[R, 1, num_groups * Q, L] bool mask for a layer, cached per (window, num_groups)."""
+        """[R, 1, num_groups * Q, L] bool mask for a layer, cached per (window, num_groups); [R, 1, 1, L] with one
+        query per row (decode), which attention broadcasts over the query heads instead of copying it."""
         cached = self._masks.get((window, num_groups))
         if cached is None:
             mask = self.mask
@@ -69,7 +70,7 @@ class AttentionGroup:
                 mask = mask & (self.query_pos[:, :, None] - self.key_pos[:, None, :] < window)
                 # a padding query keeps key 0 so its softmax row is never empty (no NaN)
                 mask[:, :, 0] |= self.is_pad_query
-            cached = mask.repeat(1, num_groups, 1).unsqueeze(1)
+            cached = (mask if mask.shape[1] == 1 else mask.repeat(1, num_groups, 1)).unsqueeze(1)
             self._masks[(window, num_groups)] = cached
         return cached
 
@@ -300,7 +301,7 @@ def _attend_group(group: AttentionGroup, tokens_query: torch.Tensor, cache: Page
     # [R, Q, H, D] -> [R, KVH, G * Q, D]: query head h reads kv head h // G, so the G heads
     # of one kv head become G blocks of Q rows and no key/value is repeated.
     group_query = group_query.permute(0, 2, 1, 3).reshape(rows, group_key.shape[1], num_groups * num_queries, -1)
-    mask = group.attn_mask(window, num_groups)  # [R, 1, G * Q, L]
+    mask = group.attn_mask(window, num_groups)  # [R, 1, G * Q or 1, L]
     attn = _attend(group_query, group_key, group_value, mask, scaling, softcap)  # [R, KVH, G * Q, D]
     return attn.reshape(rows, num_heads, num_queries, head_dim).transpose(1, 2)
 
