@@ -34,7 +34,7 @@ from protos.segserve.v1 import drafter_pb2_grpc
 from segserve.checkpoint import resolve_model
 from segserve.health import add_health_and_reflection
 from segserve.heap import freeze_startup_heap
-from segserve.tls import TlsFiles, add_port, internal_tls
+from segserve.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ async def start_server(servicer: DrafterServicer, host: str, port: int,
     """Bind and start a grpc.aio server with the Drafter, the standard health service (servicer.health: SERVING
     once started) and reflection; returns it and the bound port (port 0 = any free one). With `tls`
     (segserve.tls.internal_tls of the config), clients must present a certificate its CA signed."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[EXCLUSIVE_PORT])
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     add_health_and_reflection(server, servicer.serving)
     bound = add_port(server, f"{host}:{port}", tls)

@@ -53,7 +53,7 @@ from router.reflow.recorder import RequestRecording
 from router.state import RouterState
 from router.stop import stop_at_strings
 from segserve.health import Serving, add_health_and_reflection
-from segserve.tls import add_port
+from segserve.tls import EXCLUSIVE_PORT, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -272,10 +272,9 @@ def server_options(config: RouterConfig) -> list[tuple[str, int]]:
     """Message limits, and keep-alive settings that let long streams live behind load balancers: the server
     pings idle connections, accepts the clients' own pings (with or without calls under way, every 10 s at
     most) and keeps pinging a stream that sends no data for a long time (prefill, a long queue). The port is
-    bound without SO_REUSEPORT (gRPC's default on Linux), so a second router on a taken port fails to start
-    as it does on HTTP's, instead of sharing the port's connections with the first."""
+    bound exclusively (EXCLUSIVE_PORT), so a second router on a taken port fails to start as it does on HTTP's."""
     return [
-        ("grpc.so_reuseport", 0),
+        EXCLUSIVE_PORT,
         ("grpc.max_receive_message_length", config.grpc_max_message_bytes),
         ("grpc.max_send_message_length", config.grpc_max_message_bytes),
         ("grpc.keepalive_time_ms", int(config.grpc_keepalive_time_s * 1000)),
@@ -311,10 +310,7 @@ async def start_grpc_server(state: RouterState, config: RouterConfig) -> GrpcApi
     serving = Serving([SERVICE_NAME])
     add_health_and_reflection(server, serving)
     address = f"{config.host}:{config.grpc_port}"
-    try:
-        port = add_port(server, address, config.tls)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot bind the gRPC API to {address}: {exc}") from exc
+    port = add_port(server, address, config.tls)
     if port == 0:
         raise RuntimeError(f"cannot bind the gRPC API to {address}")
     await server.start()

@@ -28,7 +28,7 @@ from scheduler.scheduler import QueueFull
 from scheduler.streams import StreamsCall
 from scheduler.worker_client import WorkerClient
 from segserve.health import Serving, add_health_and_reflection
-from segserve.tls import add_port, internal_tls
+from segserve.tls import EXCLUSIVE_PORT, add_port, internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ async def start_server(config: SchedulerConfig, engine: Engine | EngineGroup | N
         engine = EngineGroup(config, lambda address, server_name: WorkerClient(
             address, config.worker_step_timeout_s, tls, server_name), drafter)
     engine.start()
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[EXCLUSIVE_PORT])
     servicer = SchedulerServicer(engine)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     add_health_and_reflection(server, servicer.serving)

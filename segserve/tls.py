@@ -140,12 +140,21 @@ def channel_credentials(ca_file: str | None, cert_file: str | None = None,
                                         certificate_chain=Path(cert_file).read_bytes())
 
 
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+"""Server option for every segserve gRPC server: bind without SO_REUSEPORT (gRPC's default on Linux), so a second
+server on a port another one holds fails to start, instead of sharing that port's connections with it (a
+scheduler's calls would then land on two workers by turns)."""
+
+
 def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
     """Bind `address` on `server`, over TLS when `tls` is given (and enabled), else plaintext; returns the
-    port bound (0 when it could not bind, as grpc's add_*_port)."""
-    if tls is None or not tls.is_enabled:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
+    port bound, 0 when it could not bind (grpc returns 0 or raises, by version)."""
+    try:
+        if tls is None or not tls.is_enabled:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError:
+        return 0
 
 
 UNIX_SERVER_NAME = "localhost"

@@ -60,6 +60,15 @@ def _tree(reply: drafter_pb2.DraftReply, max_nodes: int = 8) -> CandidateTree:
     return tree
 
 
+async def test_a_taken_port_stops_a_second_drafter(servicer):
+    first, port = await start_server(servicer, "127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError, match=f"cannot bind the drafter to 127.0.0.1:{port}"):
+            await start_server(servicer, "127.0.0.1", port)
+    finally:
+        await first.stop(grace=None)
+
+
 async def test_health(stub):
     assert Health.from_pb(await stub.Health(common_pb2.HealthRequest())) == Health(is_ready=True)
 

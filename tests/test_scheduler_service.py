@@ -386,6 +386,17 @@ async def test_engine_abort_ends_the_stream_with_cancelled(service):
     assert engine.stats().num_used_kv_blocks == 0
 
 
+async def test_a_taken_port_stops_a_second_scheduler():
+    config = SchedulerConfig(worker_address=f"127.0.0.1:{free_port()}", port=0)
+    server, engine = await start_server(config)
+    taken = server.bound_port
+    try:
+        with pytest.raises(RuntimeError, match=f"cannot bind the scheduler's gRPC server to 127.0.0.1:{taken}"):
+            await start_server(SchedulerConfig(worker_address=config.worker_address, port=taken))
+    finally:
+        await stop_server(server, engine)
+
+
 async def test_without_a_worker_health_is_not_ready_and_generate_is_unavailable():
     config = SchedulerConfig(worker_address=f"127.0.0.1:{free_port()}", port=0)
     server, engine = await start_server(config)

@@ -41,6 +41,16 @@ async def served():
     await server.stop(grace=None)
 
 
+async def test_a_taken_port_stops_a_second_worker():
+    """Not shared with SO_REUSEPORT: a scheduler's steps would otherwise reach the two workers by turns."""
+    first, port = await start_server(WorkerServicer(), "127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError, match=f"cannot bind the worker to 127.0.0.1:{port}"):
+            await start_server(WorkerServicer(), "127.0.0.1", port)
+    finally:
+        await first.stop(grace=None)
+
+
 def _new(seq_id: str, num_prompt: int, sampling=GREEDY) -> worker_pb2.NewSequence:
     return worker_pb2.NewSequence(seq_id=seq_id, sampling=sampling, num_prompt_tokens=num_prompt)
 

@@ -26,7 +26,7 @@ from protos.segserve.v1.info import Health
 from protos.segserve.v1.step import MalformedStep, StepRequest, StepResult
 from segserve.health import Serving, add_health_and_reflection
 from segserve.heap import freeze_startup_heap
-from segserve.tls import TlsFiles, add_port, internal_tls
+from segserve.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.step_order import StepOrder
@@ -123,6 +123,7 @@ async def start_server(servicer: WorkerServicer, host: str, port: int,
     """Bind and start a grpc.aio server for `servicer`; returns it and the bound port (port 0 = any free one).
     With `tls` (segserve.tls.internal_tls of the config), clients must present a certificate its CA signed."""
     server = grpc.aio.server(options=[
+        EXCLUSIVE_PORT,
         ("grpc.max_receive_message_length", 64 * 2**20),
         ("grpc.max_send_message_length", 64 * 2**20),
     ])
