@@ -138,6 +138,10 @@ def test_real_model_greedy_matches_generate(default_model_dir):
 
 
 def test_batch_invariance(runner):
+    assert_batch_invariant(runner)
+
+
+def assert_batch_invariant(runner: ModelRunner) -> None:
     """Sequences of different lengths, prefilling and decoding in shared steps, match decoding alone."""
     prompts = {"short": PROMPT[:3], "mid": PROMPT[:9], "long": PROMPT + [200, 201, 202]}
     tables = {"short": [0, 1, 2, 3, 4, 5], "mid": [6, 7, 8, 9, 10, 11, 12], "long": [13, 14, 15, 16, 17, 18, 19]}

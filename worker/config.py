@@ -32,6 +32,15 @@ class WorkerConfig:
     """On cpu, pack every linear weight once for oneDNN (worker/packed_linear.py), the q/k/v and gate/up siblings
     as one weight each: about twice the decode throughput at 16 rows, for a second copy of the linear weights in
     memory."""
+    is_compiled: bool = False
+    """Run the model's decoder compiled by torch.compile (worker/compiled.py): static shapes, one per power of two
+    of the tokens in a step, each compiled the first time a step of its size comes (seconds to a minute each on
+    a CPU; the log says how long). Fewer, fused ops per forward; its numerics differ from the eager forward's in
+    the last bits, so every step of the worker runs compiled."""
+    compile_max_tokens: int = 256
+    """With is_compiled: the buckets up to this many tokens (1, 2, 4, ...) are compiled during the warm-up,
+    before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
+    max_num_batched_tokens (256 by default) is the most a step holds."""
     host: str = "127.0.0.1"
     """Address the gRPC server binds to (localhost by default)."""
     port: int = 50061
@@ -49,6 +58,8 @@ class WorkerConfig:
             raise ValueError("block_size must be > 0")
         if self.kv_cache_gb <= 0 and self.num_kv_blocks <= 0:
             raise ValueError("kv_cache_gb or num_kv_blocks must be > 0")
+        if self.compile_max_tokens <= 0:
+            raise ValueError("compile_max_tokens must be > 0")
         if self.num_kv_blocks < 0 or self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("num_kv_blocks, max_model_len and num_threads must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

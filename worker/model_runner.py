@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch, plan_groups
 from worker.block_tables import BlockTables
+from worker.compiled import CompiledDecoder
 from segserve.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
@@ -87,8 +88,11 @@ class ModelRunner:
         ).to(self.device).eval()
         self.device = self.model.device  # "cuda" resolved to "cuda:0"
         if config.is_packed_linear:
-            logger.info("packed %d linear weights for oneDNN", pack_linears(self.model))
+            logger.info("packed %d linear weights for oneDNN",
+                        pack_linears(self.model, is_merged=not config.is_compiled))
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
+        if config.is_compiled:
+            CompiledDecoder(self.model)
         model_config = self.model.config.get_text_config()
         max_len = model_config.max_position_embeddings
         if config.max_model_len > max_len:
@@ -127,14 +131,20 @@ class ModelRunner:
         return self._info
 
     def warm_up(self) -> None:
-        """Run one real step (forward and sampling) on block 0; the runner is ready after it."""
-        num_tokens = min(4, self.limits.max_model_len)
-        blocks = tuple(range(-(-num_tokens // self.kv_cache.block_size)))
-        seq = ScheduledSequence(_WARMUP_SEQ_ID, (0,) * num_tokens, 0, blocks, sample_indices=(num_tokens - 1,))
-        (output,) = self.step(StepRequest([seq], [NewSequence(_WARMUP_SEQ_ID, SamplingParams(), num_tokens)]))
-        self._states.pop(_WARMUP_SEQ_ID, None)
-        if output.error:
-            raise RuntimeError(f"the warm-up step failed: {output.error}")
+        """Run one real step (forward and sampling) from block 0; the runner is ready after it. A compiled runner
+        runs one per bucket up to config.compile_max_tokens (as far as the KV cache and max_model_len reach),
+        so that no request waits for a compile of those."""
+        most = min(self.limits.max_model_len, self.limits.num_blocks * self.kv_cache.block_size)
+        sizes = {min(4, most)}
+        if self.config.is_compiled:
+            sizes |= {n for n in (1 << i for i in range(32)) if n <= min(self.config.compile_max_tokens, most)}
+        for num_tokens in sorted(sizes):
+            blocks = tuple(range(-(-num_tokens // self.kv_cache.block_size)))
+            seq = ScheduledSequence(_WARMUP_SEQ_ID, (0,) * num_tokens, 0, blocks, sample_indices=(num_tokens - 1,))
+            (output,) = self.step(StepRequest([seq], [NewSequence(_WARMUP_SEQ_ID, SamplingParams(), num_tokens)]))
+            self._states.pop(_WARMUP_SEQ_ID, None)
+            if output.error:
+                raise RuntimeError(f"the warm-up step failed: {output.error}")
         self.is_ready = True
 
     def step(self, request: StepRequest) -> list[SequenceOutput]:

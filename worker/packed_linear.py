@@ -65,7 +65,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.detach() if self.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -85,7 +85,7 @@ class MergedProduct:
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Linear `index` of x: a slice of the product of x, computed unless this part of it is still unclaimed."""
         if x is not self._input or self._parts[index] is None:
-            product = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
+            product = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], None)
             self._input, self._parts = x, list(product.split(self.sizes, dim=-1))
         out, self._parts[index] = self._parts[index], None
         if all(part is None for part in self._parts):
@@ -109,13 +109,14 @@ class MergedLinearPart(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, merged part {self._index}"
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, is_merged: bool = True) -> int:
     """Replace every nn.Linear of a CPU model with a PackedLinear when oneDNN supports its dtype, siblings
-    (MERGED_SIBLINGS) with parts of one MergedProduct; returns how many were replaced (0 on a GPU or an
-    unsupported dtype)."""
+    (MERGED_SIBLINGS) with parts of one MergedProduct unless not is_merged (a compiled model: a part finds its
+    product by the input's identity, which tracing does not keep); returns how many were replaced (0 on a GPU
+    or an unsupported dtype)."""
     count = 0
     for parent in list(model.modules()):
-        for names in MERGED_SIBLINGS:
+        for names in MERGED_SIBLINGS if is_merged else ():
             siblings = [getattr(parent, name, None) for name in names]
             if _is_mergeable(siblings):
                 product = MergedProduct(siblings)

@@ -70,6 +70,8 @@ class EngineBenchConfig:
     """Draft with the drafter's planner in-process (own-history and corpus lookup) and verify trees."""
     max_draft_nodes: int = 8
     """Largest tree per sequence per step, with is_draft."""
+    is_compiled: bool = False
+    """Run the worker's decoder compiled (WorkerConfig.is_compiled); its buckets compile before the timing."""
     is_hf_compiled: bool = False
     """Also time HF generate() with a static cache and torch.compile (slow to compile on a CPU)."""
     num_threads: int = 0
@@ -110,6 +112,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
     parser.add_argument("--draft", dest="is_draft", action="store_true", help="draft in-process and verify trees")
     parser.add_argument("--max-draft-nodes", type=int, default=d.max_draft_nodes)
+    parser.add_argument("--compiled", dest="is_compiled", action="store_true",
+                        help="the worker's decoder compiled by torch.compile (buckets compiled before timing)")
     parser.add_argument("--hf-compiled", dest="is_hf_compiled", action="store_true",
                         help="also time HF generate() with a static cache + torch.compile")
     parser.add_argument("--num-threads", type=int, default=d.num_threads)
@@ -183,7 +187,8 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
     num_blocks = max(config.batch_sizes) * (-(-max_tokens // block_size) + 1) + 1
     runner = ModelRunner(WorkerConfig(model=str(model_dir), device=config.device, dtype=config.dtype,
                                       block_size=block_size, num_kv_blocks=num_blocks,
-                                      num_threads=config.num_threads))
+                                      num_threads=config.num_threads, is_compiled=config.is_compiled,
+                                      compile_max_tokens=max(config.batch_sizes) * tokens_per_step))
     runner.warm_up()
     return runner, max_tokens
 

@@ -83,6 +83,8 @@ class ThroughputConfig:
     """Run the launched stack with drafters and speculative decoding (False: plain decoding, as the baseline)."""
     async_scheduling: bool = True
     """The launched scheduler's async scheduling (the next decode step sent while one runs; speculation off only)."""
+    compiled: bool = False
+    """The launched worker's decoder compiled (WorkerConfig.is_compiled); HF's baseline stays eager."""
     out: str = "bench-results"
     """Directory for throughput.json, throughput.png and logs."""
 
@@ -137,6 +139,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                         help="drafters and speculative decoding in the launched stack")  # fmt: skip
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=defaults.async_scheduling, help="the launched scheduler's async scheduling")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=defaults.compiled,
+                        help="the launched worker's decoder compiled by torch.compile")
     parser.add_argument("--out", default=defaults.out, help="output directory (default: bench-results/)")
 
 
@@ -243,7 +247,8 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
         from worker.config import WorkerConfig
 
         stack_config = StackConfig(
-            worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0),  # 0 = the launcher picks
+            worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0,  # 0 = the launcher picks
+                                is_compiled=config.compiled),
             scheduler=SchedulerConfig(port=0, is_async_scheduling=config.async_scheduling),
             is_speculative=config.speculation,
             router=RouterConfig(port=0, is_grpc_api=config.grpc_api, grpc_port=0),  # 0: the launcher picks

@@ -1,0 +1,84 @@
+"""The worker with its decoder compiled (WorkerConfig.is_compiled, worker/compiled.py): the same greedy tokens
+as the eager runner, rows bit-identical whatever else shares the step (and whatever bucket it pads to), trees
+scored like the eager runner scores them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+from tests.devices import TEST_DEVICE
+from tests.test_worker_runner import (
+    BLOCK_SIZE, PROMPT, ROOT_TOKEN, TREE, Decoder, assert_batch_invariant, make_runner, run_together,
+)
+from worker.compiled import bucket
+from worker.config import WorkerConfig
+from worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_gemma3_dir):
+    runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=64, block_size=BLOCK_SIZE,
+                                      dtype="float32", device=TEST_DEVICE, is_compiled=True, compile_max_tokens=8))
+    runner.warm_up()
+    return runner
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_gemma3_dir):
+    return make_runner(tiny_gemma3_dir)
+
+
+def test_a_step_pads_to_the_next_power_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 100, 256, 257)] == [1, 2, 4, 4, 8, 8, 16, 128, 256, 512]
+
+
+def test_greedy_tokens_are_the_eager_runners(compiled, eager):
+    """Uneven prefill chunks (3, 5 and 3 tokens: padded to 4, 8 and 4), a scattered block table, 20 tokens past
+    the sliding window of 8."""
+    blocks = [9, 2, 31, 5, 17, 3, 40, 11]
+    got = run_together(compiled, [Decoder("a", PROMPT, blocks, chunks=[3, 5, 3])], 20)
+    assert got == run_together(eager, [Decoder("a", PROMPT, blocks, chunks=[3, 5, 3])], 20)
+
+
+def test_batch_invariance(compiled):
+    assert_batch_invariant(compiled)
+
+
+def _decode_row(runner: ModelRunner, others: int) -> torch.Tensor:
+    """The logits of one decode token of PROMPT, computed with `others` other sequences' decode tokens."""
+    seqs = [("x", PROMPT, (50, 51, 52))]
+    seqs += [(f"o{i}", PROMPT[: 4 + i], (30 + 2 * i, 31 + 2 * i)) for i in range(others)]
+    news = [NewSequence(s, SamplingParams(), len(p)) for s, p, _ in seqs]
+    runner.step(StepRequest([ScheduledSequence(s, p, 0, b) for s, p, b in seqs], news))
+    decode = [ScheduledSequence(s, [5], len(p), b, sample_indices=[0]) for s, p, b in seqs]
+    logits = runner.compute_logits(StepRequest(decode))
+    runner.step(StepRequest(finished_seq_ids=[s for s, _, _ in seqs]))
+    return logits[0]
+
+
+def test_a_row_is_bit_identical_alone_and_padded_among_others(compiled):
+    alone = _decode_row(compiled, 0)  # 1 token: no padding
+    assert torch.equal(_decode_row(compiled, 2), alone)  # 3 tokens padded to 4
+    assert torch.equal(_decode_row(compiled, 4), alone)  # 5 tokens padded to 8
+
+
+def test_a_tree_scores_like_the_eager_runners(compiled, eager):
+    context = PROMPT + [200, 201, 202, 203]
+    blocks = (20, 3, 44, 9, 30, 1)
+
+    def tree_logits(runner: ModelRunner) -> torch.Tensor:
+        runner.step(StepRequest([ScheduledSequence("t", context, 0, blocks)],
+                                [NewSequence("t", SamplingParams(), len(context))]))
+        logits = runner.compute_logits(StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
+                                                                      draft=TREE)]))
+        runner.step(StepRequest(finished_seq_ids=["t"]))
+        return logits
+
+    got, expected = tree_logits(compiled), tree_logits(eager)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
