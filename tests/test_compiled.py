@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def compiled(tiny_gemma3_dir):
     runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=64, block_size=BLOCK_SIZE,
-                                      dtype="float32", device=TEST_DEVICE, is_compiled=True, compile_max_tokens=8))
+                                      dtype="float32", device=TEST_DEVICE, is_compiled=True, compile_max_tokens=16))
     runner.warm_up()
     return runner
 
@@ -53,8 +53,9 @@ def _decode_row(runner: ModelRunner, others: int) -> torch.Tensor:
     """The logits of one decode token of PROMPT, computed with `others` other sequences' decode tokens."""
     seqs = [("x", PROMPT, (50, 51, 52))]
     seqs += [(f"o{i}", PROMPT[: 4 + i], (30 + 2 * i, 31 + 2 * i)) for i in range(others)]
-    news = [NewSequence(s, SamplingParams(), len(p)) for s, p, _ in seqs]
-    runner.step(StepRequest([ScheduledSequence(s, p, 0, b) for s, p, b in seqs], news))
+    for seq_id, prompt, blocks in seqs:  # one prefill each: buckets of at most 16 tokens, compiled already
+        runner.step(StepRequest([ScheduledSequence(seq_id, prompt, 0, blocks)],
+                                [NewSequence(seq_id, SamplingParams(), len(prompt))]))
     decode = [ScheduledSequence(s, [5], len(p), b, sample_indices=[0]) for s, p, b in seqs]
     logits = runner.compute_logits(StepRequest(decode))
     runner.step(StepRequest(finished_seq_ids=[s for s, _, _ in seqs]))
