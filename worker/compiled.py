@@ -9,8 +9,8 @@ weights). The tiny Gemma3 of the tests, one row, one thread: 1.94 ms per forward
 from `_current`, where `CompiledDecoder` puts it before each forward.
 
 Shapes are static: a step's packed row of T tokens is padded to the next power of two (`bucket`), with
-token 0 at position 0, and each bucket is compiled the first time a step of that size comes (the log says how
-long it took). The attention takes only the step's real tokens (it writes no KV for padding) and gives
+token 0 at position 0. The runner's warm-up compiles the buckets up to WorkerConfig.compile_max_tokens; a larger
+one compiles the first time a step of that size comes (the log says how long each took). The attention takes only the step's real tokens (it writes no KV for padding) and gives
 padding rows zeros; nothing downstream reads them (the logits are taken at real rows only).
 
 Numerics: a compiled forward differs from the eager one in the last bits (fused reductions round in another
