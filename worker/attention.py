@@ -252,6 +252,12 @@ def tree_sees(parents: tuple[int, ...]) -> np.ndarray:
     return sees
 
 
+def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
+    """The sliding window of the attention layer `module` (None: full attention), from the kwargs the model
+    passes to its attention function (sliding_window=None for full-attention layers, when passed at all)."""
+    return kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -266,8 +272,7 @@ def paged_attention_forward(
     """query: [1, H, T, D]; key/value: [1, KVH, T, D] after RoPE. Returns [1, T, H, D] and no weights."""
     if segserve_batch is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the segserve_batch forward kwarg")
-    # The model passes sliding_window=None for full-attention layers when it passes it at all.
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    window = layer_window(module, kwargs)
     layer = module.layer_idx
     cache = segserve_batch.kv_cache
     if layer == cache.shape.num_layers - 1:  # an overflow in any layer reaches this one

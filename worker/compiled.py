@@ -9,9 +9,10 @@ weights). The tiny Gemma3 of the tests, one row, one thread: 1.94 ms per forward
 from `_current`, where `CompiledDecoder` puts it before each forward.
 
 Shapes are static: a step's packed row of T tokens is padded to the next power of two (`bucket`), with
-token 0 at position 0. The runner's warm-up compiles the buckets up to WorkerConfig.compile_max_tokens; a larger
-one compiles the first time a step of that size comes (the log says how long each took). The attention takes only the step's real tokens (it writes no KV for padding) and gives
-padding rows zeros; nothing downstream reads them (the logits are taken at real rows only).
+token 0 at position 0. The runner's warm-up compiles the buckets up to WorkerConfig.compile_max_tokens; a
+larger one compiles the first time a step of that size comes (the log says how long each took). The attention
+takes only the step's real tokens (it writes no KV for padding) and gives padding rows zeros; nothing
+downstream reads them (the logits are taken at real rows only).
 
 Numerics: a compiled forward differs from the eager one in the last bits (fused reductions round in another
 order), so a worker runs every step compiled, prefill and trees included. Rows stay independent: a row's
@@ -29,7 +30,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from transformers import AttentionInterface
 
-from worker.attention import AttentionBatch, paged_attention_forward
+from worker.attention import AttentionBatch, layer_window, paged_attention_forward
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class _Layer:
 def _compiled_attention(module: nn.Module, query, key, value, attention_mask, scaling: float | None = None,
                         softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """The attention interface the compiled decoder's layers call: the custom op, traced as one node."""
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    window = layer_window(module, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return torch.ops.segserve.paged_attention(query, key, value, module.layer_idx, window or 0, scale,
                                               softcap or 0.0), None

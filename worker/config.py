@@ -34,9 +34,9 @@ class WorkerConfig:
     memory."""
     is_compiled: bool = False
     """Run the model's decoder compiled by torch.compile (worker/compiled.py): static shapes, one per power of two
-    of the tokens in a step, each compiled the first time a step of its size comes (seconds to a minute each on
-    a CPU; the log says how long). Fewer, fused ops per forward; its numerics differ from the eager forward's in
-    the last bits, so every step of the worker runs compiled."""
+    of the tokens in a step, compiled during the warm-up up to compile_max_tokens (seconds to half a minute each
+    on a CPU; the log says how long). Fewer, fused ops per forward; its numerics differ from the eager forward's
+    in the last bits, so every step of the worker runs compiled."""
     compile_max_tokens: int = 256
     """With is_compiled: the buckets up to this many tokens (1, 2, 4, ...) are compiled during the warm-up,
     before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
