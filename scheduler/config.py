@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protos.segserve.v1.step import MAX_DECODE_STEPS
 from segserve.tls import internal_tls
 
 AUTO_MAX_NUM_SEQS_RANGE = (16, 256)
@@ -71,6 +72,10 @@ class SchedulerConfig:
     the tokens it is sampling, so it never waits for the scheduler's round trip between steps. Only in the
     steady decode state (no request waiting, no prefill) and while nothing is drafted, since a tree needs each
     step's tokens first; greedy output is the same either way."""
+    num_decode_steps: int = 1
+    """Multi-step decoding: the most decode steps one request to the worker may take while nobody waits and
+    nothing is drafted (scheduler/decode_steps.py). Fewer round trips per token, at the price of tokens reaching
+    a stream that many at a time; 1 = one step per request. Capped by the worker's WorkerInfo.max_decode_steps."""
     is_prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
     whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""
@@ -120,6 +125,8 @@ class SchedulerConfig:
             raise ValueError("drafter_retry_s must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"num_decode_steps must be in 1..{MAX_DECODE_STEPS}")
         if self.start_timeout_s <= 0:
             raise ValueError("start_timeout_s must be > 0")
         internal_tls(self)  # ValueError naming the fields when only some are given

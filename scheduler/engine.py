@@ -26,6 +26,7 @@ from protos.segserve.v1.generate import GenerateError, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.step import StepRequest, StepResult
 from scheduler.config import SchedulerConfig
+from scheduler.decode_steps import add_decode_steps
 from scheduler.outputs import RequestEvent
 from scheduler.request_stream import RequestStream
 from scheduler.scheduler import Scheduler
@@ -241,7 +242,10 @@ class Engine:
         self.on_lost(self, items, reason)
 
     async def _step(self) -> None:
-        """schedule -> draft -> worker step -> apply outputs -> deliver.
+        """schedule -> draft -> worker step(s) -> apply outputs -> deliver.
+
+        A plain decode step may take several decode steps at the worker (multi-step decoding,
+        scheduler/decode_steps.py).
 
         With async scheduling, the step after a decode step is built and sent before that step's result is
         back (Scheduler.schedule_ahead), and so on while the batch stays in the steady decode state: the
@@ -256,6 +260,7 @@ class Engine:
         decision = None
         if self.speculator is not None:
             decision = await self.speculator.propose(self.scheduler, request)
+        add_decode_steps(self.scheduler, request)
         sent, is_ahead = self._send(request), False
         while True:
             ahead, ahead_decision = self._schedule_ahead(request)
@@ -356,6 +361,7 @@ class Engine:
             max_num_waiting_tokens=self.config.max_num_waiting_tokens,
             max_failed_steps=self.config.max_failed_steps, is_prefix_caching=self.config.is_prefix_caching,
             is_block_table_delta=info.block_table_deltas,
+            num_decode_steps=min(self.config.num_decode_steps, info.max_decode_steps),
             on_end=self.speculator.forget if self.speculator is not None else None)
         self.scheduler.release_later(self._stale_ids)
         self._stale_ids = []

@@ -35,6 +35,7 @@ from protos.segserve.v1.step import (
     CONTINUATION_REFUSED, NewSequence, ScheduledSequence, SequenceOutput, StepRequest, StepResult, output_problem,
 )
 from scheduler.block_manager import BlockManager
+from scheduler.decode_steps import room_for_steps
 from scheduler.outputs import RequestEvent, completion, token_chunk
 from scheduler.sequence import RequestMetrics, Sequence, SequenceStatus
 from scheduler.stopping import append_tokens
@@ -75,6 +76,7 @@ class Scheduler:
         max_failed_steps: int = 8,
         is_prefix_caching: bool = True,
         is_block_table_delta: bool = False,
+        num_decode_steps: int = 1,
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[str], None] | None = None,
     ):
@@ -92,6 +94,8 @@ class Scheduler:
         self.is_block_table_delta = is_block_table_delta
         """Steps send each sequence only the block-table entries its worker lacks (Sequence.num_blocks_sent), for a
         worker with WorkerInfo.block_table_deltas; otherwise whole tables."""
+        self.num_decode_steps = num_decode_steps
+        """The most decode steps one plain decode step may take (scheduler/decode_steps.py); 1 = off."""
         self.clock = clock
         self._on_end = on_end
         self.requests: dict[str, Sequence] = {}
@@ -202,33 +206,45 @@ class Scheduler:
         samples: nobody waits, `request` holds every running sequence, each plain and sampled at its
         sequence's end, the last step succeeded, and the next KV slots are free without preempting anyone.
         Each sequence continues with one placeholder (ScheduledSequence.is_continuation) that the worker
-        replaces with the token it samples in `request`; a sequence that `request` brings to its length limit is left out (a stop the
-        scheduler cannot foresee, EOS or a stop token, only wastes its slot in the step ahead). Then
+        replaces with the last token it samples in `request`; a sequence that `request` brings to its length
+        limit is left out (a stop the scheduler cannot foresee, EOS or a stop token, only wastes its slots in the
+        step ahead). The step ahead takes up to num_decode_steps decode steps (scheduler/decode_steps.py). Then
         postprocess() `request`'s result, then this step's; a failed `request` drops it (fail_step, discard).
         """
         if (self.waiting or self._ahead is not None or len(request.sequences) != len(self.running)
                 or self._num_ok_steps == 0):  # not right after a failed step, nor before the first success
             return None
         chosen: list[tuple[Sequence, ScheduledSequence]] = []
-        num_missing = 0
+        num_pending = request.num_steps  # tokens `request` samples per sequence
+        num_steps = self.num_decode_steps
         for work in request.sequences:
             seq = self._in_flight.get(work.seq_id)
             if (seq is None or seq.is_finished or work.draft is not None
                     or work.sample_indices != (len(work.token_ids) - 1,)
                     or work.num_computed_tokens + len(work.token_ids) != seq.num_tokens):
                 return None
-            if seq.num_output_tokens + 1 >= seq.stopping.max_tokens or seq.num_tokens + 1 >= self.max_len:
+            room = room_for_steps(seq, num_pending, self.max_len)
+            if room < 1:
                 continue
             chosen.append((seq, work))
-            num_missing += self.block_manager.num_missing_blocks(seq, len(work.token_ids) + 1)
-        if not chosen or num_missing > self.block_manager.num_free_blocks:
+            num_steps = min(num_steps, room)
+        if not chosen:
             return None
-        ahead = StepRequest()
+
+        def num_missing(steps: int) -> int:  # each work's tokens, then the pending ones' slots, then the steps'
+            return sum(self.block_manager.num_missing_blocks(seq, len(work.token_ids) + num_pending - 1 + steps)
+                       for seq, work in chosen)
+
+        if num_steps > 1 and num_missing(num_steps) > self.block_manager.num_free_blocks:
+            num_steps = 1
+        if num_missing(num_steps) > self.block_manager.num_free_blocks:
+            return None
+        ahead = StepRequest(num_steps=num_steps)
         for seq, work in chosen:
-            self.block_manager.allocate(seq, len(work.token_ids) + 1)
+            self.block_manager.allocate(seq, len(work.token_ids) + num_pending - 1 + num_steps)
             table_start, table = self._table_to_send(seq)
-            ahead.sequences.append(ScheduledSequence(seq.request_id, (0,), seq.num_tokens, table, (0,), None, True,
-                                                     table_start))
+            ahead.sequences.append(ScheduledSequence(seq.request_id, (0,), seq.num_tokens + num_pending - 1, table,
+                                                     (0,), None, True, table_start))
             seq.max_batch_size = max(seq.max_batch_size, len(chosen))
         ahead.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         self._ahead, self._ahead_seqs = ahead, {seq.request_id: seq for seq, _ in chosen}
@@ -255,7 +271,7 @@ class Scheduler:
         """
         outputs = {output.seq_id: output for output in result.outputs}
         for work in request.sequences:
-            problem = output_problem(work, outputs.get(work.seq_id))
+            problem = output_problem(work, outputs.get(work.seq_id), request.num_steps)
             if problem is not None:
                 return self.fail_step(request, f"the worker's answer does not fit the step: {problem}")
         now = self.clock()
@@ -266,7 +282,7 @@ class Scheduler:
             # RUNNING: not ended, and not preempted since the step was built (a refused continuation preempts its
             # sequence while the step after it is already under way)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
-                events += self._apply(seq, work, outputs.get(work.seq_id), now)
+                events += self._apply(seq, work, outputs.get(work.seq_id), now, request.num_steps)
         self.current_step, self._in_flight = self._ahead, self._ahead_seqs  # the step ahead is next, if any
         self._ahead, self._ahead_seqs = None, {}
         self._num_ok_steps += 1
@@ -356,9 +372,10 @@ class Scheduler:
         return [work.seq_id for work in request.sequences
                 if (seq := in_flight.get(work.seq_id)) is not None and not seq.is_finished]
 
-    def _apply(self, seq: Sequence, work: ScheduledSequence, output: SequenceOutput | None,
-               now: float) -> list[RequestEvent]:
-        """One sequence's share of a successful step: computed tokens, sampled tokens, stop, events."""
+    def _apply(self, seq: Sequence, work: ScheduledSequence, output: SequenceOutput | None, now: float,
+               num_steps: int = 1) -> list[RequestEvent]:
+        """One sequence's share of a successful step of num_steps decode steps: computed tokens, sampled
+        tokens, stop, events."""
         if output is not None and output.error and work.is_continuation and output.error.endswith(
                 CONTINUATION_REFUSED):  # the worker did not have its token (steps out of order): recompute it
             self.running.remove(seq)
@@ -372,8 +389,8 @@ class Scheduler:
         if work.draft is not None:  # root + accepted drafts are in KV; rejected nodes' blocks go back
             seq.num_computed_tokens += len(output.token_ids)
             self.block_manager.trim(seq)
-        else:
-            seq.num_computed_tokens += len(work.token_ids)
+        else:  # each decode step after the first computed the token the one before sampled
+            seq.num_computed_tokens += len(work.token_ids) + num_steps - 1
         if output is None:
             self.block_manager.commit(seq)
             return []

@@ -44,6 +44,7 @@ from protos.segserve.v1.step import (
     StepRequest,
     StepResult,
     TopLogprobs,
+    multi_step_problem,
 )
 from protos.segserve.v1.tree import ROOT, CandidateTree
 from scheduler.drafter_client import DraftQuery, DraftReply
@@ -92,9 +93,11 @@ class FakeWorker:
     """A rule-following model behind the Engine's Worker protocol; see the module docstring."""
 
     def __init__(self, rule: Rule, vocab_size: int, eos_token_ids: Sequence[int] = (), *, num_kv_blocks: int = 64,
-                 block_size: int = 4, max_model_len: int = 128, block_table_deltas: bool = True):
+                 block_size: int = 4, max_model_len: int = 128, block_table_deltas: bool = True,
+                 max_decode_steps: int = 1):
         self.info = WorkerInfo("fake", num_kv_blocks, block_size, max_model_len, vocab_size, tuple(eos_token_ids),
-                               "cpu", "float32", block_table_deltas=block_table_deltas)
+                               "cpu", "float32", block_table_deltas=block_table_deltas,
+                               max_decode_steps=max_decode_steps)
         self.rule = rule
         self.step_delay_s = 0.0
         self.kv: dict[str, list[int]] = {}
@@ -136,6 +139,8 @@ class FakeWorker:
         """seq id -> the token its last step sampled at its end (what a continuation computes next)."""
         self.num_continuations = 0
         """Continuations (async scheduling) received and resolved."""
+        self.num_multi_steps = 0
+        """Requests of several decode steps run (StepRequest.num_steps)."""
         self.refused_continuations: list[str] = []
         """Ids of continuations that could not be resolved (their sequence failed or ended in the step before)."""
         self._step_lock = asyncio.Lock()
@@ -153,8 +158,42 @@ class FakeWorker:
             return self.step_sync(request)
 
     def step_sync(self, request: StepRequest) -> StepResult:
-        """Apply the request like the real worker (state first, then the forward); raise InjectedFailure
-        for an injected whole-step failure, AssertionError for a contract violation."""
+        """Apply the request like the real worker (state first, then the forward, num_steps decode steps in a
+        row); raise InjectedFailure for an injected whole-step failure, AssertionError for a contract
+        violation."""
+        problem = multi_step_problem(request)
+        if problem is None and request.num_steps > self.info.max_decode_steps:
+            problem = f"num_steps={request.num_steps}, but the worker offers {self.info.max_decode_steps}"
+        if problem is not None:
+            self.requests.append(request)
+            self.problems.append(problem)
+            raise AssertionError(problem)
+        result = self._step_once(request)
+        if request.num_steps == 1:
+            return result
+        self.num_multi_steps += 1
+        joined = {output.seq_id: output for output in result.outputs}
+        going = list(request.sequences)
+        for offset in range(1, request.num_steps):  # each sequence continues with the token it just sampled
+            going = [work for work in going if not joined[work.seq_id].error]
+            continued = [ScheduledSequence(work.seq_id, (self.last_sampled[work.seq_id],),
+                                           work.num_computed_tokens + offset, self.tables[work.seq_id], (0,))
+                         for work in going]
+            problem = self._check(StepRequest(continued))
+            if problem is not None:
+                self.problems.append(problem)
+                raise AssertionError(problem)
+            for work in continued:
+                output = self._run(work)
+                if output.token_ids:
+                    self.last_sampled[work.seq_id] = output.token_ids[-1]
+                before = joined[work.seq_id]
+                joined[work.seq_id] = output if output.error else SequenceOutput(
+                    work.seq_id, before.token_ids + output.token_ids, before.scores + output.scores,
+                    before.top_logprobs + output.top_logprobs, before.prompt_logprobs)
+        return StepResult([joined[output.seq_id] for output in result.outputs], compute_us=1)
+
+    def _step_once(self, request: StepRequest) -> StepResult:
         self.requests.append(request)
         self.num_table_entries += sum(len(work.block_table) for work in request.sequences)
         problem = self._register(request) or self._order_problem(request)

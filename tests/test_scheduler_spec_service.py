@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 
 import grpc
+import pytest
 
 from protos.segserve.v1 import drafter_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 from protos.segserve.v1.generate import FinishReason, GenerateComplete
@@ -24,9 +25,9 @@ from tests.test_scheduler_spec import EOS, RULE, VOCAB, reference
 
 
 @contextlib.asynccontextmanager
-async def spec_stack(**config):
+async def spec_stack(max_decode_steps: int = 1, **config):
     """(scheduler stub, fake worker, fake drafter servicer, drafter server, the worker's engine)."""
-    worker = FakeWorker(RULE, VOCAB, [EOS], num_kv_blocks=128, max_model_len=256)
+    worker = FakeWorker(RULE, VOCAB, [EOS], num_kv_blocks=128, max_model_len=256, max_decode_steps=max_decode_steps)
     drafter = FakeDrafterServicer(FakeDrafter(RULE, VOCAB, num_right=5))
     worker_server = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(worker))
     drafter_server = await serve(drafter_pb2_grpc.add_DrafterServicer_to_server, drafter)
@@ -233,3 +234,14 @@ async def test_with_speculation_on_steps_go_ahead_while_the_gate_keeps_drafting_
         assert await generate_all(stub) == expected()
         assert worker.num_continuations == 0 and lane.stats().spec.num_verified == 0  # open gate: round trips
 
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+async def test_steps_the_gate_keeps_drafting_off_take_several_decode_steps_and_trees_one(is_async):
+    async with spec_stack(max_decode_steps=8, num_decode_steps=4, draft_timeout_ms=2000,
+                          is_async_scheduling=is_async) as (stub, worker, drafter, _, lane):
+        lane.speculator.policy = _GateExploresEveryFourthStep(8, is_adaptive=False)
+        assert await generate_all(stub, max_tokens=60) == expected(60)
+        assert worker.problems == [] and lane.stats().spec.num_verified > 0
+        assert max(request.num_steps for request in worker.requests) == 4 and worker.num_multi_steps > 0
+        assert not any(request.num_steps > 1 and request.num_draft_tokens for request in worker.requests)

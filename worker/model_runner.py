@@ -38,7 +38,8 @@ from segserve.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import (
-    NewSequence, PromptLogprobs, ScheduledSequence, SequenceOutput, StepRequest, TopLogprobs,
+    MAX_DECODE_STEPS, NewSequence, PromptLogprobs, ScheduledSequence, SequenceOutput, StepRequest, TopLogprobs,
+    multi_step_problem,
 )
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
@@ -116,6 +117,7 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             block_table_deltas=True,  # plan_step resolves them (BlockTables.resolve)
+            max_decode_steps=MAX_DECODE_STEPS,
         )
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
         self._states: dict[str, SequenceState] = {}
@@ -148,10 +150,34 @@ class ModelRunner:
         self.is_ready = True
 
     def step(self, request: StepRequest) -> list[SequenceOutput]:
-        """Update sequence state, run the batched forward, sample (verify trees), answer every sequence."""
+        """Update sequence state, run the batched forward, sample (verify trees), answer every sequence.
+
+        A request of num_steps > 1 decode steps runs them back to back: each step after the first continues
+        every sequence still going with the token it sampled in the one before, as a step ahead would
+        (async scheduling), and a sequence's tokens, scores and top log-probabilities are joined in order.
+        A sequence that fails in any of them is answered with that error alone and leaves the rest."""
         if self.timings is not None:
             self.timings.clear()
             self._lap_start = time.perf_counter()
+        problem = multi_step_problem(request)
+        if problem is not None:
+            raise InvalidRequest(problem)
+        outputs = self._step(request)
+        if request.num_steps == 1:
+            return outputs
+        joined = {output.seq_id: output for output in outputs}
+        going = request.sequences  # their block tables are whole now (plan_step resolved them in place)
+        for offset in range(1, request.num_steps):
+            going = [seq for seq in going if not joined[seq.seq_id].error]
+            if not going:
+                break
+            continued = StepRequest([ScheduledSequence(seq.seq_id, (0,), seq.num_computed_tokens + offset,
+                                                       seq.block_table, (0,), None, True) for seq in going])
+            for output in self._step(continued):
+                joined[output.seq_id] = output if output.error else _joined(joined[output.seq_id], output)
+        return [joined[output.seq_id] for output in outputs]
+
+    def _step(self, request: StepRequest) -> list[SequenceOutput]:
         plan = self.update_states(request)
         try:
             logits = self.execute(plan)
@@ -309,6 +335,12 @@ class ModelRunner:
             self.kv_cache.move(src, dst)
         history = self._states[work.seq_id].history
         history[work.num_computed_tokens + 1:] = [work.token_ids[node] for node in accepted_nodes]
+
+
+def _joined(first: SequenceOutput, then: SequenceOutput) -> SequenceOutput:
+    """One sequence's outputs of two decode steps in a row, as one."""
+    return SequenceOutput(first.seq_id, first.token_ids + then.token_ids, first.scores + then.scores,
+                          first.top_logprobs + then.top_logprobs, first.prompt_logprobs)
 
 
 def _kept_rows(works: list[Work], offsets: np.ndarray, field: str) -> np.ndarray:

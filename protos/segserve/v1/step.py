@@ -63,6 +63,9 @@ class NewSequence:
         return cls(pb.seq_id, SamplingParams.from_pb(pb.sampling), pb.num_prompt_tokens, tuple(pb.prompt_token_ids))
 
 
+MAX_DECODE_STEPS = 64
+"""The most decode steps one StepRequest may ask for (StepRequest.num_steps)."""
+
 CONTINUATION_REFUSED = "a continuation must directly follow a step that sampled the sequence's next token"
 """The end of the error a worker answers for a continuation it cannot resolve (a step out of order): the
 scheduler recomputes such a sequence rather than failing its request."""
@@ -145,6 +148,9 @@ class StepRequest:
     follows_step_id: int = 0
     """A step ahead: the step whose sampled tokens its continuations compute; the worker runs it after that one
     (0 = it follows none)."""
+    num_steps: int = 1
+    """Multi-step decoding: decode steps the worker runs back to back, each sequence computing the token it
+    sampled in the one before; every sequence is then answered with num_steps tokens (multi_step_problem)."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -160,7 +166,8 @@ class StepRequest:
             "sequences": [s.to_pb() for s in self.sequences]}
         return worker_pb2.StepRequest(new_sequences=[n.to_pb() for n in self.new_sequences],
                                       finished_seq_ids=self.finished_seq_ids, step_id=self.step_id,
-                                      follows_step_id=self.follows_step_id, **sequences)
+                                      follows_step_id=self.follows_step_id,
+                                      num_steps=self.num_steps if self.num_steps != 1 else 0, **sequences)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.StepRequest) -> StepRequest:
@@ -172,7 +179,21 @@ class StepRequest:
         else:
             sequences = [ScheduledSequence.from_pb(s) for s in pb.sequences]
         return cls(sequences, [NewSequence.from_pb(n) for n in pb.new_sequences], list(pb.finished_seq_ids),
-                   pb.step_id, pb.follows_step_id)
+                   pb.step_id, pb.follows_step_id, pb.num_steps or 1)
+
+
+def multi_step_problem(request: StepRequest) -> str | None:
+    """Why `request`'s num_steps cannot be run (None when it can): more than MAX_DECODE_STEPS, or a step of
+    several whose sequences do not all decode one token sampled at its end without a tree. Whether each block
+    table covers every step's position is each sequence's own check."""
+    if not 1 <= request.num_steps <= MAX_DECODE_STEPS:
+        return f"num_steps={request.num_steps} is outside [1, {MAX_DECODE_STEPS}]"
+    if request.num_steps > 1:
+        for seq in request.sequences:
+            if len(seq.token_ids) != 1 or seq.sample_indices != (0,) or seq.draft is not None:
+                return (f"num_steps={request.num_steps}, but sequence {seq.seq_id!r} does not decode one token "
+                        "sampled at its end (a prefill chunk or a tree runs in a step of its own)")
+    return None
 
 
 def _pack_sequences(sequences: list[ScheduledSequence]) -> worker_pb2.PackedSequences:
@@ -379,8 +400,9 @@ class StepResult:
         return cls(outputs, pb.compute_us)
 
 
-def output_problem(work: ScheduledSequence, output: SequenceOutput | None) -> str | None:
-    """Why `output` does not answer `work` (None when it does). An error output always does."""
+def output_problem(work: ScheduledSequence, output: SequenceOutput | None, num_steps: int = 1) -> str | None:
+    """Why `output` does not answer `work` in a step of `num_steps` decode steps (None when it does). An error
+    output always does."""
     if output is None:
         return f"no output for sequence {work.seq_id!r}" if work.is_sampled else None
     if output.error:
@@ -390,7 +412,7 @@ def output_problem(work: ScheduledSequence, output: SequenceOutput | None) -> st
     if work.draft is not None:
         if not 1 <= len(output.token_ids) <= work.draft.max_depth + 1 or not work.draft.is_path(output.token_ids):
             return f"{list(output.token_ids)} for sequence {work.seq_id!r} is not a path of its tree plus one token"
-    elif len(output.token_ids) != len(work.sample_indices):
+    elif len(output.token_ids) != len(work.sample_indices) * num_steps:
         return (f"{len(output.token_ids)} tokens for sequence {work.seq_id!r}, "
-                f"expected {len(work.sample_indices)}")
+                f"expected {len(work.sample_indices) * num_steps}")
     return None
