@@ -10,7 +10,8 @@ from segserve.bench.engine_report import PARTS
 from segserve.cli import main
 
 
-@pytest.mark.parametrize("extra", [[], ["--draft", "--repetition-penalty", "1.3"]], ids=["plain", "draft-penalty"])
+@pytest.mark.parametrize("extra", [[], ["--draft", "--repetition-penalty", "1.3"], ["--num-decode-steps", "4"]],
+                         ids=["plain", "draft-penalty", "decode-steps"])
 def test_engine_bench_reports_every_part_per_batch_size(tmp_path, capsys, extra):
     out = tmp_path / "engine"
     argv = ["bench", "engine", "--tiny", "--device", "cpu", "--batch-sizes", "1,4", "--steps", "3",
@@ -36,7 +37,9 @@ def test_engine_bench_reports_every_part_per_batch_size(tmp_path, capsys, extra)
         assert batch["tokens_per_step"] >= batch["batch_size"]  # one token per sequence, more with drafts
         if "--draft" not in extra:
             assert batch["parts"]["draft"]["max_ms"] == 0
-            assert batch["tokens_per_step"] == batch["batch_size"]
+            # one request of 4 decode steps gives every sequence 4 tokens
+            assert batch["tokens_per_step"] == batch["batch_size"] * (4 if "--num-decode-steps" in extra else 1)
     table = capsys.readouterr().out
     assert "| batch |" in table and "excl. forward" in table
+    assert ("one request of up to 4 decode steps" in table) is ("--num-decode-steps" in extra)
     assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][1:] == ["1", "4"]

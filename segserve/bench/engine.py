@@ -70,6 +70,9 @@ class EngineBenchConfig:
     """Draft with the drafter's planner in-process (own-history and corpus lookup) and verify trees."""
     max_draft_nodes: int = 8
     """Largest tree per sequence per step, with is_draft."""
+    num_decode_steps: int = 1
+    """Decode steps per request to the runner (multi-step decoding, scheduler/decode_steps.py); a "step" of the
+    report is then one request of that many."""
     is_compiled: bool = False
     """Run the worker's decoder compiled (WorkerConfig.is_compiled); its buckets compile before the timing."""
     is_hf_compiled: bool = False
@@ -89,6 +92,10 @@ class EngineBenchConfig:
             raise ValueError("steps, repeats and prompt_len must be >= 1, warmup_steps >= 0")
         if self.repetition_penalty <= 0 or self.max_draft_nodes < 1 or self.num_threads < 0:
             raise ValueError("repetition_penalty must be > 0, max_draft_nodes >= 1, num_threads >= 0")
+        from protos.segserve.v1.step import MAX_DECODE_STEPS
+
+        if not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"num_decode_steps must be in 1..{MAX_DECODE_STEPS}")
         if self.device not in ("auto", "cpu", "cuda") or self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported device {self.device!r} or dtype {self.dtype!r}")
 
@@ -112,6 +119,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
     parser.add_argument("--draft", dest="is_draft", action="store_true", help="draft in-process and verify trees")
     parser.add_argument("--max-draft-nodes", type=int, default=d.max_draft_nodes)
+    parser.add_argument("--num-decode-steps", type=int, default=d.num_decode_steps,
+                        help="decode steps per request to the runner (multi-step decoding; 1 = off)")
     parser.add_argument("--compiled", dest="is_compiled", action="store_true",
                         help="the worker's decoder compiled by torch.compile (buckets compiled before timing)")
     parser.add_argument("--hf-compiled", dest="is_hf_compiled", action="store_true",
@@ -181,7 +190,7 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
     from worker.model_runner import ModelRunner
 
     block_size = 16
-    tokens_per_step = 1 + (config.max_draft_nodes if config.is_draft else 0)
+    tokens_per_step = max(1 + (config.max_draft_nodes if config.is_draft else 0), config.num_decode_steps)
     num_steps = config.warmup_steps + config.steps * config.repeats + 2
     max_tokens = config.prompt_len + num_steps * tokens_per_step + config.max_draft_nodes + 1
     num_blocks = max(config.batch_sizes) * (-(-max_tokens // block_size) + 1) + 1
@@ -194,10 +203,12 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
 
 
 def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[dict[str, float], int]:
-    """One engine step; (seconds per part, total seconds under "total"), tokens it produced."""
+    """One engine step (one request to the runner, of scheduler.num_decode_steps decode steps where they apply);
+    (seconds per part, total seconds under "total"), tokens it produced."""
     from protos.segserve.v1 import scheduler_pb2, worker_pb2
     from protos.segserve.v1.generate import stream_events_from_pb, stream_events_to_pb
     from protos.segserve.v1.step import StepRequest, StepResult
+    from scheduler.decode_steps import add_decode_steps
 
     t0 = time.perf_counter()
     request = scheduler.schedule()
@@ -206,6 +217,8 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     if drafter is not None:
         drafter.propose(scheduler, request)
         t2 = time.perf_counter()
+    add_decode_steps(scheduler, request)  # scheduling, after the drafts: steps with a tree take one
+    t2b = time.perf_counter()
     received = StepRequest.from_pb(worker_pb2.StepRequest.FromString(request.to_pb(packed=True).SerializeToString()))
     t3 = time.perf_counter()
     outputs = runner.step(received)
@@ -217,7 +230,7 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     stream_events_from_pb(scheduler_pb2.StreamsResponse.FromString(  # to the router, as GenerateStreams sends them
         stream_events_to_pb([(e.request_id, e.event) for e in events], packed=True).SerializeToString()))
     t6 = time.perf_counter()
-    parts = {"schedule": t1 - t0, "draft": t2 - t1, "wire": (t3 - t2) + (t5 - t4), "output": t6 - t5,
+    parts = {"schedule": (t1 - t0) + (t2b - t2), "draft": t2 - t1, "wire": (t3 - t2b) + (t5 - t4), "output": t6 - t5,
              "total": t6 - t0}
     for part in ("metadata", "forward", "sample"):
         parts[part] = runner.timings.get(part, 0.0)
@@ -238,7 +251,7 @@ def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: 
         eos_token_ids=info.eos_token_ids, max_num_seqs=batch_size,
         max_num_batched_tokens=max(2048, batch_size * (1 + config.max_draft_nodes)),
         max_num_waiting=batch_size, max_num_waiting_tokens=batch_size * config.prompt_len + 1,
-        is_block_table_delta=info.block_table_deltas)
+        is_block_table_delta=info.block_table_deltas, num_decode_steps=config.num_decode_steps)
     sampling = SamplingParams(repetition_penalty=config.repetition_penalty)
     stopping = StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)
     seq_ids = [f"b{batch_size}-{i}" for i in range(batch_size)]

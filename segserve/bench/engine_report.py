@@ -45,7 +45,9 @@ def markdown_table(results: dict) -> str:
     if has_hf:
         head += ["HF compiled ms/step", "HF tok/s"]
     lines = [f"engine step on {results.get('model')} ({results.get('device')}, {results.get('dtype')}); "
-             f"ms, median of {results['config']['repeats']} rounds of {results['config']['steps']} steps",
+             f"ms, median of {results['config']['repeats']} rounds of {results['config']['steps']} steps"
+             + (f"; a step is one request of up to {num_steps} decode steps"
+                if (num_steps := results["config"].get("num_decode_steps", 1)) > 1 else ""),
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in results["batches"]:
         total = b["total"]
