@@ -31,13 +31,16 @@ def references(tiny_gemma3_dir):
             for p in PROMPTS}
 
 
-def timed_stream(client: OpenAI, model: str, prompt: str) -> tuple[str, float]:
-    """(text, longest gap in seconds between two streamed events)."""
+def timed_stream(client: OpenAI, model: str, prompt: str, streaming: threading.Event | None = None
+                 ) -> tuple[str, float]:
+    """(text, longest gap in seconds between two streamed events); sets `streaming` at the first event."""
     events = client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0, stream=True)
     text, last, gap = [], time.monotonic(), 0.0
     for event in events:
         now = time.monotonic()
         gap, last = max(gap, now - last), now
+        if streaming is not None:
+            streaming.set()
         if event.choices:
             text.append(event.choices[0].text)
     return "".join(text), gap
@@ -56,10 +59,12 @@ def test_a_worker_killed_mid_run_fails_no_request_and_rejoins_when_restarted(tin
             victim.kill()
             killed_at.append(time.monotonic())
 
-        killer = threading.Timer(0.5, kill)
+        # at the first streamed event, when all 16 are under way: a fixed delay can come after a fast run's end
+        streaming = threading.Event()
+        killer = threading.Thread(target=lambda: streaming.wait(60) and kill())
         killer.start()
         with futures.ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: timed_stream(client, model, p), prompts))
+            results = list(pool.map(lambda p: timed_stream(client, model, p, streaming), prompts))
         killer.join()
         assert victim.wait(timeout=10) is not None, "the worker was not killed during the run"
         assert [text for text, _ in results] == [references[p] for p in prompts]
