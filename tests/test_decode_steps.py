@@ -1,16 +1,18 @@
 """Multi-step decoding: one request to the worker of several decode steps (StepRequest.num_steps).
 
-Three tiers, as for async scheduling: the pure Scheduler against tests/fakes.py's FakeWorker (which runs the
-steps like the real worker and checks every one against its KV slots); the Engine over gRPC in front of the
-fake; and the real ModelRunner on a tiny model, whose steps in one request must give exactly the tokens,
-scores and top log-probabilities that as many requests give. Greedy output must never change.
+Four tiers: the pure Scheduler against tests/fakes.py's FakeWorker (which runs the steps like the real worker
+and checks every one against its KV slots); the Engine over gRPC in front of the fake; the real ModelRunner on
+a tiny model, whose steps in one request must give exactly the tokens, scores and top log-probabilities that
+as many requests give; and the whole stack, started with --num-decode-steps. Greedy output must never change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as futures
 
 import pytest
+from openai import OpenAI
 
 from protos.segserve.v1 import worker_pb2
 from protos.segserve.v1.generate import FinishReason, GenerateComplete
@@ -22,7 +24,10 @@ from protos.segserve.v1.step import (
 from scheduler.config import SchedulerConfig
 from scheduler.decode_steps import add_decode_steps
 from scheduler.scheduler import Scheduler
+from tests.e2e_helpers import scheduler_stats, tiny_stack
 from tests.fakes import FakeWorker, InjectedFailure, increment
+from tests.test_e2e import PROMPTS
+from tests.test_e2e_scale_out import references, timed_stream  # noqa: F401 (a fixture)
 from tests.test_scheduler import EOS, VOCAB, collect_events, expected_output, make_scheduler, make_seq
 from tests.test_scheduler_service import collect, generate_request, idle_stats, running_service
 from tests.test_worker_runner import BLOCK_SIZE, make_runner
@@ -237,3 +242,16 @@ def test_the_real_worker_refuses_several_steps_for_a_prefill_and_a_table_too_sho
     assert BLOCK_SIZE == 4
     (out,) = runner.step(StepRequest([ScheduledSequence("s", (out.token_ids[0],), 3, (0,), (0,))], num_steps=4))
     assert out.error and not out.token_ids
+
+
+@pytest.mark.e2e
+def test_the_stack_with_several_decode_steps_streams_every_greedy_token(tiny_gemma3_dir, references, tmp_path):
+    with tiny_stack(tiny_gemma3_dir, tmp_path, is_speculative=False, scheduler={"num_decode_steps": 8}) as stack:
+        client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # 8 concurrent streams of 48 tokens
+            texts = list(pool.map(lambda p: timed_stream(client, model, p)[0], PROMPTS))
+        assert texts == [references[p] for p in PROMPTS]
+        stats = scheduler_stats(stack)
+        # one step per token would be 48 steps and more; 8 per request, with the prefills and stragglers, far fewer
+        assert stats.num_steps < 24 and (stats.num_running, stats.num_used_kv_blocks) == (0, 0)
