@@ -75,7 +75,8 @@ class SchedulerConfig:
     num_decode_steps: int = 1
     """Multi-step decoding: the most decode steps one request to the worker may take while nobody waits and
     nothing is drafted (scheduler/decode_steps.py). Fewer round trips per token, at the price of tokens reaching
-    a stream that many at a time; 1 = one step per request. Capped by the worker's WorkerInfo.max_decode_steps."""
+    a stream that many at a time; 1 = one step per request. Capped by the worker's WorkerInfo.max_decode_steps.
+    worker_step_timeout_s bounds the whole request, all of its steps."""
     is_prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
     whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""

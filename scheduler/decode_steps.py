@@ -8,8 +8,9 @@ accepted tokens of a tree. A stop inside the steps only costs the steps after it
 length are never passed (room_for_steps).
 
 The price is granularity: a stream gets its tokens num_steps at a time, a request that arrives meanwhile waits
-up to num_steps steps for its prefill, and a cancellation or a stop takes effect after them. So only a plain
-decode step takes more than one, and only while nobody waits (the default, --num-decode-steps 1, is off).
+for its prefill until the request in flight is done (and the step ahead of it, with async scheduling: up to twice
+num_steps steps), and a cancellation or a stop takes effect after them. So only a plain decode step takes more
+than one, and only while nobody waits (the default, --num-decode-steps 1, is off).
 """
 
 from __future__ import annotations
