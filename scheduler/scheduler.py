@@ -235,9 +235,10 @@ class Scheduler:
             return sum(self.block_manager.num_missing_blocks(seq, len(work.token_ids) + num_pending - 1 + steps)
                        for seq, work in chosen)
 
-        if num_steps > 1 and num_missing(num_steps) > self.block_manager.num_free_blocks:
-            num_steps = 1
-        if num_missing(num_steps) > self.block_manager.num_free_blocks:
+        missing = num_missing(num_steps)
+        if num_steps > 1 and missing > self.block_manager.num_free_blocks:
+            num_steps, missing = 1, num_missing(1)
+        if missing > self.block_manager.num_free_blocks:
             return None
         ahead = StepRequest(num_steps=num_steps)
         for seq, work in chosen:
