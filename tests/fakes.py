@@ -187,10 +187,7 @@ class FakeWorker:
                 output = self._run(work)
                 if output.token_ids:
                     self.last_sampled[work.seq_id] = output.token_ids[-1]
-                before = joined[work.seq_id]
-                joined[work.seq_id] = output if output.error else SequenceOutput(
-                    work.seq_id, before.token_ids + output.token_ids, before.scores + output.scores,
-                    before.top_logprobs + output.top_logprobs, before.prompt_logprobs)
+                joined[work.seq_id] = output if output.error else joined[work.seq_id].followed_by(output)
         return StepResult([joined[output.seq_id] for output in result.outputs], compute_us=1)
 
     def _step_once(self, request: StepRequest) -> StepResult:

@@ -174,7 +174,7 @@ class ModelRunner:
             continued = StepRequest([ScheduledSequence(seq.seq_id, (0,), seq.num_computed_tokens + offset,
                                                        seq.block_table, (0,), None, True) for seq in going])
             for output in self._step(continued):
-                joined[output.seq_id] = output if output.error else _joined(joined[output.seq_id], output)
+                joined[output.seq_id] = output if output.error else joined[output.seq_id].followed_by(output)
         return [joined[output.seq_id] for output in outputs]
 
     def _step(self, request: StepRequest) -> list[SequenceOutput]:
@@ -335,12 +335,6 @@ class ModelRunner:
             self.kv_cache.move(src, dst)
         history = self._states[work.seq_id].history
         history[work.num_computed_tokens + 1:] = [work.token_ids[node] for node in accepted_nodes]
-
-
-def _joined(first: SequenceOutput, then: SequenceOutput) -> SequenceOutput:
-    """One sequence's outputs of two decode steps in a row, as one."""
-    return SequenceOutput(first.seq_id, first.token_ids + then.token_ids, first.scores + then.scores,
-                          first.top_logprobs + then.top_logprobs, first.prompt_logprobs)
 
 
 def _kept_rows(works: list[Work], offsets: np.ndarray, field: str) -> np.ndarray:

@@ -340,6 +340,12 @@ class SequenceOutput:
         self.scores = as_tuple(self.scores)
         self.top_logprobs = as_tuple(self.top_logprobs)
 
+    def followed_by(self, then: SequenceOutput) -> SequenceOutput:
+        """This output and `then`, of the next decode step of the same sequence, as one (multi-step decoding):
+        their tokens, scores and top log-probabilities in order."""
+        return SequenceOutput(self.seq_id, self.token_ids + then.token_ids, self.scores + then.scores,
+                              self.top_logprobs + then.top_logprobs, self.prompt_logprobs)
+
     def to_pb(self) -> worker_pb2.SequenceOutput:
         # one per sequence per step: fields at their defaults are left out, not passed (each argument costs)
         pb = worker_pb2.SequenceOutput(seq_id=self.seq_id, token_ids=self.token_ids, scores=self.scores)
