@@ -37,9 +37,10 @@ def test_a_fused_model_gives_the_logits_of_the_stock_one(request, model_fixture,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_fused_norm_matches_its_module_and_ignores_the_rest_of_the_batch(request, model_fixture, dtype):
     model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_fixture), dtype=dtype)
-    norm = next(m for m in model.modules() if is_known_norm(m)).to(TEST_DEVICE)
+    norm = next(m for m in model.modules() if is_known_norm(m))
     with torch.no_grad():
         norm.weight.normal_(generator=torch.Generator().manual_seed(1))  # the checkpoint's are all 0 or 1
+    norm = norm.to(TEST_DEVICE)
     fused = FusedRMSNorm(norm)
     x = torch.randn(1, 70, norm.weight.shape[-1], generator=torch.Generator().manual_seed(2)).to(TEST_DEVICE, dtype)
     with torch.inference_mode():

@@ -23,7 +23,7 @@ def runner(tiny_gemma3_dir):
 def reference(runner) -> torch.Tensor:
     """log_softmax of model(prompt).logits: [P, V]; row i - 1 scores prompt token i."""
     with stock_attention(runner.model), torch.inference_mode():
-        logits = runner.model(input_ids=torch.tensor([LONG_PROMPT]), use_cache=False).logits[0]
+        logits = runner.model(input_ids=torch.tensor([LONG_PROMPT], device=runner.device), use_cache=False).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
 
 

@@ -29,6 +29,7 @@ from protos.segserve.v1.generate import FinishReason, GenerateComplete
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server as start_scheduler
 from scheduler.servicer import stop_server as stop_scheduler
+from tests.devices import TEST_DEVICE
 from tests.test_scheduler_service import collect, generate_request, wait_until
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
@@ -42,12 +43,13 @@ REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 
 def reference(model_dir, prompts: list[str], max_tokens: int) -> dict[str, tuple[list[int], list[int]]]:
-    """prompt -> (prompt ids, plain greedy continuation ids)."""
+    """prompt -> (prompt ids, plain greedy continuation ids), on the test device as the runners (another device
+    rounds otherwise and may break a near tie the other way)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(TEST_DEVICE).eval()
     out = {}
     for prompt in prompts:
-        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(TEST_DEVICE)
         with torch.inference_mode():
             generated = model.generate(input_ids, do_sample=False, max_new_tokens=max_tokens)
         out[prompt] = (input_ids[0].tolist(), generated[0, input_ids.shape[1]:].tolist())
@@ -121,7 +123,8 @@ async def check_lossless(runner, model_dir, references, algorithm, source, max_t
 
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_gemma3_dir):
-    runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=256, block_size=4))
+    runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=256, block_size=4, dtype="float32",
+                                      device=TEST_DEVICE))
     runner.warm_up()
     return runner
 
@@ -139,7 +142,7 @@ async def test_tiny_model_greedy_is_lossless(algorithm, source, tiny_runner, tin
 
 @pytest.fixture(scope="module")
 def real_runner(default_model_dir):
-    runner = ModelRunner(WorkerConfig(model=str(default_model_dir), num_kv_blocks=64))
+    runner = ModelRunner(WorkerConfig(model=str(default_model_dir), num_kv_blocks=64, dtype="float32", device=TEST_DEVICE))
     runner.warm_up()
     return runner
 

@@ -131,7 +131,7 @@ def naive_verify(model, context: list[int], tree: CandidateTree) -> list[int]:
     best: list[int] = []
     with stock_attention(model), torch.inference_mode():
         def argmax_after(prefix: list[int]) -> int:
-            return int(model(input_ids=torch.tensor([context + prefix]), use_cache=False).logits[0, -1].argmax())
+            return int(model(input_ids=torch.tensor([context + prefix], device=model.device), use_cache=False).logits[0, -1].argmax())
         for candidate in leaves:
             num_ok = 0
             while num_ok < len(candidate) and argmax_after(candidate[:num_ok]) == candidate[num_ok]:

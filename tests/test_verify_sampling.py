@@ -106,8 +106,8 @@ def exact_tables(model, penalty: float) -> list[torch.Tensor]:
         for length in range(3):
             prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=length)), dtype=torch.long)
             prefixes = prefixes.view(VOCAB**length, length)  # [V^length, length], lexicographic
-            ids = torch.cat([torch.tensor(SMALL_PROMPT).expand(len(prefixes), -1), prefixes], dim=1)
-            probs = processor(ids, model(input_ids=ids, use_cache=False).logits[:, -1].float()).softmax(-1)
+            ids = torch.cat([torch.tensor(SMALL_PROMPT).expand(len(prefixes), -1), prefixes], dim=1).to(model.device)
+            probs = processor(ids, model(input_ids=ids, use_cache=False).logits[:, -1].float()).softmax(-1).cpu()
             tables.append(probs.reshape(*[VOCAB] * length, VOCAB))
     return tables
 

@@ -9,6 +9,7 @@ import torch
 from transformers import PretrainedConfig, WatermarkLogitsProcessor
 
 from protos.segserve.v1.sampling import SamplingParams
+from tests.devices import TEST_DEVICE
 from tests.test_worker_runner import gemma3_runner  # noqa: F401 (fixture)
 from worker.sampler import SampleRow, make_generator, sample, warp
 from worker.watermark import WATERMARKING, detect
@@ -50,15 +51,18 @@ def test_greedy_and_sampling_rows_match_the_processor_applied_last():
             assert out.token_ids[i] == int(final.argmax())
 
 
-def test_runner_greedy_with_watermark_matches_generate_with_watermarking_config(gemma3_runner):
-    """Through the worker (packed batch with an unwatermarked neighbour) vs transformers' generate()."""
-    from tests.test_worker_runner import PROMPT, Decoder, run_together, stock_attention
+def test_runner_greedy_with_watermark_matches_generate_with_watermarking_config(gemma3_runner, tiny_gemma3_dir):
+    """Through the worker (packed batch with an unwatermarked neighbour, on the test device) vs transformers'
+    generate() on the CPU, whose green lists are the detector's."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_worker_runner import PROMPT, Decoder, run_together
 
     decoders = [Decoder("w", PROMPT, list(range(1, 11)), params=SamplingParams(watermark=True)),
                 Decoder("p", PROMPT, list(range(11, 21)))]
     got = run_together(gemma3_runner, decoders, 20)
-    model = gemma3_runner.model
-    with stock_attention(model), torch.inference_mode():
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
         ids = torch.tensor([PROMPT])
         marked = model.generate(ids, do_sample=False, max_new_tokens=20, watermarking_config=WATERMARKING)
         plain = model.generate(ids, do_sample=False, max_new_tokens=20)
@@ -68,12 +72,14 @@ def test_runner_greedy_with_watermark_matches_generate_with_watermarking_config(
 
 
 def generate(is_watermarked: bool, num_tokens: int, seed: int) -> list[int]:
-    """Sample from a fixed random 'model' (logits from a hash of the last token) with the real sampler."""
-    generator = make_generator(seed, "cpu")
+    """Sample from a fixed random 'model' (logits from a hash of the last token) with the real sampler, on the test
+    device (the detector runs on the CPU)."""
+    generator = make_generator(seed, TEST_DEVICE)
     params = SamplingParams(do_sample=True, watermark=is_watermarked, seed=seed)
     tokens = [1]
     for _ in range(num_tokens):
         logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(tokens[-1] * 7919 + 13)) * 2.0
+        logits = logits.to(TEST_DEVICE)
         tokens.append(sample(logits, [SampleRow(params, tokens, 1, generator)]).token_ids[0])
     return tokens[1:]
 

@@ -16,6 +16,7 @@ from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
 from protos.segserve.v1.tree import CandidateTree
+from tests.devices import TEST_DEVICE
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.server import WorkerServicer, serve, start_server
@@ -25,7 +26,8 @@ GREEDY = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, typical_p=1.0, re
 
 @pytest.fixture(scope="module")
 def runner(tiny_gemma3_dir):
-    runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=32, block_size=4, dtype="float32"))
+    runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=32, block_size=4, dtype="float32",
+                                      device=TEST_DEVICE))
     runner.warm_up()
     return runner
 
@@ -199,7 +201,7 @@ async def test_serve_binds_loads_and_becomes_ready(tiny_gemma3_dir):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    config = WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=8, block_size=4, port=port)
+    config = WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=8, block_size=4, port=port, device=TEST_DEVICE)
     task = asyncio.create_task(serve(config))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)

@@ -19,14 +19,16 @@ from transformers import PretrainedConfig, WatermarkDetector, WatermarkingConfig
 WATERMARKING = WatermarkingConfig()
 """greenlist_ratio 0.25, bias 2.0, hashing_key 15485863, seeding_scheme "lefthash", context_width 1."""
 
-_processors: dict[tuple[int, str], WatermarkLogitsProcessor] = {}
+_processors: dict[int, WatermarkLogitsProcessor] = {}
 
 
-def _processor(vocab_size: int, device: torch.device) -> WatermarkLogitsProcessor:
-    key = (vocab_size, str(device))
-    if key not in _processors:
-        _processors[key] = WATERMARKING.construct_processor(vocab_size, device)
-    return _processors[key]
+def _processor(vocab_size: int) -> WatermarkLogitsProcessor:
+    """The CPU processor: its green lists come from CPU random permutations, as `detect`'s do. One built on a GPU
+    draws other lists from the same seeds (a CUDA generator's randperm is not the CPU's), so text written on a GPU
+    would not test as watermarked."""
+    if vocab_size not in _processors:
+        _processors[vocab_size] = WATERMARKING.construct_processor(vocab_size, "cpu")
+    return _processors[vocab_size]
 
 
 def apply_watermark(scores: torch.Tensor, histories: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -35,16 +37,16 @@ def apply_watermark(scores: torch.Tensor, histories: Sequence[Sequence[int]]) ->
     Returns the biased [R, V] logits (filtered tokens stay at -inf). A row with a history
     shorter than the seeding context is left unbiased, as transformers does.
     """
-    processor = _processor(scores.shape[1], scores.device)
+    processor = _processor(scores.shape[1])
     width = WATERMARKING.context_width
-    rows = []
-    for row, history in zip(scores, histories):
+    biased = scores.clone()
+    for i, history in enumerate(histories):
         if len(history) < width:
-            rows.append(row)
             continue
-        context = torch.tensor([list(history[-width:])], dtype=torch.long, device=scores.device)  # [1, W]
-        rows.append(processor(context, row[None])[0])
-    return torch.stack(rows) if rows else scores
+        green = processor._get_greenlist_ids(torch.tensor(list(history[-width:]), dtype=torch.long))  # on the CPU
+        green = green.to(scores.device)
+        biased[i, green] += processor.bias  # what the processor's __call__ adds, on the scores' device
+    return biased
 
 
 def detect(token_ids: Sequence[int], model_config: PretrainedConfig, z_threshold: float = 4.0) -> dict:
