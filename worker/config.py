@@ -32,6 +32,12 @@ class WorkerConfig:
     """On cpu, pack every linear weight once for oneDNN (worker/packed_linear.py), the q/k/v and gate/up siblings
     as one weight each: about twice the decode throughput at 16 rows, for a second copy of the linear weights in
     memory."""
+    linear_block_rows: int = -1
+    """How the linears get their rows, so that a row's output does not depend on its batch and greedy speculation
+    stays lossless (worker/row_blocks.py): -1 = probe this machine at load and give each weight shape the cheapest
+    way that holds (as they come, padded to a few rows, or blocks); N > 0 = blocks of exactly N rows everywhere;
+    0 = as they come (a BLAS then picks its kernel by the row count, and rows may differ in the last bits between
+    batch sizes: measured on an H100 in fp32, on an Intel Xeon, and at one shape of gemma-3-270m on CI's CPU)."""
     is_compiled: bool = False
     """Run the model's decoder compiled by torch.compile (worker/compiled.py): static shapes, one per power of two
     of the tokens in a step, compiled during the warm-up up to compile_max_tokens (seconds to half a minute each
@@ -62,6 +68,8 @@ class WorkerConfig:
             raise ValueError("compile_max_tokens must be > 0")
         if self.num_kv_blocks < 0 or self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("num_kv_blocks, max_model_len and num_threads must be >= 0")
+        if self.linear_block_rows < -1:
+            raise ValueError("linear_block_rows must be >= 0, or -1 for the device's default")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         internal_tls(self)  # ValueError naming the fields when only some are given

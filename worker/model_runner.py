@@ -44,7 +44,8 @@ from protos.segserve.v1.step import (
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.fused_norm import fuse_rms_norms
-from worker.packed_linear import pack_linears
+from worker.packed_linear import choose_row_policies, pack_linears
+from worker.row_blocks import RowPolicy, block_linears, fixed_policy
 from worker.planning import SequenceState, StepPlan, plan_step
 from worker.threads import cpu_threads
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
@@ -88,9 +89,7 @@ class ModelRunner:
             path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device).eval()
         self.device = self.model.device  # "cuda" resolved to "cuda:0"
-        if config.is_packed_linear:
-            logger.info("packed %d linear weights for oneDNN",
-                        pack_linears(self.model, is_merged=not config.is_compiled))
+        self._prepare_linears(config)
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
         if config.is_compiled:
             CompiledDecoder(self.model)
@@ -131,6 +130,24 @@ class ModelRunner:
 
     def info(self) -> WorkerInfo:
         return self._info
+
+    def _prepare_linears(self, config: WorkerConfig) -> None:
+        """Pack the CPU linears for oneDNN, and hand every linear its rows so that none depends on the batch
+        (worker/row_blocks.py): as this machine's probe finds cheapest at each weight shape, or in blocks of
+        config.linear_block_rows."""
+        if config.linear_block_rows < 0:
+            policies = choose_row_policies(self.model, config.is_packed_linear)
+            padded = {shape: policy for shape, policy in policies.items() if policy != RowPolicy()}
+            logger.info("linear rows as they come, except at weight shapes %s", padded)
+
+            def policy_of(shape: tuple[int, ...]) -> RowPolicy:
+                return policies.get(shape, RowPolicy())
+        else:
+            policy_of = fixed_policy(config.linear_block_rows)
+        if config.is_packed_linear:
+            logger.info("packed %d linear weights for oneDNN",
+                        pack_linears(self.model, is_merged=not config.is_compiled, policy_of=policy_of))
+        block_linears(self.model, policy_of)
 
     def warm_up(self) -> None:
         """Run one real step (forward and sampling) from block 0; the runner is ready after it. A compiled runner

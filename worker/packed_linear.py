@@ -11,9 +11,12 @@ from ~200 ms to ~95 ms, a one-row step from ~70 ms to ~60 ms.
 So the worker packs every CPU `nn.Linear` weight once at load
 (`torch.ops.mkldnn._reorder_linear_weight`, the packing torch's own compiler
 applies when it freezes a CPU model) and calls oneDNN's linear on the packed
-copy. Rows stay independent: a row's output is bit-identical whatever else is
-in the batch, so batch invariance holds. The results differ from `F.linear`
-only by float rounding order.
+copy. The results differ from `F.linear` only by float rounding order. Whether a
+row's output is bit-identical whatever else is in the batch depends on the CPU:
+oneDNN picks its kernel by the row count too (on CI's AMD EPYC gemma-3-270m's
+down projection gave a row other bits alone than among others; on an Intel Xeon
+every shape did below 16 rows). The worker probes that at load and hands the rows
+over padded or in blocks where needed (worker/row_blocks.py, `RowPolicy`).
 
 Sibling linears that read the same input share one packed weight: attention's
 q, k and v projections, the MLP's gate and up (`MERGED_SIBLINGS`), as vLLM's
@@ -21,7 +24,7 @@ QKV and gate-up layers do. transformers calls them one after another on the same
 tensor, so the first call computes all of them in one oneDNN call and the others
 take their slices (`MergedLinearPart`). A part called on an input the product was
 not made from (or twice on one) computes a new product, so it always returns its
-own linear of its own input. Rows stay independent here too. Measured on the
+own linear of its own input. Measured on the
 2-core CPU, one thread, two runners in one process, alternated rounds of 10
 decode steps, merged against separate (the same tokens):
 - gemma-3-270m at one row: 84.1-87.1 ms per forward against 90.1-93.6 (8 rounds),
@@ -36,8 +39,13 @@ because tied embeddings and code that inspects `.weight` read it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+from worker.row_blocks import PROBE_MAX_FEATURES, PolicyOf, RowPolicy, choose_policy, fixed_policy, in_row_blocks
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 PACKING_ROWS = 32
@@ -56,14 +64,18 @@ def is_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """Drop-in for a CPU nn.Linear; shares its parameters (tied embeddings stay tied)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, policy: RowPolicy = RowPolicy()):
         super().__init__()
+        self.policy = policy  # how rows reach oneDNN (worker/row_blocks.py)
         self.weight = linear.weight  # [N, K]
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKING_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return in_row_blocks(self._linear, x, self.policy)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.detach() if self.bias is not None else None
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], None)
 
@@ -74,7 +86,8 @@ class PackedLinear(nn.Module):
 class MergedProduct:
     """The packed weight of sibling linears stacked [W_1; W_2; ...], and the last product, handed out by parts."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], policy: RowPolicy = RowPolicy()):
+        self.policy = policy
         self.sizes = [linear.out_features for linear in linears]
         weight = torch.cat([linear.weight.detach() for linear in linears])
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
@@ -85,12 +98,15 @@ class MergedProduct:
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Linear `index` of x: a slice of the product of x, computed unless this part of it is still unclaimed."""
         if x is not self._input or self._parts[index] is None:
-            product = torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], None)
+            product = in_row_blocks(self._linear, x, self.policy)
             self._input, self._parts = x, list(product.split(self.sizes, dim=-1))
         out, self._parts[index] = self._parts[index], None
         if all(part is None for part in self._parts):
             self._input = None  # every part claimed: hold no tensor between forwards
         return out
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], None)
 
 
 class MergedLinearPart(nn.Module):
@@ -109,23 +125,24 @@ class MergedLinearPart(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, merged part {self._index}"
 
 
-def pack_linears(model: nn.Module, is_merged: bool = True) -> int:
+def pack_linears(model: nn.Module, is_merged: bool = True, policy_of: PolicyOf = fixed_policy(0)) -> int:
     """Replace every nn.Linear of a CPU model with a PackedLinear when oneDNN supports its dtype, siblings
     (MERGED_SIBLINGS) with parts of one MergedProduct unless not is_merged (a compiled model: a part finds its
     product by the input's identity, which tracing does not keep); returns how many were replaced (0 on a GPU
-    or an unsupported dtype)."""
+    or an unsupported dtype). Every product hands its rows over as its shape's policy says (worker/row_blocks.py)."""
     count = 0
     for parent in list(model.modules()):
         for names in MERGED_SIBLINGS if is_merged else ():
             siblings = [getattr(parent, name, None) for name in names]
             if _is_mergeable(siblings):
-                product = MergedProduct(siblings)
+                shape = (sum(linear.out_features for linear in siblings), siblings[0].in_features)
+                product = MergedProduct(siblings, policy_of(shape))
                 for index, (name, linear) in enumerate(zip(names, siblings)):
                     setattr(parent, name, MergedLinearPart(linear, product, index))
                 count += len(names)
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and is_packing_supported(child.weight.device, child.weight.dtype):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, policy_of(tuple(child.weight.shape))))
                 count += 1
     return count
 
@@ -138,3 +155,31 @@ def _is_mergeable(siblings: list) -> bool:
             and all(s.in_features == first.in_features and s.weight.dtype == first.weight.dtype
                     and s.weight.device == first.weight.device and (s.bias is None) == (first.bias is None)
                     for s in siblings))
+
+
+def choose_row_policies(model: nn.Module, is_packed: bool) -> dict[tuple[int, ...], RowPolicy]:
+    """Each distinct linear weight shape of the model ([N, K]; merged siblings' too) -> the cheapest RowPolicy
+    under which this machine's product at that shape keeps every row's bits whatever the batch
+    (worker/row_blocks.py's probe, on at most PROBE_MAX_FEATURES outputs), computed as the worker will: packed
+    where pack_linears packs (is_packed), else by torch."""
+    weights = {}
+    for parent in model.modules():
+        for names in MERGED_SIBLINGS if is_packed else ():
+            siblings = [getattr(parent, name, None) for name in names]
+            if _is_mergeable(siblings):
+                merged = torch.cat([linear.weight.detach() for linear in siblings])
+                weights.setdefault(tuple(merged.shape), merged)
+        for child in parent.children():
+            if type(child) is nn.Linear:
+                weights.setdefault(tuple(child.weight.shape), child.weight.detach())
+    policies = {}
+    for shape, weight in weights.items():
+        weight = weight[:PROBE_MAX_FEATURES]
+        if is_packed and is_packing_supported(weight.device, weight.dtype):
+            probe = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            probe.weight = nn.Parameter(weight, requires_grad=False)
+            linear = PackedLinear(probe)._linear
+        else:
+            linear = functools.partial(F.linear, weight=weight)
+        policies[shape] = choose_policy(linear, weight.shape[1], weight.device, weight.dtype)
+    return policies

@@ -75,6 +75,9 @@ class EngineBenchConfig:
     report is then one request of that many."""
     is_compiled: bool = False
     """Run the worker's decoder compiled (WorkerConfig.is_compiled); its buckets compile before the timing."""
+    linear_block_rows: int = -1
+    """How the worker's linears get their rows (WorkerConfig.linear_block_rows): -1 = the probe's choice per
+    weight shape, N > 0 = blocks of N rows, 0 = as they come."""
     is_hf_compiled: bool = False
     """Also time HF generate() with a static cache and torch.compile (slow to compile on a CPU)."""
     num_threads: int = 0
@@ -123,6 +126,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="decode steps per request to the runner (multi-step decoding; 1 = off)")
     parser.add_argument("--compiled", dest="is_compiled", action="store_true",
                         help="the worker's decoder compiled by torch.compile (buckets compiled before timing)")
+    parser.add_argument("--linear-block-rows", type=int, default=d.linear_block_rows,
+                        help="the worker's linears on blocks of N rows (-1 = the probe's choice, 0 = rows as they come)")
     parser.add_argument("--hf-compiled", dest="is_hf_compiled", action="store_true",
                         help="also time HF generate() with a static cache + torch.compile")
     parser.add_argument("--num-threads", type=int, default=d.num_threads)
@@ -197,6 +202,7 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
     runner = ModelRunner(WorkerConfig(model=str(model_dir), device=config.device, dtype=config.dtype,
                                       block_size=block_size, num_kv_blocks=num_blocks,
                                       num_threads=config.num_threads, is_compiled=config.is_compiled,
+                                      linear_block_rows=config.linear_block_rows,
                                       compile_max_tokens=max(config.batch_sizes) * tokens_per_step))
     runner.warm_up()
     return runner, max_tokens
