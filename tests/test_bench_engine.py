@@ -43,3 +43,26 @@ def test_engine_bench_reports_every_part_per_batch_size(tmp_path, capsys, extra)
     assert "| batch |" in table and "excl. forward" in table
     assert ("one request of up to 4 decode steps" in table) is ("--num-decode-steps" in extra)
     assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][1:] == ["1", "4"]
+
+
+@pytest.mark.real_model
+def test_random_weights_bench_the_default_models_shape(tmp_path, default_model_dir):
+    from transformers import AutoConfig
+
+    from segserve.bench.random_models import build_random_gemma3_270m
+
+    built = AutoConfig.from_pretrained(build_random_gemma3_270m(tmp_path / "model", device="cpu"))
+    real = AutoConfig.from_pretrained(default_model_dir)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                  "max_position_embeddings", "hidden_activation", "tie_word_embeddings", "rope_parameters",
+                  "final_logit_softcapping", "attn_logit_softcapping", "eos_token_id"):
+        assert getattr(built, field) == getattr(real, field), field
+    assert built.rms_norm_eps == pytest.approx(real.rms_norm_eps)
+
+    out = tmp_path / "engine"
+    assert main(["bench", "engine", "--random-weights", "--device", "cpu", "--batch-sizes", "1", "--steps", "1",
+                 "--warmup-steps", "0", "--repeats", "1", "--out", str(out)]) == 0
+    results = json.loads((out / "engine.json").read_text())
+    assert results["model"].startswith("gemma-3-270m's shape") and results["dtype"] == "float32"
+    assert results["batches"][0]["tokens_per_step"] == 1

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import engine_report as report
+from segserve.bench.random_models import build_random_gemma3_270m, build_tiny_gemma3
 from segserve.heap import freeze_startup_heap
 
 PARTS = report.PARTS
@@ -47,9 +48,12 @@ PARTS = report.PARTS
 @dataclass
 class EngineBenchConfig:
     model: str | None = None
-    """Model directory; None = the default gemma-3-270m (ignored with is_tiny)."""
+    """Model directory; None = the default gemma-3-270m (ignored with is_tiny or is_random_weights)."""
     is_tiny: bool = False
     """Build a tiny random 4-layer Gemma3 in a temporary directory and bench that."""
+    is_random_weights: bool = False
+    """Bench gemma-3-270m's shape with random weights, built in a temporary directory: for a machine without the
+    default model's package (a GPU box that reaches no registry). Its speed is the real model's; its text is not."""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda."""
     dtype: str = "auto"
@@ -112,6 +116,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineBenchConfig()
     parser.add_argument("--model", default=d.model, help="model directory (default: gemma-3-270m)")
     parser.add_argument("--tiny", dest="is_tiny", action="store_true", help="a tiny random Gemma3 built on the fly")
+    parser.add_argument("--random-weights", dest="is_random_weights", action="store_true",
+                        help="gemma-3-270m's shape with random weights, built on the fly (no model package needed)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=d.dtype)
     parser.add_argument("--batch-sizes", type=_sizes, default=d.batch_sizes, help="comma-separated (1,16,64,256)")
@@ -137,26 +143,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> EngineBenchConfig:
     return EngineBenchConfig(**{f.name: getattr(args, f.name) for f in fields(EngineBenchConfig)})
-
-
-def build_tiny_gemma3(out_dir: Path, seed: int = 0, max_position_embeddings: int = 4096) -> Path:
-    """A 4-layer Gemma3 with random weights (the tests' tiny model's shape, without a tokenizer)."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=0.3,  # varied greedy choices (the default init repeats one token)
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 class InProcessDrafter:
@@ -369,10 +355,14 @@ def run_engine(args: argparse.Namespace) -> dict:
 
     config = config_from_args(args)
     header = {"command": shlex.join(sys.argv), "machine": machine_info()}
-    if config.is_tiny:
-        with tempfile.TemporaryDirectory(prefix="segserve-tiny-") as tmp:
-            results = run_benchmark(config, build_tiny_gemma3(Path(tmp), config.seed), header,
-                                    "tiny random Gemma3 (--tiny)")
+    if config.is_tiny or config.is_random_weights:
+        with tempfile.TemporaryDirectory(prefix="segserve-bench-model-") as tmp:
+            if config.is_tiny:
+                model_dir, label = build_tiny_gemma3(Path(tmp), config.seed), "tiny random Gemma3 (--tiny)"
+            else:
+                model_dir = build_random_gemma3_270m(Path(tmp), config.seed, config.device, config.dtype)
+                label = "gemma-3-270m's shape, random weights (--random-weights)"
+            results = run_benchmark(config, model_dir, header, label)
     else:
         from segserve.checkpoint import resolve_model
 

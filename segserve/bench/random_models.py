@@ -1,0 +1,56 @@
+"""Models with random weights that `segserve bench engine` builds on the fly: the tests' tiny Gemma3 (--tiny),
+and gemma-3-270m's exact shape (--random-weights) for a machine without the default model's package. A forward
+costs what the real model's costs; the text means nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+GEMMA3_270M = dict(
+    vocab_size=262_144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, max_position_embeddings=32_768,
+    rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    bos_token_id=2, eos_token_id=1, pad_token_id=0,
+)
+"""gemma-3-270m's text config (the converted default model's config.json, less what a forward does not read)."""
+
+
+def build_tiny_gemma3(out_dir: Path, seed: int = 0, max_position_embeddings: int = 4096) -> Path:
+    """A 4-layer Gemma3 with random weights (the tests' tiny model's shape, without a tokenizer)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=0.3,  # varied greedy choices (the default init repeats one token)
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_random_gemma3_270m(out_dir: Path, seed: int = 0, device: str = "auto", dtype: str = "auto") -> Path:
+    """gemma-3-270m's shape with random weights (initialized on `device`, saved in `dtype`: auto = bfloat16 on
+    cuda, float32 on cpu), without a tokenizer."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_270M)).to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = GEMMA3_270M["eos_token_id"]
+    model.save_pretrained(out_dir)
+    return out_dir
