@@ -116,7 +116,10 @@ def test_the_runner_gives_every_linear_its_shapes_policy(tiny_gemma3_dir, monkey
         assert isinstance(module, PackedLinear if is_packing else RowBlockLinear)
         assert module.policy == chosen[tuple(module.weight.shape)]
     others = runner.model.model.layers[0].self_attn.o_proj
-    assert (isinstance(others, PackedLinear) and others.policy == RowPolicy()) if is_packing else type(others) is nn.Linear
+    if is_packing:
+        assert isinstance(others, PackedLinear) and others.policy == RowPolicy()
+    else:
+        assert type(others) is nn.Linear
 
 
 def test_the_block_size_is_checked():

@@ -18,11 +18,11 @@ kernel, which sums each row in the same order wherever the row sits (no row diff
 blocks of 64 and on the Xeon in blocks of 32). They cost padding and calls: a one-row step multiplies a whole
 block and a larger step makes a call per block (gemma-3-270m on CI's CPU, blocks of 32: 124-133 ms per one-row
 step against 42-51 ms as the rows come; on the H100 in blocks of 64: 22.1 against 14.8 ms at one row, 32.7
-against 22.1 at 256). So the worker probes at load (`choose_policy`), each distinct shape of its model on its own: computed
-as the worker will, on seeded random rows at every count up to 64 and samples up to 255, against 256. Each shape
-takes the cheapest policy under which no row differs: rows as they come, else padded up to 2, 4 ... 32 rows (the
-kernels of the smallest counts are the ones that differ on both CPUs), else blocks. A padding only holds for the
-counts probed, which cover every decode batch up to 64 sequences and sample larger steps.
+against 22.1 at 256). So the worker probes at load (`choose_policy`), each distinct shape of its model on its
+own: computed as the worker will, on seeded random rows at every count up to 64 and samples up to 255, against
+256. Each shape takes the cheapest policy under which no row differs: rows as they come, else padded up to 2,
+4 ... 32 rows (the kernels of the smallest counts are the ones that differ on both CPUs), else blocks. A padding
+only holds for the counts probed, which cover every decode batch up to 64 sequences and sample larger steps.
 """
 
 from __future__ import annotations
@@ -66,9 +66,11 @@ def in_row_blocks(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
                   policy: RowPolicy = RowPolicy()) -> torch.Tensor:
     """linear(x) ([..., K] -> [..., N]) with x's rows handed over as the policy says."""
     rows = policy.block_rows or policy.min_rows
+    if not rows:  # the default, on every call of most linears: no reshaping
+        return linear(x)
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
     num_rows = flat.shape[0]
-    if not rows or (not policy.block_rows and num_rows >= rows):
+    if not policy.block_rows and num_rows >= rows:
         return linear(x)
     num_blocks = max(1, -(-num_rows // rows)) if policy.block_rows else 1
     if num_blocks * rows != num_rows:

@@ -133,7 +133,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compiled", dest="is_compiled", action="store_true",
                         help="the worker's decoder compiled by torch.compile (buckets compiled before timing)")
     parser.add_argument("--linear-block-rows", type=int, default=d.linear_block_rows,
-                        help="the worker's linears on blocks of N rows (-1 = the probe's choice, 0 = rows as they come)")
+                        help="the worker's linears on blocks of N rows (-1 = the probe's choice, 0 = as they come)")
     parser.add_argument("--hf-compiled", dest="is_hf_compiled", action="store_true",
                         help="also time HF generate() with a static cache + torch.compile")
     parser.add_argument("--num-threads", type=int, default=d.num_threads)

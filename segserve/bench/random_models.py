@@ -44,13 +44,13 @@ def build_random_gemma3_270m(out_dir: Path, seed: int = 0, device: str = "auto",
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+    from worker.config import WorkerConfig
+    from worker.model_runner import resolve_device_dtype
+
+    torch_device, torch_dtype = resolve_device_dtype(WorkerConfig(device=device, dtype=dtype))
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_270M)).to(getattr(torch, dtype))
+    with torch_device:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_270M)).to(torch_dtype)
     model.generation_config.eos_token_id = GEMMA3_270M["eos_token_id"]
     model.save_pretrained(out_dir)
     return out_dir
