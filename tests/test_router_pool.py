@@ -68,9 +68,13 @@ async def test_a_refusing_or_dead_scheduler_is_skipped_without_failing_a_request
         assert isinstance(events[-1], GenerateComplete) and not any(isinstance(e, GenerateError) for e in events)
     assert len(fake_b.requests) == 6
     fake_a.is_refusing = False
+    # prompts that a owns, so that each would go there first (which prompts those are depends on the ports)
+    again = [request(tokenizer, f"again {i}", f"s{i}") for i in range(200)]
+    owned_by_a = [req for req in again if pool.pick(req.prompt_token_ids) == a]
+    assert len(owned_by_a) >= 6
     server_a.stop(grace=None)  # dies: requests that would go there never reach it and go to b
-    for i in range(6):
-        events = await run(pool, request(tokenizer, f"again {i}", f"s{i}"))
+    for req in owned_by_a[:6]:
+        events = await run(pool, req)
         assert isinstance(events[-1], GenerateComplete)
     assert len(fake_b.requests) == 12 and pool.live == [b]
     health = await pool.health()
