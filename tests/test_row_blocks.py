@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.devices import TEST_DEVICE
 from worker.config import WorkerConfig
+from worker import packed_linear
 from worker.packed_linear import PackedLinear, choose_row_policies, is_packing_supported
 from worker.row_blocks import (
     PROBE_COUNTS,
@@ -109,6 +110,7 @@ def test_the_runner_gives_every_linear_its_shapes_policy(tiny_gemma3_dir, monkey
     head = tuple(model.lm_head.weight.shape)
     chosen = {down: RowPolicy(min_rows=4), head: RowPolicy(block_rows=8)}
     monkeypatch.setattr(model_runner, "choose_row_policies", lambda model, packed: chosen)
+    monkeypatch.setattr(packed_linear, "PACKING_MIN_WEIGHTS", 0)  # the tiny model's weights are packed too
     runner = model_runner.ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=16, block_size=4,
                                                    dtype="float32", device=TEST_DEVICE, is_packed_linear=is_packed))
     is_packing = is_packed and HAS_PACKING and TEST_DEVICE == "cpu"

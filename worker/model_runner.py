@@ -145,7 +145,7 @@ class ModelRunner:
         else:
             policy_of = fixed_policy(config.linear_block_rows)
         if config.is_packed_linear:
-            logger.info("packed %d linear weights for oneDNN",
+            logger.info("packed %d linear weights for oneDNN or merged them with their siblings",
                         pack_linears(self.model, is_merged=not config.is_compiled, policy_of=policy_of))
         block_linears(self.model, policy_of)
 

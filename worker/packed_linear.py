@@ -35,11 +35,18 @@ decode steps, merged against separate (the same tokens):
 
 Cost: the packed copy is a second copy of each weight; the original stays,
 because tied embeddings and code that inspects `.weight` read it.
+
+Small weights stay torch's (`PACKING_MIN_WEIGHTS`): a oneDNN call costs 10-16 us
+whatever the weight, against 2-5 us for `F.linear` at one to four rows of the
+tiny Gemma3's 64-wide weights (one thread, this 2-core CPU). From gemma-3-270m's
+640x1024 up, packing is 1.3-2.1x faster from four rows on. Merged siblings of
+small weights are merged still, on torch's linear.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -50,6 +57,10 @@ from worker.row_blocks import PROBE_MAX_FEATURES, PolicyOf, RowPolicy, choose_po
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 PACKING_ROWS = 32
 """Row count the packed layout is chosen for; measured 16-128 within noise of each other at 1-32 rows."""
+PACKING_MIN_WEIGHTS = 1 << 16
+"""Weights with fewer elements are not packed. Measured per call, one thread, packed against `F.linear` (us):
+64x64 at 1, 4 and 64 rows 16/2.8, 17/3.1, 13/7.1; 400x64 11/3.2, 13/5.2, 25/36; 640x1024 41/37, 92/117,
+411/867; 4096x640 165/152, 345/667, 1951/4049."""
 MERGED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Children of one module that transformers' causal LMs (Llama, Gemma, Qwen, Mistral...) call on one input."""
 
@@ -70,28 +81,46 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight  # [N, K]
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKING_ROWS)
+        self._linear = linear_of(linear.weight.detach(), _detached(linear.bias), is_packed=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return in_row_blocks(self._linear, x, self.policy)
-
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.detach() if self.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class MergedProduct:
-    """The packed weight of sibling linears stacked [W_1; W_2; ...], and the last product, handed out by parts."""
+def is_worth_packing(weight: torch.Tensor, min_weights: int | None = None) -> bool:
+    """Whether the worker packs this weight: oneDNN supports its device and dtype, and it has at least
+    min_weights elements (PACKING_MIN_WEIGHTS unless given)."""
+    min_weights = PACKING_MIN_WEIGHTS if min_weights is None else min_weights
+    return is_packing_supported(weight.device, weight.dtype) and weight.numel() >= min_weights
 
-    def __init__(self, linears: list[nn.Linear], policy: RowPolicy = RowPolicy()):
+
+def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, is_packed: bool
+              ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x W^T + b: oneDNN's linear on a packed copy of the weight (is_packed), else torch's."""
+    if not is_packed:
+        return functools.partial(F.linear, weight=weight, bias=bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
+
+
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach()
+
+
+class MergedProduct:
+    """The weight of sibling linears stacked [W_1; W_2; ...] (packed where worth it), and the last product,
+    handed out by parts."""
+
+    def __init__(self, linears: list[nn.Linear], policy: RowPolicy = RowPolicy(), min_weights: int | None = None):
         self.policy = policy
         self.sizes = [linear.out_features for linear in linears]
         weight = torch.cat([linear.weight.detach() for linear in linears])
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
-        self._bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
+        bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
+        self.is_packed = is_worth_packing(weight, min_weights)
+        self._linear = linear_of(weight, bias, self.is_packed)
         self._input: torch.Tensor | None = None
         self._parts: list[torch.Tensor | None] = []
 
@@ -104,9 +133,6 @@ class MergedProduct:
         if all(part is None for part in self._parts):
             self._input = None  # every part claimed: hold no tensor between forwards
         return out
-
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], None)
 
 
 class MergedLinearPart(nn.Module):
@@ -125,23 +151,26 @@ class MergedLinearPart(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, merged part {self._index}"
 
 
-def pack_linears(model: nn.Module, is_merged: bool = True, policy_of: PolicyOf = fixed_policy(0)) -> int:
-    """Replace every nn.Linear of a CPU model with a PackedLinear when oneDNN supports its dtype, siblings
-    (MERGED_SIBLINGS) with parts of one MergedProduct unless not is_merged (a compiled model: a part finds its
-    product by the input's identity, which tracing does not keep); returns how many were replaced (0 on a GPU
-    or an unsupported dtype). Every product hands its rows over as its shape's policy says (worker/row_blocks.py)."""
+def pack_linears(model: nn.Module, is_merged: bool = True, policy_of: PolicyOf = fixed_policy(0),
+                 min_weights: int | None = None) -> int:
+    """Replace every nn.Linear of a CPU model whose weight is worth packing (is_worth_packing: oneDNN supports
+    its dtype, and it has at least min_weights elements) with a PackedLinear, and siblings (MERGED_SIBLINGS)
+    with parts of one MergedProduct, packed where their stacked weight is worth it, unless not is_merged (a
+    compiled model: a part finds its product by the input's identity, which tracing does not keep); returns how
+    many were replaced (0 on a GPU or an unsupported dtype). Every product hands its rows over as its shape's
+    policy says (worker/row_blocks.py); the linears left alone get theirs from block_linears."""
     count = 0
     for parent in list(model.modules()):
         for names in MERGED_SIBLINGS if is_merged else ():
             siblings = [getattr(parent, name, None) for name in names]
             if _is_mergeable(siblings):
                 shape = (sum(linear.out_features for linear in siblings), siblings[0].in_features)
-                product = MergedProduct(siblings, policy_of(shape))
+                product = MergedProduct(siblings, policy_of(shape), min_weights)
                 for index, (name, linear) in enumerate(zip(names, siblings)):
                     setattr(parent, name, MergedLinearPart(linear, product, index))
                 count += len(names)
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and is_packing_supported(child.weight.device, child.weight.dtype):
+            if type(child) is nn.Linear and is_worth_packing(child.weight, min_weights):
                 setattr(parent, name, PackedLinear(child, policy_of(tuple(child.weight.shape))))
                 count += 1
     return count
@@ -157,11 +186,12 @@ def _is_mergeable(siblings: list) -> bool:
                     for s in siblings))
 
 
-def choose_row_policies(model: nn.Module, is_packed: bool) -> dict[tuple[int, ...], RowPolicy]:
+def choose_row_policies(model: nn.Module, is_packed: bool, min_weights: int | None = None
+                        ) -> dict[tuple[int, ...], RowPolicy]:
     """Each distinct linear weight shape of the model ([N, K]; merged siblings' too) -> the cheapest RowPolicy
     under which this machine's product at that shape keeps every row's bits whatever the batch
     (worker/row_blocks.py's probe, on at most PROBE_MAX_FEATURES outputs), computed as the worker will: packed
-    where pack_linears packs (is_packed), else by torch."""
+    where pack_linears packs (is_packed, and the whole weight is worth packing), else by torch."""
     weights = {}
     for parent in model.modules():
         for names in MERGED_SIBLINGS if is_packed else ():
@@ -174,12 +204,6 @@ def choose_row_policies(model: nn.Module, is_packed: bool) -> dict[tuple[int, ..
                 weights.setdefault(tuple(child.weight.shape), child.weight.detach())
     policies = {}
     for shape, weight in weights.items():
-        weight = weight[:PROBE_MAX_FEATURES]
-        if is_packed and is_packing_supported(weight.device, weight.dtype):
-            probe = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-            probe.weight = nn.Parameter(weight, requires_grad=False)
-            linear = PackedLinear(probe)._linear
-        else:
-            linear = functools.partial(F.linear, weight=weight)
+        linear = linear_of(weight[:PROBE_MAX_FEATURES], None, is_packed and is_worth_packing(weight, min_weights))
         policies[shape] = choose_policy(linear, weight.shape[1], weight.device, weight.dtype)
     return policies
