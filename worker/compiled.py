@@ -57,6 +57,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise RuntimeError("segserve::paged_attention runs only inside CompiledDecoder's forward")
     num_tokens = batch.slots.shape[0]
     module = _Layer(layer, window or None)
+    if num_tokens == query.shape[2]:  # no padding (a step of 1, 2, 4... tokens): nothing to slice or pad
+        out, _ = paged_attention_forward(module, query, key, value, None, scaling, softcap or None,
+                                         segserve_batch=batch, sliding_window=window or None)
+        return out.contiguous()  # the layout the fake promises; a view of the attention's own output
     out, _ = paged_attention_forward(
         module, query[:, :, :num_tokens], key[:, :, :num_tokens], value[:, :, :num_tokens], None, scaling,
         softcap or None, segserve_batch=batch, sliding_window=window or None)
