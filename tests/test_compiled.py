@@ -83,3 +83,32 @@ def test_a_tree_scores_like_the_eager_runners(compiled, eager):
     got, expected = tree_logits(compiled), tree_logits(eager)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_two_compiled_runners_in_one_process_each_run_their_own_weights(tiny_gemma3_dir, tmp_path):
+    """A compiled bucket runs with only the guards that tell the compiled graphs apart; two runners of one model
+    class with other weights (frozen into their graphs as constants) must still each get their own graph."""
+    from tests.tiny_models import build_tiny_gemma3
+
+    other_dir = build_tiny_gemma3(tmp_path / "other", seed=1)
+    runners = {name: ModelRunner(WorkerConfig(model=str(path), num_kv_blocks=8, block_size=BLOCK_SIZE,
+                                              dtype="float32", device=TEST_DEVICE, is_compiled=True,
+                                              compile_max_tokens=4))
+               for name, path in (("a", tiny_gemma3_dir), ("b", other_dir))}
+    eagers = {"a": make_runner(tiny_gemma3_dir), "b": make_runner(other_dir)}
+    for runner in runners.values():
+        runner.warm_up()
+
+    def decode_logits(runner: ModelRunner) -> torch.Tensor:
+        prompt = PROMPT[:3]  # prefill in the bucket of 4, decode in the bucket of 1: both compiled in the warm-up
+        runner.step(StepRequest([ScheduledSequence("s", prompt, 0, (1, 2))],
+                                [NewSequence("s", SamplingParams(), len(prompt))]))
+        logits = runner.compute_logits(StepRequest([ScheduledSequence("s", [5], len(prompt), (1, 2),
+                                                                      sample_indices=[0])]))
+        runner.step(StepRequest(finished_seq_ids=["s"]))
+        return logits[0]
+
+    expected = {name: decode_logits(eager) for name, eager in eagers.items()}
+    assert not torch.allclose(expected["a"], expected["b"], atol=1e-2)
+    for name in ("a", "b", "a", "b"):  # each bucket called again, alternating runners
+        torch.testing.assert_close(decode_logits(runners[name]), expected[name], atol=1e-4, rtol=0)
