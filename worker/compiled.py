@@ -3,7 +3,7 @@
 An eager forward of a small model spends most of its time dispatching ops from Python, one at a time.
 Inductor fuses the norms, rotary embeddings and element-wise ops into a few generated kernels and, with
 freezing, treats the weights as constants (the packed oneDNN linears stay oneDNN calls on the packed
-weights). The tiny Gemma3 of the tests, one row, one thread: 1.94 ms per forward against 2.80 eager
+weights, the small unpacked ones torch's BLAS calls, as the eager worker makes them: `_COMPILE_CONFIG`). The tiny Gemma3 of the tests, one row, one thread: 1.94 ms per forward against 2.80 eager
 (README, "Compiled decoder"). The paged attention stays eager, as one opaque custom op per layer
 (`segserve::paged_attention`): it reads the step's AttentionBatch, which is no tensor and changes every step,
 from `_current`, where `CompiledDecoder` puts it before each forward.
@@ -40,6 +40,12 @@ ATTN_IMPLEMENTATION = "segserve_paged_compiled"
 RECOMPILE_LIMIT = 64
 """Compiled shapes per decoder code (dynamo's limit, 8 by default, past which it would run eager, with other
 numerics): a worker's buckets, 2**0 to 2**16 tokens, for a few runners in one process (tests, benchmarks)."""
+
+_COMPILE_CONFIG = {"freezing": True, "cpp.weight_prepack": False}
+"""Inductor's options for the worker's compiles (a compile() option does not take them): the weights as constants;
+the linears computed as the eager worker computes them (and its probe checked: worker/row_blocks.py), a packed
+one by its custom op, a small one by torch's BLAS call, not repacked for MKL, whose rows can differ with the
+batch's row count."""
 
 _current: list[AttentionBatch | None] = [None]
 """The AttentionBatch of the forward under way (one forward at a time runs per process: the worker's step
@@ -131,7 +137,7 @@ class CompiledDecoder:
                 # forward the same kinds of inputs, so nothing else a guard checks changes between calls.
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                     return self._compiled(input_ids=input_ids, position_ids=position_ids, **kwargs)
-            with inductor_config.patch(freezing=True):  # weights as constants (a compile() option does not take)
+            with inductor_config.patch(_COMPILE_CONFIG):
                 output = self._compiled(input_ids=input_ids, position_ids=position_ids, **kwargs)
         finally:
             _current[0] = None
