@@ -132,7 +132,7 @@ class ModelRunner:
         return self._info
 
     def _prepare_linears(self, config: WorkerConfig) -> None:
-        """Pack the CPU linears for oneDNN, and hand every linear its rows so that none depends on the batch
+        """Pack the large CPU linears for oneDNN, merge siblings, and hand every linear its rows so that none depends on the batch
         (worker/row_blocks.py): as this machine's probe finds cheapest at each weight shape, or in blocks of
         config.linear_block_rows."""
         if config.linear_block_rows < 0:

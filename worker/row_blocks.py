@@ -113,7 +113,7 @@ def fixed_policy(block_rows: int) -> PolicyOf:
 
 
 class RowBlockLinear(nn.Module):
-    """Drop-in for an nn.Linear (one that torch computes: a GPU's, or a CPU's oneDNN cannot pack); shares its
+    """Drop-in for an nn.Linear (one that torch computes: a GPU's, or a CPU's not packed for oneDNN); shares its
     parameters, so tied embeddings stay tied."""
 
     def __init__(self, linear: nn.Linear, policy: RowPolicy):
