@@ -3,8 +3,9 @@
 An eager forward of a small model spends most of its time dispatching ops from Python, one at a time.
 Inductor fuses the norms, rotary embeddings and element-wise ops into a few generated kernels and, with
 freezing, treats the weights as constants (the packed oneDNN linears stay oneDNN calls on the packed
-weights, the small unpacked ones torch's BLAS calls, as the eager worker makes them: `_COMPILE_CONFIG`). The tiny Gemma3 of the tests, one row, one thread: 1.94 ms per forward against 2.80 eager
-(README, "Compiled decoder"). The paged attention stays eager, as one opaque custom op per layer
+weights, the small unpacked ones torch's BLAS calls, as the eager worker makes them: `_COMPILE_CONFIG`).
+The tiny Gemma3 of the tests, one row, one thread: 1.94 ms per forward against 2.80 eager (README,
+"Compiled decoder"). The paged attention stays eager, as one opaque custom op per layer
 (`segserve::paged_attention`): it reads the step's AttentionBatch, which is no tensor and changes every step,
 from `_current`, where `CompiledDecoder` puts it before each forward.
 

@@ -30,8 +30,8 @@ class WorkerConfig:
     and its cgroup's CPU quota: worker/threads.py). The local stack gives its worker all CPUs but one."""
     is_packed_linear: bool = True
     """On cpu, pack every linear weight of at least 2**16 elements once for oneDNN (worker/packed_linear.py;
-    smaller ones stay torch's, cheaper per call), the q/k/v and gate/up siblings as one weight each: about twice the decode throughput at 16 rows, for a second copy of the linear weights in
-    memory."""
+    smaller ones stay torch's, cheaper per call), the q/k/v and gate/up siblings as one weight each: about twice
+    the decode throughput at 16 rows, for a second copy of the linear weights in memory."""
     linear_block_rows: int = -1
     """How the linears get their rows, so that a row's output does not depend on its batch and greedy speculation
     stays lossless (worker/row_blocks.py): -1 = probe this machine at load and give each weight shape the cheapest

@@ -132,9 +132,9 @@ class ModelRunner:
         return self._info
 
     def _prepare_linears(self, config: WorkerConfig) -> None:
-        """Pack the large CPU linears for oneDNN, merge siblings, and hand every linear its rows so that none depends on the batch
-        (worker/row_blocks.py): as this machine's probe finds cheapest at each weight shape, or in blocks of
-        config.linear_block_rows."""
+        """Pack the large CPU linears for oneDNN, merge siblings, and hand every linear its rows so that none
+        depends on the batch (worker/row_blocks.py): as this machine's probe finds cheapest at each weight shape,
+        or in blocks of config.linear_block_rows."""
         if config.linear_block_rows < 0:
             policies = choose_row_policies(self.model, config.is_packed_linear)
             padded = {shape: policy for shape, policy in policies.items() if policy != RowPolicy()}
