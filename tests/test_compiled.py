@@ -112,3 +112,21 @@ def test_two_compiled_runners_in_one_process_each_run_their_own_weights(tiny_gem
     assert not torch.allclose(expected["a"], expected["b"], atol=1e-2)
     for name in ("a", "b", "a", "b"):  # each bucket called again, alternating runners
         torch.testing.assert_close(decode_logits(runners[name]), expected[name], atol=1e-4, rtol=0)
+
+
+def test_packed_linears_compile_to_the_eager_runners_tokens(tiny_gemma3_dir, monkeypatch):
+    """With every weight packed for oneDNN (as gemma-3-270m's are: the tiny model's are too small to be, by
+    default), the compiled decoder traces the packed products and gives the eager runner's greedy tokens."""
+    from worker import packed_linear
+
+    monkeypatch.setattr(packed_linear, "PACKING_MIN_WEIGHTS", 0)
+    compiled = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=16, block_size=BLOCK_SIZE,
+                                        dtype="float32", device=TEST_DEVICE, is_compiled=True, compile_max_tokens=4))
+    compiled.warm_up()
+    eager = make_runner(tiny_gemma3_dir, num_kv_blocks=16)
+    layer = compiled.model.model.layers[0]
+    is_packing = packed_linear.is_packing_supported(torch.device(TEST_DEVICE), torch.float32)
+    assert isinstance(layer.mlp.down_proj, packed_linear.PackedLinear) == is_packing
+    blocks = [3, 1, 7, 5]
+    got = run_together(compiled, [Decoder("a", PROMPT[:4], blocks)], 12)
+    assert got == run_together(eager, [Decoder("a", PROMPT[:4], blocks)], 12)
