@@ -216,3 +216,57 @@ async def test_serve_binds_loads_and_becomes_ready(tiny_gemma3_dir):
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert (info.num_kv_blocks, info.block_size) == (8, 4)
+
+
+def test_step_cost_guesses_from_the_last_step_per_token():
+    from worker.server import INLINE_STEP_S, StepCost
+
+    cost = StepCost()
+    assert not cost.is_short(1)  # nothing measured yet
+    cost.observe(10, INLINE_STEP_S / 100)
+    assert cost.is_short(10) and cost.is_short(0)
+    assert not cost.is_short(11)  # more tokens than any step so far: maybe a compile, maybe slower per token
+    cost.observe(0, 100.0)  # a step that computed nothing says nothing about tokens
+    assert cost.is_short(10)
+    cost.observe(2, INLINE_STEP_S)
+    assert not cost.is_short(2) and cost.is_short(1)
+
+
+class _TimedRunner:
+    """Stands in for a ModelRunner: each step takes `seconds` and records the thread it ran on."""
+
+    is_ready = True
+
+    def __init__(self, seconds: float):
+        self.seconds, self.threads = seconds, []
+
+    def step(self, request: StepRequest):
+        import threading
+        import time
+
+        self.threads.append(threading.current_thread())
+        time.sleep(self.seconds)
+        return []
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.3])
+async def test_a_short_step_runs_on_the_loop_and_a_long_one_lets_health_answer(served, seconds):
+    import threading
+
+    servicer, stub = served
+    runner = _TimedRunner(seconds)
+    servicer.attach(runner)
+    step = worker_pb2.StepRequest(finished_seq_ids=["x"], sequences=[
+        worker_pb2.ScheduledSequence(seq_id="x", token_ids=[1], block_table=[0])])
+    await stub.Step(step)  # nothing measured yet: a thread
+    call = asyncio.ensure_future(stub.Step(step))
+    await asyncio.sleep(0.05)
+    started = asyncio.get_running_loop().time()
+    assert (await stub.Health(common_pb2.HealthRequest(), timeout=5)).ready
+    answered_after = asyncio.get_running_loop().time() - started
+    await call
+    assert runner.threads[0] is not threading.current_thread()
+    if seconds:  # measured long: a thread again, and Health answered while it slept
+        assert runner.threads[1] is not threading.current_thread() and answered_after < seconds / 2
+    else:
+        assert runner.threads[1] is threading.current_thread()
