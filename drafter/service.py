@@ -4,8 +4,10 @@ Protobuf is converted here only: queries become `Query`s, the planner's
 CandidateTrees leave as drafter_pb2.DraftReply (tree via CandidateTree.to_pb), and
 Health answers with protos.segserve.v1.info.Health. A tree that fails
 CandidateTree.problem() is never sent: the reply carries an empty tree. A batch
-runs in one worker thread (corpus lookups and any draft model are CPU work) so
-Health stays responsive; batches are serialized because request states are
+expected to take long runs in a worker thread (corpus lookups and any draft model are
+CPU work) so that Health stays responsive, a short one on the event loop
+(segserve/blocking.py: the hand-off to a thread costs more than a short batch);
+batches are serialized because request states are
 single-threaded, and each holds the corpora still (planner.reading()) while the
 learner's thread adds learned segments between batches, a slice at a time
 (drafter/learner.py). A batch with no tree to build (final updates of ended
@@ -30,6 +32,7 @@ from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
+from segserve.blocking import CallCost, run_blocking
 from segserve.health import Serving
 
 logger = logging.getLogger(__name__)
@@ -83,6 +86,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.memory = memory
         """The shared log and snapshots (drafter/memory.py); its learn() is the states' sink."""
         self._lock = asyncio.Lock()
+        self.cost = CallCost()
+        """Where draft calls run (segserve/blocking.py: on the loop when short), by queries."""
         self.serving = Serving([drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name])
         """The standard grpc.health.v1 status: SERVING while the server takes requests (start_server)."""
 
@@ -97,7 +102,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         replies = []
         for piece, piece_finished in _pieces(queries, finished):
             async with self._lock:
-                replies += await asyncio.to_thread(self.draft_batch, piece, piece_finished)
+                piece_replies, _ = await run_blocking(self.cost, len(piece), self.draft_batch, piece, piece_finished)
+            replies += piece_replies
         return drafter_pb2.DraftResponse(replies=replies)
 
     @_status_errors

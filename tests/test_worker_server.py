@@ -218,20 +218,6 @@ async def test_serve_binds_loads_and_becomes_ready(tiny_gemma3_dir):
     assert (info.num_kv_blocks, info.block_size) == (8, 4)
 
 
-def test_step_cost_guesses_from_the_last_step_per_token():
-    from worker.server import INLINE_STEP_S, StepCost
-
-    cost = StepCost()
-    assert not cost.is_short(1)  # nothing measured yet
-    cost.observe(10, INLINE_STEP_S / 100)
-    assert cost.is_short(10) and cost.is_short(0)
-    assert not cost.is_short(11)  # more tokens than any step so far: maybe a compile, maybe slower per token
-    cost.observe(0, 100.0)  # a step that computed nothing says nothing about tokens
-    assert cost.is_short(10)
-    cost.observe(2, INLINE_STEP_S)
-    assert not cost.is_short(2) and cost.is_short(1)
-
-
 class _TimedRunner:
     """Stands in for a ModelRunner: each step takes `seconds` and records the thread it ran on."""
 

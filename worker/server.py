@@ -2,9 +2,8 @@
 
 Protobuf is converted here and nowhere else, with the contract types' from_pb / to_pb
 (protos/segserve/v1/step.py, info.py). A step that may take long runs in a thread, so that the event loop
-keeps answering Health meanwhile; a short one runs on the loop itself (`StepCost`): handing it to a thread and
-back cost a one-stream decode step of the tiny model 0.6-0.9 ms of its 2.5-2.8 (the loop's thread and the step's
-take turns at the GIL). Steps are serialized (the runner and its KV cache are single-threaded), and a step ahead
+keeps answering Health meanwhile; a short one runs on the loop itself (segserve/blocking.py: the hand-off cost
+a one-stream decode step of the tiny model 0.6-0.9 ms of its 2.5-2.8). Steps are serialized (the runner and its KV cache are single-threaded), and a step ahead
 runs after the step it follows (worker/step_order.py). A failure
 of one sequence is an error in its SequenceOutput, not a status; exceptions (a failure of the whole
 step) become gRPC status codes in one place, `_status_errors`: a malformed step is INVALID_ARGUMENT,
@@ -18,7 +17,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import time
 
 import grpc
 import torch
@@ -26,6 +24,7 @@ import torch
 from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.step import MalformedStep, StepRequest, StepResult
+from segserve.blocking import CallCost, run_blocking
 from segserve.health import Serving, add_health_and_reflection
 from segserve.heap import freeze_startup_heap
 from segserve.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
@@ -35,30 +34,6 @@ from worker.step_order import StepOrder
 from worker.validation import InvalidRequest
 
 logger = logging.getLogger(__name__)
-
-
-INLINE_STEP_S = 0.02
-"""A step expected to take less than this runs on the event loop's thread (Health waits at most about this long)."""
-
-
-class StepCost:
-    """Guesses a step's seconds from the last one's, per scheduled token, for where to run it."""
-
-    def __init__(self) -> None:
-        self.seconds_per_token: float | None = None
-        self.most_tokens = 0
-        """The most tokens a step has had: a larger one may be slower per token (a compiled worker compiles it)."""
-
-    def is_short(self, num_tokens: int) -> bool:
-        """Whether a step of num_tokens scheduled tokens (steps included) should take under INLINE_STEP_S."""
-        if self.seconds_per_token is None or num_tokens > self.most_tokens:
-            return False
-        return self.seconds_per_token * num_tokens < INLINE_STEP_S
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0:
-            self.seconds_per_token = seconds / num_tokens
-            self.most_tokens = max(self.most_tokens, num_tokens)
 
 
 class NotReady(RuntimeError):
@@ -93,7 +68,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._runner: ModelRunner | None = None
         self._detail = "loading the model"
         self._step_lock = asyncio.Lock()
-        self.cost = StepCost()
+        self.cost = CallCost()
+        """Where steps run (segserve/blocking.py), by scheduled tokens."""
         self.order = StepOrder()
         """A step ahead (async scheduling) runs after the step it follows, whichever RPC came first."""
         self.serving = Serving([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
@@ -134,14 +110,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self.order.after(step.follows_step_id)
             async with self._step_lock:
                 num_tokens = step.num_scheduled_tokens * step.num_steps
-                start = time.perf_counter_ns()
-                if self.cost.is_short(num_tokens):
-                    outputs = runner.step(step)
-                else:
-                    outputs = await asyncio.to_thread(runner.step, step)
-                compute_us = (time.perf_counter_ns() - start) // 1000
-                self.cost.observe(num_tokens, compute_us / 1e6)
-        return StepResult(outputs, compute_us).to_pb(packed=request.HasField("packed_sequences"))
+                outputs, seconds = await run_blocking(self.cost, num_tokens, runner.step, step)
+        return StepResult(outputs, int(seconds * 1e6)).to_pb(packed=request.HasField("packed_sequences"))
 
     @_status_errors
     async def Health(self, request, context):
