@@ -1,14 +1,14 @@
 """The worker's gRPC service: GetInfo, Step and Health over a ModelRunner.
 
 Protobuf is converted here and nowhere else, with the contract types' from_pb / to_pb
-(protos/segserve/v1/step.py, info.py). A step that may take long runs in a thread, so that the event loop
-keeps answering Health meanwhile; a short one runs on the loop itself (segserve/blocking.py: the hand-off cost
-a one-stream decode step of the tiny model 0.6-0.9 ms of its 2.5-2.8). Steps are serialized (the runner and its KV cache are single-threaded), and a step ahead
-runs after the step it follows (worker/step_order.py). A failure
-of one sequence is an error in its SequenceOutput, not a status; exceptions (a failure of the whole
-step) become gRPC status codes in one place, `_status_errors`: a malformed step is INVALID_ARGUMENT,
-out of memory RESOURCE_EXHAUSTED (the scheduler preempts and retries with a smaller batch), anything
-else INTERNAL.
+(protos/segserve/v1/step.py, info.py). A step that may take long runs in a thread, so that the event
+loop keeps answering Health meanwhile; a short one runs on the loop itself (segserve/blocking.py: the
+hand-off cost a one-stream decode step of the tiny model 0.6-0.9 ms of its 2.5-2.8). Steps are
+serialized (the runner and its KV cache are single-threaded), and a step ahead runs after the step it
+follows (worker/step_order.py). A failure of one sequence is an error in its SequenceOutput, not a
+status; exceptions (a failure of the whole step) become gRPC status codes in one place,
+`_status_errors`: a malformed step is INVALID_ARGUMENT, out of memory RESOURCE_EXHAUSTED (the scheduler
+preempts and retries with a smaller batch), anything else INTERNAL.
 """
 
 from __future__ import annotations
