@@ -49,8 +49,8 @@ one by its custom op, a small one by torch's BLAS call, not repacked for MKL, wh
 batch's row count."""
 
 _current: list[AttentionBatch | None] = [None]
-"""The AttentionBatch of the forward under way (one forward at a time runs per process: the worker's step
-thread; CompiledDecoder sets it)."""
+"""The AttentionBatch of the forward under way (one forward at a time runs per process: the worker serializes
+its steps; CompiledDecoder sets it)."""
 
 
 @torch.library.custom_op("segserve::paged_attention", mutates_args=())
