@@ -4,7 +4,8 @@ router/, scheduler/, worker/ and drafter/ are separate gRPC services; they talk
 over the wire contracts in protos/, never through each other's Python. A
 service may import itself, protos, the leaf modules segserve.checkpoint (model
 resolution), segserve.discovery (replica addresses, rendezvous hashing),
-segserve.health (the gRPC health protocol and reflection), segserve.heap
+segserve.blocking (where a servicer runs a blocking call: on its event loop or
+in a thread), segserve.health (the gRPC health protocol and reflection), segserve.heap
 (the garbage collector's start-up freeze), segserve.tls
 (TLS credentials, secure ports and channels), segserve.reflow.redact (the
 redaction of personal data, which the drafter applies to what it learns), and
@@ -27,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = ("router", "scheduler", "worker", "drafter")
 # What a service may import from this repository besides itself (modules and their submodules).
-SERVICE_ALLOWED = ("protos", "segserve.checkpoint", "segserve.discovery", "segserve.health", "segserve.heap",
-                   "segserve.tls", "segserve.reflow.redact")
+SERVICE_ALLOWED = ("protos", "segserve.checkpoint", "segserve.discovery", "segserve.blocking", "segserve.health",
+                   "segserve.heap", "segserve.tls", "segserve.reflow.redact")
 
 
 @dataclass(frozen=True, order=True)
@@ -147,7 +148,7 @@ def test_protos_import_no_service_and_no_segserve():
 
 
 def test_the_shared_segserve_modules_are_leaves():
-    for leaf in ("checkpoint.py", "discovery.py", "health.py", "heap.py", "tls.py", "reflow/redact.py"):
+    for leaf in ("blocking.py", "checkpoint.py", "discovery.py", "health.py", "heap.py", "tls.py", "reflow/redact.py"):
         edges = edges_into(REPO, [REPO / "segserve" / leaf], SERVICES + ("tests",))
         assert not edges, f"segserve/{leaf} imports a service:\n" + _report(edges)
     # A service importing segserve.checkpoint also runs segserve/__init__.py (and segserve.reflow.redact runs
