@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import dataclasses
 import socket
+import threading
+import time
 
 import grpc
 import pytest
@@ -227,9 +229,6 @@ class _TimedRunner:
         self.seconds, self.threads = seconds, []
 
     def step(self, request: StepRequest):
-        import threading
-        import time
-
         self.threads.append(threading.current_thread())
         time.sleep(self.seconds)
         return []
@@ -237,8 +236,6 @@ class _TimedRunner:
 
 @pytest.mark.parametrize("seconds", [0.0, 0.3])
 async def test_a_short_step_runs_on_the_loop_and_a_long_one_lets_health_answer(served, seconds):
-    import threading
-
     servicer, stub = served
     runner = _TimedRunner(seconds)
     servicer.attach(runner)

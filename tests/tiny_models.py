@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from segserve.bench.random_models import TINY_GEMMA3, save_random
 
 _TRAINING_TEXT = """
 The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n
@@ -46,30 +46,16 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 400):
 
 
 def build_tiny_gemma3(out_dir: Path, seed: int = 0) -> Path:
-    """A 4-layer Gemma3 (sliding window 8 on local layers) with random weights."""
+    """A 4-layer Gemma3 (sliding window 8 on local layers) with random weights, and its tokenizer."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     tokenizer = build_tokenizer(out_dir)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-        # Wide init and an untied head give varied, well-separated greedy choices
-        # (the default init makes a tiny random model repeat one token).
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return _save_random(Gemma3ForCausalLM, config, out_dir, seed)
+    config = Gemma3TextConfig(**{
+        **TINY_GEMMA3, "vocab_size": len(tokenizer), "max_position_embeddings": 512,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    })
+    return save_random(Gemma3ForCausalLM, config, out_dir, seed)
 
 
 def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
@@ -93,15 +79,7 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return _save_random(LlamaForCausalLM, config, out_dir, seed)
-
-
-def _save_random(model_cls, config, out_dir: Path, seed: int) -> Path:
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.save_pretrained(out_dir)
-    return out_dir
+    return save_random(LlamaForCausalLM, config, out_dir, seed)
 
 
 def build_small_vocab_llama(out_dir: Path, vocab_size: int = 40, seed: int = 0) -> Path:
@@ -126,4 +104,4 @@ def build_small_vocab_llama(out_dir: Path, vocab_size: int = 40, seed: int = 0) 
         pad_token_id=0,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    return _save_random(LlamaForCausalLM, config, out_dir, seed)
+    return save_random(LlamaForCausalLM, config, out_dir, seed)

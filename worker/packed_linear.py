@@ -81,7 +81,8 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight  # [N, K]
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._linear = linear_of(linear.weight.detach(), _detached(linear.bias), is_packed=True)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self._linear = linear_of(linear.weight.detach(), bias, is_packed=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return in_row_blocks(self._linear, x, self.policy)
@@ -104,10 +105,6 @@ def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, is_packed: bool
         return functools.partial(F.linear, weight=weight, bias=bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], None)
-
-
-def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.detach()
 
 
 class MergedProduct:

@@ -18,39 +18,49 @@ GEMMA3_270M = dict(
 """gemma-3-270m's text config (the converted default model's config.json, less what a forward does not read)."""
 
 
-def build_tiny_gemma3(out_dir: Path, seed: int = 0, max_position_embeddings: int = 4096) -> Path:
-    """A 4-layer Gemma3 with random weights (the tests' tiny model's shape, without a tokenizer)."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+TINY_GEMMA3 = dict(
+    vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    max_position_embeddings=4096,
+    # Wide init and an untied head give varied, well-separated greedy choices
+    # (the default init makes a tiny random model repeat one token).
+    initializer_range=0.3,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+"""The tests' tiny Gemma3 (tests/tiny_models.py builds it beside its tokenizer): a sliding window of 8 that
+tests cross; ids 0-2 are the tokenizer's pad, bos and eos."""
 
-    config = Gemma3TextConfig(
-        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=0.3,  # varied greedy choices (the default init repeats one token)
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
+
+def save_random(model_cls, config, out_dir: Path, seed: int = 0, device=None, dtype=None) -> Path:
+    """model_cls(config) with seeded random weights (initialized on `device`, cast to `dtype` where given), saved
+    to out_dir with its config's eos_token_id as the generation config's."""
+    import torch
+
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config)
+    with torch.device(device or "cpu"):
+        model = model_cls(config)
+    if dtype is not None:
+        model = model.to(dtype)
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(out_dir)
     return out_dir
 
 
+def build_tiny_gemma3(out_dir: Path, seed: int = 0) -> Path:
+    """The tests' tiny Gemma3 with random weights, without a tokenizer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return save_random(Gemma3ForCausalLM, Gemma3TextConfig(**TINY_GEMMA3), out_dir, seed)
+
+
 def build_random_gemma3_270m(out_dir: Path, seed: int = 0, device: str = "auto", dtype: str = "auto") -> Path:
     """gemma-3-270m's shape with random weights (initialized on `device`, saved in `dtype`: auto = bfloat16 on
     cuda, float32 on cpu), without a tokenizer."""
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from worker.config import WorkerConfig
     from worker.model_runner import resolve_device_dtype
 
     torch_device, torch_dtype = resolve_device_dtype(WorkerConfig(device=device, dtype=dtype))
-    torch.manual_seed(seed)
-    with torch_device:
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_270M)).to(torch_dtype)
-    model.generation_config.eos_token_id = GEMMA3_270M["eos_token_id"]
-    model.save_pretrained(out_dir)
-    return out_dir
+    return save_random(Gemma3ForCausalLM, Gemma3TextConfig(**GEMMA3_270M), out_dir, seed, torch_device, torch_dtype)
