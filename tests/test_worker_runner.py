@@ -137,6 +137,21 @@ def test_real_model_greedy_matches_generate(default_model_dir):
         assert got[f"p{i}"] == reference_greedy(runner.model, prompt, 4)
 
 
+@pytest.mark.real_model
+def test_real_model_greedy_matches_generate_past_the_sliding_window(default_model_dir):
+    """A 673-token context, prefilled in two chunks, then decoded: past the first decode step gemma-3-270m's
+    sliding layers (a window of 512) read 544 of the 704 keys (bucketed), and give transformers' tokens."""
+    from transformers import AutoTokenizer
+
+    runner = make_runner(default_model_dir, num_kv_blocks=48, block_size=16)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    text = " ".join(f"Item {i}: the {i % 7}th shelf holds {i * 3} boxes." for i in range(42)) + " Item 42: the"
+    prompt = tokenizer(text).input_ids
+    assert 600 < len(prompt) < 740
+    got = run_together(runner, [Decoder("w", prompt, list(range(48)), chunks=[300, len(prompt) - 300])], 12)["w"]
+    assert got == reference_greedy(runner.model, prompt, 12)
+
+
 def test_batch_invariance(runner):
     assert_batch_invariant(runner)
 
@@ -320,3 +335,50 @@ def test_attention_without_gather_or_scatter_gives_the_same_logits(runner, monke
     assert torch.equal(logits[True], logits[False])
     is_whole = {"[(1, 1), (1, 1)]": True, "[(3, 3), (3, 3)]": False, "[(4, 4), (4, 4)]": True, "[(1, 1), (3, 3)]": False}
     assert seen[-1] == is_whole[str(chunks)]  # the compared step's, after its prefill's
+
+
+@pytest.mark.parametrize("first_work", ["decode", "tree"])
+def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(gemma3_runner, monkeypatch,
+                                                                                 first_work):
+    """Past tiny Gemma3's window of 8, its sliding layers gather the keys within reach of their queries, not the
+    whole context, and give the logits of gathering every key and masking the ones out of reach (to rounding:
+    the kernel sums fewer masked keys)."""
+    import worker.attention as attention
+
+    windowed_keys = attention.WindowSource.keys
+    key_counts = []  # (the group's keys, the window layer's) per group and step
+
+    def counting_keys(source, window, group):
+        result = windowed_keys(source, window, group)
+        key_counts.append((group.key_slots.shape[1], result[0].shape[1] if result is not None else None))
+        return result
+
+    long, chunked = list(range(3, 43)), list(range(50, 85))  # 40 and 35 tokens
+    blocks = {"long": list(range(0, 12)), "chunked": list(range(30, 20, -1))}
+    logits = {}
+    for is_windowed in (True, False):
+        monkeypatch.setattr(attention.WindowSource, "keys",
+                            counting_keys if is_windowed else lambda source, window, group: None)
+        new = [NewSequence("long", SamplingParams(), len(long)), NewSequence("chunked", SamplingParams(), len(chunked))]
+        gemma3_runner.step(StepRequest([ScheduledSequence("long", long, 0, blocks["long"]),
+                                        ScheduledSequence("chunked", chunked[:30], 0, blocks["chunked"])], new))
+        if first_work == "decode":
+            work = ScheduledSequence("long", [7], len(long), blocks["long"], sample_indices=[0])
+        else:
+            work = ScheduledSequence("long", (ROOT_TOKEN,), len(long), blocks["long"], draft=TREE)
+        key_counts.clear()
+        step = [work, ScheduledSequence("chunked", chunked[30:], 30, blocks["chunked"], sample_indices=[0, 4])]
+        logits[is_windowed] = gemma3_runner.compute_logits(StepRequest(step))
+        gemma3_runner.step(StepRequest(finished_seq_ids=["long", "chunked"]))
+        if is_windowed:  # every group (one query and five prompt tokens; or those with the tree) reads fewer keys
+            assert len(key_counts) == (2 if first_work == "decode" else 1)
+            assert all(windowed is not None and windowed < keys for keys, windowed in key_counts)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+
+
+def test_greedy_decode_with_windowed_sliding_layers_matches_generate(gemma3_runner):
+    """Chunked prefill and 40 decode steps, the sliding layers on windowed key ranges: transformers' tokens."""
+    prompt = PROMPT + list(range(200, 230))  # 41 tokens
+    got = run_together(gemma3_runner, [Decoder("w", prompt, list(range(40, 64)), chunks=[17, 9, 15])], 40)["w"]
+    assert got == reference_greedy(gemma3_runner.model, prompt, 40)
