@@ -99,11 +99,11 @@ def _per_query_head(mask: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 
 WINDOW_KEY_GRID = 16
-"""A sliding-window layer's key range starts at a multiple of this many keys, so that a key keeps its offset in
-the kernel's vectors of 16 floats from one step (or chunking) to the next. Measured on this CPU, with the tiny
-model: a five-token chunk's logits were bit-identical to reading every key with a grid of 16, and differed by
-3e-6 with none. A grid of 512 (torch's CPU flash-attention key block) cost 1.35-1.45x the step time of none at
-batch 16 with 1,500-token contexts on gemma-3-270m."""
+"""A sliding-window layer's key range starts at a multiple of this many keys, so that a key keeps its offset
+modulo 16 in the gathered range (as in the full range) from one step or chunking to the next. Measured on this
+CPU, with the tiny model: a five-token chunk's logits were bit-identical to reading every key with a grid of 16,
+and differed by 3e-6 with none. A grid of 512 (torch's CPU flash-attention key block) cost 1.33-1.44x the step
+time of none at batch 16 with 1,500-token contexts on gemma-3-270m."""
 
 
 @dataclass
