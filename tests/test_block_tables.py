@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from protos.segserve.v1.step import ScheduledSequence
-from worker.attention import _bucket_keys, _plan_group, plan_groups, step_layout
+from worker.attention_plan import _plan_group, bucket_keys, plan_groups, step_layout
 from worker.block_tables import BlockTables
 from worker.work import expand
 
@@ -120,8 +120,8 @@ def test_the_layout_gives_every_new_token_its_slot_in_its_own_block_table():
 
 
 def test_key_lengths_are_bucketed_with_at_most_an_eighth_wasted():
-    assert _bucket_keys(1) == 16 and _bucket_keys(16) == 16
-    sizes = [_bucket_keys(n) for n in range(1, 5000)]
+    assert bucket_keys(1) == 16 and bucket_keys(16) == 16
+    sizes = [bucket_keys(n) for n in range(1, 5000)]
     assert all(size >= n and (n <= 16 or size - n <= n / 8) for n, size in zip(range(1, 5000), sizes))
     assert len(set(sizes)) < 70  # few shapes over 5,000 lengths, not one per length
 

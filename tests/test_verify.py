@@ -17,7 +17,7 @@ from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
 from protos.segserve.v1.tree import CandidateTree
 from tests.test_worker_runner import PROMPT, make_runner, reference_greedy, stock_attention
-from worker.attention import tree_sees
+from worker.attention_plan import tree_sees
 from worker.server import WorkerServicer, start_server
 from worker.verify import TreeWalk, kv_moves
 from worker.work import expand

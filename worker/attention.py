@@ -9,7 +9,7 @@ the attention needs travels as the `segserve_batch` forward kwarg, an
 
 Building it is cheap and mostly on the device: the host computes a `StepLayout`
 (a few numpy arrays per step) and a `GroupPlan` per group of similar query
-counts, the runner uploads all of them in one copy (worker/upload.py), and the
+counts (worker/attention_plan.py), the runner uploads all of them in one copy (worker/upload.py), and the
 key slots, positions and masks are derived on the device from the persistent
 block tables (worker/block_tables.py). Key lengths are padded to a few bucketed
 sizes, so consecutive decode steps reuse tensor shapes.
@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
+from worker.attention_plan import GroupPlan, bucket_keys
 from worker.faults import non_finite_tokens
 from worker.kv_cache import PagedKVCache
-from worker.work import Work
 
 ATTN_IMPLEMENTATION = "segserve_paged"
 
@@ -125,7 +125,7 @@ class WindowSource:
         they would be no fewer than the group's L (then the full range, masked, is the same attention)."""
         # a query at `start` reaches back to key start - window + 1; the range starts at the grid line below it
         firsts = np.maximum(self.host_starts - window + 1, 0) // WINDOW_KEY_GRID * WINDOW_KEY_GRID
-        num_keys = _bucket_keys(int((self.host_ends - firsts).max()))
+        num_keys = bucket_keys(int((self.host_ends - firsts).max()))
         if num_keys >= group.key_slots.shape[1]:
             return None
         first = (self.start - window + 1).clamp_(min=0).div_(WINDOW_KEY_GRID, rounding_mode="floor")
@@ -150,113 +150,6 @@ class AttentionBatch:
     groups: list[AttentionGroup]
     non_finite: torch.Tensor | None = None
     """[T] bool, set by the last layer: the new tokens whose key or value there is not finite."""
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """Where each work of a step sits, as host arrays in work order (worker/planning.py builds it)."""
-
-    rows: np.ndarray  # [W] int64: the work's row in the block tables (worker/block_tables.py)
-    starts: np.ndarray  # [W] int64: num_computed_tokens
-    lengths: np.ndarray  # [W] int64: tokens computed this step
-    offsets: np.ndarray  # [W] int64: index of the work's first token in the packed row
-    slots: np.ndarray  # [T] int64: cache slot of every new token (storage position start + i)
-
-
-def step_layout(works: list[Work], rows: list[int], host_tables: np.ndarray, block_size: int) -> StepLayout:
-    """The layout of `works`, whose block tables are rows `rows` of host_tables [rows, max_blocks]."""
-    num_works = len(works)
-    lengths = np.fromiter((len(w.token_ids) for w in works), np.int64, num_works)
-    starts = np.fromiter((w.num_computed_tokens for w in works), np.int64, num_works)
-    offsets = np.cumsum(lengths) - lengths
-    rows_array = np.asarray(rows, dtype=np.int64)
-    num_tokens = int(lengths.sum())
-    token_work = np.repeat(np.arange(num_works), lengths)  # [T]
-    storage = starts[token_work] + np.arange(num_tokens) - offsets[token_work]  # [T]
-    blocks = host_tables[rows_array[token_work], storage // block_size].astype(np.int64)
-    return StepLayout(rows_array, starts, lengths, offsets, blocks * block_size + storage % block_size)
-
-
-def _bucket(num_queries: int) -> int:
-    """Sequences whose query counts share a power-of-two bucket are padded together."""
-    return 1 << (num_queries - 1).bit_length()
-
-
-def _buckets(num_queries: np.ndarray) -> np.ndarray:
-    """_bucket of every entry of num_queries [W] (int64, each >= 1), without a Python loop."""
-    exponents = np.ceil(np.log2(num_queries.astype(np.float64))).astype(np.int64)  # exact at powers of two
-    return np.left_shift(1, exponents)
-
-
-def _bucket_keys(num_keys: int) -> int:
-    """Key lengths are padded up to one of 8 sizes per power of two (at most 1/8 wasted), at least 16,
-    so that consecutive decode steps reuse shapes instead of growing one key per step."""
-    if num_keys <= 16:
-        return 16
-    step = 1 << (num_keys.bit_length() - 4)
-    return -(-num_keys // step) * step
-
-
-@dataclass
-class GroupPlan:
-    """The host half of an AttentionGroup: which works, their sizes, and the int arrays to upload."""
-
-    num_queries: int  # Q
-    num_keys: int  # L, bucketed
-    per_row: np.ndarray  # [3, R]: block-table row, num_computed_tokens, tokens this step
-    depths: np.ndarray  # [R, Q]: depth of every new token (causal: its index; a tree: its node's depth)
-    sees: np.ndarray  # [R, Q, Q] bool: new token q sees new token j
-    is_pad: np.ndarray  # [R, Q] bool
-    query_index: np.ndarray  # [R, Q]: token index in the packed row (0 for padding)
-    out_rows: np.ndarray  # [M]: flat r * Q + q of real queries
-    out_tokens: np.ndarray  # [M]: their token index in the packed row
-    is_whole_step: bool = False  # see AttentionGroup
-
-    def arrays(self) -> list[np.ndarray]:
-        """What the device half needs, in the order to_group() takes it."""
-        return [self.per_row, self.depths, self.sees, self.is_pad, self.query_index, self.out_rows, self.out_tokens]
-
-
-def plan_groups(works: list[Work], layout: StepLayout) -> list[GroupPlan]:
-    """Group the works by query count (power-of-two buckets) and lay each group out on the host."""
-    if len(layout.slots) == len(works):  # one token each (every sequence decoding): the common step, built directly
-        return [_plan_one_token_each(layout)]
-    query_buckets = _buckets(layout.lengths)
-    plans = [_plan_group(works, np.flatnonzero(query_buckets == q), int(q), layout) for q in np.unique(query_buckets)]
-    if len(plans) == 1 and not plans[0].is_pad.any():  # every work, in order, with no padding (e.g. all decoding)
-        plans[0].is_whole_step = True
-    return plans
-
-
-def _plan_one_token_each(layout: StepLayout) -> GroupPlan:
-    """What _plan_group gives for one group of every work when each computes one token: Q = 1, no padding, the
-    queries in order (query r is token r)."""
-    num_works = len(layout.rows)
-    index = np.arange(num_works)
-    per_row = np.stack([layout.rows, layout.starts, layout.lengths])
-    return GroupPlan(1, _bucket_keys(int(layout.starts.max()) + 1), per_row, np.zeros((num_works, 1), np.int64),
-                     np.ones((num_works, 1, 1), bool), np.zeros((num_works, 1), bool), index[:, None], index, index,
-                     is_whole_step=True)
-
-
-def _plan_group(works: list[Work], members: np.ndarray, num_queries: int, layout: StepLayout) -> GroupPlan:
-    """The GroupPlan of works[members], padded to num_queries queries."""
-    rows, q = len(members), num_queries
-    starts, lengths, offsets = layout.starts[members], layout.lengths[members], layout.offsets[members]
-    depths = np.broadcast_to(np.arange(q), (rows, q)).copy()  # [R, Q]
-    sees = np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (rows, q, q)).copy()  # [R, Q, Q]
-    if q > 1:  # a tree has at least two nodes
-        for r, i in enumerate(members):
-            work = works[i]
-            if work.is_tree:
-                n = len(work.token_ids)
-                depths[r, :n] = work.node_depths
-                sees[r, :n, :n] = tree_sees(work.node_parents)
-    is_pad = np.arange(q)[None, :] >= lengths[:, None]  # [R, Q]
-    query_index = np.where(is_pad, 0, offsets[:, None] + np.arange(q)[None, :])  # [R, Q]
-    out_rows = np.flatnonzero(~is_pad)  # [M]
-    return GroupPlan(q, _bucket_keys(int((starts + lengths).max())), np.stack([layout.rows[members], starts, lengths]),
-                     depths, sees, is_pad, query_index, out_rows, query_index.reshape(-1)[out_rows])
 
 
 def build_attention_batch(plans: list[GroupPlan], uploaded: list[torch.Tensor], slots: torch.Tensor,
@@ -314,16 +207,6 @@ def _key_columns(num_keys: int, block_size: int, num_cols: int, device: torch.de
     as key lengths are bucketed), so they are made once."""
     key = torch.arange(num_keys, device=device)
     return key, (key // block_size).clamp_(max=num_cols - 1), key % block_size
-
-
-def tree_sees(parents: tuple[int, ...]) -> np.ndarray:
-    """[n, n] bool: node i sees node j when j is i or one of its ancestors (parents come first)."""
-    n = len(parents)
-    sees = np.eye(n, dtype=bool)
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            sees[node] |= sees[parent]
-    return sees
 
 
 def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch, plan_groups
+from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
+from worker.attention_plan import plan_groups
 from worker.block_tables import BlockTables
 from worker.compiled import CompiledDecoder
 from segserve.checkpoint import resolve_model

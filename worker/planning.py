@@ -18,7 +18,7 @@ import torch
 
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import CONTINUATION_REFUSED, ScheduledSequence, StepRequest
-from worker.attention import StepLayout, step_layout
+from worker.attention_plan import StepLayout, step_layout
 from worker.block_tables import BlockTables
 from worker.prompt_logprobs import PromptLogprobState, PromptPlan, plan
 from worker.sampler import SampleRow, make_generator
