@@ -6,6 +6,8 @@ import contextlib
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
@@ -375,6 +377,40 @@ def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(
             assert all(windowed is not None and windowed < keys for keys, windowed in key_counts)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
     assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_windowed_keys_give_the_logits_of_every_key_for_any_mix_of_contexts_and_chunks(gemma3_runner, data):
+    """One to three sequences with any cached context (0-60 tokens) each compute a chunk of 1-9 tokens in one
+    step, on shuffled blocks; the logits of every new token are those of reading every key, to rounding."""
+    import worker.attention as attention
+
+    num_seqs = data.draw(st.integers(1, 3), label="sequences")
+    sizes = [(data.draw(st.integers(0, 60)), data.draw(st.integers(1, 9))) for _ in range(num_seqs)]
+    tokens = [data.draw(st.lists(st.integers(3, 399), min_size=c + n, max_size=c + n)) for c, n in sizes]
+    pool = data.draw(st.permutations(range(64)))
+    blocks, used = [], 0
+    for context, new in sizes:
+        count = -(-(context + new) // BLOCK_SIZE)
+        blocks.append(pool[used:used + count])
+        used += count
+    ids = [f"h{i}" for i in range(num_seqs)]
+    logits = {}
+    for is_windowed in (True, False):
+        keys = attention.WindowSource.keys if is_windowed else (lambda source, window, group: None)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attention.WindowSource, "keys", keys)
+            prefill = [ScheduledSequence(i, t[:c], 0, b) for i, t, (c, _), b in zip(ids, tokens, sizes, blocks) if c]
+            new = [NewSequence(i, SamplingParams(), c + n) for i, (c, n) in zip(ids, sizes)]
+            if prefill:
+                gemma3_runner.step(StepRequest(prefill, new))
+                new = [n for n in new if n.seq_id not in {p.seq_id for p in prefill}]
+            step = [ScheduledSequence(i, t[c:], c, b, sample_indices=list(range(n)))
+                    for i, t, (c, n), b in zip(ids, tokens, sizes, blocks)]
+            logits[is_windowed] = gemma3_runner.compute_logits(StepRequest(step, new))
+            gemma3_runner.step(StepRequest(finished_seq_ids=ids))
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
 
 
 def test_greedy_decode_with_windowed_sliding_layers_matches_generate(gemma3_runner):
