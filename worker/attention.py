@@ -56,11 +56,11 @@ class AttentionGroup:
     is_pad_query: torch.Tensor  # [R, Q] bool
     out_rows: torch.Tensor  # [M] long: flat r * Q + q of real queries
     out_tokens: torch.Tensor  # [M] long: their token index in the packed row
+    window_source: WindowSource
+    """What a sliding-window layer's shorter key range is built from."""
     is_whole_step: bool = False
     """The step's only group, without padding queries: its R * Q queries are the packed row's tokens in order, so
     the attention reads the queries and writes its output as they are, without gathering or scattering rows."""
-    window_source: WindowSource | None = None
-    """What a sliding-window layer's shorter key range is built from (None: every layer reads every key)."""
     _masks: dict = field(default_factory=dict)
     _windows: dict = field(default_factory=dict)
 
@@ -83,11 +83,12 @@ class AttentionGroup:
         """The key slots [R, L'] and mask [R, 1, G * Q or 1, L'] a layer with this window attends with.
 
         A sliding-window layer reads only the keys its queries can reach, when that range is shorter than the
-        group's keys: from `window` - 1 keys before a row's first new token to its last one (gemma-3-270m's
-        window is 512 keys, against contexts of thousands). The keys it skips are the ones the full range masks."""
+        group's keys: from the WINDOW_KEY_GRID line at or below `window` - 1 keys before a row's first new token
+        to its last new token (gemma-3-270m's window is 512 keys, against contexts of thousands). The keys it
+        skips are the ones the full range masks."""
         cache_key = (window, num_groups)
         if cache_key not in self._windows:
-            windowed = None if window is None or self.window_source is None else self.window_source.keys(window, self)
+            windowed = None if window is None else self.window_source.keys(window, self)
             self._windows[cache_key] = windowed and (windowed[0], _per_query_head(windowed[1], num_groups))
         return self._windows[cache_key] or (self.key_slots, self.attn_mask(window, num_groups))
 
@@ -178,7 +179,7 @@ def _to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.
     windows = WindowSource(tables, start, length, depth, sees, block_size, host_starts, host_starts + plan.per_row[2])
     return AttentionGroup(query_index=query_index, key_slots=key_slots, mask=mask, query_pos=start + depth,
                           key_pos=key_pos, is_pad_query=pad, out_rows=out_rows, out_tokens=out_tokens,
-                          is_whole_step=plan.is_whole_step, window_source=windows)
+                          window_source=windows, is_whole_step=plan.is_whole_step)
 
 
 def _key_mask(key: torch.Tensor, start: torch.Tensor, length: torch.Tensor, depth: torch.Tensor,
