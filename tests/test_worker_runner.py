@@ -339,16 +339,29 @@ def test_attention_without_gather_or_scatter_gives_the_same_logits(runner, monke
     assert seen[-1] == is_whole[str(chunks)]  # the compared step's, after its prefill's
 
 
+def windowed_and_full(run, windowed_keys=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """run() twice: the sliding layers on their windowed key ranges (WindowSource.keys, or `windowed_keys` in its
+    place), then reading every key (every window declined)."""
+    import worker.attention as attention
+
+    results = []
+    for keys in (windowed_keys or attention.WindowSource.keys, lambda source, window, group: None):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attention.WindowSource, "keys", keys)
+            results.append(run())
+    return results[0], results[1]
+
+
 @pytest.mark.parametrize("first_work", ["decode", "tree"])
-def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(gemma3_runner, monkeypatch,
-                                                                                 first_work):
+def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(gemma3_runner, first_work):
     """Past tiny Gemma3's window of 8, its sliding layers gather the keys within reach of their queries, not the
     whole context, and give the logits of gathering every key and masking the ones out of reach (to rounding:
     the kernel sums fewer masked keys)."""
     import worker.attention as attention
 
     windowed_keys = attention.WindowSource.keys
-    key_counts = []  # (the group's keys, the window layer's) per group and step
+    key_counts = []  # (the group's keys, the window layer's) per group, since the last clear()
+    compared = []  # key_counts of each run's compared step
 
     def counting_keys(source, window, group):
         result = windowed_keys(source, window, group)
@@ -357,10 +370,8 @@ def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(
 
     long, chunked = list(range(3, 43)), list(range(50, 85))  # 40 and 35 tokens
     blocks = {"long": list(range(0, 12)), "chunked": list(range(30, 20, -1))}
-    logits = {}
-    for is_windowed in (True, False):
-        monkeypatch.setattr(attention.WindowSource, "keys",
-                            counting_keys if is_windowed else lambda source, window, group: None)
+
+    def run() -> torch.Tensor:
         new = [NewSequence("long", SamplingParams(), len(long)), NewSequence("chunked", SamplingParams(), len(chunked))]
         gemma3_runner.step(StepRequest([ScheduledSequence("long", long, 0, blocks["long"]),
                                         ScheduledSequence("chunked", chunked[:30], 0, blocks["chunked"])], new))
@@ -370,13 +381,17 @@ def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(
             work = ScheduledSequence("long", (ROOT_TOKEN,), len(long), blocks["long"], draft=TREE)
         key_counts.clear()
         step = [work, ScheduledSequence("chunked", chunked[30:], 30, blocks["chunked"], sample_indices=[0, 4])]
-        logits[is_windowed] = gemma3_runner.compute_logits(StepRequest(step))
+        logits = gemma3_runner.compute_logits(StepRequest(step))
+        compared.append(list(key_counts))
         gemma3_runner.step(StepRequest(finished_seq_ids=["long", "chunked"]))
-        if is_windowed:  # every group (one query and five prompt tokens; or those with the tree) reads fewer keys
-            assert len(key_counts) == (2 if first_work == "decode" else 1)
-            assert all(windowed is not None and windowed < keys for keys, windowed in key_counts)
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
-    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+        return logits
+
+    windowed, full = windowed_and_full(run, counting_keys)
+    # every group (one query and five prompt tokens; or those with the tree) read fewer keys when windowed
+    assert len(compared[0]) == (2 if first_work == "decode" else 1)
+    assert all(windowed is not None and windowed < keys for keys, windowed in compared[0])
+    torch.testing.assert_close(windowed, full, atol=1e-5, rtol=0)
+    assert torch.equal(windowed.argmax(-1), full.argmax(-1))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -384,8 +399,6 @@ def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(
 def test_windowed_keys_give_the_logits_of_every_key_for_any_mix_of_contexts_and_chunks(gemma3_runner, data):
     """One to three sequences with any cached context (0-60 tokens) each compute a chunk of 1-9 tokens in one
     step, on shuffled blocks; the logits of every new token are those of reading every key, to rounding."""
-    import worker.attention as attention
-
     num_seqs = data.draw(st.integers(1, 3), label="sequences")
     sizes = [(data.draw(st.integers(0, 60)), data.draw(st.integers(1, 9))) for _ in range(num_seqs)]
     tokens = [data.draw(st.lists(st.integers(3, 399), min_size=c + n, max_size=c + n)) for c, n in sizes]
@@ -396,21 +409,21 @@ def test_windowed_keys_give_the_logits_of_every_key_for_any_mix_of_contexts_and_
         blocks.append(pool[used:used + count])
         used += count
     ids = [f"h{i}" for i in range(num_seqs)]
-    logits = {}
-    for is_windowed in (True, False):
-        keys = attention.WindowSource.keys if is_windowed else (lambda source, window, group: None)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(attention.WindowSource, "keys", keys)
-            prefill = [ScheduledSequence(i, t[:c], 0, b) for i, t, (c, _), b in zip(ids, tokens, sizes, blocks) if c]
-            new = [NewSequence(i, SamplingParams(), c + n) for i, (c, n) in zip(ids, sizes)]
-            if prefill:
-                gemma3_runner.step(StepRequest(prefill, new))
-                new = [n for n in new if n.seq_id not in {p.seq_id for p in prefill}]
-            step = [ScheduledSequence(i, t[c:], c, b, sample_indices=list(range(n)))
-                    for i, t, (c, n), b in zip(ids, tokens, sizes, blocks)]
-            logits[is_windowed] = gemma3_runner.compute_logits(StepRequest(step, new))
-            gemma3_runner.step(StepRequest(finished_seq_ids=ids))
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+
+    def run() -> torch.Tensor:
+        prefill = [ScheduledSequence(i, t[:c], 0, b) for i, t, (c, _), b in zip(ids, tokens, sizes, blocks) if c]
+        new = [NewSequence(i, SamplingParams(), c + n) for i, (c, n) in zip(ids, sizes)]
+        if prefill:
+            gemma3_runner.step(StepRequest(prefill, new))
+            new = [n for n in new if n.seq_id not in {p.seq_id for p in prefill}]
+        step = [ScheduledSequence(i, t[c:], c, b, sample_indices=list(range(n)))
+                for i, t, (c, n), b in zip(ids, tokens, sizes, blocks)]
+        logits = gemma3_runner.compute_logits(StepRequest(step, new))
+        gemma3_runner.step(StepRequest(finished_seq_ids=ids))
+        return logits
+
+    windowed, full = windowed_and_full(run)
+    torch.testing.assert_close(windowed, full, atol=1e-5, rtol=0)
 
 
 def test_greedy_decode_with_windowed_sliding_layers_matches_generate(gemma3_runner):
