@@ -410,23 +410,42 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
     """A FakeWorker over gRPC: injected failures become their status, violations INVALID_ARGUMENT. A step ahead
     runs after the step it follows, with the real worker's StepOrder (gRPC does not order two calls).
 
-    Like the real worker it reads packed steps and answers them packed; with packed_steps=False it plays a
-    worker that predates them: its GetInfo does not offer them, and a packed step is refused."""
+    Like the real worker it reads packed steps and answers them packed, and serves StepStream; with
+    packed_steps=False (step_stream=False) it plays a worker that predates them: its GetInfo does not offer
+    them, and a packed step (a StepStream call) is refused."""
 
-    def __init__(self, worker: FakeWorker, packed_steps: bool = True):
+    def __init__(self, worker: FakeWorker, packed_steps: bool = True, step_stream: bool = True):
         self.worker = worker
         self.order = StepOrder()
         self.packed_steps = packed_steps
+        self.step_stream = step_stream
         self.num_packed = self.num_unpacked = 0
         """Steps received packed and one message per sequence."""
+        self.num_streamed = self.num_called = 0
+        """Steps received over StepStream and as Step calls."""
+        self.num_streams = 0
+        """StepStream calls opened."""
 
     async def GetInfo(self, request, context):
-        return dataclasses.replace(await self.worker.get_info(), packed_steps=self.packed_steps).to_pb()
+        info = await self.worker.get_info()
+        return dataclasses.replace(info, packed_steps=self.packed_steps, step_stream=self.step_stream).to_pb()
 
     async def Health(self, request, context):
         return (await self.worker.health()).to_pb()
 
     async def Step(self, request, context):
+        self.num_called += 1
+        return await self._step(request, context)
+
+    async def StepStream(self, request_iterator, context):
+        if not self.step_stream:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker has no StepStream")
+        self.num_streams += 1
+        async for request in request_iterator:
+            self.num_streamed += 1
+            yield await self._step(request, context)
+
+    async def _step(self, request, context):
         packed = request.HasField("packed_sequences")
         if packed and not self.packed_steps:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this worker does not read packed steps")

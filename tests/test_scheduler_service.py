@@ -116,11 +116,12 @@ async def test_steps_go_packed_and_tables_as_deltas_only_to_a_worker_that_reads_
     """A worker that offers packed steps gets them, and answers them packed, with outputs that carry top
     log-probabilities one message each in the same step; one that predates them (and would refuse them) gets
     one message per sequence. The same for block-table deltas (the fake fails a step that sends one to a
-    worker that did not offer them). Either way every request gets its tokens."""
+    worker that did not offer them), and for StepStream (an older worker gets a Step call per step). Either
+    way every request gets its tokens."""
     fake = make_fake()
     fake.info = dataclasses.replace(fake.info, block_table_deltas=packed_steps)
     fake.step_delay_s = 0.005  # the requests share steps
-    servicer = FakeWorkerServicer(fake, packed_steps=packed_steps)
+    servicer = FakeWorkerServicer(fake, packed_steps=packed_steps, step_stream=packed_steps)
     async with running_service(fake, servicer) as (stub, _, _):
         results = await asyncio.gather(*(collect(stub, generate_request(
             f"p{i}", [10 * i + 1, 10 * i + 2], max_tokens=4, num_top_logprobs=2 * (i % 2))) for i in range(4)))
@@ -128,6 +129,8 @@ async def test_steps_go_packed_and_tables_as_deltas_only_to_a_worker_that_reads_
     assert [tokens for tokens, _ in results] == [[10 * i + 3 + k for k in range(4)] for i in range(4)]
     assert fake.max_batch > 1 and fake.problems == []
     assert (servicer.num_packed > 0, servicer.num_unpacked > 0) == (packed_steps, not packed_steps)
+    assert (servicer.num_streamed > 0, servicer.num_called > 0) == (packed_steps, not packed_steps)
+    assert servicer.num_streams == packed_steps  # every step of the run on one stream
     assert any(work.block_table_start for step in fake.requests for work in step.sequences) == packed_steps
 
 

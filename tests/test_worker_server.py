@@ -69,7 +69,7 @@ async def test_health_and_info_follow_loading(served, runner):
     servicer.attach(runner)
     assert Health.from_pb(await stub.Health(common_pb2.HealthRequest())).is_ready
     info = WorkerInfo.from_pb(await stub.GetInfo(common_pb2.WorkerInfoRequest()))
-    assert info == dataclasses.replace(runner.info(), packed_steps=True)  # the server reads packed steps
+    assert info == dataclasses.replace(runner.info(), packed_steps=True, step_stream=True)  # the server's wire
     assert (info.num_kv_blocks, info.block_size, info.vocab_size) == (32, 4, 400)
 
 
@@ -102,6 +102,37 @@ async def test_steps_decode_and_match_in_process_runner(served, runner, packed):
     # Greedy decoding over gRPC equals the runner driven in process (stale state was dropped above).
     expected = _decode_in_process(runner, prompt, 4)
     assert tokens == expected
+
+
+async def test_a_stream_of_steps_decodes_like_step_calls_and_a_malformed_step_ends_it(served, runner):
+    """StepStream answers each step in turn with what a Step call would have; a malformed step ends the stream
+    with INVALID_ARGUMENT (the scheduler opens a new one), and a new stream carries on."""
+    servicer, stub = served
+    servicer.attach(runner)
+    prompt = [1, 40, 41, 42, 43, 44]
+    expected = _decode_in_process(runner, prompt, 4)
+    call = stub.StepStream()
+    await call.write(worker_pb2.StepRequest(
+        new_sequences=[_new("a", len(prompt))],
+        sequences=[worker_pb2.ScheduledSequence(seq_id="a", token_ids=prompt, block_table=[3, 7], sample_indices=[5])]))
+    tokens = list(StepResult.from_pb(await call.read()).outputs[0].token_ids)
+    for packed in (False, True, True):
+        step = ScheduledSequence("a", (tokens[-1],), len(prompt) + len(tokens) - 1, (3, 7, 9), sample_indices=(0,))
+        await call.write(StepRequest([step]).to_pb(packed=packed))
+        answer = await call.read()
+        assert answer.HasField("packed_outputs") == packed
+        tokens += StepResult.from_pb(answer).outputs[0].token_ids
+    assert tokens == expected
+    twice = ScheduledSequence("a", (tokens[-1],), len(prompt) + len(tokens) - 1, (3, 7, 9), sample_indices=(0,))
+    await call.write(StepRequest([twice, twice]).to_pb())
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "twice" in err.value.details()
+    call = stub.StepStream()
+    await call.write(StepRequest(finished_seq_ids=["a"]).to_pb())
+    assert StepResult.from_pb(await call.read()).outputs == []
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
 
 
 def _decode_in_process(runner: ModelRunner, prompt: list[int], num_new: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""The worker's gRPC service: GetInfo, Step and Health over a ModelRunner.
+"""The worker's gRPC service: GetInfo, Step (a call per step, or StepStream: one stream of them) and Health over
+a ModelRunner.
 
 Protobuf is converted here and nowhere else, with the contract types' from_pb / to_pb
 (protos/segserve/v1/step.py, info.py). A step that may take long runs in a thread, so that the event
@@ -7,7 +8,7 @@ hand-off cost a one-stream decode step of the tiny model 0.6-0.9 ms of its 2.5-2
 serialized (the runner and its KV cache are single-threaded), and a step ahead runs after the step it
 follows (worker/step_order.py). A failure of one sequence is an error in its SequenceOutput, not a
 status; exceptions (a failure of the whole step) become gRPC status codes in one place,
-`_status_errors`: a malformed step is INVALID_ARGUMENT, out of memory RESOURCE_EXHAUSTED (the scheduler
+`_abort`: a malformed step is INVALID_ARGUMENT, out of memory RESOURCE_EXHAUSTED (the scheduler
 preempts and retries with a smaller batch), anything else INTERNAL.
 """
 
@@ -40,23 +41,28 @@ class NotReady(RuntimeError):
     """The model is still loading (or failed to load)."""
 
 
+async def _abort(context: grpc.aio.ServicerContext, what: str, exc: Exception) -> None:
+    """End the call with the status code `exc` maps to: bad requests are INVALID_ARGUMENT, never a crash."""
+    if isinstance(exc, InvalidRequest):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, NotReady):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, torch.OutOfMemoryError):
+        logger.warning("worker %s ran out of memory: %s", what, exc)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {exc}")
+    logger.error("worker %s failed", what, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
 def _status_errors(method):
-    """Map exceptions to gRPC status codes: bad requests are INVALID_ARGUMENT, never a crash."""
+    """A unary method whose exceptions become status codes (_abort)."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         try:
             return await method(self, request, context)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except NotReady as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except torch.OutOfMemoryError as exc:
-            logger.warning("worker %s ran out of memory: %s", method.__name__, exc)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {exc}")
         except Exception as exc:
-            logger.exception("worker %s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await _abort(context, method.__name__, exc)
 
     return wrapper
 
@@ -97,10 +103,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @_status_errors
     async def GetInfo(self, request, context):
-        return dataclasses.replace(self._ready_runner().info(), packed_steps=True).to_pb()
+        return dataclasses.replace(self._ready_runner().info(), packed_steps=True, step_stream=True).to_pb()
 
     @_status_errors
     async def Step(self, request, context):
+        return await self._step(request)
+
+    async def StepStream(self, request_iterator, context):
+        """Steps in the order they come, a response each; the first that fails ends the stream with its status
+        (the scheduler opens a new one for its next step)."""
+        async for request in request_iterator:
+            try:
+                response = await self._step(request)
+            except Exception as exc:
+                await _abort(context, "StepStream", exc)
+            yield response
+
+    async def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         with self.order.handling(request.step_id):
             runner = self._ready_runner()
             try:

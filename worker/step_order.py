@@ -1,8 +1,9 @@
 """Steps ahead run after the step they follow (async scheduling), in whichever order their RPCs arrive.
 
 A scheduler with async scheduling sends step B while step A still runs; B's continuations compute the
-tokens A samples, so B must run after A. The two are separate unary RPCs, and B can reach the worker's
-step lock first (a small B converts from protobuf faster than a large A, and gRPC does not order calls).
+tokens A samples, so B must run after A. Over one StepStream they arrive in order; as two Step calls, B can
+reach the worker's step lock first (a small B converts from protobuf faster than a large A, and gRPC does not
+order calls).
 B names A (`StepRequest.follows_step_id`); the servicer handles each step inside `handling`, which marks
 its arrival and its end, and waits in `after` for the step it follows.
 

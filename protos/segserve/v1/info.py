@@ -39,6 +39,9 @@ class WorkerInfo:
     max_decode_steps: int = 1
     """The most decode steps the worker runs for one StepRequest (StepRequest.num_steps); 1 for a worker that
     predates multi-step decoding."""
+    step_stream: bool = False
+    """The worker's server serves Worker.StepStream (steps over one stream); set by the server, which owns the
+    wire."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
@@ -48,13 +51,14 @@ class WorkerInfo:
             model_name=self.model_name, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
             device=self.device, dtype=self.dtype, packed_steps=self.packed_steps,
-            block_table_deltas=self.block_table_deltas, max_decode_steps=self.max_decode_steps)
+            block_table_deltas=self.block_table_deltas, max_decode_steps=self.max_decode_steps,
+            step_stream=self.step_stream)
 
     @classmethod
     def from_pb(cls, pb: common_pb2.WorkerInfo) -> WorkerInfo:
         return cls(pb.model_name, pb.num_kv_blocks, pb.block_size, pb.max_model_len, pb.vocab_size,
                    tuple(pb.eos_token_ids), pb.device, pb.dtype, pb.packed_steps, pb.block_table_deltas,
-                   max(1, pb.max_decode_steps))
+                   max(1, pb.max_decode_steps), pb.step_stream)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/segserve.v1.Worker/StepStream',
+                request_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/segserve.v1.Worker/Health',
                 request_serializer=protos_dot_segserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
@@ -71,6 +76,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same steps over one long-lived stream (a worker that has it says so in
+        WorkerInfo.step_stream): one response per request, in request order, so a
+        step costs a message each way instead of a call. A step that fails ends
+        the stream with the status its Step call would have had; the steps sent
+        after it are not run, and the caller opens a new stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Ready once the model is loaded and a real forward pass has succeeded.
         """
@@ -88,6 +104,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=protos_dot_segserve_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=protos_dot_segserve_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
@@ -149,6 +170,33 @@ class Worker:
             request,
             target,
             '/segserve.v1.Worker/Step',
+            protos_dot_segserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            protos_dot_segserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/segserve.v1.Worker/StepStream',
             protos_dot_segserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             protos_dot_segserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
