@@ -87,6 +87,8 @@ class _StepStream:
                 self.end(_rpc_error("StepStream", exc))
             except asyncio.InvalidStateError:  # the call ended before the write (end() cancelled it)
                 self.end(WorkerError("worker StepStream ended", "CANCELLED"))
+            except Exception as exc:  # the call broke some other way: the worker's state is unknown
+                self.end(WorkerError(f"worker StepStream write failed: {type(exc).__name__}: {exc}", "UNAVAILABLE"))
 
     async def _read(self) -> None:
         try:
