@@ -135,6 +135,29 @@ async def test_a_stream_of_steps_decodes_like_step_calls_and_a_malformed_step_en
     assert await call.code() == grpc.StatusCode.OK
 
 
+async def test_a_step_stream_is_read_ahead_while_a_step_runs():
+    """The step after the running one is taken off the stream before the running one ends (a step sent ahead is
+    there to start at once), and the answers keep the steps' order."""
+    servicer = WorkerServicer()
+    pulled: list[int] = []
+
+    async def requests():
+        for step_id in (1, 2, 3):
+            pulled.append(step_id)
+            yield worker_pb2.StepRequest(step_id=step_id)
+
+    async def step(request):
+        if request.step_id == 1:
+            async with asyncio.timeout(2.0):
+                while 2 not in pulled:
+                    await asyncio.sleep(0.001)
+        return worker_pb2.StepResponse(compute_us=request.step_id)
+
+    servicer._step = step
+    answers = [response.compute_us async for response in servicer.StepStream(requests(), context=None)]
+    assert answers == [1, 2, 3]
+
+
 def _decode_in_process(runner: ModelRunner, prompt: list[int], num_new: int) -> list[int]:
     work = ScheduledSequence("c", prompt, 0, (20, 21, 22), sample_indices=(len(prompt) - 1,))
     tokens = list(runner.step(StepRequest([work], [NewSequence("c", SamplingParams(), len(prompt))]))[0].token_ids)

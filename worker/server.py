@@ -54,6 +54,17 @@ async def _abort(context: grpc.aio.ServicerContext, what: str, exc: Exception) -
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+async def _read_into(request_iterator, received: asyncio.Queue) -> None:
+    """Every request of a stream into `received`, then None (its end, or a broken stream)."""
+    try:
+        async for request in request_iterator:
+            received.put_nowait(request)
+    except Exception as exc:  # the stream broke (its scheduler went away): the handler ends with it
+        logger.debug("a step stream broke: %s", exc)
+    finally:
+        received.put_nowait(None)
+
+
 def _status_errors(method):
     """A unary method whose exceptions become status codes (_abort)."""
 
@@ -111,13 +122,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def StepStream(self, request_iterator, context):
         """Steps in the order they come, a response each; the first that fails ends the stream with its status
-        (the scheduler opens a new one for its next step)."""
-        async for request in request_iterator:
-            try:
-                response = await self._step(request)
-            except Exception as exc:
-                await _abort(context, "StepStream", exc)
-            yield response
+        (the scheduler opens a new one for its next step). The stream is read ahead while a step runs, so that
+        a step sent ahead (async scheduling) has arrived when the step before it ends: gRPC receives a message
+        only once it is asked for one."""
+        received: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.ensure_future(_read_into(request_iterator, received))
+        try:
+            while (request := await received.get()) is not None:
+                try:
+                    response = await self._step(request)
+                except Exception as exc:
+                    await _abort(context, "StepStream", exc)
+                yield response
+        finally:
+            reader.cancel()
 
     async def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         with self.order.handling(request.step_id):
