@@ -224,7 +224,10 @@ class Engine:
     async def _idle(self) -> None:
         """Wait for work; every health_interval_s without any, make sure the worker is still there."""
         try:
-            await asyncio.wait_for(self._wakeup.wait(), self.health_interval_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result, and drops a cancellation
+            # (stop()) that lands as the wakeup comes, leaving the loop running and stop() waiting for it
+            async with asyncio.timeout(self.health_interval_s):
+                await self._wakeup.wait()
         except TimeoutError:
             if self.on_lost is not None:
                 health = await self.worker.health()

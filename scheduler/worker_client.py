@@ -69,7 +69,8 @@ class _StepStream:
         # answers after it would go to the wrong steps)
         await asyncio.shield(self._write(request, answer))
         try:
-            return await asyncio.wait_for(answer, timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for, which can drop a cancellation (engine.py)
+                return await answer
         except TimeoutError:
             self.end(WorkerError(f"worker Step over the stream timed out after {timeout_s} s", "DEADLINE_EXCEEDED"))
             raise self.error from None
