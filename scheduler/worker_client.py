@@ -46,6 +46,21 @@ def _rpc_error(what: str, exc: grpc.aio.AioRpcError) -> WorkerError:
     return WorkerError(f"worker {what} failed: {exc.code().name}: {exc.details()}", exc.code().name)
 
 
+def _stream_error(exc: Exception) -> WorkerError:
+    """What a StepStream call that broke (a read or a write raised `exc`) surfaces as."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return _rpc_error("StepStream", exc)
+    if isinstance(exc, asyncio.InvalidStateError):  # the call had ended (end() cancelled it)
+        return WorkerError("worker StepStream ended", "CANCELLED")
+    # the call broke some other way: the worker's state is unknown
+    return WorkerError(f"worker StepStream failed: {type(exc).__name__}: {exc}", "UNAVAILABLE")
+
+
+def _fail(answer: asyncio.Future, error: WorkerError) -> None:
+    answer.set_exception(error)
+    answer.exception()  # its caller may be gone (a step ahead dropped): no "never retrieved" log
+
+
 class _StepStream:
     """One Worker.StepStream call: steps written one at a time, each answered in turn. Create it on the loop
     that uses it."""
@@ -78,18 +93,13 @@ class _StepStream:
     async def _write(self, request: worker_pb2.StepRequest, answer: asyncio.Future) -> None:
         async with self._write_lock:
             if self.error is not None:
-                answer.set_exception(self.error)
-                answer.exception()
+                _fail(answer, self.error)
                 return
             self._answers.append(answer)
             try:
                 await self._call.write(request)
-            except grpc.aio.AioRpcError as exc:
-                self.end(_rpc_error("StepStream", exc))
-            except asyncio.InvalidStateError:  # the call ended before the write (end() cancelled it)
-                self.end(WorkerError("worker StepStream ended", "CANCELLED"))
-            except Exception as exc:  # the call broke some other way: the worker's state is unknown
-                self.end(WorkerError(f"worker StepStream write failed: {type(exc).__name__}: {exc}", "UNAVAILABLE"))
+            except Exception as exc:
+                self.end(_stream_error(exc))
 
     async def _read(self) -> None:
         try:
@@ -104,10 +114,8 @@ class _StepStream:
                 answer = self._answers.popleft()
                 if not answer.done():  # done: its caller gave up on it (cancelled)
                     answer.set_result(response)
-        except grpc.aio.AioRpcError as exc:
-            self.end(_rpc_error("StepStream", exc))
-        except Exception as exc:  # the call broke some other way: the worker's state is unknown
-            self.end(WorkerError(f"worker StepStream failed: {type(exc).__name__}: {exc}", "UNAVAILABLE"))
+        except Exception as exc:
+            self.end(_stream_error(exc))
 
     def end(self, error: WorkerError) -> None:
         """End the stream: the steps still on it, and every later one, fail with `error` (the first error
@@ -117,8 +125,7 @@ class _StepStream:
         while self._answers:
             answer = self._answers.popleft()
             if not answer.done():
-                answer.set_exception(self.error)
-                answer.exception()  # its caller may be gone (a step ahead dropped): no "never retrieved" log
+                _fail(answer, self.error)
         self._call.cancel()
         if self._reader is not asyncio.current_task():
             self._reader.cancel()
