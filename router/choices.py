@@ -37,7 +37,8 @@ async def merge_choices(
     try:
         while num_running:
             try:
-                index, event = await asyncio.wait_for(queue.get(), keepalive_s)
+                async with asyncio.timeout(keepalive_s):
+                    index, event = await queue.get()
             except TimeoutError:
                 yield KEEPALIVE
                 continue

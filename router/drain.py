@@ -43,7 +43,8 @@ class Drain:
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is under way; False when `timeout_s` passed first."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
             return True
         except TimeoutError:
             return False

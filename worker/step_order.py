@@ -67,7 +67,8 @@ class StepOrder:
         step = self._get(follows_step_id)
         if not step.arrived.is_set():
             try:
-                await asyncio.wait_for(step.arrived.wait(), self.arrival_timeout_s)
+                async with asyncio.timeout(self.arrival_timeout_s):
+                    await step.arrived.wait()
             except TimeoutError:
                 self.num_timed_out += 1
                 logger.warning("step %d did not arrive within %.1f s; its follower runs without it",
