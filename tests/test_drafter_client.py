@@ -33,6 +33,21 @@ async def test_dns_targets_resolve_to_every_address_and_plain_ones_stay_as_writt
         await resolve(["dns:///no-port"])
 
 
+def spread_ids(addresses: list[str], count: int) -> list[str]:
+    """`count` request ids placed on every one of `addresses` (the servers' ports are random, so a fixed list of ids
+    could all hash onto one replica)."""
+    ids, owners = [], set()
+    for i in range(10_000):
+        request_id = f"r{i}"
+        owner = rendezvous(request_id, addresses)
+        if len(ids) < count - (len(addresses) - len(owners | {owner})):
+            ids.append(request_id)
+            owners.add(owner)
+        if len(ids) == count:
+            return ids
+    raise AssertionError("no spread")
+
+
 def query(request_id: str, tokens: list[int], num_tokens: int, num_prompt: int = 0) -> DraftQuery:
     return DraftQuery(request_id, tokens, num_tokens, num_prompt, max_nodes=8)
 
@@ -45,12 +60,12 @@ async def test_requests_of_a_dead_replica_move_to_a_live_one_and_resync_there():
         servers[f"127.0.0.1:{port}"] = (server, servicer)
     client = DrafterClient(list(servers), timeout_s=5.0, retry_s=60.0)
     try:
-        ids = [f"r{i}" for i in range(12)]
+        ids = spread_ids(list(servers), 12)
         replies = await client.draft([query(i, PROMPT, len(PROMPT), len(PROMPT)) for i in ids], [])
         assert all(not r.needs_resync and r.tree.token_ids[:2] == (12, 13) for r in replies.values())
         owners = {i: client.owner_of(i) for i in ids}
         assert set(owners.values()) == set(servers)  # spread over both
-        dead = owners["r0"]
+        dead = owners[ids[0]]
         await servers[dead][0].stop(grace=None)
         lost = [i for i in ids if owners[i] == dead]
         await client.draft([query(i, [12], len(PROMPT) + 1) for i in ids], [])  # the dead one fails this step
@@ -102,7 +117,7 @@ async def test_final_updates_reach_the_replica_holding_the_state_which_forgets_t
         servers[f"127.0.0.1:{port}"] = (server, servicer)
     client = DrafterClient(list(servers), timeout_s=5.0)
     try:
-        ids = [f"r{i}" for i in range(8)]
+        ids = spread_ids(list(servers), 8)
         await client.draft([query(i, PROMPT, len(PROMPT), len(PROMPT)) for i in ids], [])
         assert {client.owner_of(i) for i in ids} == set(servers)
         finals = [DraftQuery(i, [12, 13], len(PROMPT) + 2, len(PROMPT), 0, is_final=True) for i in ids]

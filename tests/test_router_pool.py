@@ -33,12 +33,13 @@ async def run(pool: SchedulerPool, req: GenerateRequest) -> list:
 async def test_requests_spread_over_the_schedulers_and_a_prompt_prefix_stays_on_one(tokenizer, schedulers):  # noqa: F811
     pool = SchedulerPool([address for _, _, address in schedulers], slack=100)
     prompts = [f"System: you are a helpful assistant. User {i}: tell me about the history of the printing press, "
-               f"the movable type and how it spread over Europe" for i in range(16)]
+               f"the movable type and how it spread over Europe" for i in range(32)]
     for i, text in enumerate(prompts):
         events = await run(pool, request(tokenizer, text, f"a{i}"))
         assert isinstance(events[-1], GenerateComplete)
     counts = [len(fake.requests) for _, fake, _ in schedulers]
-    assert min(counts) >= 3 and sum(counts) == 16
+    # The schedulers' ports are random, so the split is too: at most 3 of 32 on one has odds of 3 in a million.
+    assert min(counts) >= 4 and sum(counts) == 32
     owner = pool.pick(request(tokenizer, prompts[0], "x").prompt_token_ids)
     for turn in range(3):  # the same history, longer each turn, goes to the same scheduler
         ids = request(tokenizer, prompts[0] + " Assistant: it began in Mainz. User: and then?" * turn,
