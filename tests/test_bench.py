@@ -334,11 +334,17 @@ def test_router_overhead_against_the_schedulers_grpc(tiny_gemma3_dir, fake_serve
     # The rounds: each level through the router, then directly, back to back, round after round.
     assert [(r["round"], r["concurrency"]) for r in direct["overhead_rounds"]] == [(0, 1), (0, 3), (1, 1), (1, 3)]
     assert all(r["num_errors"] == 0 and r["router_tpot_ms"] > r["grpc_tpot_ms"] + 5 for r in direct["overhead_rounds"])
+    # Each round also says what the load generator (this process) spent per token on each side.
+    assert all(r["router_client_cpu_ms_per_token"] > 0 and r["grpc_client_cpu_ms_per_token"] > 0
+               for r in direct["overhead_rounds"])
     rounds = report.overhead_rounds(direct["overhead_rounds"])
     assert [(level["concurrency"], len(level["overhead_ms_per_token"])) for level in rounds] == [(1, 2), (3, 2)]
     assert all(level["min"] <= level["median"] <= level["max"] and level["min"] > 5 for level in rounds)
+    assert all(set(level["client_cpu_ms_per_token"]) == {"router", "grpc"} for level in rounds)
     table = report.markdown_table({"systems": systems, "router_overhead_rounds": rounds})
     assert "alternated rounds: median [min-max]" in table and f"| 3 | {rounds[1]['median']:.2f} [" in table
+    cpu = rounds[1]["client_cpu_ms_per_token"]
+    assert "load generator CPU ms/token, HTTP / gRPC" in table and f"| {cpu['router']:.3f} / {cpu['grpc']:.3f} |" in table
     prompt_ids = grpc_direct.tokenize_prompts(tiny_gemma3_dir, throughput.PROMPTS)
     assert {tuple(r.prompt_token_ids) for r in measured} <= {tuple(ids) for ids in prompt_ids}
     assert all(r.stopping.ignore_eos and not r.sampling.do_sample for r in measured)
@@ -352,6 +358,27 @@ def test_router_overhead_against_the_schedulers_grpc(tiny_gemma3_dir, fake_serve
             assert all(level[side][key] > 0 for key in report.OVERHEAD_KEYS)
         # The fake router sleeps 10 ms per token; the fake scheduler does not sleep at all.
         assert level["overhead_ms_per_token"] > 5 and level["ttft_ms_p50_difference"] > 5
+
+
+def test_a_rounds_load_generator_cpu_is_this_processs_cpu_time_per_token():
+    def level(burn_s: float, total_tokens: int) -> dict:
+        start = time.process_time()
+        while time.process_time() - start < burn_s:
+            pass
+        return {"summary": {"total_tokens": total_tokens}}
+
+    summary, cpu_s = throughput._with_cpu(level, 0.05, 10)
+    assert summary == {"total_tokens": 10} and 0.05 <= cpu_s < 1.0
+    assert throughput._per_token(cpu_s, summary) == pytest.approx(1000 * cpu_s / 10)
+    assert throughput._per_token(cpu_s, {"total_tokens": 0}) is None  # nothing streamed: no figure
+    rounds = report.overhead_rounds([
+        {"round": 0, "concurrency": 4, "router_tpot_ms": 3.0, "grpc_tpot_ms": 2.0,
+         "router_client_cpu_ms_per_token": 0.06, "grpc_client_cpu_ms_per_token": 0.02},
+        {"round": 1, "concurrency": 4, "router_tpot_ms": 4.0, "grpc_tpot_ms": 2.0,
+         "router_client_cpu_ms_per_token": 0.08, "grpc_client_cpu_ms_per_token": None},
+        {"round": 2, "concurrency": 4, "router_tpot_ms": 3.5, "grpc_tpot_ms": 2.0},  # a run saved before the CPU
+    ])
+    assert rounds[0]["median"] == 1.5 and rounds[0]["client_cpu_ms_per_token"] == {"router": 0.07, "grpc": 0.02}
 
 
 def test_grpc_api_level_through_a_real_router(tiny_gemma3_dir, tmp_path):

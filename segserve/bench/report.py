@@ -146,12 +146,19 @@ def overhead_rounds(rounds: list[dict]) -> list[dict]:
     """Per level of the alternated rounds (throughput.overhead_rounds): the router's overhead per token in each
     round (router TPOT minus direct TPOT, measured back to back), and their median, min and max."""
     by_level: dict[int, list[float]] = {}
+    client_cpu: dict[int, dict[str, list[float]]] = {}
     for item in rounds:
         overhead = _difference(item["router_tpot_ms"], item["grpc_tpot_ms"])
         if overhead is not None:
             by_level.setdefault(item["concurrency"], []).append(overhead)
+        for side in ("router", "grpc"):
+            cpu = item.get(f"{side}_client_cpu_ms_per_token")
+            if cpu is not None:
+                client_cpu.setdefault(item["concurrency"], {}).setdefault(side, []).append(cpu)
     return [{"concurrency": concurrency, "overhead_ms_per_token": values, "median": median(values),
-             "min": min(values), "max": max(values)} for concurrency, values in sorted(by_level.items())]
+             "min": min(values), "max": max(values),
+             "client_cpu_ms_per_token": {side: median(cpu) for side, cpu in client_cpu.get(concurrency, {}).items()}}
+            for concurrency, values in sorted(by_level.items())]
 
 
 def _difference(minuend: float | None, subtrahend: float | None) -> float | None:
@@ -198,11 +205,13 @@ def markdown_table(results: dict) -> str:
     lines += overhead_table(results.get("grpc_api_overhead") or [], via="gRPC API")
     rounds = results.get("router_overhead_rounds") or []
     if rounds:
-        lines += ["", "| streams | router overhead ms/token, alternated rounds: median [min-max] | each round |",
-                  "|---:|---:|---|"]
-        lines += [f"| {level['concurrency']} | {_fmt(level['median'], 2)} [{_fmt(level['min'], 2)}-"
-                  f"{_fmt(level['max'], 2)}] | {', '.join(_fmt(v, 2) for v in level['overhead_ms_per_token'])} |"
-                  for level in rounds]
+        lines += ["", "| streams | router overhead ms/token, alternated rounds: median [min-max] | each round "
+                  "| load generator CPU ms/token, HTTP / gRPC (medians) |", "|---:|---:|---|---:|"]
+        for level in rounds:
+            cpu = level.get("client_cpu_ms_per_token", {})
+            lines.append(f"| {level['concurrency']} | {_fmt(level['median'], 2)} [{_fmt(level['min'], 2)}-"
+                         f"{_fmt(level['max'], 2)}] | {', '.join(_fmt(v, 2) for v in level['overhead_ms_per_token'])} "
+                         f"| {_fmt(cpu.get('router'), 3)} / {_fmt(cpu.get('grpc'), 3)} |")
     lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
     for goal in results.get("goals", []):
         verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
