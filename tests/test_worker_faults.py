@@ -77,8 +77,8 @@ def _work(seq_id: str, tokens: list[int]) -> ScheduledSequence:
 
 
 @contextlib.contextmanager
-def forward_hook(model, hook):
-    handle = model.register_forward_hook(hook)
+def forward_hook(module, hook):
+    handle = module.register_forward_hook(hook)
     try:
         yield
     finally:
@@ -93,9 +93,9 @@ def non_finite_logits(runner, value: float):
         row = [w.seq_id for w in works].index(FAULTY)  # one sampled row per sequence in a decode step
 
         def hook(module, args, output):
-            output.logits[0, row, 5] = value  # [1, N, V]
+            output[0, row, 5] = value  # the logits [1, N, V]
 
-        return works, forward_hook(runner.model, hook)
+        return works, forward_hook(runner.model.lm_head, hook)  # the output head: under either forward
     return fault
 
 

@@ -22,10 +22,10 @@ BLOCK_SIZE = 4
 PROMPT = [1, 50, 60, 70, 80, 90, 100, 33, 21, 7, 140]
 
 
-def make_runner(model_dir, num_kv_blocks: int = 64, block_size: int = BLOCK_SIZE) -> ModelRunner:
+def make_runner(model_dir, num_kv_blocks: int = 64, block_size: int = BLOCK_SIZE, **fields) -> ModelRunner:
     # float32 everywhere (also on a GPU) so that greedy choices compare exactly with the reference
     config = WorkerConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks, block_size=block_size, dtype="float32",
-                          device=TEST_DEVICE)
+                          device=TEST_DEVICE, **fields)
     runner = ModelRunner(config)
     runner.warm_up()
     return runner

@@ -44,6 +44,7 @@ from protos.segserve.v1.step import (
 )
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
+from worker.lean_decoder import lean_decoder
 from worker.fused_norm import fuse_rms_norms
 from worker.packed_linear import choose_row_policies, pack_linears
 from worker.row_blocks import RowPolicy, block_linears, fixed_policy
@@ -94,6 +95,8 @@ class ModelRunner:
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
         if config.is_compiled:
             CompiledDecoder(self.model)
+        self._lean = lean_decoder(self.model) if config.is_lean_decoder and not config.is_compiled else None
+        """The model's lean forward (worker/lean_decoder.py), or None: transformers' forward."""
         model_config = self.model.config.get_text_config()
         max_len = model_config.max_position_embeddings
         if config.max_model_len > max_len:
@@ -247,10 +250,13 @@ class ModelRunner:
         batch = build_attention_batch(groups, uploaded[2:], inputs[2], self.block_tables.device_table, self.kv_cache)
         input_ids, position_ids = inputs[0:1], inputs[1:2]  # [1, T] each
         self._lap("metadata")
-        output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                            logits_to_keep=logits_to_keep, segserve_batch=batch)
+        if self._lean is not None:
+            logits = self._lean(input_ids, position_ids, logits_to_keep, batch)
+        else:
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                logits_to_keep=logits_to_keep, segserve_batch=batch).logits
         plan.non_finite_tokens = batch.non_finite
-        logits = output.logits[0].float()  # [N + R, V]
+        logits = logits[0].float()  # [N + R, V]
         self._lap("forward")
         return logits
 

@@ -79,6 +79,8 @@ class EngineBenchConfig:
     report is then one request of that many."""
     is_compiled: bool = False
     """Run the worker's decoder compiled (WorkerConfig.is_compiled); its buckets compile before the timing."""
+    is_lean_decoder: bool = True
+    """The worker's lean Gemma3 forward (WorkerConfig.is_lean_decoder); False = transformers' forward."""
     linear_block_rows: int = -1
     """How the worker's linears get their rows (WorkerConfig.linear_block_rows): -1 = the probe's choice per
     weight shape, N > 0 = blocks of N rows, 0 = as they come."""
@@ -132,6 +134,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="decode steps per request to the runner (multi-step decoding; 1 = off)")
     parser.add_argument("--compiled", dest="is_compiled", action="store_true",
                         help="the worker's decoder compiled by torch.compile (buckets compiled before timing)")
+    parser.add_argument("--lean-decoder", dest="is_lean_decoder", action=argparse.BooleanOptionalAction,
+                        default=d.is_lean_decoder, help="the worker's lean Gemma3 forward (--no-lean-decoder: "
+                        "transformers' forward)")
     parser.add_argument("--linear-block-rows", type=int, default=d.linear_block_rows,
                         help="the worker's linears on blocks of N rows (-1 = the probe's choice, 0 = as they come)")
     parser.add_argument("--hf-compiled", dest="is_hf_compiled", action="store_true",
@@ -188,6 +193,7 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
     runner = ModelRunner(WorkerConfig(model=str(model_dir), device=config.device, dtype=config.dtype,
                                       block_size=block_size, num_kv_blocks=num_blocks,
                                       num_threads=config.num_threads, is_compiled=config.is_compiled,
+                                      is_lean_decoder=config.is_lean_decoder,
                                       linear_block_rows=config.linear_block_rows,
                                       compile_max_tokens=max(config.batch_sizes) * tokens_per_step))
     runner.warm_up()
