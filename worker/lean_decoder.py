@@ -1,4 +1,4 @@
-"""The decoder of Gemma3 and Llama, run without transformers' per-call machinery.
+"""The decoders of Gemma3 and Llama, run without transformers' per-call machinery.
 
 transformers' forward wraps the model, each layer and each attention call in decorators and keyword plumbing
 (deprecated-argument checks, output capturing, config defaults, the gradient-checkpointing layer) and builds the
