@@ -361,17 +361,17 @@ def test_router_overhead_against_the_schedulers_grpc(tiny_gemma3_dir, fake_serve
         assert level["overhead_ms_per_token"] > 5 and level["ttft_ms_p50_difference"] > 5
 
 
-def test_a_rounds_load_generator_cpu_is_this_processs_cpu_time_per_token():
+def test_a_levels_load_generator_cpu_is_this_processs_cpu_time_per_token():
     def level(burn_s: float, total_tokens: int) -> dict:
         start = time.process_time()
         while time.process_time() - start < burn_s:
             pass
         return {"summary": {"total_tokens": total_tokens}}
 
-    summary, cpu_s = throughput._with_cpu(level, 0.05, 10)
+    summary, cpu_s = loadgen.with_cpu(level, 0.05, 10)
     assert summary == {"total_tokens": 10} and 0.05 <= cpu_s < 1.0
-    assert throughput._per_token(cpu_s, summary) == pytest.approx(1000 * cpu_s / 10)
-    assert throughput._per_token(cpu_s, {"total_tokens": 0}) is None  # nothing streamed: no figure
+    assert loadgen.cpu_ms_per_token(cpu_s, summary) == pytest.approx(1000 * cpu_s / 10)
+    assert loadgen.cpu_ms_per_token(cpu_s, {"total_tokens": 0}) is None  # nothing streamed: no figure
     rounds = report.overhead_rounds([
         {"round": 0, "concurrency": 4, "router_tpot_ms": 3.0, "grpc_tpot_ms": 2.0,
          "router_client_cpu_ms_per_token": 0.06, "grpc_client_cpu_ms_per_token": 0.02},

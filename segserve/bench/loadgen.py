@@ -243,6 +243,20 @@ async def run_load(spec: LoadSpec) -> LoadRun:
         )
 
 
+def with_cpu(level: Callable[..., dict], *args) -> tuple[dict, float]:
+    """level(*args)'s summary and the CPU seconds this process (the load generator, every thread) spent on it. The
+    load generator shares the machine with what it measures: what it spends reading a stream, more over HTTP/SSE
+    than over gRPC, is CPU the server did not get, and shows in its latencies."""
+    start = time.process_time()
+    summary = level(*args)["summary"]
+    return summary, time.process_time() - start
+
+
+def cpu_ms_per_token(cpu_s: float, summary: dict) -> float | None:
+    """CPU milliseconds per token the level streamed (None when it streamed none)."""
+    return 1000 * cpu_s / summary["total_tokens"] if summary["total_tokens"] else None
+
+
 async def probe(spec: LoadSpec, max_tokens: int = 4) -> RequestRecord:
     """Send one short request (warm-up, or to learn whether the server accepts `extra_body`)."""
     url = completions_url(spec.base_url)

@@ -23,7 +23,6 @@ import os
 import platform
 import shlex
 import sys
-import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -216,31 +215,18 @@ def overhead_rounds(config: ThroughputConfig, base_url: str, model: str | None, 
     rounds = []
     for number in range(config.overhead_rounds):
         for concurrency in config.concurrency:
-            via_router, router_cpu = _with_cpu(http_level, base_url, model, extra_body, config, concurrency)
-            direct, grpc_cpu = _with_cpu(grpc_direct.grpc_level, scheduler_address, prompt_token_ids, config,
-                                         concurrency)
+            via_router, router_cpu = loadgen.with_cpu(http_level, base_url, model, extra_body, config, concurrency)
+            direct, grpc_cpu = loadgen.with_cpu(grpc_direct.grpc_level, scheduler_address, prompt_token_ids, config,
+                                                concurrency)
             rounds.append({"round": number, "concurrency": concurrency,
                            "router_tpot_ms": via_router["tpot_ms_mean"], "grpc_tpot_ms": direct["tpot_ms_mean"],
-                           "router_client_cpu_ms_per_token": _per_token(router_cpu, via_router),
-                           "grpc_client_cpu_ms_per_token": _per_token(grpc_cpu, direct),
+                           "router_client_cpu_ms_per_token": loadgen.cpu_ms_per_token(router_cpu, via_router),
+                           "grpc_client_cpu_ms_per_token": loadgen.cpu_ms_per_token(grpc_cpu, direct),
                            "num_errors": via_router["num_errors"] + direct["num_errors"]})
             print(f"[bench] overhead round {number + 1}/{config.overhead_rounds} x{concurrency}: router "
                   f"{via_router['tpot_ms_mean'] or 0:.2f}, direct {direct['tpot_ms_mean'] or 0:.2f} ms/token",
                   file=sys.stderr, flush=True)
     return rounds
-
-
-def _with_cpu(level, *args) -> tuple[dict, float]:
-    """A level's summary and the CPU seconds this process (the load generator, every thread) spent on it. The
-    load generator shares the machine with what it measures: what it spends reading a stream, more over HTTP/SSE
-    than over gRPC, is CPU the stack did not get, and shows in the router's overhead."""
-    start = time.process_time()
-    summary = level(*args)["summary"]
-    return summary, time.process_time() - start
-
-
-def _per_token(cpu_s: float, summary: dict) -> float | None:
-    return 1000 * cpu_s / summary["total_tokens"] if summary["total_tokens"] else None
 
 
 def _progress(name: str, level: dict) -> None:
