@@ -1,5 +1,5 @@
 """The worker's lean decoders (worker/lean_decoder.py): bit-identical logits to transformers' forward on every kind
-of step, for Gemma3 and Llama, and used only where one exists."""
+of step, for Gemma3, Llama and Llama's kin (Mistral, Qwen2, Qwen3), and used only where one exists."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import torch
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
-from worker.lean_decoder import LeanGemma3, LeanLlama, lean_decoder
-from tests.test_worker_runner import gemma3_runner, llama_runner, make_runner  # noqa: F401 (fixtures)
+from worker.lean_decoder import LEAN_DECODERS, lean_decoder
+from tests.test_worker_runner import (  # noqa: F401 (fixtures)
+    ARCHITECTURES, gemma3_runner, llama_runner, make_runner, mistral_runner, qwen2_runner, qwen3_runner,
+)
 
 PROMPTS = {"a": [1, 50, 60, 70, 80, 90, 100, 33, 21, 7, 140, 200, 201, 202, 203], "b": [9, 8, 7, 6, 5, 4, 3]}
 TREE = CandidateTree((12, 250, 31, 99, 140, 5, 64), (-1, -1, 0, 0, 1, 2, 5))
@@ -34,10 +36,10 @@ def steps() -> list[StepRequest]:
     ]
 
 
-@pytest.mark.parametrize("architecture, lean_class", [("gemma3", LeanGemma3), ("llama", LeanLlama)])
-def test_the_lean_forward_gives_transformers_logits_bit_for_bit(request, architecture, lean_class):
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_the_lean_forward_gives_transformers_logits_bit_for_bit(request, architecture):
     runner = request.getfixturevalue(f"{architecture}_runner")
-    assert type(runner._lean) is lean_class  # the default
+    assert type(runner._lean) is LEAN_DECODERS[type(runner.model).__name__]  # the default
     lean = runner._lean
     try:
         for request in steps():
@@ -71,10 +73,10 @@ def test_the_default_gemma3_runner_never_calls_transformers_forward(gemma3_runne
 
 
 def test_other_models_and_the_flag_off_keep_transformers_forward(tiny_gemma3_dir):
-    class Qwen2ForCausalLM(torch.nn.Module):  # a class with no lean decoder
+    class GPT2LMHeadModel(torch.nn.Module):  # a class with no lean decoder
         pass
 
-    assert lean_decoder(Qwen2ForCausalLM()) is None
+    assert lean_decoder(GPT2LMHeadModel()) is None
     off = make_runner(tiny_gemma3_dir, is_lean_decoder=False)
     assert off._lean is None
     (output,) = off.step(StepRequest([ScheduledSequence("d", [5, 6, 7], 0, (2,), sample_indices=[2])],

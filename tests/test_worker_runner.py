@@ -15,6 +15,7 @@ from protos.segserve.v1.tree import CandidateTree
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from tests.devices import TEST_DEVICE
+from tests.tiny_models import LLAMA_KIN, build_tiny_llama_kin
 from worker.sampler import sample
 from worker.validation import InvalidRequest
 
@@ -41,7 +42,29 @@ def llama_runner(tiny_llama_dir):
     return make_runner(tiny_llama_dir)
 
 
-@pytest.fixture(params=["gemma3", "llama"])
+def _kin_runner(architecture: str, tmp_path_factory) -> ModelRunner:
+    return make_runner(build_tiny_llama_kin(tmp_path_factory.mktemp(f"tiny-{architecture}"), architecture))
+
+
+@pytest.fixture(scope="module")
+def mistral_runner(tmp_path_factory):
+    return _kin_runner("mistral", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen2_runner(tmp_path_factory):
+    return _kin_runner("qwen2", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_runner(tmp_path_factory):
+    return _kin_runner("qwen3", tmp_path_factory)
+
+
+ARCHITECTURES = ("gemma3", "llama", *LLAMA_KIN)
+
+
+@pytest.fixture(params=ARCHITECTURES)
 def runner(request):
     return request.getfixturevalue(f"{request.param}_runner")
 

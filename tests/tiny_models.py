@@ -82,6 +82,33 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
     return save_random(LlamaForCausalLM, config, out_dir, seed)
 
 
+LLAMA_KIN = ("mistral", "qwen2", "qwen3")
+"""Architectures built as Llama is, with a sliding window of 8 keys (Mistral's on every layer, Qwen's on the layers
+past the first), Qwen2's biased projections and Qwen3's normed queries and keys."""
+
+
+def build_tiny_llama_kin(out_dir: Path, architecture: str, seed: int = 0) -> Path:
+    """A 2-layer model of one of LLAMA_KIN with grouped-query attention and random weights, and its tokenizer."""
+    from transformers import (
+        MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    )
+
+    tokenizer = build_tokenizer(out_dir)
+    shared = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        sliding_window=8, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    qwen = dict(use_sliding_window=True, max_window_layers=1)
+    model_cls, config = {
+        "mistral": lambda: (MistralForCausalLM, MistralConfig(**shared)),
+        "qwen2": lambda: (Qwen2ForCausalLM, Qwen2Config(**shared, **qwen)),
+        "qwen3": lambda: (Qwen3ForCausalLM, Qwen3Config(**shared, **qwen, head_dim=16)),
+    }[architecture]()
+    return save_random(model_cls, config, out_dir, seed)
+
+
 def build_small_vocab_llama(out_dir: Path, vocab_size: int = 40, seed: int = 0) -> Path:
     """A 2-layer Llama over `vocab_size` token ids and no tokenizer: its next-token distributions are
     small enough to estimate from a few thousand draws (speculative sampling tests)."""

@@ -44,9 +44,9 @@ class WorkerConfig:
     on a CPU; the log says how long). Fewer, fused ops per forward; its numerics differ from the eager forward's
     in the last bits, so every step of the worker runs compiled."""
     is_lean_decoder: bool = True
-    """Run a Gemma3 or Llama model's eager forward without transformers' per-call wrappers and mask building
-    (worker/lean_decoder.py): the same modules and ops, bit-identical logits, less Python per step. Other models,
-    and a compiled decoder, run transformers' forward either way."""
+    """Run a Gemma3, Llama, Mistral, Qwen2 or Qwen3 model's eager forward without transformers' per-call wrappers and
+    mask building (worker/lean_decoder.py): the same modules and ops, bit-identical logits, less Python per step.
+    Other models, and a compiled decoder, run transformers' forward either way."""
     compile_max_tokens: int = 256
     """With is_compiled: the buckets up to this many tokens (1, 2, 4, ...) are compiled during the warm-up,
     before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's

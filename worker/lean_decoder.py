@@ -1,4 +1,4 @@
-"""The decoders of Gemma3 and Llama, run without transformers' per-call machinery.
+"""The decoders of Gemma3, Llama, Mistral, Qwen2 and Qwen3, run without transformers' per-call machinery.
 
 transformers' forward wraps the model, each layer and each attention call in decorators and keyword plumbing
 (deprecated-argument checks, output capturing, config defaults, the gradient-checkpointing layer) and builds the
@@ -19,6 +19,9 @@ import torch
 from torch import nn
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
 
 from worker.attention import AttentionBatch, paged_attention_forward
 
@@ -99,20 +102,64 @@ class LeanGemma3(LeanDecoder):
 
 
 class LeanLlama(LeanDecoder):
-    """LlamaForCausalLM: two norms per layer, one rotary embedding."""
+    """LlamaForCausalLM: two norms per layer, one rotary embedding, no sliding window. Its kin below differ only in
+    the window their attention passes and, for Qwen3, normed queries and keys."""
+
+    modeling = modeling_llama
+    """The transformers module whose apply_rotary_pos_emb the class's attention calls."""
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
         return [self.text.rotary_emb(hidden, position_ids=position_ids)] * len(self.layers)
 
+    def projections(self, attn: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _projections(attn, hidden)
+
+    def window(self, attn: nn.Module) -> dict:
+        """The sliding-window keyword the class's attention passes to its attention function (Llama's: none)."""
+        return {}
+
     def layer(self, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch) -> torch.Tensor:
         attn, normed = layer.self_attn, layer.input_layernorm(hidden)
-        query, key, value = _projections(attn, normed)
-        query, key = modeling_llama.apply_rotary_pos_emb(query, key, *rotary)
+        query, key, value = self.projections(attn, normed)
+        query, key = self.modeling.apply_rotary_pos_emb(query, key, *rotary)
         output, _ = paged_attention_forward(attn, query, key, value, None, scaling=attn.scaling,
-                                            segserve_batch=batch)
+                                            segserve_batch=batch, **self.window(attn))
         hidden = hidden + _output(attn, output, normed)
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-LEAN_DECODERS: dict[str, type[LeanDecoder]] = {"Gemma3ForCausalLM": LeanGemma3, "LlamaForCausalLM": LeanLlama}
+class LeanMistral(LeanLlama):
+    """MistralForCausalLM: Llama's layers, every one windowed by the config's sliding_window (None: none)."""
+
+    modeling = modeling_mistral
+
+    def window(self, attn: nn.Module) -> dict:
+        return {"sliding_window": getattr(self.text.config, "sliding_window", None)}
+
+
+class LeanQwen2(LeanLlama):
+    """Qwen2ForCausalLM: Llama's layers with biased projections (inside the modules), the window per layer type."""
+
+    modeling = modeling_qwen2
+
+    def window(self, attn: nn.Module) -> dict:
+        return {"sliding_window": attn.sliding_window}
+
+
+class LeanQwen3(LeanQwen2):
+    """Qwen3ForCausalLM: Qwen2's layers, queries and keys normed per head before they are transposed."""
+
+    modeling = modeling_qwen3
+
+    def projections(self, attn: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        heads_shape = (*hidden.shape[:-1], -1, attn.head_dim)
+        return (attn.q_norm(attn.q_proj(hidden).view(heads_shape)).transpose(1, 2),
+                attn.k_norm(attn.k_proj(hidden).view(heads_shape)).transpose(1, 2),
+                attn.v_proj(hidden).view(heads_shape).transpose(1, 2))
+
+
+LEAN_DECODERS: dict[str, type[LeanDecoder]] = {
+    "Gemma3ForCausalLM": LeanGemma3, "LlamaForCausalLM": LeanLlama, "MistralForCausalLM": LeanMistral,
+    "Qwen2ForCausalLM": LeanQwen2, "Qwen3ForCausalLM": LeanQwen3,
+}
 """Model class name -> its lean decoder."""

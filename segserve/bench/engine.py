@@ -80,7 +80,8 @@ class EngineBenchConfig:
     is_compiled: bool = False
     """Run the worker's decoder compiled (WorkerConfig.is_compiled); its buckets compile before the timing."""
     is_lean_decoder: bool = True
-    """The worker's lean forward of Gemma3 and Llama (WorkerConfig.is_lean_decoder); False = transformers' forward."""
+    """The worker's lean forward of Gemma3, Llama, Mistral, Qwen2 and Qwen3 (WorkerConfig.is_lean_decoder); False =
+    transformers' forward."""
     linear_block_rows: int = -1
     """How the worker's linears get their rows (WorkerConfig.linear_block_rows): -1 = the probe's choice per
     weight shape, N > 0 = blocks of N rows, 0 = as they come."""
@@ -135,8 +136,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compiled", dest="is_compiled", action="store_true",
                         help="the worker's decoder compiled by torch.compile (buckets compiled before timing)")
     parser.add_argument("--lean-decoder", dest="is_lean_decoder", action=argparse.BooleanOptionalAction,
-                        default=d.is_lean_decoder, help="the worker's lean Gemma3/Llama forward (--no-lean-decoder: "
-                        "transformers' forward)")
+                        default=d.is_lean_decoder, help="the worker's lean forward of Gemma3, Llama, Mistral, Qwen2 "
+                        "and Qwen3 (--no-lean-decoder: transformers' forward)")
     parser.add_argument("--linear-block-rows", type=int, default=d.linear_block_rows,
                         help="the worker's linears on blocks of N rows (-1 = the probe's choice, 0 = as they come)")
     parser.add_argument("--hf-compiled", dest="is_hf_compiled", action="store_true",
