@@ -7,7 +7,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from tests.devices import TEST_DEVICE
-from worker.fused_norm import FusedRMSNorm, fuse_rms_norms, is_known_norm
+from worker.fused_norm import FusedRMSNorm, StackedRMSNorm, fuse_rms_norms, is_known_norm
 
 
 def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -51,6 +51,38 @@ def test_each_fused_norm_matches_its_module_and_ignores_the_rest_of_the_batch(re
             torch.testing.assert_close(full, norm(x), rtol=2e-2, atol=2e-2)
         for num_rows in (1, 2, 5, 33):
             assert torch.equal(fused(x[:, :num_rows]), full[:, :num_rows])
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_gemma3_dir", "tiny_llama_dir"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_fused_first", [True, False])
+def test_stacked_norms_give_each_norm_on_its_own_heads(request, model_fixture, dtype, is_fused_first):
+    """Two norms of one size over 3 and 2 heads of one tensor: each head's rows as its own norm gives them."""
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_fixture), dtype=dtype)
+    first, second = [m for m in model.modules() if is_known_norm(m)][:2]
+    with torch.no_grad():
+        for seed, norm in enumerate((first, second)):  # the checkpoint's are all 0 or 1, and equal
+            norm.weight.normal_(generator=torch.Generator().manual_seed(seed))
+    first, second = first.to(TEST_DEVICE), second.to(TEST_DEVICE)
+    if is_fused_first:
+        first, second = FusedRMSNorm(first), FusedRMSNorm(second)
+    stacked = StackedRMSNorm([(first, 3), (second, 2)])
+    size = first.weight.shape[-1]
+    x = torch.randn(1, 7, 5, size, generator=torch.Generator().manual_seed(2)).to(TEST_DEVICE, dtype)
+    with torch.inference_mode():
+        out = stacked(x)
+        one, two = (norm if is_fused_first else FusedRMSNorm(norm) for norm in (first, second))
+        assert out.dtype == dtype
+        _assert_same(out[:, :, :3], one(x[:, :, :3]))
+        _assert_same(out[:, :, 3:], two(x[:, :, 3:]))
+        assert torch.equal(stacked(x[:, :2]), out[:, :2])  # rows stay independent
+
+
+def test_norms_of_other_formulas_or_sizes_are_not_stacked(tiny_gemma3_dir, tiny_llama_dir):
+    gemma = next(m for m in AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir).modules() if is_known_norm(m))
+    llama = next(m for m in AutoModelForCausalLM.from_pretrained(tiny_llama_dir).modules() if is_known_norm(m))
+    with pytest.raises(ValueError, match="one formula"):
+        StackedRMSNorm([(gemma, 1), (llama, 1)])
 
 
 def test_a_namesake_from_outside_transformers_is_left_alone():

@@ -52,6 +52,33 @@ class FusedRMSNorm(nn.Module):
         return f"{self.shape}, eps={self.eps}, gemma={self.is_gemma}"
 
 
+class StackedRMSNorm(nn.Module):
+    """Several RMSNorms of one formula and size, each over its own heads of one tensor, in one normalization.
+
+    For a layer's query and key norms: x is [..., H1 + H2 + ..., D], the first H1 heads normed by the first norm,
+    and so on. The rows are normalized together without a weight, then each head's row is multiplied by its own
+    norm's weight, which is what F.rms_norm with a weight computes (tests/test_fused_norm.py checks it bit for bit
+    against each norm on its own heads). One call in place of one per norm, and the rows stay independent."""
+
+    def __init__(self, norms_and_heads: list[tuple[nn.Module, int]]):
+        super().__init__()
+        fused = [(norm if isinstance(norm, FusedRMSNorm) else FusedRMSNorm(norm), heads)
+                 for norm, heads in norms_and_heads]
+        first = fused[0][0]
+        if any((norm.is_gemma, norm.eps, norm.shape) != (first.is_gemma, first.eps, first.shape) for norm, _ in fused):
+            raise ValueError("stacked norms need one formula, epsilon and size")
+        self.is_gemma, self.eps, self.shape = first.is_gemma, first.eps, first.shape
+        weights = [(norm.scale if norm.is_gemma else norm.weight.detach()).expand(heads, -1) for norm, heads in fused]
+        self.register_buffer("weight", torch.cat(weights), persistent=False)  # [H1 + H2 + ..., D]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_gemma:
+            return (F.rms_norm(x.float(), self.shape, None, self.eps) * self.weight).type_as(x)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, None, self.eps) * self.weight
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+
+
 def is_known_norm(module: nn.Module) -> bool:
     """One of transformers' own RMSNorm classes whose formula FusedRMSNorm reproduces (not a namesake)."""
     cls = type(module)

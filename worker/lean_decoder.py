@@ -7,8 +7,9 @@ of its time there: the tests' tiny Gemma3 at one token, one thread, took 1.07-1.
 1.28-1.41 through transformers' forward (README, "A lean decoder").
 
 A lean decoder calls the model's own modules (embeddings, norms, linears, MLPs, rotary embeddings) on the same
-tensors in the same order as transformers' forward of that class, and the worker's paged attention as that class's
-attention calls it, so its logits are bit-identical (tests/test_lean_decoder.py compares them on prefills, decodes
+tensors in the same order as transformers' forward of that class (with a layer's queries and keys through one
+rotary embedding and one norm: LeanDecoder), and the worker's paged attention as that class's attention calls it,
+so its logits are bit-identical (tests/test_lean_decoder.py compares them on prefills, decodes
 and trees). A transformers release that changes one of these forwards fails that test rather than going
 unnoticed. Other architectures and the compiled decoder (worker/compiled.py) keep transformers' forward.
 """
@@ -24,6 +25,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from worker.attention import AttentionBatch, paged_attention_forward
+from worker.fused_norm import StackedRMSNorm
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
 
@@ -36,44 +38,72 @@ def lean_decoder(model: nn.Module) -> LeanDecoder | None:
 
 class LeanDecoder:
     """model(input_ids=..., position_ids=..., logits_to_keep=..., segserve_batch=...).logits as a function of the same
-    arguments, for a causal LM whose attention is the worker's paged attention."""
+    arguments, for a causal LM whose attention is the worker's paged attention.
+
+    Two ops are merged where the result is the same bit for bit: a layer's queries and keys go through the rotary
+    embedding as one tensor (element-wise ops, so each element is computed as on its own), and a class that norms
+    them per head does so in one call (StackedRMSNorm, tested against each norm on its own heads). That halves the
+    rotary ops and the query and key norm calls of every layer."""
+
+    modeling = modeling_llama
+    """The transformers module of the class (its rotate_half)."""
+    has_query_key_norms = False
+    """Whether the class's attention norms its queries and keys per head (q_norm, k_norm)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.text = model.model
-        self.layers = list(self.text.layers[: self.text.config.num_hidden_layers])
+        config = self.text.config
+        self.layers = list(self.text.layers[: config.num_hidden_layers])
+        self.num_heads = config.num_attention_heads
+        heads = (self.num_heads, config.num_key_value_heads)
+        self.qk_norms: list[StackedRMSNorm | None] = [
+            StackedRMSNorm(list(zip((layer.self_attn.q_norm, layer.self_attn.k_norm), heads)))
+            if self.has_query_key_norms else None for layer in self.layers]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  segserve_batch: AttentionBatch) -> torch.Tensor:
         """input_ids, position_ids: [1, T]; logits_to_keep: [N] the rows to compute logits for. Returns [1, N, V]."""
         hidden = self.text.embed_tokens(input_ids)
-        for layer, rotary in zip(self.layers, self.rotary(hidden, position_ids)):
-            hidden = self.layer(layer, hidden, rotary, segserve_batch)
+        for index, (layer, rotary) in enumerate(zip(self.layers, self.rotary(hidden, position_ids))):
+            hidden = self.layer(index, layer, hidden, rotary, segserve_batch)
         return self.head(self.text.norm(hidden)[:, logits_to_keep, :])
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
         """Each layer's rotary cos and sin."""
         raise NotImplementedError
 
-    def layer(self, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch) -> torch.Tensor:
+    def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
+              ) -> torch.Tensor:
         raise NotImplementedError
+
+    def attention(self, index: int, attn: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch,
+                  **window) -> torch.Tensor:
+        """The attention block's output before its residual: projections, query and key norms (where the class has
+        them), rotary embedding, the paged attention called as the class's attention calls it (`window`: the
+        sliding-window keyword the class passes, if any), output projection."""
+        heads_shape = (*hidden.shape[:-1], -1, attn.head_dim)
+        query_key = torch.cat((attn.q_proj(hidden).view(heads_shape), attn.k_proj(hidden).view(heads_shape)), dim=-2)
+        if self.qk_norms[index] is not None:
+            query_key = self.qk_norms[index](query_key)
+        query_key = query_key.transpose(1, 2)  # [1, H + KVH, T, D]
+        value = attn.v_proj(hidden).view(heads_shape).transpose(1, 2)
+        cos, sin = (part.unsqueeze(1) for part in rotary)
+        query_key = (query_key * cos) + (self.modeling.rotate_half(query_key) * sin)  # apply_rotary_pos_emb's
+        query, key = query_key[:, : self.num_heads], query_key[:, self.num_heads :]
+        output, _ = paged_attention_forward(attn, query, key, value, None, scaling=attn.scaling, segserve_batch=batch,
+                                            **window)
+        return attn.o_proj(output.reshape(*hidden.shape[:-1], -1).contiguous())
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden)
 
 
-def _projections(attn: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Query, key and value [1, heads, T, head_dim], as both architectures' attention computes them."""
-    heads_shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    return tuple(proj(hidden).view(heads_shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-
-
-def _output(attn: nn.Module, output: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    return attn.o_proj(output.reshape(*hidden.shape[:-1], -1).contiguous())
-
-
 class LeanGemma3(LeanDecoder):
     """Gemma3ForCausalLM (text): four norms per layer, normed queries and keys, rotary per layer type."""
+
+    modeling = modeling_gemma3
+    has_query_key_norms = True
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
@@ -84,14 +114,12 @@ class LeanGemma3(LeanDecoder):
         by_type = {kind: self.text.rotary_emb(hidden, position_ids, kind) for kind in set(self.layer_types)}
         return [by_type[kind] for kind in self.layer_types]
 
-    def layer(self, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch) -> torch.Tensor:
-        attn, normed = layer.self_attn, layer.input_layernorm(hidden)
-        query, key, value = _projections(attn, normed)
-        query, key = modeling_gemma3.apply_rotary_pos_emb(attn.q_norm(query), attn.k_norm(key), *rotary)
+    def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
+              ) -> torch.Tensor:
         # as Gemma3's attention calls it: no softcap
-        output, _ = paged_attention_forward(attn, query, key, value, None, scaling=attn.scaling,
-                                            sliding_window=attn.sliding_window, segserve_batch=batch)
-        hidden = hidden + layer.post_attention_layernorm(_output(attn, output, normed))
+        output = self.attention(index, layer.self_attn, layer.input_layernorm(hidden), rotary, batch,
+                                sliding_window=layer.self_attn.sliding_window)
+        hidden = hidden + layer.post_attention_layernorm(output)
         return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -105,26 +133,17 @@ class LeanLlama(LeanDecoder):
     """LlamaForCausalLM: two norms per layer, one rotary embedding, no sliding window. Its kin below differ only in
     the window their attention passes and, for Qwen3, normed queries and keys."""
 
-    modeling = modeling_llama
-    """The transformers module whose apply_rotary_pos_emb the class's attention calls."""
-
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
         return [self.text.rotary_emb(hidden, position_ids=position_ids)] * len(self.layers)
-
-    def projections(self, attn: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _projections(attn, hidden)
 
     def window(self, attn: nn.Module) -> dict:
         """The sliding-window keyword the class's attention passes to its attention function (Llama's: none)."""
         return {}
 
-    def layer(self, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch) -> torch.Tensor:
-        attn, normed = layer.self_attn, layer.input_layernorm(hidden)
-        query, key, value = self.projections(attn, normed)
-        query, key = self.modeling.apply_rotary_pos_emb(query, key, *rotary)
-        output, _ = paged_attention_forward(attn, query, key, value, None, scaling=attn.scaling,
-                                            segserve_batch=batch, **self.window(attn))
-        hidden = hidden + _output(attn, output, normed)
+    def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
+              ) -> torch.Tensor:
+        attn = layer.self_attn
+        hidden = hidden + self.attention(index, attn, layer.input_layernorm(hidden), rotary, batch, **self.window(attn))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
@@ -147,15 +166,10 @@ class LeanQwen2(LeanLlama):
 
 
 class LeanQwen3(LeanQwen2):
-    """Qwen3ForCausalLM: Qwen2's layers, queries and keys normed per head before they are transposed."""
+    """Qwen3ForCausalLM: Qwen2's layers, queries and keys normed per head."""
 
     modeling = modeling_qwen3
-
-    def projections(self, attn: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        heads_shape = (*hidden.shape[:-1], -1, attn.head_dim)
-        return (attn.q_norm(attn.q_proj(hidden).view(heads_shape)).transpose(1, 2),
-                attn.k_norm(attn.k_proj(hidden).view(heads_shape)).transpose(1, 2),
-                attn.v_proj(hidden).view(heads_shape).transpose(1, 2))
+    has_query_key_norms = True
 
 
 LEAN_DECODERS: dict[str, type[LeanDecoder]] = {
