@@ -19,10 +19,12 @@ Layers, outermost first:
 - speculator.py: one batched Draft call per step; usable trees are fitted into
   the step (drafting.py), failures only make the step plain. It owns the drafter-side state
   (sync points, segments, ended ids to release, acceptance stats).
-- scheduler.py, drafting.py, block_manager.py, sequence.py, outputs.py,
-  stopping.py, spec_policy.py, spec_gate.py: pure logic, no I/O (scheduler.py also handles
-  failed steps: preempt, retry at a smaller batch, end the culprit with
-  FINISH_REASON_ERROR; spec_policy chooses the node budget from measured step
-  times and acceptance; spec_gate lets each segment kind draft only where that
-  measured faster end to end).
+- scheduler.py, step_requests.py, admission.py, faults.py, drafting.py, block_manager.py,
+  sequence.py, outputs.py, stopping.py, spec_policy.py, spec_gate.py: pure logic, no I/O
+  (scheduler.py also handles failed steps: preempt, retry at a smaller batch, end the
+  culprit with FINISH_REASON_ERROR, as faults.py decides; step_requests.py builds the
+  StepRequests it sends and records what is at the worker; admission.py refuses what its
+  queue cannot take; spec_policy chooses the node budget from measured step times and
+  acceptance; spec_gate lets each segment kind draft only where that measured faster end
+  to end).
 """

@@ -18,9 +18,14 @@ knows the tokens it did not compute.
 Faults: a SequenceOutput with `error` ends that request alone
 (FinishReason.ERROR). A whole step that fails (fail_step(), or an answer that
 does not fit the work) preempts all of its sequences for recomputation and
-halves the batch-size cap, which grows back by one per _CAP_GROWTH_STEPS
+halves the batch-size cap, which grows back by one per CAP_GROWTH_STEPS
 successful steps; a sequence that fails again running alone, or fails
-max_failed_steps steps in a row, ends with FinishReason.ERROR.
+max_failed_steps steps in a row, ends with FinishReason.ERROR (faults.py
+decides a failed step's outcome and a lost worker's hand-over; this class applies them).
+
+Beside it: admission.py decides which requests add() queues (RequestRejected, QueueFull); step_requests.py
+builds the StepRequests that schedule() and schedule_ahead() return and keeps the record of what is at the
+worker (StepLedger: the step in flight, the step ahead, the releases).
 """
 
 from __future__ import annotations
@@ -30,27 +35,20 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from protos.segserve.v1.generate import FinishReason
-from protos.segserve.v1.sampling import InvalidParameter
 from protos.segserve.v1.step import (
-    CONTINUATION_REFUSED, NewSequence, ScheduledSequence, SequenceOutput, StepRequest, StepResult, output_problem,
+    CONTINUATION_REFUSED, ScheduledSequence, SequenceOutput, StepRequest, StepResult, output_problem,
 )
+from scheduler.admission import QueueFull, RequestRejected, check_admission, check_not_live, num_waiting_tokens
 from scheduler.block_manager import BlockManager
-from scheduler.decode_steps import room_for_steps
+from scheduler.faults import (
+    lowered_seqs_cap, raised_seqs_cap, reset_for_another_worker, resume_index, sort_out_failed_step,
+)
 from scheduler.outputs import RequestEvent, completion, token_chunk
-from scheduler.sequence import RequestMetrics, Sequence, SequenceStatus
+from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.step_requests import StepLedger, build_step, build_step_ahead
 from scheduler.stopping import append_tokens
 
-_CAP_GROWTH_STEPS = 16
-"""Successful steps per + 1 of a lowered batch-size cap (slow, so that a size that ran out of memory is
-not probed again at once)."""
-
-
-class RequestRejected(InvalidParameter):
-    """A request this scheduler can never run (too long for its KV cache) or whose id is live."""
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound in requests or prompt tokens; the client should retry later."""
+__all__ = ["QueueFull", "RequestRejected", "Scheduler"]  # add()'s errors, defined in admission.py
 
 
 class Scheduler:
@@ -106,18 +104,16 @@ class Scheduler:
         self.num_steps = 0
         self.num_failed_steps = 0
         self.num_seqs_cap = max_num_seqs
-        """The batch-size cap after failed steps: halved by each, + 1 per _CAP_GROWTH_STEPS successful steps."""
+        """The batch-size cap after failed steps: halved by each, + 1 per CAP_GROWTH_STEPS successful steps
+        (scheduler/faults.py)."""
         self._num_ok_steps = 0  # successful steps since the last failed one
-        self._finished_seq_ids: list[str] = []
-        self._in_flight: dict[str, Sequence] = {}
-        self.current_step: StepRequest | None = None
-        """The step in flight: the last one schedule() built, or the step ahead once its predecessor is
-        postprocessed; None once postprocessed, failed or discarded."""
-        self._ahead: StepRequest | None = None
-        """The step schedule_ahead() built while the one in flight runs; it becomes the one in flight when that
-        one's postprocess() ends."""
-        self._ahead_seqs: dict[str, Sequence] = {}
+        self._steps = StepLedger()  # in flight, ahead, releases
         self._is_preempting = False  # whether the current schedule() has preempted anything
+
+    @property
+    def current_step(self) -> StepRequest | None:
+        """The step in flight (StepLedger.current_step)."""
+        return self._steps.current_step
 
     @property
     def has_work(self) -> bool:
@@ -126,7 +122,7 @@ class Scheduler:
     @property
     def num_waiting_tokens(self) -> int:
         """Tokens the waiting sequences still have to compute (a preempted one recomputes all of its own)."""
-        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        return num_waiting_tokens(self.waiting)
 
     @property
     def num_seqs_limit(self) -> int:
@@ -140,21 +136,11 @@ class Scheduler:
         queue is at max_num_waiting requests or would pass max_num_waiting_tokens
         (an empty queue takes any request that fits, so a long prompt is not refused forever).
         """
-        if seq.request_id in self.requests:
-            raise RequestRejected("request_id", f"{seq.request_id!r} is already live")
-        if seq.num_prompt_tokens >= self.max_len:
-            raise RequestRejected(
-                "prompt_token_ids", f"has {seq.num_prompt_tokens} tokens; at most {self.max_len - 1} fit "
-                f"(max_model_len and KV-cache capacity leave room for one generated token)")
-        if len(self.waiting) >= self.max_num_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
-        num_waiting_tokens = self.num_waiting_tokens
-        if self.waiting and num_waiting_tokens + seq.num_prompt_tokens > self.max_num_waiting_tokens:
-            raise QueueFull(f"{num_waiting_tokens} prompt tokens are already waiting (at most "
-                            f"{self.max_num_waiting_tokens}); retry later")
-        if seq.request_id in self._finished_seq_ids:
+        check_admission(seq, self.requests, self.waiting, max_len=self.max_len, max_num_waiting=self.max_num_waiting,
+                        max_num_waiting_tokens=self.max_num_waiting_tokens)
+        if seq.request_id in self._steps.releases:
             # Its first step restarts the worker's state; a release after it would drop the new one.
-            self._finished_seq_ids.remove(seq.request_id)
+            self._steps.releases.remove(seq.request_id)
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
@@ -204,64 +190,24 @@ class Scheduler:
 
         Only in the steady decode state, where the next step's input is nothing but the tokens `request`
         samples: nobody waits, `request` holds every running sequence, each plain and sampled at its
-        sequence's end, the last step succeeded, and the next KV slots are free without preempting anyone.
-        Each sequence continues with one placeholder (ScheduledSequence.is_continuation) that the worker
-        replaces with the last token it samples in `request`; a sequence that `request` brings to its length
-        limit is left out (a stop the scheduler cannot foresee, EOS or a stop token, only wastes its slots in the
-        step ahead). The step ahead takes up to num_decode_steps decode steps (scheduler/decode_steps.py). Then
-        postprocess() `request`'s result, then this step's; a failed `request` drops it (fail_step, discard).
+        sequence's end, the last step succeeded, and the next KV slots are free without preempting anyone
+        (step_requests.build_step_ahead() builds it). Then postprocess() `request`'s result, then this step's;
+        a failed `request` drops it (fail_step, discard).
         """
-        if (self.waiting or self._ahead is not None or len(request.sequences) != len(self.running)
+        if (self.waiting or self._steps.ahead is not None or len(request.sequences) != len(self.running)
                 or self._num_ok_steps == 0):  # not right after a failed step, nor before the first success
             return None
-        chosen: list[tuple[Sequence, ScheduledSequence]] = []
-        num_pending = request.num_steps  # tokens `request` samples per sequence
-        num_steps = self.num_decode_steps
-        for work in request.sequences:
-            seq = self._in_flight.get(work.seq_id)
-            if (seq is None or seq.is_finished or work.draft is not None
-                    or work.sample_indices != (len(work.token_ids) - 1,)
-                    or work.num_computed_tokens + len(work.token_ids) != seq.num_tokens):
-                return None
-            room = room_for_steps(seq, num_pending, self.max_len)
-            if room < 1:
-                continue
-            chosen.append((seq, work))
-            num_steps = min(num_steps, room)
-        if not chosen:
+        ahead = build_step_ahead(request, self._steps.in_flight, self.block_manager, max_len=self.max_len,
+                                 num_decode_steps=self.num_decode_steps,
+                                 is_block_table_delta=self.is_block_table_delta)
+        if ahead is None:
             return None
-
-        def num_missing(steps: int) -> int:  # each work's tokens, then the pending ones' slots, then the steps'
-            return sum(self.block_manager.num_missing_blocks(seq, len(work.token_ids) + num_pending - 1 + steps)
-                       for seq, work in chosen)
-
-        missing = num_missing(num_steps)
-        if num_steps > 1 and missing > self.block_manager.num_free_blocks:
-            num_steps, missing = 1, num_missing(1)
-        if missing > self.block_manager.num_free_blocks:
-            return None
-        ahead = StepRequest(num_steps=num_steps)
-        for seq, work in chosen:
-            self.block_manager.allocate(seq, len(work.token_ids) + num_pending - 1 + num_steps)
-            table_start, table = self._table_to_send(seq)
-            ahead.sequences.append(ScheduledSequence(seq.request_id, (0,), seq.num_tokens + num_pending - 1, table,
-                                                     (0,), None, True, table_start))
-            seq.max_batch_size = max(seq.max_batch_size, len(chosen))
-        ahead.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
-        self._ahead, self._ahead_seqs = ahead, {seq.request_id: seq for seq, _ in chosen}
         self.num_steps += 1
-        return ahead
-
-    def _drop_ahead(self) -> None:
-        """The step ahead will not be postprocessed: the worker may or may not take in its releases."""
-        if self._ahead is not None:
-            self._finished_seq_ids += [seq_id for seq_id in self._ahead.finished_seq_ids
-                                       if seq_id not in self.requests and seq_id not in self._finished_seq_ids]
-        self._ahead, self._ahead_seqs = None, {}
+        return self._steps.send_ahead(ahead)
 
     def in_flight(self, seq_id: str) -> Sequence | None:
         """The sequence that `seq_id` names in the step in flight (None: not in it, or ended)."""
-        return self._in_flight.get(seq_id)
+        return self._steps.in_flight.get(seq_id)
 
     def postprocess(self, request: StepRequest, result: StepResult) -> list[RequestEvent]:
         """Account the step's computed tokens, append sampled ones, apply stop conditions.
@@ -276,7 +222,7 @@ class Scheduler:
             if problem is not None:
                 return self.fail_step(request, f"the worker's answer does not fit the step: {problem}")
         now = self.clock()
-        in_flight, self._in_flight = self._in_flight, {}
+        in_flight = self._steps.take_in_flight()
         events: list[RequestEvent] = []
         for work in request.sequences:
             seq = in_flight.get(work.seq_id)
@@ -284,11 +230,9 @@ class Scheduler:
             # sequence while the step after it is already under way)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 events += self._apply(seq, work, outputs.get(work.seq_id), now, request.num_steps)
-        self.current_step, self._in_flight = self._ahead, self._ahead_seqs  # the step ahead is next, if any
-        self._ahead, self._ahead_seqs = None, {}
+        self._steps.advance()  # the step ahead is next, if any
         self._num_ok_steps += 1
-        if self._num_ok_steps % _CAP_GROWTH_STEPS == 0:
-            self.num_seqs_cap = min(self.max_num_seqs, self.num_seqs_cap + 1)
+        self.num_seqs_cap = raised_seqs_cap(self.num_seqs_cap, self.max_num_seqs, self._num_ok_steps)
         return events
 
     def fail_step(self, request: StepRequest, message: str) -> list[RequestEvent]:
@@ -299,77 +243,51 @@ class Scheduler:
         has failed before and now failed alone, or has failed max_failed_steps
         steps in a row, ends with FinishReason.ERROR and `message`: returns those events.
         """
-        in_flight, self._in_flight = self._in_flight, {}
-        self._drop_ahead()  # its sequences are retried from scratch with the others
-        self.current_step = None
+        in_flight = self._steps.drop(self.requests)  # the step ahead too: its sequences are retried with the others
         self.num_failed_steps += 1
         self._num_ok_steps = 0
-        self.num_seqs_cap = max(1, min(self.num_seqs_cap, len(request.sequences)) // 2)
+        self.num_seqs_cap = lowered_seqs_cap(self.num_seqs_cap, len(request.sequences))
         # The worker may or may not have taken in this step's announcements and releases: repeat them.
-        self._finished_seq_ids += [seq_id for seq_id in request.finished_seq_ids
-                                   if seq_id not in self.requests and seq_id not in self._finished_seq_ids]
-        new_ids = {new.seq_id for new in request.new_sequences}
-        is_alone = len(request.sequences) == 1
-        events, retried = [], []
-        for work in request.sequences:
-            seq = in_flight.get(work.seq_id)
-            if seq is None or seq.is_finished:
-                continue
-            seq.num_failed_steps += 1
-            if (is_alone and seq.num_failed_steps > 1) or seq.num_failed_steps >= self.max_failed_steps:
-                self._end(seq, SequenceStatus.FINISHED, FinishReason.ERROR, message)
-                events.append(RequestEvent(seq.request_id, completion(seq)))
-                continue
-            if seq.request_id in new_ids:
-                seq.is_known_to_worker = False
-            retried.append(seq)
+        self._steps.repeat_releases(request.finished_seq_ids, self.requests)
+        failed, retried = sort_out_failed_step(request, in_flight, self.max_failed_steps)
+        for seq in failed:
+            self._end(seq, SequenceStatus.FINISHED, FinishReason.ERROR, message)
         for seq in reversed(retried):
             self.running.remove(seq)
             self._preempt(seq)
-        return events
+        return [RequestEvent(seq.request_id, completion(seq)) for seq in failed]
 
     def evict_all(self) -> list[Sequence]:
         """The worker is lost: every live sequence leaves, reset to be recomputed on another worker (no blocks,
         nothing computed, unknown to any worker; the tokens generated so far are kept). Running ones first, in
         admission order, then the waiting ones in queue order. Their requests have not ended (no on_end)."""
         seqs = [*self.running, *self.waiting]
-        for seq in seqs:
-            self.block_manager.free(seq)
-            seq.num_computed_tokens = 0
-            seq.is_known_to_worker = False
-            seq.status = SequenceStatus.WAITING
+        reset_for_another_worker(seqs, self.block_manager)
         self.running.clear()
         self.waiting.clear()
         self.requests.clear()
-        self._in_flight.clear()
-        self._ahead, self._ahead_seqs, self.current_step = None, {}, None
-        self._finished_seq_ids.clear()
+        self._steps.clear()
         self.block_manager.reset_prefix_cache()
         return seqs
 
     def resume(self, seq: Sequence) -> None:
         """Take over a sequence another scheduler evicted (evict_all): it goes ahead of the new requests, with
         no queue bound (it was admitted once already)."""
-        if seq.request_id in self.requests:
-            raise RequestRejected("request_id", f"{seq.request_id!r} is already live")
-        if seq.request_id in self._finished_seq_ids:
-            self._finished_seq_ids.remove(seq.request_id)
+        check_not_live(seq, self.requests)
+        if seq.request_id in self._steps.releases:
+            self._steps.releases.remove(seq.request_id)
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
-        index = next((i for i, w in enumerate(self.waiting) if w.num_computed_tokens == 0 and not w.output_token_ids),
-                     len(self.waiting))
-        self.waiting.insert(index, seq)
+        self.waiting.insert(resume_index(self.waiting), seq)
 
     def release_later(self, seq_ids: Iterable[str]) -> None:
         """Tell the worker with the next step that it may forget these sequences (e.g. ones evicted while it
         did not answer: if it comes back with its state, that state is stale)."""
-        self._finished_seq_ids.extend(s for s in seq_ids if s not in self.requests)
+        self._steps.releases.extend(s for s in seq_ids if s not in self.requests)
 
     def discard(self, request: StepRequest) -> list[str]:
         """Forget a step that failed; returns the ids of its sequences still live (the caller aborts them)."""
-        in_flight, self._in_flight = self._in_flight, {}
-        self._drop_ahead()
-        self.current_step = None
+        in_flight = self._steps.drop(self.requests)
         return [work.seq_id for work in request.sequences
                 if (seq := in_flight.get(work.seq_id)) is not None and not seq.is_finished]
 
@@ -439,44 +357,13 @@ class Scheduler:
         seq.status, seq.finish_reason, seq.error_message = status, reason, error_message
         del self.requests[seq.request_id]
         if seq.is_known_to_worker:
-            self._finished_seq_ids.append(seq.request_id)
+            self._steps.releases.append(seq.request_id)
         if self._on_end is not None:
             self._on_end(seq.request_id)
 
-    def _table_to_send(self, seq: Sequence) -> tuple[int, tuple[int, ...]]:
-        """seq's block_table_start and block table entries for the step being built; the worker has them all
-        once it takes the step (a step that fails preempts its sequences, and with them this count)."""
-        table_start = seq.num_blocks_sent if self.is_block_table_delta else 0
-        seq.num_blocks_sent = len(seq.block_table)
-        return table_start, tuple(seq.block_table[table_start:])
-
     def _build_request(self, chosen: list[tuple[Sequence, int]]) -> StepRequest:
-        request = StepRequest()
         if not chosen:
-            return request  # finished ids wait for the next step that runs
-        now = self.clock()
-        batch_size = len(chosen)
-        for seq, num_new in chosen:
-            start = seq.num_computed_tokens
-            is_at_end = start + num_new == seq.num_tokens
-            # positional arguments, and a decoding sequence's one token without a slice: this runs for every
-            # sequence every step
-            token_ids = (seq.token_ids[start],) if num_new == 1 else tuple(seq.token_ids[start:start + num_new])
-            table_start, table = self._table_to_send(seq)
-            request.sequences.append(ScheduledSequence(seq.request_id, token_ids, start, table,
-                                                       (num_new - 1,) if is_at_end else (), None, False, table_start))
-            if not seq.is_known_to_worker:
-                # every token so far: a sequence moved from a lost worker may start past a cached prefix that
-                # covers some of its output too
-                request.new_sequences.append(NewSequence(seq.request_id, seq.sampling, seq.num_prompt_tokens,
-                                                         tuple(seq.token_ids)))
-                seq.is_known_to_worker = True
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-                seq.queue_wait_us = RequestMetrics.of(seq).queue_wait_us
-            seq.max_batch_size = max(seq.max_batch_size, batch_size)
-            self._in_flight[seq.request_id] = seq
-        request.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
+            return StepRequest()  # finished ids wait for the next step that runs
+        request = build_step(chosen, self.clock(), self.is_block_table_delta)
         self.num_steps += 1
-        self.current_step = request
-        return request
+        return self._steps.send(request, (seq for seq, _ in chosen))
