@@ -1,5 +1,6 @@
 """The worker's lean decoders (worker/lean_decoder.py): bit-identical logits to transformers' forward on every kind
-of step, for Gemma3, Llama and Llama's kin (Mistral, Qwen2, Qwen3), and used only where one exists."""
+of step (on the CPU; within float32 rounding on CUDA), for Gemma3, Llama and Llama's kin (Mistral, Qwen2, Qwen3),
+and used only where one exists."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
 from worker.fused_norm import is_known_norm
 from worker.lean_decoder import LEAN_DECODERS, lean_decoder
+from tests.devices import TEST_DEVICE
 from tests.test_worker_runner import ARCHITECTURES, gemma3_runner, make_runner  # noqa: F401 (fixtures)
 from tests.tiny_models import LLAMA_KIN, build_tiny_llama_kin
 
@@ -70,7 +72,10 @@ def test_the_lean_forward_gives_transformers_logits_bit_for_bit(varied_runner):
             runner._lean = None  # transformers' forward, on the same plan (it writes the same keys and values)
             stock_logits = runner.execute(plan)
             assert lean_logits.shape[0] >= expected_rows > 0
-            assert torch.equal(lean_logits, stock_logits)
+            if TEST_DEVICE == "cpu":
+                assert torch.equal(lean_logits, stock_logits)
+            else:  # a CUDA F.rms_norm is one kernel, which may round a weighted norm otherwise than norm, then weight
+                torch.testing.assert_close(lean_logits, stock_logits)
             assert torch.equal(lean_non_finite, plan.non_finite_tokens)
     finally:
         runner._lean = lean

@@ -57,8 +57,9 @@ class StackedRMSNorm(nn.Module):
 
     For a layer's query and key norms: x is [..., H1 + H2 + ..., D], the first H1 heads normed by the first norm,
     and so on. The rows are normalized together without a weight, then each head's row is multiplied by its own
-    norm's weight, which is what F.rms_norm with a weight computes (tests/test_fused_norm.py checks it bit for bit
-    against each norm on its own heads). One call in place of one per norm, and the rows stay independent."""
+    norm's weight, which is what F.rms_norm with a weight computes on the CPU (tests/test_fused_norm.py checks it
+    bit for bit against each norm on its own heads; a CUDA build's one-kernel F.rms_norm may round otherwise). One
+    call in place of one per norm, and the rows stay independent."""
 
     def __init__(self, norms_and_heads: list[tuple[nn.Module, int]]):
         super().__init__()
