@@ -56,6 +56,8 @@ class GateState:
     """True: steps where this kind was allowed to draft; False: steps where it was not."""
     num_steps_since_flip: int = 0
     num_steps_since_explore: int = 0
+    explore_interval: int = 16
+    """Steps of the state between two explorations of the other arm, now (SpeculationGate: backing off)."""
     num_flips: int = 0
     """State changes after the first verdict."""
 
@@ -112,10 +114,23 @@ class SpeculationGate:
     around parity inside the margin does not flap it. Exploration: every
     explore_interval steps of a state the other arm runs once, at most one
     kind per step (the one waiting longest), so a closed kind can reopen.
+
+    Backing off: an exploration costs more than its step. It cannot be sent
+    ahead (its drafts need the tokens of the step before it), so the worker
+    waits for the scheduler's round trip and the drafter's answer; on the
+    2-core CPU, one stream of the tiny model whose drafts never came, the
+    explorations of two closed kinds every 16 steps cost 16% of its tokens per
+    second. So an exploration whose step did worse than the state's own arm
+    (it confirms the state) doubles the state's interval, up to
+    max_explore_interval; one that did better (the state may be wrong), and a
+    flip, set it back to explore_interval, so evidence against a state is
+    followed up at the base pace.
     """
 
     min_steps: int = 4
     explore_interval: int = 16
+    max_explore_interval: int = 256
+    """The longest interval backing off reaches: how long a settled state may go unexamined."""
     margin: float = 0.05
     """Relative goodput difference a flip needs (0.05: 5% better to open, 5% worse to close)."""
     min_dwell: int = 32
@@ -127,8 +142,10 @@ class SpeculationGate:
     """Segment kind -> (bucket, is_open) of its state at the latest step that had it, for the stats."""
 
     def __post_init__(self) -> None:
-        if self.min_steps < 1 or self.explore_interval < 2 or self.margin < 0 or self.min_dwell < 0:
-            raise ValueError("min_steps >= 1, explore_interval >= 2, margin >= 0 and min_dwell >= 0 are needed")
+        if (self.min_steps < 1 or self.explore_interval < 2 or self.max_explore_interval < self.explore_interval
+                or self.margin < 0 or self.min_dwell < 0):
+            raise ValueError("min_steps >= 1, 2 <= explore_interval <= max_explore_interval, margin >= 0 and "
+                             "min_dwell >= 0 are needed")
 
     @staticmethod
     def bucket(num_sequences: int) -> int:
@@ -137,7 +154,8 @@ class SpeculationGate:
     def decide(self, groups: Mapping[str, int]) -> GateDecision:
         """Whether each segment kind present (segment -> its decode sequences) may draft this step."""
         bucket = self.bucket(sum(groups.values()))
-        present = {segment: self.states.setdefault((segment, bucket), GateState()) for segment in sorted(groups)}
+        present = {segment: self.states.setdefault((segment, bucket), GateState(explore_interval=self.explore_interval))
+                   for segment in sorted(groups)}
         for state in present.values():
             state.num_steps_since_flip += 1
             state.num_steps_since_explore += 1
@@ -158,7 +176,7 @@ class SpeculationGate:
             state = self.states.get((segment, bucket))
             if state is None or state.is_open:  # a closed state is a decided one
                 return False
-            if state.num_steps_since_explore + 1 >= self.explore_interval:  # decide() counts this step first
+            if state.num_steps_since_explore + 1 >= state.explore_interval:  # decide() counts this step first
                 return False
         return True
 
@@ -169,6 +187,8 @@ class SpeculationGate:
         for segment, is_allowed in decision.allowed.items():
             if decision.exploring in (None, segment):
                 state = self.states[(segment, decision.bucket)]
+                if segment == decision.exploring and state.is_decided:
+                    self._back_off(state, is_confirmed=num_tokens / seconds < state.arms[state.is_open].tokens_per_s)
                 state.arms[is_allowed].observe(num_tokens, seconds)
                 self._update(state)
         self.last_segments.update((segment, (decision.bucket, self.states[(segment, decision.bucket)].is_open))
@@ -179,7 +199,13 @@ class SpeculationGate:
         if not state.is_decided:
             other, own = state.arms[not state.is_open], state.arms[state.is_open]
             return other.num_steps < self.min_steps and other.num_steps < own.num_steps
-        return state.num_steps_since_explore >= self.explore_interval
+        return state.num_steps_since_explore >= state.explore_interval
+
+    def _back_off(self, state: GateState, is_confirmed: bool) -> None:
+        """After an exploration of a decided state: wait twice as long for the next one if it confirmed the
+        state, else explore again at the base interval."""
+        state.explore_interval = (min(2 * state.explore_interval, self.max_explore_interval) if is_confirmed
+                                  else self.explore_interval)
 
     def _update(self, state: GateState) -> None:
         if min(arm.num_steps for arm in state.arms.values()) < self.min_steps:
@@ -194,3 +220,4 @@ class SpeculationGate:
         if is_against and state.num_steps_since_flip >= self.min_dwell:
             state.is_open, state.num_steps_since_flip = not state.is_open, 0
             state.num_flips += 1
+            state.explore_interval = self.explore_interval

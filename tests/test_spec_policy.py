@@ -137,12 +137,39 @@ def num_flips(history: list[dict], segment: str) -> int:
 
 
 def test_gate_tries_both_arms_then_keeps_the_faster_and_explores_the_other():
-    gate = SpeculationGate(min_steps=2, explore_interval=8)
+    gate = SpeculationGate(min_steps=2, explore_interval=8, max_explore_interval=8)  # no backing off
     history = run_gate(gate, {"code": 1}, 24, lambda step, allowed: 20 if allowed["code"] else 10)
     decisions = allowed_of(history, "code")
     assert decisions[:4] == [True, False, True, False]  # warm-up: drafting first, then each arm in turn
     assert decisions[4:] == [k % 8 != 4 for k in range(5, 25)]  # every 8th step after the warm-up explores
     assert gate.last_segments == {"code": (1, True)} and gate.last_decision == (1, True)
+
+
+def explorations(history: list[dict], segment: str) -> list[int]:
+    """The steps where the kind did other than its state."""
+    return [i for i, step in enumerate(history) if step[segment][0] != step[segment][1]]
+
+
+def test_explorations_that_confirm_the_state_come_ever_less_often_up_to_a_bound():
+    gate = SpeculationGate(min_steps=2, explore_interval=8, max_explore_interval=32)
+    history = run_gate(gate, {"code": 1}, 120, lambda step, allowed: 20 if allowed["code"] else 10)
+    assert explorations(history[4:], "code") == [7, 23, 55, 87]  # after the warm-up: 8, 16, 32, 32 steps apart
+    assert gate.states[("code", 1)].is_open and gate.states[("code", 1)].num_flips == 0
+
+
+def test_an_exploration_that_contradicts_the_state_brings_the_next_one_at_the_base_interval():
+    """Drafting paid, then stops paying (the plain arm now does 10% better): the first exploration after the
+    change finds the plain arm better, so the next ones come every 8 steps again until the state closes."""
+    gate = SpeculationGate(min_steps=2, explore_interval=8, max_explore_interval=64, min_dwell=0)
+    run_gate(gate, {"code": 1}, 100, lambda step, allowed: 20 if allowed["code"] else 10)
+    state = gate.states[("code", 1)]
+    assert state.is_open and state.explore_interval == 64
+    history = run_gate(gate, {"code": 1}, 200, lambda step, allowed: 10 if allowed["code"] else 11, 100)
+    closed = next(i for i, step in enumerate(history) if not step["code"][1])
+    explored = [i for i in explorations(history, "code") if i < closed]
+    assert len(explored) >= 2 and all(b - a == 8 for a, b in zip(explored, explored[1:]))
+    assert state.num_flips == 1 and not state.is_open
+    assert closed <= explored[0] + 8 * len(explored)  # each exploration at the base pace, then the flip
 
 
 def test_each_segment_kind_is_gated_apart_in_the_same_batch():
@@ -243,6 +270,8 @@ def test_the_gate_tells_ahead_of_deciding_whether_it_keeps_every_kind_off():
 def test_the_gate_rejects_a_setting_that_cannot_work():
     with pytest.raises(ValueError, match="explore_interval"):
         SpeculationGate(explore_interval=1)
+    with pytest.raises(ValueError, match="max_explore_interval"):
+        SpeculationGate(explore_interval=16, max_explore_interval=8)
     with pytest.raises(ValueError, match="margin"):
         SpeculationGate(margin=-0.1)
 
