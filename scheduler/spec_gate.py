@@ -124,13 +124,18 @@ class SpeculationGate:
     (it confirms the state) doubles the state's interval, up to
     max_explore_interval; one that did better (the state may be wrong), and a
     flip, set it back to explore_interval, so evidence against a state is
-    followed up at the base pace.
+    followed up at the base pace. Except base_pace_kinds: "" holds the requests
+    whose segment the drafter has not named yet, which it names only in answer
+    to a step that drafts, so its explorations are how new requests are
+    classified (scheduler/speculator.py) and keep the base pace.
     """
 
     min_steps: int = 4
     explore_interval: int = 16
     max_explore_interval: int = 256
     """The longest interval backing off reaches: how long a settled state may go unexamined."""
+    base_pace_kinds: frozenset[str] = frozenset({""})
+    """Kinds that never back off."""
     margin: float = 0.05
     """Relative goodput difference a flip needs (0.05: 5% better to open, 5% worse to close)."""
     min_dwell: int = 32
@@ -187,7 +192,7 @@ class SpeculationGate:
         for segment, is_allowed in decision.allowed.items():
             if decision.exploring in (None, segment):
                 state = self.states[(segment, decision.bucket)]
-                if segment == decision.exploring and state.is_decided:
+                if segment == decision.exploring and state.is_decided and segment not in self.base_pace_kinds:
                     self._back_off(state, is_confirmed=num_tokens / seconds < state.arms[state.is_open].tokens_per_s)
                 state.arms[is_allowed].observe(num_tokens, seconds)
                 self._update(state)

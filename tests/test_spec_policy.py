@@ -157,6 +157,17 @@ def test_explorations_that_confirm_the_state_come_ever_less_often_up_to_a_bound(
     assert gate.states[("code", 1)].is_open and gate.states[("code", 1)].num_flips == 0
 
 
+def test_requests_not_yet_classified_are_explored_at_the_base_pace_while_a_named_kind_backs_off():
+    """The drafter names a request's segment only in answer to a step that drafts for it: the kind "" (not named
+    yet) keeps exploring every 8 steps, so new requests still learn their segment soon."""
+    gate = SpeculationGate(min_steps=2, explore_interval=8, max_explore_interval=64)
+    history = run_gate(gate, {"": 1, "prose": 1}, 300, lambda step, allowed: 100 - 20 * sum(allowed.values()))
+    assert not gate.states[("", 2)].is_open and not gate.states[("prose", 2)].is_open
+    unnamed, prose = explorations(history[100:], ""), explorations(history[100:], "prose")
+    assert all(8 <= b - a <= 9 for a, b in zip(unnamed, unnamed[1:])) and len(unnamed) >= 20
+    assert gate.states[("prose", 2)].explore_interval == 64 and len(prose) <= 4
+
+
 def test_an_exploration_that_contradicts_the_state_brings_the_next_one_at_the_base_interval():
     """Drafting paid, then stops paying (the plain arm now does 10% better): the first exploration after the
     change finds the plain arm better, so the next ones come every 8 steps again until the state closes."""
