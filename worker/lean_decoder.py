@@ -28,6 +28,13 @@ from worker.attention import AttentionBatch, paged_attention_forward
 from worker.fused_norm import StackedRMSNorm
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
+"""A layer's rotary cos and sin, [1, 1, T, D]: broadcast over the heads."""
+
+
+def _over_heads(cos_sin: Rotary) -> Rotary:
+    """A rotary embedding's (cos, sin) [1, T, D] as apply_rotary_pos_emb unsqueezes them for the heads, once per
+    forward rather than once per layer."""
+    return cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)
 
 
 def lean_decoder(model: nn.Module) -> LeanDecoder | None:
@@ -70,7 +77,7 @@ class LeanDecoder:
         return self.head(self.text.norm(hidden)[:, logits_to_keep, :])
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
-        """Each layer's rotary cos and sin."""
+        """Each layer's rotary cos and sin (_over_heads)."""
         raise NotImplementedError
 
     def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
@@ -88,7 +95,7 @@ class LeanDecoder:
             query_key = self.qk_norms[index](query_key)
         query_key = query_key.transpose(1, 2)  # [1, H + KVH, T, D]
         value = attn.v_proj(hidden).view(heads_shape).transpose(1, 2)
-        cos, sin = (part.unsqueeze(1) for part in rotary)
+        cos, sin = rotary
         query_key = (query_key * cos) + (self.modeling.rotate_half(query_key) * sin)  # apply_rotary_pos_emb's
         query, key = query_key[:, : self.num_heads], query_key[:, self.num_heads :]
         output, _ = paged_attention_forward(attn, query, key, value, None, scaling=attn.scaling, segserve_batch=batch,
@@ -111,7 +118,8 @@ class LeanGemma3(LeanDecoder):
         self.final_softcap = self.text.config.final_logit_softcapping
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
-        by_type = {kind: self.text.rotary_emb(hidden, position_ids, kind) for kind in set(self.layer_types)}
+        by_type = {kind: _over_heads(self.text.rotary_emb(hidden, position_ids, kind))
+                   for kind in set(self.layer_types)}
         return [by_type[kind] for kind in self.layer_types]
 
     def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
@@ -134,7 +142,7 @@ class LeanLlama(LeanDecoder):
     the window their attention passes and, for Qwen3, normed queries and keys."""
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
-        return [self.text.rotary_emb(hidden, position_ids=position_ids)] * len(self.layers)
+        return [_over_heads(self.text.rotary_emb(hidden, position_ids=position_ids))] * len(self.layers)
 
     def window(self, attn: nn.Module) -> dict:
         """The sliding-window keyword the class's attention passes to its attention function (Llama's: none)."""
