@@ -138,9 +138,7 @@ class Scheduler:
         """
         check_admission(seq, self.requests, self.waiting, max_len=self.max_len, max_num_waiting=self.max_num_waiting,
                         max_num_waiting_tokens=self.max_num_waiting_tokens)
-        if seq.request_id in self._steps.releases:
-            # Its first step restarts the worker's state; a release after it would drop the new one.
-            self._steps.releases.remove(seq.request_id)
+        self._steps.keep(seq.request_id)
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
@@ -274,8 +272,7 @@ class Scheduler:
         """Take over a sequence another scheduler evicted (evict_all): it goes ahead of the new requests, with
         no queue bound (it was admitted once already)."""
         check_not_live(seq, self.requests)
-        if seq.request_id in self._steps.releases:
-            self._steps.releases.remove(seq.request_id)
+        self._steps.keep(seq.request_id)
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.insert(resume_index(self.waiting), seq)

@@ -151,6 +151,12 @@ class StepLedger:
         self.current_step = None
         return in_flight
 
+    def keep(self, seq_id: str) -> None:
+        """seq_id is live again (a reused id, or a sequence handed over): its pending release is withdrawn, as its
+        first step restarts the worker's state and a release after that would drop the new one."""
+        if seq_id in self.releases:
+            self.releases.remove(seq_id)
+
     def repeat_releases(self, seq_ids: Iterable[str], live_ids: Container[str]) -> None:
         """Release seq_ids again with the next step, but for those live again (their id reused) or pending."""
         self.releases += [seq_id for seq_id in seq_ids if seq_id not in live_ids and seq_id not in self.releases]
