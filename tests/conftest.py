@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.devices import TEST_DEVICE
-from tests.tiny_models import build_tiny_gemma3, build_tiny_llama
+from tests.tiny_models import build_tiny_gemma3, build_tiny_llama, build_tiny_llama_kin
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +16,21 @@ def tiny_gemma3_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory):
+    return build_tiny_llama_kin(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    return build_tiny_llama_kin(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    return build_tiny_llama_kin(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="session")

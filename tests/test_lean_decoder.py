@@ -15,7 +15,6 @@ from worker.fused_norm import is_known_norm
 from worker.lean_decoder import LEAN_DECODERS, lean_decoder
 from tests.devices import TEST_DEVICE
 from tests.test_worker_runner import ARCHITECTURES, gemma3_runner, make_runner  # noqa: F401 (fixtures)
-from tests.tiny_models import LLAMA_KIN, build_tiny_llama_kin
 
 PROMPTS = {"a": [1, 50, 60, 70, 80, 90, 100, 33, 21, 7, 140, 200, 201, 202, 203], "b": [9, 8, 7, 6, 5, 4, 3]}
 TREE = CandidateTree((12, 250, 31, 99, 140, 5, 64), (-1, -1, 0, 0, 1, 2, 5))
@@ -44,11 +43,8 @@ def varied_runner(request, tmp_path_factory):
     """A runner of each architecture whose norms all have weights of their own: a tiny model's are all equal (0 or
     1), under which norms mixed up with one another would go unnoticed."""
     out = tmp_path_factory.mktemp(f"varied-{request.param}")
-    if request.param in LLAMA_KIN:
-        source = build_tiny_llama_kin(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
-    else:
-        source = request.getfixturevalue(f"tiny_{request.param}_dir")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(f"tiny_{request.param}_dir"),
+                                                 dtype=torch.float32)
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for module in model.modules():

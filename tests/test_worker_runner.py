@@ -15,7 +15,7 @@ from protos.segserve.v1.tree import CandidateTree
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from tests.devices import TEST_DEVICE
-from tests.tiny_models import LLAMA_KIN, build_tiny_llama_kin
+from tests.tiny_models import LLAMA_KIN
 from worker.sampler import sample
 from worker.validation import InvalidRequest
 
@@ -42,23 +42,19 @@ def llama_runner(tiny_llama_dir):
     return make_runner(tiny_llama_dir)
 
 
-def _kin_runner(architecture: str, tmp_path_factory) -> ModelRunner:
-    return make_runner(build_tiny_llama_kin(tmp_path_factory.mktemp(f"tiny-{architecture}"), architecture))
+@pytest.fixture(scope="module")
+def mistral_runner(tiny_mistral_dir):
+    return make_runner(tiny_mistral_dir)
 
 
 @pytest.fixture(scope="module")
-def mistral_runner(tmp_path_factory):
-    return _kin_runner("mistral", tmp_path_factory)
+def qwen2_runner(tiny_qwen2_dir):
+    return make_runner(tiny_qwen2_dir)
 
 
 @pytest.fixture(scope="module")
-def qwen2_runner(tmp_path_factory):
-    return _kin_runner("qwen2", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def qwen3_runner(tmp_path_factory):
-    return _kin_runner("qwen3", tmp_path_factory)
+def qwen3_runner(tiny_qwen3_dir):
+    return make_runner(tiny_qwen3_dir)
 
 
 ARCHITECTURES = ("gemma3", "llama", *LLAMA_KIN)
