@@ -124,9 +124,7 @@ class WindowSource:
     def keys(self, window: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Key slots and [R, Q, L'] mask of the keys within `window` of the group's queries, or None when
         they would be no fewer than the group's L (then the full range, masked, is the same attention)."""
-        # a query at `start` reaches back to key start - window + 1; the range starts at the grid line below it
-        firsts = np.maximum(self.host_starts - window + 1, 0) // WINDOW_KEY_GRID * WINDOW_KEY_GRID
-        num_keys = bucket_keys(int((self.host_ends - firsts).max()))
+        num_keys = windowed_num_keys(window, self.host_starts, self.host_ends)
         if num_keys >= group.key_slots.shape[1]:
             return None
         first = (self.start - window + 1).clamp_(min=0).div_(WINDOW_KEY_GRID, rounding_mode="floor")
@@ -140,6 +138,14 @@ class WindowSource:
         if mask.shape[1] > 1:  # a padding query keeps a key, so that its softmax row is never empty
             mask[:, :, 0] |= group.is_pad_query
         return key_slots, mask
+
+
+def windowed_num_keys(window: int, host_starts: np.ndarray, host_ends: np.ndarray) -> int:
+    """The bucketed key count of a sliding-window layer's range (WindowSource.keys) for rows whose computed tokens
+    are host_starts [R] and that end at host_ends [R] after this step."""
+    # a query at `start` reaches back to key start - window + 1; the range starts at the grid line below it
+    firsts = np.maximum(host_starts - window + 1, 0) // WINDOW_KEY_GRID * WINDOW_KEY_GRID
+    return bucket_keys(int((host_ends - firsts).max()))
 
 
 @dataclass
@@ -159,18 +165,21 @@ def build_attention_batch(plans: list[GroupPlan], uploaded: list[torch.Tensor], 
     in turn, on the device); key slots, masks and positions are computed on the device from the
     persistent block tables (device_tables [rows, max_blocks] int32). slots: [T] long on the device."""
     parts = iter(uploaded)
-    groups = [_to_group(plan, [next(parts) for _ in range(7)], device_tables, kv_cache.block_size) for plan in plans]
+    groups = [to_group(plan, [next(parts) for _ in range(7)], device_tables, kv_cache.block_size) for plan in plans]
     return AttentionBatch(kv_cache, slots, groups)
 
 
-def _to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.Tensor, block_size: int
-              ) -> AttentionGroup:
-    """The device half: key slots, positions and the mask of one group."""
+def to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.Tensor, block_size: int,
+             is_cached_columns: bool = True) -> AttentionGroup:
+    """The device half: key slots, positions and the mask of one group. is_cached_columns=False computes the key
+    columns afresh instead of taking _key_columns' (a CUDA graph's capture must not read, or leave in that cache,
+    tensors of its own memory pool: worker/decode_graphs.py)."""
     per_row, depth, sees, is_pad, query_index, out_rows, out_tokens = arrays
     rows, num_keys = per_row.shape[1], plan.num_keys
     table_rows, start, length = per_row[0], per_row[1, :, None], per_row[2, :, None]  # [R], [R, 1], [R, 1]
     num_cols = min(-(-num_keys // block_size), device_tables.shape[1])  # only the blocks the keys reach
-    key, block_col, key_offset = _key_columns(num_keys, block_size, num_cols, per_row.device)
+    columns = _key_columns if is_cached_columns else _key_columns.__wrapped__
+    key, block_col, key_offset = columns(num_keys, block_size, num_cols, per_row.device)
     tables = device_tables[:, :num_cols].index_select(0, table_rows).long()  # [R, num_cols]
     key_slots = tables.index_select(1, block_col) * block_size + key_offset  # [R, L]
     pad = is_pad.bool()  # [R, Q]

@@ -83,7 +83,7 @@ class GroupPlan:
 def plan_groups(works: list[Work], layout: StepLayout) -> list[GroupPlan]:
     """Group the works by query count (power-of-two buckets) and lay each group out on the host."""
     if len(layout.slots) == len(works):  # one token each (every sequence decoding): the common step, built directly
-        return [_plan_one_token_each(layout)]
+        return [plan_one_token_each(layout)]
     query_buckets = _buckets(layout.lengths)
     plans = [_plan_group(works, np.flatnonzero(query_buckets == q), int(q), layout) for q in np.unique(query_buckets)]
     if len(plans) == 1 and not plans[0].is_pad.any():  # every work, in order, with no padding (e.g. all decoding)
@@ -91,7 +91,7 @@ def plan_groups(works: list[Work], layout: StepLayout) -> list[GroupPlan]:
     return plans
 
 
-def _plan_one_token_each(layout: StepLayout) -> GroupPlan:
+def plan_one_token_each(layout: StepLayout) -> GroupPlan:
     """What _plan_group gives for one group of every work when each computes one token: Q = 1, no padding, the
     queries in order (query r is token r)."""
     num_works = len(layout.rows)

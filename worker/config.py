@@ -47,6 +47,11 @@ class WorkerConfig:
     """Run a Gemma3, Llama, Mistral, Qwen2 or Qwen3 model's eager forward without transformers' per-call wrappers and
     mask building (worker/lean_decoder.py): the same modules and ops, bit-identical logits, less Python per step.
     Other models, and a compiled decoder, run transformers' forward either way."""
+    is_cuda_graphs: bool = False
+    """Run decode steps (one token per sequence, up to 256 sequences) on static buffers, replayed from CUDA graphs
+    captured per batch size and key length (worker/decode_graphs.py), so that a step is one launch instead of one
+    per kernel. Needs a lean decoder (is_lean_decoder, not is_compiled, one of its architectures). On the CPU the
+    same padded steps run eagerly, with nothing to capture: what the tests check it with. No GPU has run it yet."""
     compile_max_tokens: int = 256
     """With is_compiled: the buckets up to this many tokens (1, 2, 4, ...) are compiled during the warm-up,
     before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
@@ -74,6 +79,8 @@ class WorkerConfig:
             raise ValueError("num_kv_blocks, max_model_len and num_threads must be >= 0")
         if self.linear_block_rows < -1:
             raise ValueError("linear_block_rows must be >= 0, or -1 for the device's default")
+        if self.is_cuda_graphs and (self.is_compiled or not self.is_lean_decoder):
+            raise ValueError("cuda_graphs needs the lean decoder: not with is_compiled or without is_lean_decoder")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         internal_tls(self)  # ValueError naming the fields when only some are given

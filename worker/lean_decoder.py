@@ -80,6 +80,14 @@ class LeanDecoder:
         """Each layer's rotary cos and sin (_over_heads)."""
         raise NotImplementedError
 
+    def window(self, attn: nn.Module) -> dict:
+        """The sliding-window keyword the class's attention passes to its attention function (Llama's: none)."""
+        return {}
+
+    def sliding_windows(self) -> set[int]:
+        """The windows of the model's sliding-window layers (empty: every layer attends to every key)."""
+        return {self.window(layer.self_attn).get("sliding_window") for layer in self.layers} - {None}
+
     def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
               ) -> torch.Tensor:
         raise NotImplementedError
@@ -122,11 +130,14 @@ class LeanGemma3(LeanDecoder):
                    for kind in set(self.layer_types)}
         return [by_type[kind] for kind in self.layer_types]
 
+    def window(self, attn: nn.Module) -> dict:
+        return {"sliding_window": attn.sliding_window}
+
     def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
               ) -> torch.Tensor:
         # as Gemma3's attention calls it: no softcap
         output = self.attention(index, layer.self_attn, layer.input_layernorm(hidden), rotary, batch,
-                                sliding_window=layer.self_attn.sliding_window)
+                                **self.window(layer.self_attn))
         hidden = hidden + layer.post_attention_layernorm(output)
         return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
 
@@ -143,10 +154,6 @@ class LeanLlama(LeanDecoder):
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
         return [_over_heads(self.text.rotary_emb(hidden, position_ids=position_ids))] * len(self.layers)
-
-    def window(self, attn: nn.Module) -> dict:
-        """The sliding-window keyword the class's attention passes to its attention function (Llama's: none)."""
-        return {}
 
     def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
               ) -> torch.Tensor:

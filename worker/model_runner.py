@@ -35,6 +35,7 @@ from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
 from worker.attention_plan import plan_groups
 from worker.block_tables import BlockTables
 from worker.compiled import CompiledDecoder
+from worker.decode_graphs import DecodeGraphs
 from segserve.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
@@ -103,7 +104,9 @@ class ModelRunner:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
         shape = KVCacheShape.from_model_config(self.model.config)
         num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
-        self.kv_cache = PagedKVCache(shape, num_blocks, config.block_size, self.dtype, self.device)
+        # with decode graphs, one more block than the scheduler gets: where their padding rows write
+        num_scratch = 1 if config.is_cuda_graphs else 0
+        self.kv_cache = PagedKVCache(shape, num_blocks + num_scratch, config.block_size, self.dtype, self.device)
         self.limits = StepLimits(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -123,6 +126,13 @@ class ModelRunner:
             max_decode_steps=MAX_DECODE_STEPS,
         )
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
+        self.graphs: DecodeGraphs | None = None
+        """Decode steps on static buffers and CUDA graphs (config.is_cuda_graphs), or None: every step eager."""
+        if config.is_cuda_graphs:
+            if self._lean is None:
+                raise ValueError(f"cuda_graphs needs a lean decoder; {type(self.model).__name__} has none")
+            self.graphs = DecodeGraphs(self._lean, self.kv_cache, self.block_tables, num_blocks * config.block_size,
+                                       is_capture=self.device.type == "cuda")
         self._states: dict[str, SequenceState] = {}
         self.is_ready = False
         self.timings: dict[str, float] | None = None
@@ -243,6 +253,11 @@ class ModelRunner:
         positions = np.fromiter(itertools.chain.from_iterable(w.positions for w in works), np.int64, num_tokens)
         keep = np.concatenate([_kept_rows(works, layout.offsets, "sample_indices"),
                                _kept_rows(works, layout.offsets, "prompt_offsets")])
+        if self.graphs is not None and self.graphs.fits(len(works), num_tokens, keep):
+            self._lap("metadata")
+            logits, plan.non_finite_tokens = self.graphs.run(layout, token_ids, positions)
+            self._lap("forward")
+            return logits
         groups = plan_groups(works, layout)
         uploaded = upload([np.stack([token_ids, positions, layout.slots]), keep,
                            *(a for group in groups for a in group.arrays())], self.device)

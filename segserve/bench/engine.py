@@ -79,6 +79,9 @@ class EngineBenchConfig:
     report is then one request of that many."""
     is_compiled: bool = False
     """Run the worker's decoder compiled (WorkerConfig.is_compiled); its buckets compile before the timing."""
+    is_cuda_graphs: bool = False
+    """Decode steps on static buffers, replayed from CUDA graphs on a GPU (WorkerConfig.is_cuda_graphs); graphs are
+    captured as their shapes first come, in the warm-up steps or the timed ones."""
     is_lean_decoder: bool = True
     """The worker's lean forward of Gemma3, Llama, Mistral, Qwen2 and Qwen3 (WorkerConfig.is_lean_decoder); False =
     transformers' forward."""
@@ -135,6 +138,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="decode steps per request to the runner (multi-step decoding; 1 = off)")
     parser.add_argument("--compiled", dest="is_compiled", action="store_true",
                         help="the worker's decoder compiled by torch.compile (buckets compiled before timing)")
+    parser.add_argument("--cuda-graphs", dest="is_cuda_graphs", action="store_true",
+                        help="decode steps replayed from CUDA graphs (on the CPU: the same padded steps, eager)")
     parser.add_argument("--lean-decoder", dest="is_lean_decoder", action=argparse.BooleanOptionalAction,
                         default=d.is_lean_decoder, help="the worker's lean forward of Gemma3, Llama, Mistral, Qwen2 "
                         "and Qwen3 (--no-lean-decoder: transformers' forward)")
@@ -194,7 +199,7 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
     runner = ModelRunner(WorkerConfig(model=str(model_dir), device=config.device, dtype=config.dtype,
                                       block_size=block_size, num_kv_blocks=num_blocks,
                                       num_threads=config.num_threads, is_compiled=config.is_compiled,
-                                      is_lean_decoder=config.is_lean_decoder,
+                                      is_lean_decoder=config.is_lean_decoder, is_cuda_graphs=config.is_cuda_graphs,
                                       linear_block_rows=config.linear_block_rows,
                                       compile_max_tokens=max(config.batch_sizes) * tokens_per_step))
     runner.warm_up()
@@ -343,6 +348,8 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
         results["batches"].append(batch)
         print(f"[bench engine] batch {batch_size}: {batch['total']['median_ms']:.2f} ms/step",
               file=sys.stderr, flush=True)
+    if runner.graphs is not None:
+        results["graphs_captured"] = runner.graphs.num_captured
     if config.is_hf_compiled:
         hf = bench_hf_compiled(config, model_dir, runner)
         for batch in results["batches"]:
