@@ -22,7 +22,8 @@ old one, so they are dropped and captured again.
 Numerics: a graph replays the eager forward's kernels on the padded batch, and the linears give each row the same
 result whatever the batch (worker/row_blocks.py), so a row's logits are those of the eager step.
 tests/test_decode_graphs.py checks that on the CPU, where there is nothing to capture: there the padded static steps
-run eagerly (is_capture False), which covers everything but the capture and the replay.
+run eagerly (is_capture False), each with the host-side decisions of the first step of its key, as a replay of that
+step's graph would. That covers everything but the capture and the replay themselves.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from worker.attention import AttentionBatch, to_group, windowed_num_keys
-from worker.attention_plan import StepLayout, plan_one_token_each
+from worker.attention_plan import GroupPlan, StepLayout, plan_one_token_each
 from worker.block_tables import BlockTables
 from worker.kv_cache import PagedKVCache
 from worker.lean_decoder import LeanDecoder
@@ -64,6 +65,9 @@ class DecodeGraphs:
         self.device = kv_cache.keys[0].device
         self._static = torch.zeros(6, self.max_rows, dtype=torch.long, device=self.device)
         self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self._plans: OrderedDict[tuple, GroupPlan] = OrderedDict()
+        """Without capture: the plan of the first step of each key, which later steps of that key run with, as they
+        would replay its graph."""
         self._logits: torch.Tensor | None = None
         """[max_rows, V] float32: where every graph leaves its logits (allocated at the first capture). One buffer
         for all, outside their pool: a graph's own output would keep its pool memory from the graphs after it."""
@@ -99,12 +103,19 @@ class DecodeGraphs:
             self._graphs.clear()
             self._tables = self.block_tables.device_table
 
+        if not self.is_capture:
+            # what a replay runs: the forward as the first step of this key ran it (its host-side decisions are in
+            # the plan), on this step's buffers
+            plan = self._plans.setdefault(key, plan)
+            self._plans.move_to_end(key)
+            while len(self._plans) > MAX_GRAPHS:
+                self._plans.popitem(last=False)
+            logits, non_finite = self._forward(num_rows, plan)
+            return logits[:num_works].float(), non_finite[:num_works]
+
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             return self._forward(num_rows, plan)
 
-        if not self.is_capture:
-            logits, non_finite = forward()
-            return logits[:num_works].float(), non_finite[:num_works]
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(forward, key)
@@ -114,7 +125,7 @@ class DecodeGraphs:
         # copies: the next replay of any graph overwrites the buffers
         return self._logits[:num_works].clone(), self._non_finite[:num_works].clone()
 
-    def _forward(self, num_rows: int, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, num_rows: int, plan: GroupPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The lean forward of the static buffer's first num_rows rows: logits [P, V] and non-finite flags [P].
         Everything it computes from the buffer is computed again by every replay."""
         static = self._static[:, :num_rows]
