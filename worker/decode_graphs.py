@@ -76,6 +76,8 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if is_capture else None
         self.num_captured = 0
         """Graphs captured so far (a key captured again after it left counts again)."""
+        self.capture_seconds = 0.0
+        """Time those captures took, their runs before the capture included."""
 
     def fits(self, num_works: int, num_tokens: int, keep: np.ndarray) -> bool:
         """Whether a step of num_works works, num_tokens tokens and these kept logit rows is a decode step this
@@ -160,6 +162,7 @@ class DecodeGraphs:
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
         self.num_captured += 1
-        logger.info("captured the decode step of %d rows, keys %s, in %.0f ms", num_rows, key[1:],
-                    1000 * (time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        self.capture_seconds += seconds
+        logger.debug("captured the decode step of %d rows, keys %s, in %.0f ms", num_rows, key[1:], 1000 * seconds)
         return graph

@@ -350,6 +350,7 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
               file=sys.stderr, flush=True)
     if runner.graphs is not None:
         results["graphs_captured"] = runner.graphs.num_captured
+        results["graph_capture_s"] = runner.graphs.capture_seconds
     if config.is_hf_compiled:
         hf = bench_hf_compiled(config, model_dir, runner)
         for batch in results["batches"]:
