@@ -205,6 +205,9 @@ def markdown_table(results: dict) -> str:
     lines += overhead_table(results.get("grpc_api_overhead") or [], via="gRPC API")
     rounds = results.get("router_overhead_rounds") or []
     if rounds:
+        lines += ["", "The level rows above ran through the router first and straight to the scheduler after it, "
+                  "so what the speculation gate learned in between (with speculation on) favours the direct ones; "
+                  "the alternated rounds below compare the two back to back."]
         lines += ["", "| streams | router overhead ms/token, alternated rounds: median [min-max] | each round "
                   "| load generator CPU ms/token, HTTP / gRPC (medians) |", "|---:|---:|---|---:|"]
         for level in rounds:
