@@ -14,10 +14,9 @@ ever gets) and reads key 0 of block-table row 0 (read only, its output dropped).
 
 A graph's key: the padded rows, the bucketed key length (worker/attention_plan.py) and each sliding window's
 bucketed key count, which are all the shapes a decode step's attention takes. It is captured the first time its key
-comes and kept while MAX_GRAPHS others are newer; all graphs share one memory pool, as only one replays at a time,
-and leave their logits in one buffer outside it.
-The block tables' device tensor may be replaced when it grows (worker/block_tables.py): the graphs then read the
-old one, so they are dropped and captured again.
+comes and kept while MAX_GRAPHS others are newer. All graphs share one memory pool, as only one replays at a time,
+and leave their logits in one buffer outside it. The block tables' device tensor may be replaced when it grows
+(worker/block_tables.py): the graphs then read the old one, so they are dropped and captured again.
 
 Numerics: a graph replays the eager forward's kernels on the padded batch, and the linears give each row the same
 result whatever the batch (worker/row_blocks.py), so a row's logits are those of the eager step.
@@ -31,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+
 import numpy as np
 import torch
 
