@@ -13,11 +13,13 @@ import torch
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
+from tests.devices import TEST_DEVICE
 from tests.test_worker_runner import (
     ARCHITECTURES, PROMPT, Decoder, assert_batch_invariant, make_runner, reference_greedy, run_together,
 )
 from worker.config import WorkerConfig
 from worker.decode_graphs import CAPTURE_SIZES
+from worker.model_runner import ModelRunner
 
 NUM_BLOCKS = 320
 
@@ -169,6 +171,15 @@ def test_the_block_tables_growing_does_not_leave_the_steps_reading_the_old_ones(
     assert graphs.block_tables.device_table is not first
     for want, have in zip(logits[id(eager)], logits[id(graphs)], strict=True):
         assert torch.equal(want, have)
+
+
+def test_the_warm_up_runs_a_step_on_the_graphs(tiny_gemma3_dir, counted):
+    """So that on a GPU a capture that cannot work fails the worker's start, not a request."""
+    runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=8, block_size=4, dtype="float32",
+                                      device=TEST_DEVICE, is_cuda_graphs=True))
+    calls = counted(runner)
+    runner.warm_up()
+    assert calls[0] == 1 and runner.is_ready
 
 
 @pytest.mark.parametrize("fields", [dict(is_compiled=True), dict(is_lean_decoder=False)])

@@ -104,8 +104,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
         shape = KVCacheShape.from_model_config(self.model.config)
         num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
-        # with decode graphs, one more block than the scheduler gets: where their padding rows write
-        num_scratch = 1 if config.is_cuda_graphs else 0
+        num_scratch = 1 if config.is_cuda_graphs else 0  # a block the scheduler never gets, for the graphs' padding
         self.kv_cache = PagedKVCache(shape, num_blocks + num_scratch, config.block_size, self.dtype, self.device)
         self.limits = StepLimits(
             num_blocks=num_blocks,
@@ -166,9 +165,10 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run one real step (forward and sampling) from block 0; the runner is ready after it. A compiled runner
         runs one per bucket up to config.compile_max_tokens (as far as the KV cache and max_model_len reach),
-        so that no request waits for a compile of those."""
+        so that no request waits for a compile of those. With decode graphs, a step of one token runs on them too
+        (on a GPU it captures a graph: a capture that cannot work fails the start, not a request)."""
         most = min(self.limits.max_model_len, self.limits.num_blocks * self.kv_cache.block_size)
-        sizes = {min(4, most)}
+        sizes = {min(4, most)} | ({1} if self.graphs is not None else set())
         if self.config.is_compiled:
             sizes |= {n for n in (1 << i for i in range(32)) if n <= min(self.config.compile_max_tokens, most)}
         for num_tokens in sorted(sizes):
