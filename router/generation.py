@@ -28,7 +28,7 @@ from protos.segserve.v1.generate import (
     GenerateRequest,
     TokenChunk,
 )
-from protos.segserve.v1.step import PromptLogprobs
+from protos.segserve.v1.step_result import PromptLogprobs
 from router.detokenizer import IncrementalDetokenizer
 from router.scheduler_client import SchedulerClient
 from router.scheduler_streams import open_stream

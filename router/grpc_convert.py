@@ -33,7 +33,7 @@ from google.protobuf.json_format import MessageToDict
 from protos.segserve.v1 import generation_pb2 as pb
 from protos.segserve.v1.generate import FinishReason, GenerateEvent, GenerateRequest, TokenChunk
 from protos.segserve.v1.sampling import RANGES, SamplingParams, StoppingCriteria
-from protos.segserve.v1.step import PromptLogprobs
+from protos.segserve.v1.step_result import PromptLogprobs
 from router.admission import check_request
 from router.choices import MAX_CHOICES
 from router.errors import APIError, bad_request

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from protos.segserve.v1.step import PromptLogprobs
+from protos.segserve.v1.step_result import PromptLogprobs
 from router.detokenizer import TokenTexts
 from router.generation import Delta, TokenLogprob
 from router.generation import Usage as UsageCounts

@@ -24,7 +24,8 @@ from typing import Protocol
 
 from protos.segserve.v1.generate import GenerateError, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
-from protos.segserve.v1.step import StepRequest, StepResult
+from protos.segserve.v1.step import StepRequest
+from protos.segserve.v1.step_result import StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.decode_steps import add_decode_steps
 from scheduler.outputs import RequestEvent

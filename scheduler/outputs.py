@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateEvent, TokenChunk
-from protos.segserve.v1.step import PromptLogprobs, SequenceOutput
+from protos.segserve.v1.step_result import PromptLogprobs, SequenceOutput
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.sequence import RequestMetrics, Sequence
 

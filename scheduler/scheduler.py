@@ -35,9 +35,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from protos.segserve.v1.generate import FinishReason
-from protos.segserve.v1.step import (
-    CONTINUATION_REFUSED, ScheduledSequence, SequenceOutput, StepRequest, StepResult, output_problem,
-)
+from protos.segserve.v1.step import CONTINUATION_REFUSED, ScheduledSequence, StepRequest
+from protos.segserve.v1.step_result import SequenceOutput, StepResult, output_problem
 from scheduler.admission import QueueFull, RequestRejected, check_admission, check_not_live, num_waiting_tokens
 from scheduler.block_manager import BlockManager
 from scheduler.faults import (

@@ -32,7 +32,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from protos.segserve.v1.step import StepRequest, StepResult, output_problem
+from protos.segserve.v1.step import StepRequest
+from protos.segserve.v1.step_result import StepResult, output_problem
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.drafter_client import DraftQuery, DraftReply
 from scheduler.drafting import attach_drafts, draft_candidates, draft_room

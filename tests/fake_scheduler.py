@@ -25,7 +25,7 @@ import grpc
 from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateError, GenerateRequest, TokenChunk
 from protos.segserve.v1.info import Health, WorkerInfo
-from protos.segserve.v1.step import PromptLogprobs, TopLogprobs
+from protos.segserve.v1.step_result import PromptLogprobs, TopLogprobs
 
 OUTPUT_TEXT = "Hello 🙂 東京 Übermäßig!\n    def add(a, b):\n        return a + b\n"
 GREEDY_LOGIT = 7.0  # what the fake reports as the score of a greedy token (a logit, not a logprob)

@@ -38,13 +38,15 @@ from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.step import (
     CONTINUATION_REFUSED,
-    PromptLogprobs,
     ScheduledSequence,
-    SequenceOutput,
     StepRequest,
+    multi_step_problem,
+)
+from protos.segserve.v1.step_result import (
+    PromptLogprobs,
+    SequenceOutput,
     StepResult,
     TopLogprobs,
-    multi_step_problem,
 )
 from protos.segserve.v1.tree import ROOT, CandidateTree
 from scheduler.drafter_client import DraftQuery, DraftReply

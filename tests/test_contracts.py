@@ -40,10 +40,12 @@ from protos.segserve.v1.sampling import (
 from protos.segserve.v1.step import (
     MalformedStep,
     NewSequence,
-    PromptLogprobs,
     ScheduledSequence,
-    SequenceOutput,
     StepRequest,
+)
+from protos.segserve.v1.step_result import (
+    PromptLogprobs,
+    SequenceOutput,
     StepResult,
     TopLogprobs,
     output_problem,

@@ -17,10 +17,8 @@ from openai import OpenAI
 from protos.segserve.v1 import worker_pb2
 from protos.segserve.v1.generate import FinishReason, GenerateComplete
 from protos.segserve.v1.sampling import SamplingParams
-from protos.segserve.v1.step import (
-    MAX_DECODE_STEPS, NewSequence, ScheduledSequence, SequenceOutput, StepRequest, multi_step_problem,
-    output_problem,
-)
+from protos.segserve.v1.step import MAX_DECODE_STEPS, NewSequence, ScheduledSequence, StepRequest, multi_step_problem
+from protos.segserve.v1.step_result import SequenceOutput, output_problem
 from scheduler.config import SchedulerConfig
 from scheduler.decode_steps import add_decode_steps
 from scheduler.scheduler import Scheduler

@@ -355,7 +355,7 @@ async def test_the_paced_bench_scheduler_sends_one_message_per_tick_for_all_its_
 
 
 def test_a_step_of_many_logprob_chunks_goes_out_as_several_bounded_messages():
-    from protos.segserve.v1.step import TopLogprobs
+    from protos.segserve.v1.step_result import TopLogprobs
     from scheduler.streams import split_messages
 
     top = tuple(TopLogprobs(tuple(range(20)), tuple(-0.5 for _ in range(20))) for _ in range(50))

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateRequest, TokenChunk
 from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
-from protos.segserve.v1.step import PromptLogprobs, TopLogprobs
+from protos.segserve.v1.step_result import PromptLogprobs, TopLogprobs
 from router.detokenizer import IncrementalDetokenizer, backend_decoder
 from router.generation import Delta, GenerationJob, generate_deltas, merge_chunks
 from router.responses import ChatDelta, ChatRenderer, ChatStreamChoice, CompletionChoice, CompletionRenderer

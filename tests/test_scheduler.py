@@ -11,7 +11,8 @@ import pytest
 
 from protos.segserve.v1.generate import FinishReason, GenerateComplete, TokenChunk
 from protos.segserve.v1.sampling import InvalidParameter, SamplingParams, StoppingCriteria
-from protos.segserve.v1.step import SequenceOutput, StepRequest, StepResult
+from protos.segserve.v1.step import StepRequest
+from protos.segserve.v1.step_result import SequenceOutput, StepResult
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.drafting import attach_drafts
 from scheduler.outputs import RequestEvent

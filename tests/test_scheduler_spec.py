@@ -11,7 +11,8 @@ import pytest
 
 from protos.segserve.v1.generate import FinishReason
 from protos.segserve.v1.sampling import StoppingCriteria
-from protos.segserve.v1.step import ScheduledSequence, StepRequest, StepResult
+from protos.segserve.v1.step import ScheduledSequence, StepRequest
+from protos.segserve.v1.step_result import StepResult
 from scheduler.block_manager import num_blocks_for
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence

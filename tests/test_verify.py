@@ -14,7 +14,8 @@ import torch
 
 from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.sampling import SamplingParams
-from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+from protos.segserve.v1.step_result import StepResult
 from protos.segserve.v1.tree import CandidateTree
 from tests.test_worker_runner import PROMPT, make_runner, reference_greedy, stock_attention
 from worker.attention_plan import tree_sees

@@ -20,7 +20,8 @@ import torch
 import worker.faults
 from protos.segserve.v1 import common_pb2, worker_pb2_grpc
 from protos.segserve.v1.sampling import SamplingParams
-from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+from protos.segserve.v1.step_result import StepResult
 from protos.segserve.v1.tree import CandidateTree
 from tests.test_worker_runner import make_runner
 from worker.kv_cache import KVCacheShape, PagedKVCache

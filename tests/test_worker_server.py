@@ -16,7 +16,8 @@ import pytest
 from protos.segserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
-from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest, StepResult
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+from protos.segserve.v1.step_result import StepResult
 from protos.segserve.v1.tree import CandidateTree
 from tests.devices import TEST_DEVICE
 from worker.config import WorkerConfig

@@ -1,7 +1,7 @@
 """The worker: hosts the target model and runs one batched forward per scheduler step.
 
 In (gRPC `segserve.v1.Worker`, see protos/segserve/v1/worker.proto; the Python types are the
-contract modules protos/segserve/v1/step.py and info.py):
+contract modules protos/segserve/v1/step.py, step_result.py and info.py):
   - StepRequest: new sequences (sampling parameters, prompt length), the scheduled work
     (token ids from num_computed_tokens on, block table, sample indices, or a CandidateTree the
     worker verifies after its root), finished sequence ids.

@@ -39,10 +39,8 @@ from worker.decode_graphs import DecodeGraphs
 from segserve.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
-from protos.segserve.v1.step import (
-    MAX_DECODE_STEPS, NewSequence, PromptLogprobs, ScheduledSequence, SequenceOutput, StepRequest, TopLogprobs,
-    multi_step_problem,
-)
+from protos.segserve.v1.step import MAX_DECODE_STEPS, NewSequence, ScheduledSequence, StepRequest, multi_step_problem
+from protos.segserve.v1.step_result import PromptLogprobs, SequenceOutput, TopLogprobs
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.lean_decoder import lean_decoder

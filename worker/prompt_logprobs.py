@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from protos.segserve.v1.step import PromptLogprobs, ScheduledSequence, TopLogprobs
+from protos.segserve.v1.step import ScheduledSequence
+from protos.segserve.v1.step_result import PromptLogprobs, TopLogprobs
 
 
 @dataclass

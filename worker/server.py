@@ -2,7 +2,7 @@
 a ModelRunner.
 
 Protobuf is converted here and nowhere else, with the contract types' from_pb / to_pb
-(protos/segserve/v1/step.py, info.py). A step that may take long runs in a thread, so that the event
+(protos/segserve/v1/step.py, step_result.py, info.py). A step that may take long runs in a thread, so that the event
 loop keeps answering Health meanwhile; a short one runs on the loop itself (segserve/blocking.py: the
 hand-off cost a one-stream decode step of the tiny model 0.6-0.9 ms of its 2.5-2.8). Steps are
 serialized (the runner and its KV cache are single-threaded), and a step ahead runs after the step it
@@ -24,7 +24,8 @@ import torch
 
 from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health
-from protos.segserve.v1.step import MalformedStep, StepRequest, StepResult
+from protos.segserve.v1.step import MalformedStep, StepRequest
+from protos.segserve.v1.step_result import StepResult
 from segserve.blocking import CallCost, run_blocking
 from segserve.health import Serving, add_health_and_reflection
 from segserve.heap import freeze_startup_heap

@@ -211,7 +211,8 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     (seconds per part, total seconds under "total"), tokens it produced."""
     from protos.segserve.v1 import scheduler_pb2, worker_pb2
     from protos.segserve.v1.generate import stream_events_from_pb, stream_events_to_pb
-    from protos.segserve.v1.step import StepRequest, StepResult
+    from protos.segserve.v1.step import StepRequest
+    from protos.segserve.v1.step_result import StepResult
     from scheduler.decode_steps import add_decode_steps
 
     t0 = time.perf_counter()
@@ -244,7 +245,8 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
 def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: int) -> dict:
     """Prefill batch_size sequences, warm up, then time config.repeats rounds of config.steps decode steps."""
     from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
-    from protos.segserve.v1.step import StepRequest, StepResult
+    from protos.segserve.v1.step import StepRequest
+    from protos.segserve.v1.step_result import StepResult
     from scheduler.scheduler import Scheduler
     from scheduler.sequence import Sequence
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from protos.segserve.v1 import scheduler_pb2
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import InvalidParameter, SamplingParams, StoppingCriteria, validate
-from protos.segserve.v1.step import PromptLogprobs, TopLogprobs, as_tuple, per_entry, unless_default
+from protos.segserve.v1.step import as_tuple, per_entry, unless_default
+from protos.segserve.v1.step_result import PromptLogprobs, TopLogprobs
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,15 @@
-"""The step contract between the scheduler and the worker (worker.proto's Step). Torch-free.
+"""The step contract between the scheduler and the worker (worker.proto's Step): the request. Torch-free.
 
 The scheduler builds a `StepRequest` (new sequences, each sequence's work, ended
-sequences); the worker answers with a `StepResult` (one `SequenceOutput` per
-sampled sequence). `output_problem()` is the one check that an answer fits the
-work it answers. Protobuf is converted here, at either side's edge.
+sequences); the worker answers with a `StepResult`, which step_result.py holds with
+the rest of the answer's side. Protobuf is converted here, at either side's edge.
 
 A step's sequences travel one message each, or packed: one message of columns for
-the whole step (worker.proto's PackedSequences and PackedOutputs), which costs a
-fraction of hundreds of small messages to build and read. A scheduler packs only
-for a worker that says it reads packed steps (WorkerInfo.packed_steps), and the
-worker answers a packed step packed; from_pb reads either form.
+the whole step (worker.proto's PackedSequences), which costs a fraction of
+hundreds of small messages to build and read. A scheduler packs only for a worker
+that says it reads packed steps (WorkerInfo.packed_steps); from_pb reads either
+form. The packed columns' helpers (`_runs`, `unless_default`, `per_entry`) and
+`as_tuple` are shared: step_result.py and generate.py import them from here.
 
 Block tables travel as deltas to a worker that keeps them (WorkerInfo.block_table_deltas): a sequence's
 `block_table` then holds only the entries from `block_table_start` on, which the worker appends to the ones it
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from protos.segserve.v1 import common_pb2, worker_pb2
+from protos.segserve.v1 import worker_pb2
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.tree import CandidateTree
 
@@ -276,149 +276,3 @@ def _indices(indices, num_sequences: int, name: str) -> list[int]:
     if any(b <= a for a, b in zip(indices, indices[1:])) or (indices and indices[-1] >= num_sequences):
         raise MalformedStep(f"{name} must be ascending indices below {num_sequences}")
     return indices
-
-
-@dataclass(frozen=True)
-class TopLogprobs:
-    """The most likely alternatives at one position, most likely first."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", tuple(self.token_ids))
-        object.__setattr__(self, "logprobs", tuple(self.logprobs))
-
-    def to_pb(self) -> common_pb2.TopLogprobs:
-        return common_pb2.TopLogprobs(token_ids=self.token_ids, logprobs=self.logprobs)
-
-    @classmethod
-    def from_pb(cls, pb: common_pb2.TopLogprobs) -> TopLogprobs:
-        return cls(tuple(pb.token_ids), tuple(pb.logprobs))
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Log-probabilities of prompt tokens start, start + 1, ... under the raw model distribution."""
-
-    start: int
-    """Index in the prompt of the first token covered (>= 1: the first prompt token has none)."""
-    logprobs: tuple[float, ...]
-    top_logprobs: tuple[TopLogprobs, ...] = ()
-    """Per covered token, when num_prompt_logprobs > 0."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "logprobs", tuple(self.logprobs))
-        object.__setattr__(self, "top_logprobs", tuple(self.top_logprobs))
-
-    def to_pb(self) -> common_pb2.PromptLogprobs:
-        return common_pb2.PromptLogprobs(start=self.start, logprobs=self.logprobs,
-                                         top_logprobs=[t.to_pb() for t in self.top_logprobs])
-
-    @classmethod
-    def from_pb(cls, pb: common_pb2.PromptLogprobs) -> PromptLogprobs:
-        return cls(pb.start, tuple(pb.logprobs), tuple(TopLogprobs.from_pb(t) for t in pb.top_logprobs))
-
-
-@dataclass(slots=True)  # one per sequence per step (see ScheduledSequence)
-class SequenceOutput:
-    """What was sampled for one sequence in one step: one token per sample index, or for a tree the
-    accepted drafts followed by the target's own token. `error` set = this sequence alone failed."""
-
-    seq_id: str
-    token_ids: tuple[int, ...] = ()
-    scores: tuple[float, ...] = ()
-    """Per token: the logit (greedy) or the log-probability (sampling)."""
-    top_logprobs: tuple[TopLogprobs, ...] = ()
-    """Per token, when the sequence asked for num_top_logprobs > 0."""
-    prompt_logprobs: PromptLogprobs | None = None
-    error: str = ""
-    """Why this sequence failed (non-finite logits, a sampler failure, an invalid tree); no tokens then."""
-
-    def __post_init__(self) -> None:  # as ScheduledSequence's
-        self.token_ids = as_tuple(self.token_ids)
-        self.scores = as_tuple(self.scores)
-        self.top_logprobs = as_tuple(self.top_logprobs)
-
-    def followed_by(self, then: SequenceOutput) -> SequenceOutput:
-        """This output and `then`, of the next decode step of the same sequence, as one (multi-step decoding):
-        their tokens, scores and top log-probabilities in order."""
-        return SequenceOutput(self.seq_id, self.token_ids + then.token_ids, self.scores + then.scores,
-                              self.top_logprobs + then.top_logprobs, self.prompt_logprobs)
-
-    def to_pb(self) -> worker_pb2.SequenceOutput:
-        # one per sequence per step: fields at their defaults are left out, not passed (each argument costs)
-        pb = worker_pb2.SequenceOutput(seq_id=self.seq_id, token_ids=self.token_ids, scores=self.scores)
-        if self.top_logprobs:
-            pb.top_logprobs.extend(t.to_pb() for t in self.top_logprobs)
-        if self.prompt_logprobs is not None:
-            pb.prompt_logprobs.CopyFrom(self.prompt_logprobs.to_pb())
-        if self.error:
-            pb.error = self.error
-        return pb
-
-    @classmethod
-    def from_pb(cls, pb: worker_pb2.SequenceOutput) -> SequenceOutput:
-        prompt = PromptLogprobs.from_pb(pb.prompt_logprobs) if pb.HasField("prompt_logprobs") else None
-        top = tuple(TopLogprobs.from_pb(t) for t in pb.top_logprobs) if pb.top_logprobs else ()
-        return cls(pb.seq_id, pb.token_ids[:], pb.scores[:], top, prompt, pb.error)  # lists: see ScheduledSequence
-
-
-@dataclass
-class StepResult:
-    """The worker's answer to one StepRequest."""
-
-    outputs: list[SequenceOutput] = field(default_factory=list)
-    compute_us: int = 0
-    """Wall time of the forward and sampling."""
-
-    def to_pb(self, packed: bool = False) -> worker_pb2.StepResponse:
-        """With `packed` (the answer to a packed step), outputs of only tokens and one score per token go as
-        PackedOutputs, the rest one message each."""
-        if not packed:
-            return worker_pb2.StepResponse(outputs=[o.to_pb() for o in self.outputs], compute_us=self.compute_us)
-        seq_ids, num_token_ids, token_ids, scores, others = [], [], [], [], []
-        for output in self.outputs:
-            if (output.top_logprobs or output.prompt_logprobs is not None or output.error
-                    or len(output.scores) != len(output.token_ids)):
-                others.append(output.to_pb())
-                continue
-            seq_ids.append(output.seq_id)
-            num_token_ids.append(len(output.token_ids))
-            token_ids += output.token_ids
-            scores += output.scores
-        return worker_pb2.StepResponse(
-            outputs=others, compute_us=self.compute_us,
-            packed_outputs=worker_pb2.PackedOutputs(seq_ids=seq_ids, num_token_ids=num_token_ids,
-                                                    token_ids=token_ids, scores=scores))
-
-    @classmethod
-    def from_pb(cls, pb: worker_pb2.StepResponse) -> StepResult:
-        """The outputs one message each first, then the packed ones. Raises MalformedStep for packed outputs
-        whose columns disagree."""
-        outputs = [SequenceOutput.from_pb(o) for o in pb.outputs]
-        if pb.HasField("packed_outputs"):
-            packed = pb.packed_outputs
-            seq_ids = packed.seq_ids[:]
-            token_ids = _runs(packed.token_ids, packed.num_token_ids, len(seq_ids), "token_ids")
-            scores = _runs(packed.scores, packed.num_token_ids, len(seq_ids), "scores")
-            outputs += [SequenceOutput(*output) for output in zip(seq_ids, token_ids, scores)]
-        return cls(outputs, pb.compute_us)
-
-
-def output_problem(work: ScheduledSequence, output: SequenceOutput | None, num_steps: int = 1) -> str | None:
-    """Why `output` does not answer `work` in a step of `num_steps` decode steps (None when it does). An error
-    output always does."""
-    if output is None:
-        return f"no output for sequence {work.seq_id!r}" if work.is_sampled else None
-    if output.error:
-        return None
-    if len(output.scores) != len(output.token_ids):
-        return f"{len(output.token_ids)} tokens but {len(output.scores)} scores for sequence {work.seq_id!r}"
-    if work.draft is not None:
-        if not 1 <= len(output.token_ids) <= work.draft.max_depth + 1 or not work.draft.is_path(output.token_ids):
-            return f"{list(output.token_ids)} for sequence {work.seq_id!r} is not a path of its tree plus one token"
-    elif len(output.token_ids) != len(work.sample_indices) * num_steps:
-        return (f"{len(output.token_ids)} tokens for sequence {work.seq_id!r}, "
-                f"expected {len(work.sample_indices) * num_steps}")
-    return None
