@@ -8,7 +8,7 @@ A step's sequences travel one message each, or packed: one message of columns fo
 the whole step (worker.proto's PackedSequences), which costs a fraction of
 hundreds of small messages to build and read. A scheduler packs only for a worker
 that says it reads packed steps (WorkerInfo.packed_steps); from_pb reads either
-form. The packed columns' helpers (`_runs`, `unless_default`, `per_entry`) and
+form. The packed columns' helpers (`runs`, `unless_default`, `per_entry`) and
 `as_tuple` are shared: step_result.py and generate.py import them from here.
 
 Block tables travel as deltas to a worker that keeps them (WorkerInfo.block_table_deltas): a sequence's
@@ -227,9 +227,9 @@ def _unpack_sequences(pb: worker_pb2.PackedSequences) -> list[ScheduledSequence]
     num_computed = pb.num_computed_tokens[:]
     if len(num_computed) != len(seq_ids):
         raise MalformedStep(f"{len(num_computed)} num_computed_tokens for {len(seq_ids)} packed sequences")
-    token_ids = _runs(pb.token_ids, pb.num_token_ids, len(seq_ids), "token_ids")
-    block_tables = _runs(pb.block_tables, pb.num_blocks, len(seq_ids), "block_tables")
-    sample_indices = _runs(pb.sample_indices, pb.num_sample_indices, len(seq_ids), "sample_indices")
+    token_ids = runs(pb.token_ids, pb.num_token_ids, len(seq_ids), "token_ids")
+    block_tables = runs(pb.block_tables, pb.num_blocks, len(seq_ids), "block_tables")
+    sample_indices = runs(pb.sample_indices, pb.num_sample_indices, len(seq_ids), "sample_indices")
     continuations = set(_indices(pb.continuations, len(seq_ids), "continuations"))
     drafted = _indices(pb.drafted, len(seq_ids), "drafted")
     if len(drafted) != len(pb.drafts):
@@ -242,7 +242,7 @@ def _unpack_sequences(pb: worker_pb2.PackedSequences) -> list[ScheduledSequence]
             in enumerate(zip(seq_ids, token_ids, num_computed, block_tables, sample_indices, starts))]
 
 
-def _runs(values, lengths, num_entries: int, name: str) -> list[tuple]:
+def runs(values, lengths, num_entries: int, name: str) -> list[tuple]:
     """A packed column cut into its entries' runs: `values` at `lengths`. The runs are tuples (slices of a
     tuple), which the contract types' __post_init__ keep as they are."""
     lengths = lengths[:]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos.segserve.v1 import common_pb2, worker_pb2
-from protos.segserve.v1.step import ScheduledSequence, _runs, as_tuple
+from protos.segserve.v1.step import ScheduledSequence, runs, as_tuple
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,8 @@ class StepResult:
         if pb.HasField("packed_outputs"):
             packed = pb.packed_outputs
             seq_ids = packed.seq_ids[:]
-            token_ids = _runs(packed.token_ids, packed.num_token_ids, len(seq_ids), "token_ids")
-            scores = _runs(packed.scores, packed.num_token_ids, len(seq_ids), "scores")
+            token_ids = runs(packed.token_ids, packed.num_token_ids, len(seq_ids), "token_ids")
+            scores = runs(packed.scores, packed.num_token_ids, len(seq_ids), "scores")
             outputs += [SequenceOutput(*output) for output in zip(seq_ids, token_ids, scores)]
         return cls(outputs, pb.compute_us)
 
