@@ -48,6 +48,8 @@ class _Arm:
 class GateState:
     """The gate for one segment kind at one batch-size bucket."""
 
+    explore_interval: int
+    """Steps of the state between two explorations of the other arm, now (SpeculationGate: backing off)."""
     is_open: bool = True
     """Drafting allowed (outside exploration); open until measured, so speculation is tried first."""
     is_decided: bool = False
@@ -56,8 +58,6 @@ class GateState:
     """True: steps where this kind was allowed to draft; False: steps where it was not."""
     num_steps_since_flip: int = 0
     num_steps_since_explore: int = 0
-    explore_interval: int = 16
-    """Steps of the state between two explorations of the other arm, now (SpeculationGate: backing off)."""
     num_flips: int = 0
     """State changes after the first verdict."""
 
