@@ -185,6 +185,13 @@ class SpeculationGate:
                 return False
         return True
 
+    def opens_another_kind(self, groups: Mapping[str, int]) -> bool:
+        """Whether some kind not present in `groups` is open at the batch's bucket: a sequence whose kind is not
+        known yet ("") may turn out to be of it. Changes nothing."""
+        bucket = self.bucket(sum(groups.values()))
+        return any(state.is_open for (segment, state_bucket), state in self.states.items()
+                   if state_bucket == bucket and segment not in groups)
+
     def observe(self, decision: GateDecision, num_tokens: int, seconds: float) -> None:
         """The step `decision` was made for, finished: tokens it generated, seconds end to end."""
         if seconds <= 0:

@@ -233,6 +233,12 @@ class SpecPolicy:
         (so it needs nothing measured in between). Changes nothing."""
         return self.is_adaptive and self.cost.is_fitted and self.gate.keeps_off(groups)
 
+    def may_open_another_kind(self, groups: Mapping[str, int]) -> bool:
+        """Whether a kind not in groups might draft at this batch size if one of its sequences turned out to be of
+        it (SpeculationGate.opens_another_kind). A fixed policy drafts for every kind, so it asks the drafter
+        anyway. Changes nothing."""
+        return self.is_adaptive and self.cost.is_fitted and self.gate.opens_another_kind(groups)
+
     def _choose(self, groups: Mapping[str, int], num_base_tokens: int, token_room: int) -> dict[str, int]:
         self.num_steps += 1
         options = budget_options(self.max_nodes)

@@ -21,6 +21,12 @@ by a step.
 With async scheduling the next step may go ahead of the step in flight only
 where the gate keeps drafting off for every kind in it (`plan_next`); anywhere
 else it waits for the tokens its trees would start from.
+
+A request's segment kind is what the drafter reports; until its first query it
+is "", a kind of its own at the gate. Where the gate keeps every kind of a step
+off but another kind is open, the step asks the drafter about its never-asked
+sequences for no tree (`_to_classify`), so a code edit whose prompt opens a code
+block drafts as code from its second decode step.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ class Speculator:
         """Request id -> tokens a drafter acknowledged (and learned from), kept across resyncs."""
         self._segments: dict[str, str] = {}
         """Request id -> the segment kind the drafter last reported."""
+        self._asked: set[str] = set()
+        """Request ids the drafter has been queried about (it has told, or failed to tell, their kind)."""
         self._finals: list[DraftQuery] = []
         """Final updates of ended requests, for the background call."""
         self._sending: asyncio.Task | None = None
@@ -100,6 +108,7 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         """A request ended (the scheduler's on_end): its final update goes with the next background call."""
         self._segments.pop(request_id, None)
+        self._asked.discard(request_id)
         seq = self._seqs.pop(request_id, None)
         num_synced = self._num_synced.pop(request_id, 0)
         num_known = self._num_known.pop(request_id, 0)
@@ -136,7 +145,7 @@ class Speculator:
             return True
         candidates = draft_candidates(scheduler, request)
         groups = self._groups(candidates)
-        if not candidates or not self.policy.keeps_off(groups):
+        if not candidates or not self.policy.keeps_off(groups) or self._to_classify(candidates, groups):
             return False
         num_base_tokens = len(request.sequences)  # a step ahead computes one token per sequence
         self.policy.choose(groups, num_base_tokens, scheduler.max_num_batched_tokens - num_base_tokens)  # all 0
@@ -214,8 +223,11 @@ class Speculator:
         else:  # decided by plan_next(), which the step ahead it allowed did not follow (schedule_ahead() refused)
             budgets, decision = {segment: 0 for segment in groups}, planned
         if not any(budgets.values()):
-            return decision  # the drafter catches up on these sequences' tokens at the next call, or the final update
+            candidates = self._to_classify(candidates, groups)
+            if not candidates:
+                return decision  # the drafter catches up on their tokens at the next call, or the final update
         queries = [self._query(seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates]
+        self._asked.update(query.request_id for query in queries)
         if self._finals:  # a reused id's old final update must not reach the drafter after its new first query
             queried = {query.request_id for query in queries}
             self._finals = [final for final in self._finals if final.request_id not in queried]
@@ -224,6 +236,16 @@ class Speculator:
         self.policy.observe_draft_call(self.clock() - start)
         attach_drafts(scheduler, request, self._accept_replies(candidates, queries, replies))
         return decision
+
+    def _to_classify(self, candidates: list[Seq], groups: Counter) -> list[Seq]:
+        """The candidates the drafter was never asked about, where their kind may let them draft: some kind absent
+        from the step is open at its batch size (SpecPolicy.may_open_another_kind). A step that drafts for no kind
+        asks it about these alone, for no tree (a query of 0 nodes), so that a new request's kind is known from
+        its first decode step, not only once the gate explores the unknown kind "" (every 16 steps). Once
+        per request: a drafter that does not answer leaves it to those explorations."""
+        if not self.policy.may_open_another_kind(groups):
+            return []
+        return [seq for seq in candidates if seq.request_id not in self._asked]
 
     def _groups(self, candidates: list[Seq]) -> Counter:
         """Segment kind -> how many of the candidates are in it."""
