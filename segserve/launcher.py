@@ -33,7 +33,7 @@ from segserve.checkpoint import resolve_model
 from segserve.flags import env_names, to_argv, to_env
 from segserve.tls import internal_tls, open_blocking_channel
 from worker.config import WorkerConfig
-from worker.threads import available_cpus
+from worker.threads import available_cpus, format_cpu_list
 
 
 def local_worker_threads(num_workers: int) -> int:
@@ -83,10 +83,10 @@ class StackConfig:
     log_dir: str | None = None
     """Write each service's output to <log_dir>/<service>.log instead of the terminal."""
     is_cpu_pinned: bool = True
-    """Pin each local CPU worker to the CPUs its torch threads use and the other services to the CPU kept for
-    them (local_cpu_sets), as vLLM's CPU backend binds its threads: the worker's step then runs without the
-    router, scheduler and drafters taking turns on its cores. Only where the launcher chose the workers' thread
-    count, and they run on the CPU."""
+    """Bind each local CPU worker's compute threads to the CPUs its torch threads use (WorkerConfig.compute_cpus;
+    its gRPC threads keep every CPU) and pin the other services to the CPU kept for them (local_cpu_sets), as
+    vLLM's CPU backend binds its threads: the worker's step then runs without the router, scheduler and drafters
+    taking turns on its cores. Only where the launcher chose the workers' thread count, and they run on the CPU."""
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
@@ -124,10 +124,8 @@ class Stack:
         """Worker actors, with is_ray_workers."""
         self.worker_configs: list[WorkerConfig] = []
         """Every worker's config as started (worker i is process replica_name("worker", i))."""
-        self._cpus: dict[str, set[int]] = {}
-        """With CPU pinning: worker process name -> its CPUs."""
         self._service_cpus: set[int] | None = None
-        """With CPU pinning: the CPUs of every other service."""
+        """With CPU pinning: the CPUs of every service but the workers (which bind their compute threads)."""
 
     @property
     def base_url(self) -> str:
@@ -154,12 +152,12 @@ class Stack:
         num_threads = cfg.worker.num_threads or (0 if cfg.is_ray_workers else local_worker_threads(cfg.num_workers))
         workers = [dataclasses.replace(cfg.worker, model=model_dir, num_threads=num_threads,
                                        port=port or (0 if cfg.is_ray_workers else free_port())) for port in ports]
-        worker = workers[0]
-        self.worker_configs = workers
         cpu_sets = local_cpu_sets(cfg.num_workers) if self._is_pinnable(cfg) else None
         if cpu_sets is not None:
-            self._cpus = {replica_name("worker", i): cpus for i, cpus in enumerate(cpu_sets[0])}
+            workers = [dataclasses.replace(w, compute_cpus=format_cpu_list(cpus)) for w, cpus in zip(workers, cpu_sets[0])]
             self._service_cpus = cpu_sets[1]
+        worker = workers[0]
+        self.worker_configs = workers
         deadline = time.monotonic() + cfg.startup_timeout_s
         if cfg.is_ray_workers:
             worker_addresses = self._start_ray_workers(workers, deadline)
@@ -307,7 +305,7 @@ class Stack:
     @staticmethod
     def _is_pinnable(cfg: StackConfig) -> bool:
         """Whether the stack's workers are local CPU processes whose thread count the launcher chooses."""
-        if not cfg.is_cpu_pinned or cfg.is_ray_workers or cfg.worker.num_threads:
+        if not cfg.is_cpu_pinned or cfg.is_ray_workers or cfg.worker.num_threads or cfg.worker.compute_cpus:
             return False
         if cfg.worker.device == "auto":
             import torch
@@ -317,8 +315,8 @@ class Stack:
 
     def _spawn(self, name: str, config, command: str | None = None) -> None:
         """Run `segserve <command or name>` with config's flags; its output goes to <log_dir>/<name>.log. With CPU
-        pinning, a worker runs on its CPUs and any other service on the services' CPU (Ray's processes, which
-        the scheduler starts, inherit its mask)."""
+        pinning, any service but a worker runs on the services' CPU (Ray's processes, which the scheduler starts,
+        inherit its mask); a worker binds its compute threads itself (its config's compute_cpus)."""
         argv = [sys.executable, "-m", "segserve.cli", command or name, *to_argv(config)]
         out = None
         if self.config.log_dir:
@@ -331,7 +329,7 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if k not in flag_vars}
         env.update(to_env(config), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.processes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
-        cpus = self._cpus.get(name, self._service_cpus)
+        cpus = None if (command or name) == "worker" else self._service_cpus
         if cpus is not None:  # right after exec, before the interpreter has started a thread (they inherit the mask)
             try:
                 os.sched_setaffinity(self.processes[name].pid, cpus)

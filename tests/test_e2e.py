@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,13 +86,20 @@ def test_greedy_matches_generate_streamed_and_not(running_stack, tiny_references
 
 
 def test_the_worker_has_its_own_cpus(running_stack):
-    """CPU pinning: the worker on the CPUs its threads use, the router and the scheduler (with its Ray processes)
-    on the CPU kept for them; a machine with one CPU pins nothing."""
+    """CPU pinning: the worker's compute thread (its main thread, which runs the steps) on the CPUs its torch threads
+    use and its gRPC threads on every CPU, the router and the scheduler (with its Ray processes) on the CPU kept for
+    them; a machine with one CPU pins nothing."""
     processes = running_stack.processes
     affinity = {name: os.sched_getaffinity(processes[name].pid) for name in ("worker", "router", "scheduler")}
+    worker_tasks = Path(f"/proc/{processes['worker'].pid}/task")
+    grpc_threads = [int(task.name) for task in worker_tasks.iterdir()
+                    if (task / "comm").read_text().strip() in ("event_engine", "grpc_global_tim")]
+    assert grpc_threads
+    everywhere = os.sched_getaffinity(0)
+    assert all(os.sched_getaffinity(thread) == everywhere for thread in grpc_threads)
     cpu_sets = local_cpu_sets(1)
     if cpu_sets is None:
-        assert all(cpus == os.sched_getaffinity(0) for cpus in affinity.values())
+        assert all(cpus == everywhere for cpus in affinity.values())
     else:
         (worker_cpus,), service_cpus = cpu_sets
         assert affinity == {"worker": worker_cpus, "router": service_cpus, "scheduler": service_cpus}

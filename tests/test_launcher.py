@@ -100,11 +100,9 @@ def test_a_service_not_ready_in_time_is_reported_with_its_last_answer_and_the_en
     assert "line 59\n" not in message
 
 
-@pytest.mark.parametrize(("num_threads", "expected"), [(0, None), (3, 3)])
-def test_local_workers_get_all_cpus_but_one_unless_told(monkeypatch, tmp_path, num_threads, expected):
+def started_workers(monkeypatch, tmp_path, config: StackConfig) -> list[WorkerConfig]:
+    """The configs the stack's start() spawns its workers with (nothing is spawned)."""
     monkeypatch.setattr(launcher, "resolve_model", lambda model: tmp_path)
-    monkeypatch.setattr(launcher, "available_cpus", lambda: 5)
-    config = StackConfig(worker=WorkerConfig(num_threads=num_threads), num_workers=2, is_speculative=False)
     stack, spawned = Stack(config), {}
     monkeypatch.setattr(stack, "_spawn", lambda name, config, command=None: spawned.update({name: config}))
     monkeypatch.setattr(stack, "_wait_grpc_ready", lambda *_: None)
@@ -112,5 +110,24 @@ def test_local_workers_get_all_cpus_but_one_unless_told(monkeypatch, tmp_path, n
     monkeypatch.setattr(stack, "_start_router", lambda *_: None)
     stack.start()
     workers = [c for name, c in spawned.items() if name.startswith("worker")]
+    assert workers == stack.worker_configs  # as restart() spawns them again
+    return workers
+
+
+@pytest.mark.parametrize(("num_threads", "expected"), [(0, None), (3, 3)])
+def test_local_workers_get_all_cpus_but_one_unless_told(monkeypatch, tmp_path, num_threads, expected):
+    monkeypatch.setattr(launcher, "available_cpus", lambda: 5)
+    config = StackConfig(worker=WorkerConfig(num_threads=num_threads), num_workers=2, is_speculative=False)
+    workers = started_workers(monkeypatch, tmp_path, config)
     assert len(workers) == 2
     assert {w.num_threads for w in workers} == {expected or (5 - 1) // 2}
+
+
+@pytest.mark.parametrize("is_pinned", [True, False])
+def test_a_pinned_stack_binds_each_workers_compute_threads_to_its_cpus(monkeypatch, tmp_path, is_pinned):
+    monkeypatch.setattr(launcher, "available_cpus", lambda: 5)
+    monkeypatch.setattr(launcher, "local_cpu_sets", lambda num_workers: ([{1, 2}, {3, 4}], {0}))
+    monkeypatch.setattr(Stack, "_is_pinnable", staticmethod(lambda cfg: cfg.is_cpu_pinned))
+    config = StackConfig(num_workers=2, is_speculative=False, is_cpu_pinned=is_pinned)
+    workers = started_workers(monkeypatch, tmp_path, config)
+    assert [w.compute_cpus for w in workers] == (["1,2", "3,4"] if is_pinned else ["", ""])

@@ -4,11 +4,13 @@ a local stack."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
 import segserve.launcher as launcher
-from worker.threads import available_cpus, cgroup_cpu_quota
+from worker.config import WorkerConfig
+from worker.threads import available_cpus, bind_compute_thread, cgroup_cpu_quota, format_cpu_list, parse_cpu_list
 
 
 @pytest.fixture
@@ -67,3 +69,41 @@ def test_a_local_stack_pins_its_workers_apart_from_the_other_services(monkeypatc
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
     monkeypatch.setattr(launcher, "available_cpus", lambda: quota)
     assert launcher.local_cpu_sets(num_workers) == expected
+
+
+def test_binding_the_compute_thread_binds_the_threads_it_starts_not_those_started_before():
+    everywhere = os.sched_getaffinity(0)
+    one = {max(everywhere)}
+    masks: dict[str, set[int]] = {}
+    started, stop = threading.Event(), threading.Event()
+
+    def helper() -> None:  # started before the binding, like gRPC's threads
+        started.set()
+        stop.wait(10)
+        masks["helper"] = os.sched_getaffinity(0)
+
+    def compute() -> None:
+        bind_compute_thread(one)
+        masks["compute"] = os.sched_getaffinity(0)
+        child = threading.Thread(target=lambda: masks.update(child=os.sched_getaffinity(0)))
+        child.start()
+        child.join()
+
+    helper_thread = threading.Thread(target=helper)
+    helper_thread.start()
+    started.wait(10)
+    compute_thread = threading.Thread(target=compute)
+    compute_thread.start()
+    compute_thread.join(10)
+    stop.set()
+    helper_thread.join(10)
+    assert masks == {"compute": one, "child": one, "helper": everywhere}
+    assert os.sched_getaffinity(0) == everywhere  # this thread, and so the process's mask, as before
+
+
+def test_compute_cpus_is_a_cpu_list():
+    assert parse_cpu_list("1-3, 6") == {1, 2, 3, 6} and parse_cpu_list("") == set()
+    assert parse_cpu_list(format_cpu_list({4, 0, 2})) == {0, 2, 4}
+    for garbage in ("x", "3-1", "-1", "1-", "1.5"):
+        with pytest.raises(ValueError, match="compute_cpus"):
+            WorkerConfig(compute_cpus=garbage)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from segserve.tls import internal_tls
+from worker.threads import parse_cpu_list
 
 
 @dataclass
@@ -28,6 +29,12 @@ class WorkerConfig:
     num_threads: int = 0
     """torch intra-op threads on cpu; 0 = torch's default capped by the CPUs this process may use (its affinity
     and its cgroup's CPU quota: worker/threads.py). The local stack gives its worker all CPUs but one."""
+    compute_cpus: str = ""
+    """CPUs the worker's compute threads are bound to, as a CPU list ("1-3,6", as taskset -c and cpusets write it;
+    worker/threads.py, bind_compute_thread): the thread that runs the steps and the threads it starts, torch's among
+    them. Its other threads (gRPC's) keep the process's CPUs, so the next step is received while this one
+    computes. Empty = no binding. A local stack binds its CPU workers to the CPUs their threads use
+    (segserve/launcher.py)."""
     is_packed_linear: bool = True
     """On cpu, pack every linear weight of at least 2**16 elements once for oneDNN (worker/packed_linear.py;
     smaller ones stay torch's, cheaper per call), the q/k/v and gate/up siblings as one weight each: about twice
@@ -75,6 +82,7 @@ class WorkerConfig:
             raise ValueError("kv_cache_gb or num_kv_blocks must be > 0")
         if self.compile_max_tokens <= 0:
             raise ValueError("compile_max_tokens must be > 0")
+        parse_cpu_list(self.compute_cpus)  # ValueError naming the field
         if self.num_kv_blocks < 0 or self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("num_kv_blocks, max_model_len and num_threads must be >= 0")
         if self.linear_block_rows < -1:

@@ -33,6 +33,7 @@ from segserve.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.step_order import StepOrder
+from worker.threads import bind_compute_thread, parse_cpu_list
 from worker.validation import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -185,10 +186,14 @@ def load_runner(config: WorkerConfig) -> ModelRunner:
 
 
 async def serve(config: WorkerConfig) -> None:
-    """Bind first (Health answers "not ready" while loading), load and warm up, then serve until stopped."""
+    """Bind first (Health answers "not ready" while loading), load and warm up, then serve until stopped. With
+    compute_cpus, this thread (the event loop's, which runs short steps) is bound to them once gRPC's threads
+    have started, so that the threads loading the model and running long steps, started after, are too."""
     servicer = WorkerServicer()
     tls = internal_tls(config)
     server, port = await start_server(servicer, config.host, config.port, tls)
+    if config.compute_cpus:
+        bind_compute_thread(parse_cpu_list(config.compute_cpus))
     logger.info("worker listening on %s:%d%s, loading the model", config.host, port, " (mutual TLS)" if tls else "")
     try:
         runner = await asyncio.to_thread(load_runner, config)

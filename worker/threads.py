@@ -41,6 +41,33 @@ def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT) -> float | None:
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """The CPUs of a CPU list such as "1-3,6" (as taskset -c and cpusets write it; "" = none)."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, dash, last = part.partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            low, high = -1, -1
+        if low < 0 or high < low:
+            raise ValueError(f"compute_cpus: {part!r} in {text!r} is not a CPU number or a range of them")
+        cpus.update(range(low, high + 1))
+    return cpus
+
+
+def format_cpu_list(cpus: set[int]) -> str:
+    """`cpus` as a CPU list, one number each: {1, 2} -> "1,2"."""
+    return ",".join(map(str, sorted(cpus)))
+
+
+def bind_compute_thread(cpus: set[int]) -> None:
+    """Bind the calling thread to `cpus`, and with it every thread it starts from now on (they inherit its mask):
+    torch's intra-op threads and the threads that load the model and run long steps. Threads started before
+    (gRPC's, which receive the next step while this one computes) keep the process's CPUs."""
+    os.sched_setaffinity(0, cpus)  # 0: the calling thread, not the process
+
+
 def cpu_threads(requested: int) -> int:
     """torch intra-op threads for a CPU worker: `requested`, or with 0 torch's default capped by available_cpus()."""
     import torch
