@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,11 @@ class SegmentsConfig:
 
     def kind(self, name: str) -> SegmentKind:
         return next(k for k in self.all_kinds if k.name == name)
+
+    @cached_property
+    def marker_token_ids(self) -> tuple[int, ...]:
+        """Every token of every kind's start and end markers, sorted: a request's segment changes only at one."""
+        return tuple(sorted({token for kind in self.kinds for token in (*kind.start, *kind.end)}))
 
 
 def load_segments(path: str | Path | None = None, tokenizer: Any = None) -> SegmentsConfig:

@@ -161,7 +161,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if problem is not None:  # never send garbage; an empty tree just means no speculation
             logger.error("dropping an invalid tree for %s: %s", query.request_id, problem)
             tree = CandidateTree()
-        return drafter_pb2.DraftReply(request_id=query.request_id, tree=tree.to_pb(), segment=segment)
+        return drafter_pb2.DraftReply(request_id=query.request_id, tree=tree.to_pb(), segment=segment,
+                                      marker_token_ids=self.planner.segments.marker_token_ids)
 
 
 def _pieces(queries: list[Query], finished: list[str]) -> list[tuple[list[Query], list[str]]]:

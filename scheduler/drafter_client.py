@@ -78,10 +78,12 @@ class DraftReply:
     segment: str = ""
     """The segment kind the request is in."""
     needs_resync: bool = False
+    marker_token_ids: tuple[int, ...] = ()
+    """Every token of the replica's segment markers: the request's segment may change where one comes."""
 
     @classmethod
     def from_pb(cls, pb: drafter_pb2.DraftReply) -> DraftReply:
-        return cls(CandidateTree.from_pb(pb.tree), pb.segment, pb.needs_resync)
+        return cls(CandidateTree.from_pb(pb.tree), pb.segment, pb.needs_resync, tuple(pb.marker_token_ids))
 
 
 class _Replica:

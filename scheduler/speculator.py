@@ -24,9 +24,11 @@ else it waits for the tokens its trees would start from.
 
 A request's segment kind is what the drafter reports; until its first query it
 is "", a kind of its own at the gate. Where the gate keeps every kind of a step
-off but another kind is open, the step asks the drafter about its never-asked
-sequences for no tree (`_to_classify`), so a code edit whose prompt opens a code
-block drafts as code from its second decode step.
+off but another kind is open, the step asks the drafter, for no tree, about its
+sequences never asked about or with a segment marker (the drafter lists their
+tokens) among their tokens since (`_to_classify`): a code edit whose prompt opens
+a code block drafts as code from its second decode step, and an answer that opens
+one from the step after the fence.
 """
 
 from __future__ import annotations
@@ -82,8 +84,11 @@ class Speculator:
         """Request id -> tokens a drafter acknowledged (and learned from), kept across resyncs."""
         self._segments: dict[str, str] = {}
         """Request id -> the segment kind the drafter last reported."""
-        self._asked: set[str] = set()
-        """Request ids the drafter has been queried about (it has told, or failed to tell, their kind)."""
+        self._num_classified: dict[str, int] = {}
+        """Request id -> its tokens when the drafter was last asked about it (it told, or failed to tell, its
+        kind), or when they were last found free of segment markers (_to_classify)."""
+        self._markers: frozenset[int] = frozenset()
+        """The tokens of the drafters' segment markers, as their replies list them."""
         self._finals: list[DraftQuery] = []
         """Final updates of ended requests, for the background call."""
         self._sending: asyncio.Task | None = None
@@ -108,7 +113,7 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         """A request ended (the scheduler's on_end): its final update goes with the next background call."""
         self._segments.pop(request_id, None)
-        self._asked.discard(request_id)
+        self._num_classified.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         num_synced = self._num_synced.pop(request_id, 0)
         num_known = self._num_known.pop(request_id, 0)
@@ -227,7 +232,7 @@ class Speculator:
             if not candidates:
                 return decision  # the drafter catches up on their tokens at the next call, or the final update
         queries = [self._query(seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates]
-        self._asked.update(query.request_id for query in queries)
+        self._num_classified.update((query.request_id, query.num_tokens) for query in queries)
         if self._finals:  # a reused id's old final update must not reach the drafter after its new first query
             queried = {query.request_id for query in queries}
             self._finals = [final for final in self._finals if final.request_id not in queried]
@@ -238,14 +243,23 @@ class Speculator:
         return decision
 
     def _to_classify(self, candidates: list[Seq], groups: Counter) -> list[Seq]:
-        """The candidates the drafter was never asked about, where their kind may let them draft: some kind absent
-        from the step is open at its batch size (SpecPolicy.may_open_another_kind). A step that drafts for no kind
-        asks it about these alone, for no tree (a query of 0 nodes), so that a new request's kind is known from
-        its first decode step, not only once the gate explores the unknown kind "" (every 16 steps). Once
-        per request: a drafter that does not answer leaves it to those explorations."""
+        """The candidates whose kind may have changed since the drafter was last asked about them (never asked, or
+        a segment marker among the tokens since), where their kind may let them draft: some kind absent from the
+        step is open at its batch size (SpecPolicy.may_open_another_kind). A step that drafts for no kind asks the
+        drafter about these alone, for no tree (a query of 0 nodes), so that a new request's kind is known from its
+        first decode step, and a request whose output opens a code block drafts as code from the next step, not
+        only once the gate explores its closed kind (every 16 to 256 steps). Once per request and marker: a drafter
+        that does not answer leaves it to those explorations."""
         if not self.policy.may_open_another_kind(groups):
             return []
-        return [seq for seq in candidates if seq.request_id not in self._asked]
+        chosen = []
+        for seq in candidates:
+            num_classified = self._num_classified.get(seq.request_id)
+            if num_classified is None or not self._markers.isdisjoint(seq.token_ids[num_classified:]):
+                chosen.append(seq)
+            else:  # nothing to rescan next time; a marker found stays found until the drafter is asked
+                self._num_classified[seq.request_id] = seq.num_tokens
+        return chosen
 
     def _groups(self, candidates: list[Seq]) -> Counter:
         """Segment kind -> how many of the candidates are in it."""
@@ -281,6 +295,8 @@ class Speculator:
                 continue
             self._num_synced[request_id] = seq.num_tokens
             self._segments[request_id] = seq.segment = reply.segment
+            if reply.marker_token_ids and not self._markers.issuperset(reply.marker_token_ids):
+                self._markers = self._markers.union(reply.marker_token_ids)
             if reply.tree:
                 trees[request_id] = reply.tree
         return trees

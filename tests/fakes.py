@@ -487,6 +487,8 @@ class FakeDrafter:
         """Request id -> the whole sequence its final update completed."""
         self.num_resyncs = 0
         self.num_calls = 0
+        self.markers: dict[int, str] = {}
+        """Segment marker token -> the segment a request is in from it on (until the next marker)."""
 
     async def draft(self, queries: Sequence[DraftQuery], finished_ids: Sequence[str]) -> dict[str, DraftReply]:
         if self.delay_s:
@@ -522,7 +524,8 @@ class FakeDrafter:
             self.state.pop(query.request_id, None)
             return DraftReply(CandidateTree())
         self.state[query.request_id] = tokens
-        return DraftReply(self._tree(tokens, query.max_nodes), self.segment)
+        segment = next((self.markers[t] for t in reversed(tokens) if t in self.markers), self.segment)
+        return DraftReply(self._tree(tokens, query.max_nodes), segment, marker_token_ids=tuple(self.markers))
 
     def _tree(self, tokens: list[int], max_nodes: int) -> CandidateTree:
         if self.mode == "empty" or max_nodes == 0:
@@ -564,7 +567,8 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.DraftResponse(replies=[
             drafter_pb2.DraftReply(request_id="someone-else" if self.is_garbage else q.request_id,
                                    tree=replies[q.request_id].tree.to_pb(), segment=replies[q.request_id].segment,
-                                   needs_resync=replies[q.request_id].needs_resync)
+                                   needs_resync=replies[q.request_id].needs_resync,
+                                   marker_token_ids=replies[q.request_id].marker_token_ids)
             for q in queries])
 
     async def GetStats(self, request, context):

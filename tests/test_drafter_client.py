@@ -10,7 +10,7 @@ from drafter.server import build_servicer, start_server
 from segserve.discovery import rendezvous, resolve
 from scheduler.drafter_client import DrafterClient, DraftQuery
 
-RAW = {"default": {"algorithm": "best_first", "max_nodes": 6}}
+RAW = {"default": {"algorithm": "best_first", "max_nodes": 6}, "segment": [{"name": "code", "start": 1, "end": 1}]}
 PROMPT = [10, 11, 12, 13, 14, 15, 10, 11]
 
 
@@ -63,6 +63,7 @@ async def test_requests_of_a_dead_replica_move_to_a_live_one_and_resync_there():
         ids = spread_ids(list(servers), 12)
         replies = await client.draft([query(i, PROMPT, len(PROMPT), len(PROMPT)) for i in ids], [])
         assert all(not r.needs_resync and r.tree.token_ids[:2] == (12, 13) for r in replies.values())
+        assert {r.marker_token_ids for r in replies.values()} == {(1,)}  # RAW's code fence
         owners = {i: client.owner_of(i) for i in ids}
         assert set(owners.values()) == set(servers)  # spread over both
         dead = owners[ids[0]]

@@ -104,6 +104,15 @@ async def test_trees_follow_the_requests_history(stub):
     assert len(_tree(b)) == 0 and not b.needs_resync  # nothing to propose yet
     response = await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [12, 1], 10)]))
     assert response.replies[0].segment == "code"
+    # the token of the code marker, in every reply: where it comes the segment may change
+    assert [list(r.marker_token_ids) for r in (a, b, response.replies[0])] == [[1], [1], [1]]
+
+
+def test_the_marker_tokens_are_every_token_of_every_kinds_start_and_end():
+    segments = parse_segments({"default": {}, "segment": [{"name": "json", "start": [7, 8], "end": 7},
+                                                          {"name": "turn", "start": 3, "end": 4}]})
+    assert segments.marker_token_ids == (3, 4, 7, 8)
+    assert parse_segments({"default": {}}).marker_token_ids == ()
 
 
 async def test_resync_and_finished_ids(stub):

@@ -148,13 +148,15 @@ class RecordingDrafter(FakeDrafter):
         return super().draft_sync(queries, finished_ids)
 
 
-def gated_pair(drafter: FakeDrafter, is_code_open: bool) -> tuple[Scheduler, Speculator]:
+def gated_pair(drafter: FakeDrafter, is_code_open: bool, is_prose_open: bool | None = None
+               ) -> tuple[Scheduler, Speculator]:
     """An adaptive speculator whose gate has decided, at every batch size, against the unknown kind "" and for
-    or against "code", exploring neither for 256 steps."""
+    or against "code" (and "prose", unless None), exploring none of them for 256 steps."""
     policy = SpecPolicy(6)
     policy.cost.observe(1, 0.01)
+    kinds = {"": False, "code": is_code_open} | ({} if is_prose_open is None else {"prose": is_prose_open})
     for bucket in (1, 2, 4, 8):
-        for kind, is_open in (("", False), ("code", is_code_open)):
+        for kind, is_open in kinds.items():
             policy.gate.states[(kind, bucket)] = GateState(explore_interval=256, is_open=is_open, is_decided=True)
     speculator = Speculator(drafter, policy, VOCAB)
     return make_scheduler(speculator), speculator
@@ -178,6 +180,21 @@ async def test_a_new_request_learns_its_kind_at_its_first_decode_step_where_that
     first, second, *_ = drafter.queries
     assert (first.max_nodes, first.num_tokens) == (0, len(prompt) + 1)  # no tree, at its first decode step
     assert second.max_nodes > 0 and second.num_tokens == len(prompt) + 2
+    assert speculator.acceptance.segments["code"].num_accepted_tokens > 0
+
+
+async def test_an_output_that_opens_a_segment_drafts_in_its_kind_from_the_step_after_the_marker():
+    prompt, max_tokens = PROMPTS["a"], 30
+    want = reference(prompt, max_tokens)
+    k = next(i for i in range(3, max_tokens) if want[i] not in prompt + want[:i])  # the marker's first appearance
+    drafter = RecordingDrafter(RULE, VOCAB, 3, "prose")
+    drafter.markers = {want[k]: "code"}
+    scheduler, speculator = gated_pair(drafter, is_code_open=True, is_prose_open=False)
+    results, _ = await run_all(scheduler, speculator, {"a": prompt}, max_tokens)
+    assert results["a"][0] == want
+    # Asked at the first decode step: "prose", closed. Asked again once the marker has come: "code", open.
+    assert [(q.max_nodes, q.num_tokens) for q in drafter.queries[:2]] == [(0, len(prompt) + 1), (0, len(prompt) + k + 1)]
+    assert all(q.max_nodes > 0 for q in drafter.queries[2:]) and drafter.queries[2].num_tokens == len(prompt) + k + 2
     assert speculator.acceptance.segments["code"].num_accepted_tokens > 0
 
 

@@ -36,16 +36,18 @@ class DraftRequest(_message.Message):
     def __init__(self, queries: _Optional[_Iterable[_Union[DraftQuery, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("request_id", "tree", "segment", "needs_resync")
+    __slots__ = ("request_id", "tree", "segment", "needs_resync", "marker_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NEEDS_RESYNC_FIELD_NUMBER: _ClassVar[int]
+    MARKER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tree: _common_pb2.CandidateTree
     segment: str
     needs_resync: bool
-    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., segment: _Optional[str] = ..., needs_resync: _Optional[bool] = ...) -> None: ...
+    marker_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., segment: _Optional[str] = ..., needs_resync: _Optional[bool] = ..., marker_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("replies",)
