@@ -154,7 +154,8 @@ class Stack:
                                        port=port or (0 if cfg.is_ray_workers else free_port())) for port in ports]
         cpu_sets = local_cpu_sets(cfg.num_workers) if self._is_pinnable(cfg) else None
         if cpu_sets is not None:
-            workers = [dataclasses.replace(w, compute_cpus=format_cpu_list(cpus)) for w, cpus in zip(workers, cpu_sets[0])]
+            workers = [dataclasses.replace(worker, compute_cpus=format_cpu_list(cpus))
+                       for worker, cpus in zip(workers, cpu_sets[0])]
             self._service_cpus = cpu_sets[1]
         worker = workers[0]
         self.worker_configs = workers

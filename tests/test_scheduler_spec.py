@@ -193,7 +193,8 @@ async def test_an_output_that_opens_a_segment_drafts_in_its_kind_from_the_step_a
     results, _ = await run_all(scheduler, speculator, {"a": prompt}, max_tokens)
     assert results["a"][0] == want
     # Asked at the first decode step: "prose", closed. Asked again once the marker has come: "code", open.
-    assert [(q.max_nodes, q.num_tokens) for q in drafter.queries[:2]] == [(0, len(prompt) + 1), (0, len(prompt) + k + 1)]
+    asked = [(q.max_nodes, q.num_tokens) for q in drafter.queries[:2]]
+    assert asked == [(0, len(prompt) + 1), (0, len(prompt) + k + 1)]
     assert all(q.max_nodes > 0 for q in drafter.queries[2:]) and drafter.queries[2].num_tokens == len(prompt) + k + 2
     assert speculator.acceptance.segments["code"].num_accepted_tokens > 0
 

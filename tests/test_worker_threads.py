@@ -107,3 +107,9 @@ def test_compute_cpus_is_a_cpu_list():
     for garbage in ("x", "3-1", "-1", "1-", "1.5"):
         with pytest.raises(ValueError, match="compute_cpus"):
             WorkerConfig(compute_cpus=garbage)
+
+
+def test_compute_cpus_outside_the_process_are_refused_by_name():
+    outside = max(os.sched_getaffinity(0)) + 1024
+    with pytest.raises(ValueError, match=f"compute_cpus {outside}: cannot bind"):
+        bind_compute_thread({outside})

@@ -65,7 +65,12 @@ def bind_compute_thread(cpus: set[int]) -> None:
     """Bind the calling thread to `cpus`, and with it every thread it starts from now on (they inherit its mask):
     torch's intra-op threads and the threads that load the model and run long steps. Threads started before
     (gRPC's, which receive the next step while this one computes) keep the process's CPUs."""
-    os.sched_setaffinity(0, cpus)  # 0: the calling thread, not the process
+    try:
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread, not the process
+    except OSError as exc:
+        allowed = format_cpu_list(os.sched_getaffinity(0))
+        raise ValueError(f"compute_cpus {format_cpu_list(cpus)}: cannot bind to them (this process may use "
+                         f"{allowed}): {exc}") from None
 
 
 def cpu_threads(requested: int) -> int:
