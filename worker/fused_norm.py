@@ -43,8 +43,6 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_gemma:
-            if x.dtype == torch.float32:  # without the casts, which return x itself: two calls fewer
-                return F.rms_norm(x, self.shape, self.scale, self.eps)
             return F.rms_norm(x.float(), self.shape, self.scale, self.eps).type_as(x)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)  # weight * y and y * weight are equal
@@ -76,8 +74,6 @@ class StackedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_gemma:
-            if x.dtype == torch.float32:
-                return F.rms_norm(x, self.shape, None, self.eps) * self.weight
             return (F.rms_norm(x.float(), self.shape, None, self.eps) * self.weight).type_as(x)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.shape, None, self.eps) * self.weight
