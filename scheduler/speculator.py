@@ -26,9 +26,9 @@ A request's segment kind is what the drafter reports; until its first query it
 is "", a kind of its own at the gate. Where the gate keeps every kind of a step
 off but another kind is open, the step asks the drafter, for no tree, about its
 sequences never asked about or with a segment marker (the drafter lists their
-tokens) among their tokens since (`_to_classify`): a code edit whose prompt opens
-a code block drafts as code from its second decode step, and an answer that opens
-one from the step after the fence.
+tokens) among their tokens since (`_to_classify`), at most every CLASSIFY_INTERVAL
+steps: a code edit whose prompt opens a code block drafts as code from its second
+decode step, and an answer that opens one soon after the fence.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ from scheduler.spec_policy import AcceptanceStats, SpecPolicy
 logger = logging.getLogger(__name__)
 
 _LOG_EVERY = 100
+CLASSIFY_INTERVAL = 8
+"""Steps at least between two steps that ask the drafter about kinds alone (Speculator._to_classify)."""
 _MAX_FINALS = 4096  # final updates waiting for the background call; past it the oldest are dropped
 
 
@@ -66,11 +68,15 @@ class Speculator:
     """policy None = learning only: no tree is ever asked for, the drafter still learns every request."""
 
     def __init__(self, drafter: Drafter, policy: SpecPolicy | None, vocab_size: int,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, classify_interval: int = CLASSIFY_INTERVAL):
         self.drafter = drafter
         self.policy = policy
         self.vocab_size = vocab_size
         self.clock = clock
+        self.classify_interval = classify_interval
+        self._num_steps_since_classify = classify_interval
+        """Worker steps since the last step that asked about kinds alone (it waited for the drafter, and was not
+        sent ahead): such a step comes at most every classify_interval steps, with all the requests due by then."""
         self.num_garbage_trees = 0
         self.num_errors = 0
         self.num_finals_dropped = 0
@@ -194,6 +200,7 @@ class Speculator:
         before it (SpecPolicy.observe_step prices it from its compute time, StepResult.compute_us)."""
         if self.policy is None:
             return
+        self._num_steps_since_classify += 1
         # a request of several decode steps is priced as that many steps (each computes the same tokens)
         num_steps = request.num_steps
         self.policy.observe_step(request.num_scheduled_tokens, result.compute_us / 1e6 / num_steps,
@@ -231,6 +238,7 @@ class Speculator:
             candidates = self._to_classify(candidates, groups)
             if not candidates:
                 return decision  # the drafter catches up on their tokens at the next call, or the final update
+            self._num_steps_since_classify = 0
         queries = [self._query(seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates]
         self._num_classified.update((query.request_id, query.num_tokens) for query in queries)
         if self._finals:  # a reused id's old final update must not reach the drafter after its new first query
@@ -249,8 +257,9 @@ class Speculator:
         drafter about these alone, for no tree (a query of 0 nodes), so that a new request's kind is known from its
         first decode step, and a request whose output opens a code block drafts as code from the next step, not
         only once the gate explores its closed kind (every 16 to 256 steps). Once per request and marker: a drafter
-        that does not answer leaves it to those explorations."""
-        if not self.policy.may_open_another_kind(groups):
+        that does not answer leaves it to those explorations. At most every classify_interval steps, so that a batch
+        that new requests keep joining does not wait for the drafter at every step."""
+        if self._num_steps_since_classify < self.classify_interval or not self.policy.may_open_another_kind(groups):
             return []
         chosen = []
         for seq in candidates:

@@ -16,7 +16,6 @@ from protos.segserve.v1.step_result import StepResult
 from scheduler.block_manager import num_blocks_for
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
-from scheduler.spec_gate import GateState
 from scheduler.spec_policy import SpecPolicy
 from scheduler.speculator import Speculator
 from tests.fakes import FakeDrafter, FakeWorker, positional
@@ -134,85 +133,6 @@ async def test_token_chunks_say_which_tokens_were_drafts_of_which_tree_and_segme
     assert all(c.segment == "json" for c in rest)
     assert all(c.num_accepted_draft_tokens <= len(c.token_ids) for c in chunks)
     assert [t for c in chunks for t in c.token_ids] == reference([5, 6, 7], 30)
-
-
-class RecordingDrafter(FakeDrafter):
-    """A FakeDrafter that keeps every query but final updates."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.queries = []
-
-    def draft_sync(self, queries, finished_ids):
-        self.queries += [q for q in queries if not q.is_final]
-        return super().draft_sync(queries, finished_ids)
-
-
-def gated_pair(drafter: FakeDrafter, is_code_open: bool, is_prose_open: bool | None = None
-               ) -> tuple[Scheduler, Speculator]:
-    """An adaptive speculator whose gate has decided, at every batch size, against the unknown kind "" and for
-    or against "code" (and "prose", unless None), exploring none of them for 256 steps."""
-    policy = SpecPolicy(6)
-    policy.cost.observe(1, 0.01)
-    kinds = {"": False, "code": is_code_open} | ({} if is_prose_open is None else {"prose": is_prose_open})
-    for bucket in (1, 2, 4, 8):
-        for kind, is_open in kinds.items():
-            policy.gate.states[(kind, bucket)] = GateState(explore_interval=256, is_open=is_open, is_decided=True)
-    speculator = Speculator(drafter, policy, VOCAB)
-    return make_scheduler(speculator), speculator
-
-
-async def test_a_new_request_learns_its_kind_at_its_first_decode_step_where_that_kind_may_draft():
-    drafter = RecordingDrafter(RULE, VOCAB, 3, "code")
-    scheduler, speculator = gated_pair(drafter, is_code_open=True)
-    worker = FakeWorker(RULE, VOCAB, [EOS], num_kv_blocks=64, block_size=4)
-    prompt = PROMPTS["a"]
-    scheduler.add(Sequence("a", prompt, stopping=StoppingCriteria(20)))
-    results: dict = {}
-    await step(scheduler, speculator, worker, results)  # the prefill
-    first_decode = scheduler.schedule()
-    assert not speculator.plan_next(scheduler, first_decode)  # "" alone keeps off, but its kind is not known yet
-    await speculator.propose(scheduler, first_decode)
-    collect_events(scheduler.postprocess(first_decode, worker.step_sync(first_decode)), results)
-    while scheduler.has_work:
-        await step(scheduler, speculator, worker, results)
-    assert results["a"][0] == reference(prompt, 20)
-    first, second, *_ = drafter.queries
-    assert (first.max_nodes, first.num_tokens) == (0, len(prompt) + 1)  # no tree, at its first decode step
-    assert second.max_nodes > 0 and second.num_tokens == len(prompt) + 2
-    assert speculator.acceptance.segments["code"].num_accepted_tokens > 0
-
-
-async def test_an_output_that_opens_a_segment_drafts_in_its_kind_from_the_step_after_the_marker():
-    prompt, max_tokens = PROMPTS["a"], 30
-    want = reference(prompt, max_tokens)
-    k = next(i for i in range(3, max_tokens) if want[i] not in prompt + want[:i])  # the marker's first appearance
-    drafter = RecordingDrafter(RULE, VOCAB, 3, "prose")
-    drafter.markers = {want[k]: "code"}
-    scheduler, speculator = gated_pair(drafter, is_code_open=True, is_prose_open=False)
-    results, _ = await run_all(scheduler, speculator, {"a": prompt}, max_tokens)
-    assert results["a"][0] == want
-    # Asked at the first decode step: "prose", closed. Asked again once the marker has come: "code", open.
-    asked = [(q.max_nodes, q.num_tokens) for q in drafter.queries[:2]]
-    assert asked == [(0, len(prompt) + 1), (0, len(prompt) + k + 1)]
-    assert all(q.max_nodes > 0 for q in drafter.queries[2:]) and drafter.queries[2].num_tokens == len(prompt) + k + 2
-    assert speculator.acceptance.segments["code"].num_accepted_tokens > 0
-
-
-async def test_no_query_for_a_new_request_where_no_kind_may_draft():
-    drafter = RecordingDrafter(RULE, VOCAB, 3, "code")
-    scheduler, speculator = gated_pair(drafter, is_code_open=False)
-    worker = FakeWorker(RULE, VOCAB, [EOS], num_kv_blocks=64, block_size=4)
-    scheduler.add(Sequence("a", PROMPTS["a"], stopping=StoppingCriteria(20)))
-    results: dict = {}
-    await step(scheduler, speculator, worker, results)
-    assert speculator.plan_next(scheduler, scheduler.schedule())  # every step may go ahead
-    while scheduler.has_work:
-        await step(scheduler, speculator, worker, results)
-    assert results["a"][0] == reference(PROMPTS["a"], 20)
-    assert drafter.queries == []  # the drafter learns the request from its final update alone
-    await speculator.wait_finals_sent()
-    assert drafter.finals["a"] == PROMPTS["a"] + results["a"][0]
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
