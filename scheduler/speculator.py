@@ -255,10 +255,10 @@ class Speculator:
         a segment marker among the tokens since), where their kind may let them draft: some kind absent from the
         step is open at its batch size (SpecPolicy.may_open_another_kind). A step that drafts for no kind asks the
         drafter about these alone, for no tree (a query of 0 nodes), so that a new request's kind is known from its
-        first decode step, and a request whose output opens a code block drafts as code from the next step, not
-        only once the gate explores its closed kind (every 16 to 256 steps). Once per request and marker: a drafter
-        that does not answer leaves it to those explorations. At most every classify_interval steps, so that a batch
-        that new requests keep joining does not wait for the drafter at every step."""
+        first decode step, and a request whose output opens a code block drafts as code within classify_interval
+        steps, not only once the gate explores its closed kind (every 16 to 256 steps). Once per request and
+        marker: a drafter that does not answer leaves it to those explorations. At most every classify_interval
+        steps, so that a batch that new requests keep joining does not wait for the drafter at every step."""
         if self._num_steps_since_classify < self.classify_interval or not self.policy.may_open_another_kind(groups):
             return []
         chosen = []
