@@ -102,7 +102,7 @@ class DecodeGraphs:
                *(min(windowed_num_keys(window, padded.starts, ends), plan.num_keys) for window in self.windows))
         self._static[:, :num_rows].copy_(upload([host], self.device)[0])
         if self.block_tables.device_table is not self._tables:  # grown: the graphs read the old tensor
-            self._graphs.clear()
+            self._drop_graphs()
             self._tables = self.block_tables.device_table
 
         if not self.is_capture:
@@ -126,6 +126,15 @@ class DecodeGraphs:
         graph.replay()
         # copies: the next replay of any graph overwrites the buffers
         return self._logits[:num_works].clone(), self._non_finite[:num_works].clone()
+
+    def _drop_graphs(self) -> None:
+        """Drop every graph, and start a new memory pool for the next ones. The allocator keeps a pool whose graphs
+        are all gone as an entry that no capture may share (capture_begin asserts that the pool it joins is in
+        use), so the next capture needs a new handle; empty_cache gives the old pool's memory back."""
+        self._graphs.clear()
+        if self.is_capture:
+            self._pool = torch.cuda.graph_pool_handle()
+            torch.cuda.empty_cache()
 
     def _forward(self, num_rows: int, plan: GroupPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The lean forward of the static buffer's first num_rows rows: logits [P, V] and non-finite flags [P].
