@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from protos.segserve.v1.step import ScheduledSequence
-from worker.attention_plan import _plan_group, bucket_keys, plan_groups, step_layout
+from worker.attention_plan import _plan_group, bucket_keys, graph_bucket_keys, plan_groups, step_layout
 from worker.block_tables import BlockTables
 from worker.work import expand
 
@@ -124,6 +124,14 @@ def test_key_lengths_are_bucketed_with_at_most_an_eighth_wasted():
     sizes = [bucket_keys(n) for n in range(1, 5000)]
     assert all(size >= n and (n <= 16 or size - n <= n / 8) for n, size in zip(range(1, 5000), sizes))
     assert len(set(sizes)) < 70  # few shapes over 5,000 lengths, not one per length
+
+
+def test_the_graphs_key_lengths_are_powers_of_two_from_64():
+    """Each is a CUDA graph to capture (worker/decode_graphs.py), so there are far fewer than bucket_keys'."""
+    sizes = [graph_bucket_keys(n) for n in range(1, 5000)]
+    assert sizes[:64] == [64] * 64 and graph_bucket_keys(65) == 128 and graph_bucket_keys(4096) == 4096
+    assert all(size >= n and (n <= 64 or size < 2 * n) for n, size in zip(range(1, 5000), sizes))
+    assert sorted(set(sizes)) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
 def test_a_step_of_one_token_each_is_planned_as_one_group_exactly_as_the_general_path_plans_it():

@@ -17,6 +17,7 @@ from tests.devices import TEST_DEVICE
 from tests.test_worker_runner import (
     ARCHITECTURES, PROMPT, Decoder, assert_batch_invariant, make_runner, reference_greedy, run_together,
 )
+from worker.attention_plan import graph_bucket_keys
 from worker.config import WorkerConfig
 from worker.decode_graphs import CAPTURE_SIZES
 from worker.model_runner import ModelRunner
@@ -28,7 +29,15 @@ NUM_BLOCKS = 320
 def runners(request):
     """An eager runner and a runner with decode graphs of the same tiny model."""
     model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
-    return make_runner(model_dir, NUM_BLOCKS), make_runner(model_dir, NUM_BLOCKS, is_cuda_graphs=True)
+    return eager_runner(model_dir, NUM_BLOCKS), make_runner(model_dir, NUM_BLOCKS, is_cuda_graphs=True)
+
+
+def eager_runner(model_dir, num_kv_blocks: int, **fields) -> ModelRunner:
+    """A runner without graphs whose steps pad key lengths as a runner with graphs does (ModelRunner.key_bucket):
+    the reference for its logits, bit for bit."""
+    runner = make_runner(model_dir, num_kv_blocks, **fields)
+    runner.key_bucket = graph_bucket_keys
+    return runner
 
 
 @pytest.fixture
@@ -151,7 +160,7 @@ def test_more_sequences_than_the_largest_capture_size_run_eagerly(tiny_gemma3_di
 def test_the_block_tables_growing_does_not_leave_the_steps_reading_the_old_ones(tiny_gemma3_dir):
     """70 live sequences outgrow the block tables' first 64 rows; their decode steps still give the eager
     logits (on CUDA the graphs captured before are dropped)."""
-    eager = make_runner(tiny_gemma3_dir, 2 * 70, block_size=4)
+    eager = eager_runner(tiny_gemma3_dir, 2 * 70, block_size=4)
     graphs = make_runner(tiny_gemma3_dir, 2 * 70, block_size=4, is_cuda_graphs=True)
     first = graphs.block_tables.device_table
     logits = {}
@@ -171,6 +180,15 @@ def test_the_block_tables_growing_does_not_leave_the_steps_reading_the_old_ones(
     assert graphs.block_tables.device_table is not first
     for want, have in zip(logits[id(eager)], logits[id(graphs)], strict=True):
         assert torch.equal(want, have)
+
+
+def test_a_growing_context_passes_few_graph_keys(tiny_gemma3_dir):
+    """One sequence decoding from 21 to 170 tokens needs the graphs of three key lengths (64, 128 and 256 keys),
+    the first of which the warm-up took."""
+    runner = make_runner(tiny_gemma3_dir, 64, block_size=4, is_cuda_graphs=True)
+    assert [key[:2] for key in runner.graphs.keys] == [(1, 64)]
+    logits_of_each_step(runner, [list(range(1, 21))], 150)
+    assert [key[:2] for key in runner.graphs.keys] == [(1, 64), (1, 128), (1, 256)]
 
 
 def test_the_warm_up_runs_a_step_on_the_graphs(tiny_gemma3_dir, counted):

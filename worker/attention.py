@@ -31,6 +31,7 @@ computed when they sit at their own position); a new key's is its Work position.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,11 +121,12 @@ class WindowSource:
     block_size: int
     host_starts: np.ndarray  # [R] int64
     host_ends: np.ndarray  # [R] int64: num_computed_tokens + tokens this step
+    bucket: Callable[[int], int] = bucket_keys  # pads the windowed key count
 
     def keys(self, window: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Key slots and [R, Q, L'] mask of the keys within `window` of the group's queries, or None when
         they would be no fewer than the group's L (then the full range, masked, is the same attention)."""
-        num_keys = windowed_num_keys(window, self.host_starts, self.host_ends)
+        num_keys = windowed_num_keys(window, self.host_starts, self.host_ends, self.bucket)
         if num_keys >= group.key_slots.shape[1]:
             return None
         first = (self.start - window + 1).clamp_(min=0).div_(WINDOW_KEY_GRID, rounding_mode="floor")
@@ -140,12 +142,13 @@ class WindowSource:
         return key_slots, mask
 
 
-def windowed_num_keys(window: int, host_starts: np.ndarray, host_ends: np.ndarray) -> int:
-    """The bucketed key count of a sliding-window layer's range (WindowSource.keys) for rows whose computed tokens
-    are host_starts [R] and that end at host_ends [R] after this step."""
+def windowed_num_keys(window: int, host_starts: np.ndarray, host_ends: np.ndarray,
+                      bucket: Callable[[int], int] = bucket_keys) -> int:
+    """The key count of a sliding-window layer's range (WindowSource.keys), padded by `bucket`, for rows whose
+    computed tokens are host_starts [R] and that end at host_ends [R] after this step."""
     # a query at `start` reaches back to key start - window + 1; the range starts at the grid line below it
     firsts = np.maximum(host_starts - window + 1, 0) // WINDOW_KEY_GRID * WINDOW_KEY_GRID
-    return bucket_keys(int((host_ends - firsts).max()))
+    return bucket(int((host_ends - firsts).max()))
 
 
 @dataclass
@@ -185,7 +188,8 @@ def to_group(plan: GroupPlan, arrays: list[torch.Tensor], device_tables: torch.T
     pad = is_pad.bool()  # [R, Q]
     mask, key_pos = _key_mask(key.expand(rows, num_keys), start, length, depth, sees, pad)
     host_starts = plan.per_row[1]
-    windows = WindowSource(tables, start, length, depth, sees, block_size, host_starts, host_starts + plan.per_row[2])
+    windows = WindowSource(tables, start, length, depth, sees, block_size, host_starts, host_starts + plan.per_row[2],
+                           plan.bucket)
     return AttentionGroup(query_index=query_index, key_slots=key_slots, mask=mask, query_pos=start + depth,
                           key_pos=key_pos, is_pad_query=pad, out_rows=out_rows, out_tokens=out_tokens,
                           window_source=windows, is_whole_step=plan.is_whole_step)

@@ -8,6 +8,7 @@ cache slot of every new token) and grouped by query count into power-of-two buck
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,36 +75,48 @@ class GroupPlan:
     out_rows: np.ndarray  # [M]: flat r * Q + q of real queries
     out_tokens: np.ndarray  # [M]: their token index in the packed row
     is_whole_step: bool = False  # see AttentionGroup
+    bucket: Callable[[int], int] = bucket_keys  # how num_keys was padded (the sliding windows' counts follow it)
 
     def arrays(self) -> list[np.ndarray]:
         """What the device half needs, in the order to_group() takes it."""
         return [self.per_row, self.depths, self.sees, self.is_pad, self.query_index, self.out_rows, self.out_tokens]
 
 
-def plan_groups(works: list[Work], layout: StepLayout) -> list[GroupPlan]:
-    """Group the works by query count (power-of-two buckets) and lay each group out on the host."""
+def plan_groups(works: list[Work], layout: StepLayout, bucket: Callable[[int], int] = bucket_keys
+                ) -> list[GroupPlan]:
+    """Group the works by query count (power-of-two buckets) and lay each group out on the host, key lengths
+    padded by `bucket`."""
     if len(layout.slots) == len(works):  # one token each (every sequence decoding): the common step, built directly
-        return [plan_one_token_each(layout)]
+        return [plan_one_token_each(layout, bucket)]
     query_buckets = _buckets(layout.lengths)
-    plans = [_plan_group(works, np.flatnonzero(query_buckets == q), int(q), layout) for q in np.unique(query_buckets)]
+    plans = [_plan_group(works, np.flatnonzero(query_buckets == q), int(q), layout, bucket)
+             for q in np.unique(query_buckets)]
     if len(plans) == 1 and not plans[0].is_pad.any():  # every work, in order, with no padding (e.g. all decoding)
         plans[0].is_whole_step = True
     return plans
 
 
-def plan_one_token_each(layout: StepLayout) -> GroupPlan:
+def graph_bucket_keys(num_keys: int) -> int:
+    """Key lengths of the decode steps replayed from CUDA graphs (worker/decode_graphs.py): powers of two, at least
+    64. Each key length is a graph to capture, so these are coarser than bucket_keys': a context that grows from 64
+    to 4,096 keys passes 7 of them instead of about 50, at up to twice the keys read (masked)."""
+    return max(64, 1 << (num_keys - 1).bit_length())
+
+
+def plan_one_token_each(layout: StepLayout, bucket: Callable[[int], int] = bucket_keys) -> GroupPlan:
     """What _plan_group gives for one group of every work when each computes one token: Q = 1, no padding, the
-    queries in order (query r is token r)."""
+    queries in order (query r is token r). `bucket` pads the key length."""
     num_works = len(layout.rows)
     index = np.arange(num_works)
     per_row = np.stack([layout.rows, layout.starts, layout.lengths])
-    return GroupPlan(1, bucket_keys(int(layout.starts.max()) + 1), per_row, np.zeros((num_works, 1), np.int64),
+    return GroupPlan(1, bucket(int(layout.starts.max()) + 1), per_row, np.zeros((num_works, 1), np.int64),
                      np.ones((num_works, 1, 1), bool), np.zeros((num_works, 1), bool), index[:, None], index, index,
-                     is_whole_step=True)
+                     is_whole_step=True, bucket=bucket)
 
 
-def _plan_group(works: list[Work], members: np.ndarray, num_queries: int, layout: StepLayout) -> GroupPlan:
-    """The GroupPlan of works[members], padded to num_queries queries."""
+def _plan_group(works: list[Work], members: np.ndarray, num_queries: int, layout: StepLayout,
+                bucket: Callable[[int], int] = bucket_keys) -> GroupPlan:
+    """The GroupPlan of works[members], padded to num_queries queries, key lengths by `bucket`."""
     rows, q = len(members), num_queries
     starts, lengths, offsets = layout.starts[members], layout.lengths[members], layout.offsets[members]
     depths = np.broadcast_to(np.arange(q), (rows, q)).copy()  # [R, Q]
@@ -118,8 +131,8 @@ def _plan_group(works: list[Work], members: np.ndarray, num_queries: int, layout
     is_pad = np.arange(q)[None, :] >= lengths[:, None]  # [R, Q]
     query_index = np.where(is_pad, 0, offsets[:, None] + np.arange(q)[None, :])  # [R, Q]
     out_rows = np.flatnonzero(~is_pad)  # [M]
-    return GroupPlan(q, bucket_keys(int((starts + lengths).max())), np.stack([layout.rows[members], starts, lengths]),
-                     depths, sees, is_pad, query_index, out_rows, query_index.reshape(-1)[out_rows])
+    return GroupPlan(q, bucket(int((starts + lengths).max())), np.stack([layout.rows[members], starts, lengths]),
+                     depths, sees, is_pad, query_index, out_rows, query_index.reshape(-1)[out_rows], bucket=bucket)
 
 
 def tree_sees(parents: tuple[int, ...]) -> np.ndarray:

@@ -12,8 +12,11 @@ runs eagerly, as without graphs. The B sequences are padded to the next capture 
 0 at position 0, writes its key and value to the scratch block (one block past the scheduler's, which no sequence
 ever gets) and reads key 0 of block-table row 0 (read only, its output dropped).
 
-A graph's key: the padded rows, the bucketed key length (worker/attention_plan.py) and each sliding window's
-bucketed key count, which are all the shapes a decode step's attention takes. It is captured the first time its key
+A graph's key: the padded rows, the key length and each sliding window's key count, which are all the shapes a
+decode step's attention takes. Key lengths are padded to powers of two (graph_bucket_keys, worker/attention_plan.py),
+coarser than an eager step's, since each is a capture: the bench's contexts, 32 to 84 keys, took 23 captures with
+eight lengths per power of two. The runner's eager steps (prefills, trees) pad key lengths the same way, so that a
+sequence's attention reads the same keys in both kinds of step. A graph is captured the first time its key
 comes and kept while MAX_GRAPHS others are newer. All graphs share one memory pool, as only one replays at a time,
 and leave their logits in one buffer outside it. The block tables' device tensor may be replaced when it grows
 (worker/block_tables.py): the graphs then read the old one, so they are dropped and captured again.
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 
 from worker.attention import AttentionBatch, to_group, windowed_num_keys
-from worker.attention_plan import GroupPlan, StepLayout, plan_one_token_each
+from worker.attention_plan import GroupPlan, StepLayout, graph_bucket_keys, plan_one_token_each
 from worker.block_tables import BlockTables
 from worker.kv_cache import PagedKVCache
 from worker.lean_decoder import LeanDecoder
@@ -79,6 +82,11 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         """Time those captures took, their runs before the capture included."""
 
+    @property
+    def keys(self) -> list[tuple]:
+        """The keys of the graphs kept, least recently used first (without capture, of the plans kept instead)."""
+        return list(self._graphs if self.is_capture else self._plans)
+
     def fits(self, num_works: int, num_tokens: int, keep: np.ndarray) -> bool:
         """Whether a step of num_works works, num_tokens tokens and these kept logit rows is a decode step this
         runs: one token per work, each sampled, in work order, and no more works than the largest capture size."""
@@ -96,10 +104,10 @@ class DecodeGraphs:
         host[_TABLE_ROW, :num_works], host[_START, :num_works] = layout.rows, layout.starts
         host[_LENGTH] = 1
         padded = StepLayout(host[_TABLE_ROW], host[_START], host[_LENGTH], np.arange(num_rows), host[_SLOT])
-        plan = plan_one_token_each(padded)
+        plan = plan_one_token_each(padded, graph_bucket_keys)
         ends = padded.starts + 1
-        key = (num_rows, plan.num_keys,
-               *(min(windowed_num_keys(window, padded.starts, ends), plan.num_keys) for window in self.windows))
+        key = (num_rows, plan.num_keys, *(min(windowed_num_keys(window, padded.starts, ends, graph_bucket_keys),
+                                              plan.num_keys) for window in self.windows))
         self._static[:, :num_rows].copy_(upload([host], self.device)[0])
         if self.block_tables.device_table is not self._tables:  # grown: the graphs read the old tensor
             self._drop_graphs()

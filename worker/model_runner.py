@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
-from worker.attention_plan import plan_groups
+from worker.attention_plan import bucket_keys, graph_bucket_keys, plan_groups
 from worker.block_tables import BlockTables
 from worker.compiled import CompiledDecoder
 from worker.decode_graphs import DecodeGraphs
@@ -130,6 +130,8 @@ class ModelRunner:
                 raise ValueError(f"cuda_graphs needs a lean decoder; {type(self.model).__name__} has none")
             self.graphs = DecodeGraphs(self._lean, self.kv_cache, self.block_tables, num_blocks * config.block_size,
                                        is_capture=self.device.type == "cuda")
+        self.key_bucket = graph_bucket_keys if self.graphs is not None else bucket_keys
+        """How eager steps pad key lengths: as the graphs do, where there are graphs."""
         self._states: dict[str, SequenceState] = {}
         self.is_ready = False
         self.timings: dict[str, float] | None = None
@@ -256,7 +258,7 @@ class ModelRunner:
             logits, plan.non_finite_tokens = self.graphs.run(layout, token_ids, positions)
             self._lap("forward")
             return logits
-        groups = plan_groups(works, layout)
+        groups = plan_groups(works, layout, self.key_bucket)
         uploaded = upload([np.stack([token_ids, positions, layout.slots]), keep,
                            *(a for group in groups for a in group.arrays())], self.device)
         inputs, logits_to_keep = uploaded[0], uploaded[1]  # [3, T], [N + R]
