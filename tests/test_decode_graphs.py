@@ -200,6 +200,13 @@ def test_the_warm_up_runs_a_step_on_the_graphs(tiny_gemma3_dir, counted):
     assert calls[0] == 1 and runner.is_ready
 
 
+def test_graphs_are_on_by_default_on_a_gpu_with_a_lean_decoder(tiny_gemma3_dir):
+    is_gpu = torch.device(TEST_DEVICE).type == "cuda"
+    assert (make_runner(tiny_gemma3_dir, 16).graphs is not None) == is_gpu
+    assert make_runner(tiny_gemma3_dir, 16, is_lean_decoder=False).graphs is None
+    assert make_runner(tiny_gemma3_dir, 16, is_cuda_graphs=False).graphs is None
+
+
 @pytest.mark.parametrize("fields", [dict(is_compiled=True), dict(is_lean_decoder=False)])
 def test_cuda_graphs_need_the_lean_decoder(fields):
     with pytest.raises(ValueError, match="lean decoder"):

@@ -54,11 +54,12 @@ class WorkerConfig:
     """Run a Gemma3, Llama, Mistral, Qwen2 or Qwen3 model's eager forward without transformers' per-call wrappers and
     mask building (worker/lean_decoder.py): the same modules and ops, bit-identical logits, less Python per step.
     Other models, and a compiled decoder, run transformers' forward either way."""
-    is_cuda_graphs: bool = False
+    is_cuda_graphs: bool | None = None
     """Run decode steps (one token per sequence, up to 256 sequences) on static buffers, replayed from CUDA graphs
     captured per batch size and key length (worker/decode_graphs.py), so that a step is one launch instead of one
-    per kernel. Needs a lean decoder (is_lean_decoder, not is_compiled, one of its architectures). On the CPU the
-    same padded steps run eagerly, with nothing to capture: what the tests check it with. No GPU has run it yet."""
+    per kernel. Needs a lean decoder (is_lean_decoder, not is_compiled, one of its architectures). None (the
+    default): on where the worker runs on CUDA with a lean decoder, off elsewhere. True on the CPU runs the same
+    padded steps eagerly, with nothing to capture: what the tests check it with."""
     compile_max_tokens: int = 256
     """With is_compiled: the buckets up to this many tokens (1, 2, 4, ...) are compiled during the warm-up,
     before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's

@@ -102,7 +102,10 @@ class ModelRunner:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
         shape = KVCacheShape.from_model_config(self.model.config)
         num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
-        num_scratch = 1 if config.is_cuda_graphs else 0  # a block the scheduler never gets, for the graphs' padding
+        is_graphs = config.is_cuda_graphs
+        if is_graphs is None:  # the default: on a GPU, where the model has a lean decoder
+            is_graphs = self.device.type == "cuda" and self._lean is not None
+        num_scratch = 1 if is_graphs else 0  # a block the scheduler never gets, for the graphs' padding
         self.kv_cache = PagedKVCache(shape, num_blocks + num_scratch, config.block_size, self.dtype, self.device)
         self.limits = StepLimits(
             num_blocks=num_blocks,
@@ -125,7 +128,7 @@ class ModelRunner:
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
         """Decode steps on static buffers and CUDA graphs (config.is_cuda_graphs), or None: every step eager."""
-        if config.is_cuda_graphs:
+        if is_graphs:
             if self._lean is None:
                 raise ValueError(f"cuda_graphs needs a lean decoder; {type(self.model).__name__} has none")
             self.graphs = DecodeGraphs(self._lean, self.kv_cache, self.block_tables, num_blocks * config.block_size,

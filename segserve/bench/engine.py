@@ -79,9 +79,10 @@ class EngineBenchConfig:
     report is then one request of that many."""
     is_compiled: bool = False
     """Run the worker's decoder compiled (WorkerConfig.is_compiled); its buckets compile before the timing."""
-    is_cuda_graphs: bool = False
-    """Decode steps on static buffers, replayed from CUDA graphs on a GPU (WorkerConfig.is_cuda_graphs); graphs are
-    captured as their shapes first come, in the warm-up steps or the timed ones."""
+    is_cuda_graphs: bool | None = None
+    """Decode steps on static buffers, replayed from CUDA graphs on a GPU (WorkerConfig.is_cuda_graphs; None = the
+    worker's default: on a GPU with a lean decoder); graphs are captured as their shapes first come, in the warm-up
+    steps or the timed ones."""
     is_lean_decoder: bool = True
     """The worker's lean forward of Gemma3, Llama, Mistral, Qwen2 and Qwen3 (WorkerConfig.is_lean_decoder); False =
     transformers' forward."""
@@ -138,8 +139,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="decode steps per request to the runner (multi-step decoding; 1 = off)")
     parser.add_argument("--compiled", dest="is_compiled", action="store_true",
                         help="the worker's decoder compiled by torch.compile (buckets compiled before timing)")
-    parser.add_argument("--cuda-graphs", dest="is_cuda_graphs", action="store_true",
-                        help="decode steps replayed from CUDA graphs (on the CPU: the same padded steps, eager)")
+    parser.add_argument("--cuda-graphs", dest="is_cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode steps replayed from CUDA graphs (on the CPU: the same padded steps, eager; "
+                        "default: the worker's, on a GPU with a lean decoder)")
     parser.add_argument("--lean-decoder", dest="is_lean_decoder", action=argparse.BooleanOptionalAction,
                         default=d.is_lean_decoder, help="the worker's lean forward of Gemma3, Llama, Mistral, Qwen2 "
                         "and Qwen3 (--no-lean-decoder: transformers' forward)")
