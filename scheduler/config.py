@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from protos.segserve.v1.step import MAX_DECODE_STEPS
@@ -72,11 +73,16 @@ class SchedulerConfig:
     the tokens it is sampling, so it never waits for the scheduler's round trip between steps. Only in the
     steady decode state (no request waiting, no prefill) and while nothing is drafted, since a tree needs each
     step's tokens first; greedy output is the same either way."""
-    num_decode_steps: int = 1
+    num_decode_steps: int = 8
     """Multi-step decoding: the most decode steps one request to the worker may take while nobody waits and
-    nothing is drafted (scheduler/decode_steps.py). Fewer round trips per token, at the price of tokens reaching
-    a stream that many at a time; 1 = one step per request. Capped by the worker's WorkerInfo.max_decode_steps.
-    worker_step_timeout_s bounds the whole request, all of its steps."""
+    nothing is drafted (scheduler/decode_steps.py), within decode_steps_ms. Fewer round trips per token, at the
+    price of tokens reaching a stream several at a time; 1 = one step per request. Capped by the worker's
+    WorkerInfo.max_decode_steps. worker_step_timeout_s bounds the whole request, all of its steps."""
+    decode_steps_ms: float = 10.0
+    """How long the decode steps of one request may take together, by the worker's recent compute time per step:
+    a stream's tokens come at least this often, and a request that arrives waits at most about this long (twice,
+    behind a step ahead) for its prefill. Where a step takes longer than half of it, every request is one step.
+    0 = no bound: always num_decode_steps."""
     is_prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
     whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""
@@ -128,6 +134,8 @@ class SchedulerConfig:
             raise ValueError("drain_timeout_s must be >= 0")
         if not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
             raise ValueError(f"num_decode_steps must be in 1..{MAX_DECODE_STEPS}")
+        if not (math.isfinite(self.decode_steps_ms) and self.decode_steps_ms >= 0):
+            raise ValueError("decode_steps_ms must be a finite number >= 0")
         if self.start_timeout_s <= 0:
             raise ValueError("start_timeout_s must be > 0")
         internal_tls(self)  # ValueError naming the fields when only some are given

@@ -32,11 +32,11 @@ def room_for_steps(seq: Sequence, num_pending: int, max_len: int) -> int:
 
 
 def add_decode_steps(scheduler: Scheduler, request: StepRequest) -> int:
-    """Let `request` (built by schedule(), drafted in) run up to scheduler.num_decode_steps decode steps: where
+    """Let `request` (built by schedule(), drafted in) run up to scheduler.decode_steps_now() decode steps: where
     nobody waits, every sequence decodes one token sampled at its end without a tree, and as many as the free KV
     blocks hold every step's slot for (when they are short, as many as the sequences' own blocks hold). Allocates
     those slots and sends the grown block tables. Returns request.num_steps."""
-    num_steps = scheduler.num_decode_steps
+    num_steps = scheduler.decode_steps_now()
     if num_steps <= 1 or scheduler.waiting or not request.sequences:
         return request.num_steps
     seqs = []

@@ -366,6 +366,7 @@ class Engine:
             max_failed_steps=self.config.max_failed_steps, is_prefix_caching=self.config.is_prefix_caching,
             is_block_table_delta=info.block_table_deltas,
             num_decode_steps=min(self.config.num_decode_steps, info.max_decode_steps),
+            decode_steps_s=self.config.decode_steps_ms / 1000,
             on_end=self.speculator.forget if self.speculator is not None else None)
         self.scheduler.release_later(self._stale_ids)
         self._stale_ids = []

@@ -49,6 +49,10 @@ from scheduler.stopping import append_tokens
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler"]  # add()'s errors, defined in admission.py
 
+_DECODE_STEP_WEIGHT = 0.25
+"""Weight of the last plain decode step's compute time in the moving average that bounds the decode steps of one
+request (Scheduler.decode_steps_now): a batch that grows or shrinks moves it within a few steps."""
+
 
 class Scheduler:
     """Owns the waiting queue (FIFO), the running list and the KV-block allocation.
@@ -74,6 +78,7 @@ class Scheduler:
         is_prefix_caching: bool = True,
         is_block_table_delta: bool = False,
         num_decode_steps: int = 1,
+        decode_steps_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[str], None] | None = None,
     ):
@@ -93,6 +98,10 @@ class Scheduler:
         worker with WorkerInfo.block_table_deltas; otherwise whole tables."""
         self.num_decode_steps = num_decode_steps
         """The most decode steps one plain decode step may take (scheduler/decode_steps.py); 1 = off."""
+        self.decode_steps_s = decode_steps_s
+        """How long those steps may take together, by the worker's last compute times (0 = no bound)."""
+        self._decode_step_s: float | None = None
+        """Moving average of the worker's compute time per step of plain decode steps (StepResult.compute_us)."""
         self.clock = clock
         self._on_end = on_end
         self.requests: dict[str, Sequence] = {}
@@ -195,12 +204,21 @@ class Scheduler:
                 or self._num_ok_steps == 0):  # not right after a failed step, nor before the first success
             return None
         ahead = build_step_ahead(request, self._steps.in_flight, self.block_manager, max_len=self.max_len,
-                                 num_decode_steps=self.num_decode_steps,
+                                 num_decode_steps=self.decode_steps_now(),
                                  is_block_table_delta=self.is_block_table_delta)
         if ahead is None:
             return None
         self.num_steps += 1
         return self._steps.send_ahead(ahead)
+
+    def decode_steps_now(self) -> int:
+        """The decode steps a plain decode step may take now: num_decode_steps, or as many of them as fit
+        decode_steps_s at the worker's recent time per step (1 until that is measured)."""
+        if self.num_decode_steps <= 1 or self.decode_steps_s <= 0:
+            return self.num_decode_steps
+        if self._decode_step_s is None:
+            return 1
+        return max(1, min(self.num_decode_steps, int(self.decode_steps_s / self._decode_step_s)))
 
     def in_flight(self, seq_id: str) -> Sequence | None:
         """The sequence that `seq_id` names in the step in flight (None: not in it, or ended)."""
@@ -218,6 +236,10 @@ class Scheduler:
             problem = output_problem(work, outputs.get(work.seq_id), request.num_steps)
             if problem is not None:
                 return self.fail_step(request, f"the worker's answer does not fit the step: {problem}")
+        if result.compute_us and request.num_scheduled_tokens == len(request.sequences):  # plain decode steps
+            step_s = result.compute_us / 1e6 / request.num_steps
+            last = self._decode_step_s
+            self._decode_step_s = step_s if last is None else last + _DECODE_STEP_WEIGHT * (step_s - last)
         now = self.clock()
         in_flight = self._steps.take_in_flight()
         events: list[RequestEvent] = []

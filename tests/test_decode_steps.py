@@ -62,6 +62,48 @@ def run_engine_like(scheduler: Scheduler, worker: FakeWorker, is_ahead: bool = T
     raise AssertionError("scheduler did not finish")
 
 
+def timed(worker: FakeWorker, decode_step_us: list[int]) -> FakeWorker:
+    """The worker's results carry compute times: decode_step_us[0] per plain decode step, a second for any other
+    step (a prefill), which must not count."""
+    real = worker.step_sync
+
+    def step_sync(request: StepRequest):
+        result = real(request)
+        is_plain = request.num_scheduled_tokens == len(request.sequences)
+        result.compute_us = decode_step_us[0] * request.num_steps if is_plain else 1_000_000
+        return result
+
+    worker.step_sync = step_sync
+    return worker
+
+
+@pytest.mark.parametrize("is_ahead", [False, True], ids=["one-at-a-time", "steps-ahead"])
+def test_a_requests_decode_steps_fit_decode_steps_s_at_the_workers_time_per_step(is_ahead):
+    decode_step_us = [3000]
+    scheduler = make_scheduler(num_decode_steps=8, decode_steps_s=0.010)
+    worker = timed(multi_worker(), decode_step_us)
+    scheduler.add(make_seq("a", [1, 2, 3], max_tokens=40))
+    results, num_steps = run_engine_like(scheduler, worker, is_ahead)
+    assert results["a"] == (expected_output([1, 2, 3], 40), FinishReason.LENGTH)
+    # the prefill, then one step until a plain decode step is measured, then 10 ms / 3 ms = 3 at a time
+    assert num_steps[:2] == [1, 1] and max(num_steps) == 3 and num_steps.count(3) >= 10, num_steps
+
+    decode_step_us[0] = 12_000  # longer than half the bound: one step per request, once the average follows
+    scheduler.add(make_seq("b", [5, 6, 7], max_tokens=14))
+    results, num_steps = run_engine_like(scheduler, worker, is_ahead)
+    assert results["b"] == (expected_output([5, 6, 7], 14), FinishReason.LENGTH)
+    assert num_steps[-6:] == [1] * 6 and num_steps.count(3) <= 2, num_steps
+
+
+def test_without_a_bound_every_request_takes_num_decode_steps():
+    scheduler = make_scheduler(num_decode_steps=8, decode_steps_s=0.0)
+    worker = timed(multi_worker(), [50_000])
+    scheduler.add(make_seq("a", [1, 2, 3], max_tokens=25))
+    results, num_steps = run_engine_like(scheduler, worker, is_ahead=False)
+    assert results["a"] == (expected_output([1, 2, 3], 25), FinishReason.LENGTH)
+    assert num_steps == [1, 8, 8, 8]
+
+
 @pytest.mark.parametrize("is_ahead", [False, True], ids=["one-at-a-time", "steps-ahead"])
 def test_several_decode_steps_per_request_give_every_sequence_its_plain_tokens(is_ahead):
     scheduler, worker = make_scheduler(num_decode_steps=4), multi_worker()

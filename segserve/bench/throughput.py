@@ -85,8 +85,9 @@ class ThroughputConfig:
     """The launched scheduler's async scheduling (the next decode step sent while one runs; speculation off only)."""
     compiled: bool = False
     """The launched worker's decoder compiled (WorkerConfig.is_compiled); HF's baseline stays eager."""
-    num_decode_steps: int = 1
-    """The launched scheduler's multi-step decoding (SchedulerConfig.num_decode_steps; 1 = off)."""
+    num_decode_steps: int | None = None
+    """The launched scheduler's multi-step decoding (SchedulerConfig.num_decode_steps; 1 = off, None = its
+    default)."""
     out: str = "bench-results"
     """Directory for throughput.json, throughput.png and logs."""
 
@@ -144,7 +145,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=defaults.compiled,
                         help="the launched worker's decoder compiled by torch.compile")
     parser.add_argument("--num-decode-steps", type=int, default=defaults.num_decode_steps,
-                        help="the launched scheduler's most decode steps per worker request (1 = off)")
+                        help="the launched scheduler's most decode steps per worker request (1 = off; default: "
+                        "the scheduler's)")
     parser.add_argument("--out", default=defaults.out, help="output directory (default: bench-results/)")
 
 
@@ -257,7 +259,8 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
             worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0,  # 0 = the launcher picks
                                 is_compiled=config.compiled),
             scheduler=SchedulerConfig(port=0, is_async_scheduling=config.async_scheduling,
-                                      num_decode_steps=config.num_decode_steps),
+                                      **({} if config.num_decode_steps is None
+                                         else {"num_decode_steps": config.num_decode_steps})),
             is_speculative=config.speculation,
             router=RouterConfig(port=0, is_grpc_api=config.grpc_api, grpc_port=0),  # 0: the launcher picks
             startup_timeout_s=config.startup_timeout_s,
