@@ -249,7 +249,7 @@ class Engine:
         """schedule -> draft -> worker step(s) -> apply outputs -> deliver.
 
         A plain decode step may take several decode steps at the worker (multi-step decoding,
-        scheduler/decode_steps.py).
+        scheduler/decode_steps.py), unless the drafter was asked for trees for it.
 
         With async scheduling, the step after a decode step is built and sent before that step's result is
         back (Scheduler.schedule_ahead), and so on while the batch stays in the steady decode state: the
@@ -264,7 +264,10 @@ class Engine:
         decision = None
         if self.speculator is not None:
             decision = await self.speculator.propose(self.scheduler, request)
-        add_decode_steps(self.scheduler, request)
+        if self.speculator is None or not self.speculator.asked_for_trees:
+            # not where the drafter was asked for trees: one that found none this step may find one the next,
+            # which several decode steps in one request would skip
+            add_decode_steps(self.scheduler, request)
         sent, is_ahead = self._send(request), False
         while True:
             ahead, ahead_decision = self._schedule_ahead(request)

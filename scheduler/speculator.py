@@ -101,6 +101,10 @@ class Speculator:
         self._planned: GateDecision | None = None
         """The gate's decision for the next step, made by plan_next() before the step in flight answered (it keeps
         drafting off for every kind)."""
+        self.asked_for_trees = False
+        """Whether the last propose() asked the drafter for trees (some kind of the step was let draft), whether or
+        not any came: a step that did may find one at the next, so it takes no more decode steps than one
+        (scheduler/decode_steps.py)."""
 
     @property
     def is_drafting(self) -> bool:
@@ -135,6 +139,7 @@ class Speculator:
         """Attach candidate trees to the request's decode sequences (or nothing, on any failure). Returns the
         gate's decision for the step, for observe_cycle() (None: the gate was not asked)."""
         planned, self._planned = self._planned, None
+        self.asked_for_trees = False
         try:
             return await self._propose(scheduler, request, planned)
         except Exception:  # a bug here must cost speed, never a request
@@ -234,7 +239,8 @@ class Speculator:
             decision = self.policy.last_gate_decision
         else:  # decided by plan_next(), which the step ahead it allowed did not follow (schedule_ahead() refused)
             budgets, decision = {segment: 0 for segment in groups}, planned
-        if not any(budgets.values()):
+        self.asked_for_trees = any(budgets.values())
+        if not self.asked_for_trees:
             candidates = self._to_classify(candidates, groups)
             if not candidates:
                 return decision  # the drafter catches up on their tokens at the next call, or the final update

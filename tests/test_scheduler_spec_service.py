@@ -203,6 +203,18 @@ class _GateExploresEveryFourthStep(SpecPolicy):
         return {segment: self.max_nodes if is_drafting else 0 for segment in groups}
 
 
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+async def test_a_step_that_asks_the_drafter_for_trees_takes_one_decode_step_though_none_comes(is_async):
+    """A drafter that finds no tree at one step may find one at the next, which several decode steps in one
+    request would skip: with every kind let draft (the fixed policy), every request is one step."""
+    async with spec_stack(max_decode_steps=8, num_decode_steps=4, draft_timeout_ms=2000, is_spec_adaptive=False,
+                          is_async_scheduling=is_async) as (stub, worker, drafter, _, lane):
+        drafter.drafter.mode = "empty"
+        assert await generate_all(stub, max_tokens=40) == expected(40)
+        assert worker.problems == [] and drafter.drafter.num_calls >= 39
+        assert {request.num_steps for request in worker.requests} == {1}
+
+
 class _GateOpenNoTree(SpecPolicy):
     """A policy whose gate lets every kind draft (keeps_off() is False) and whose cost model never gives a tree."""
 
