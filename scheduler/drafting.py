@@ -20,7 +20,8 @@ from scheduler.sequence import Sequence
 def draft_candidates(scheduler: Scheduler, request: StepRequest) -> list[Sequence]:
     """The step's decode sequences: their only uncomputed token is the last sampled one."""
     return [seq for work in request.sequences
-            if (seq := scheduler.in_flight(work.seq_id)).num_uncomputed_tokens == 1 and work.sample_indices]
+            if (seq := scheduler.in_flight(work.seq_id)) is not None and seq.num_uncomputed_tokens == 1
+            and work.sample_indices]
 
 
 def draft_room(scheduler: Scheduler, request: StepRequest) -> int:

@@ -221,8 +221,10 @@ class Scheduler:
         return max(1, min(self.num_decode_steps, int(self.decode_steps_s / self._decode_step_s)))
 
     def in_flight(self, seq_id: str) -> Sequence | None:
-        """The sequence that `seq_id` names in the step in flight (None: not in it, or ended)."""
-        return self._steps.in_flight.get(seq_id)
+        """The sequence that `seq_id` names in the step in flight (None: not in it, or no longer running: ended or
+        preempted since, e.g. cancelled while the drafter was asked about the step, so it gets no more blocks)."""
+        seq = self._steps.in_flight.get(seq_id)
+        return seq if seq is not None and seq.status is SequenceStatus.RUNNING else None
 
     def postprocess(self, request: StepRequest, result: StepResult) -> list[RequestEvent]:
         """Account the step's computed tokens, append sampled ones, apply stop conditions.

@@ -19,8 +19,10 @@ from protos.segserve.v1.generate import FinishReason, GenerateComplete
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import MAX_DECODE_STEPS, NewSequence, ScheduledSequence, StepRequest, multi_step_problem
 from protos.segserve.v1.step_result import SequenceOutput, output_problem
+from protos.segserve.v1.tree import CandidateTree
 from scheduler.config import SchedulerConfig
 from scheduler.decode_steps import add_decode_steps
+from scheduler.drafting import attach_drafts
 from scheduler.scheduler import Scheduler
 from tests.e2e_helpers import scheduler_stats, tiny_stack
 from tests.fakes import FakeWorker, InjectedFailure, increment
@@ -93,6 +95,29 @@ def test_a_requests_decode_steps_fit_decode_steps_s_at_the_workers_time_per_step
     results, num_steps = run_engine_like(scheduler, worker, is_ahead)
     assert results["b"] == (expected_output([5, 6, 7], 14), FinishReason.LENGTH)
     assert num_steps[-6:] == [1] * 6 and num_steps.count(3) <= 2, num_steps
+
+
+def test_a_sequence_cancelled_while_its_step_is_drafted_gets_no_more_blocks():
+    """The engine adds decode steps and trees after the drafter's call, and a cancellation can land during it:
+    the ended sequence must not take blocks again (its table is empty once freed, so it would take them all)."""
+    scheduler, worker = make_scheduler(num_decode_steps=8), multi_worker()
+
+    def decode_step_with_one_cancelled(is_tree: bool) -> None:
+        for rid, prompt in {"a": [1, 2, 3, 4, 5, 6], "b": [7, 8]}.items():
+            scheduler.add(make_seq(rid, prompt, max_tokens=40))
+        request = scheduler.schedule()  # the prefills
+        scheduler.postprocess(request, worker.step_sync(request))
+        request = scheduler.schedule()  # decode
+        scheduler.abort("a")  # as the router's cancellation while the drafter answers
+        if is_tree:
+            attach_drafts(scheduler, request, {"a": CandidateTree((9, 10), (-1, 0))})
+        assert add_decode_steps(scheduler, request) == 1  # a step with an ended sequence stays one step
+        scheduler.postprocess(request, worker.step_sync(request))
+        scheduler.abort("b")
+        assert scheduler.block_manager.num_used_blocks == 0 and worker.problems == []
+
+    decode_step_with_one_cancelled(is_tree=True)
+    decode_step_with_one_cancelled(is_tree=False)
 
 
 def test_without_a_bound_every_request_takes_num_decode_steps():
