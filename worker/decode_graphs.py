@@ -106,8 +106,9 @@ class DecodeGraphs:
         padded = StepLayout(host[_TABLE_ROW], host[_START], host[_LENGTH], np.arange(num_rows), host[_SLOT])
         plan = plan_one_token_each(padded, graph_bucket_keys)
         ends = padded.starts + 1
-        key = (num_rows, plan.num_keys, *(min(windowed_num_keys(window, padded.starts, ends, graph_bucket_keys),
-                                              plan.num_keys) for window in self.windows))
+        # each window's key count as the forward's WindowSource pads it (plan.bucket)
+        windowed = (windowed_num_keys(window, padded.starts, ends, plan.bucket) for window in self.windows)
+        key = (num_rows, plan.num_keys, *(min(num_keys, plan.num_keys) for num_keys in windowed))
         self._static[:, :num_rows].copy_(upload([host], self.device)[0])
         if self.block_tables.device_table is not self._tables:  # grown: the graphs read the old tensor
             self._drop_graphs()
