@@ -311,7 +311,9 @@ def test_the_real_worker_refuses_several_steps_for_a_prefill_and_a_table_too_sho
 
 @pytest.mark.e2e
 def test_the_stack_with_several_decode_steps_streams_every_greedy_token(tiny_gemma3_dir, references, tmp_path):
-    with tiny_stack(tiny_gemma3_dir, tmp_path, is_speculative=False, scheduler={"num_decode_steps": 8}) as stack:
+    # a budget no step reaches: all 8 steps every time, however slow this machine is
+    with tiny_stack(tiny_gemma3_dir, tmp_path, is_speculative=False,
+                    scheduler={"num_decode_steps": 8, "decode_steps_ms": 60_000}) as stack:
         client = OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # 8 concurrent streams of 48 tokens
