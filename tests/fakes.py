@@ -16,12 +16,8 @@ returns top and prompt log-probabilities when asked, and injects faults on
 request: a per-sequence error output, whole-step failures (once, for good,
 past a batch size, whenever a given sequence is in the step) and malformed
 answers. `step_sync` is the same step for the pure tier; `FakeWorkerServicer`
-serves it over gRPC for the in-process service tier.
-
-`FakeDrafter` implements the Speculator's Drafter protocol: it tracks each
-request's tokens like the real drafter and proposes trees whose main chain
-follows the rule for `num_right` nodes; `mode` scripts its failures.
-`FakeDrafterServicer` serves it over gRPC.
+(tests/fake_services.py) serves it over gRPC for the in-process service tier.
+The fake drafter is tests/fake_drafter.py.
 """
 
 from __future__ import annotations
@@ -30,12 +26,8 @@ import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import grpc
-
-from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc, worker_pb2_grpc
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
-from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.step import (
     CONTINUATION_REFUSED,
     ScheduledSequence,
@@ -49,9 +41,7 @@ from protos.segserve.v1.step_result import (
     TopLogprobs,
 )
 from protos.segserve.v1.tree import ROOT, CandidateTree
-from scheduler.drafter_client import DraftQuery, DraftReply
 from scheduler.worker_client import WorkerError
-from worker.step_order import StepOrder
 
 Rule = Callable[[Sequence[int]], int]
 SCORE = 0.5
@@ -406,181 +396,3 @@ class FakeWorker:
     def _top(self, token_id: int, n: int) -> TopLogprobs:
         return TopLogprobs(tuple((token_id + k) % self.info.vocab_size for k in range(n)),
                            tuple(-0.1 * (k + 1) for k in range(n)))
-
-
-class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """A FakeWorker over gRPC: injected failures become their status, violations INVALID_ARGUMENT. A step ahead
-    runs after the step it follows, with the real worker's StepOrder (gRPC does not order two calls).
-
-    Like the real worker it reads packed steps and answers them packed, and serves StepStream; with
-    packed_steps=False (step_stream=False) it plays a worker that predates them: its GetInfo does not offer
-    them, and a packed step (a StepStream call) is refused."""
-
-    def __init__(self, worker: FakeWorker, packed_steps: bool = True, step_stream: bool = True):
-        self.worker = worker
-        self.order = StepOrder()
-        self.packed_steps = packed_steps
-        self.step_stream = step_stream
-        self.num_packed = self.num_unpacked = 0
-        """Steps received packed and one message per sequence."""
-        self.num_streamed = self.num_called = 0
-        """Steps received over StepStream and as Step calls."""
-        self.num_streams = 0
-        """StepStream calls opened."""
-
-    async def GetInfo(self, request, context):
-        info = await self.worker.get_info()
-        return dataclasses.replace(info, packed_steps=self.packed_steps, step_stream=self.step_stream).to_pb()
-
-    async def Health(self, request, context):
-        return (await self.worker.health()).to_pb()
-
-    async def Step(self, request, context):
-        self.num_called += 1
-        return await self._step(request, context)
-
-    async def StepStream(self, request_iterator, context):
-        if not self.step_stream:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker has no StepStream")
-        self.num_streams += 1
-        async for request in request_iterator:
-            self.num_streamed += 1
-            yield await self._step(request, context)
-
-    async def _step(self, request, context):
-        packed = request.HasField("packed_sequences")
-        if packed and not self.packed_steps:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this worker does not read packed steps")
-        self.num_packed += packed
-        self.num_unpacked += not packed
-        with self.order.handling(request.step_id):
-            try:
-                await self.order.after(request.follows_step_id)
-                result = await self.worker.step(StepRequest.from_pb(request))
-            except InjectedFailure as exc:
-                await context.abort(grpc.StatusCode[exc.code], exc.detail)
-            except AssertionError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return result.to_pb(packed=packed)
-
-
-class FakeDrafter:
-    """Tracks each request's tokens like a drafter; proposes a tree whose main chain follows the rule.
-
-    The chain is right for `num_right` nodes, then wrong; a wrong sibling hangs
-    at depth 1. `mode` scripts failures: "ok", "empty", "down" (answers
-    nothing), "raise", "oov", "bad_parents", "too_many", "forget" (loses all
-    state at its third call, so every request must resync).
-    """
-
-    def __init__(self, rule: Rule, vocab_size: int, num_right: int = 3, segment: str = "code"):
-        self.rule = rule
-        self.vocab_size = vocab_size
-        self.num_right = num_right
-        self.segment = segment
-        self.mode = "ok"
-        self.delay_s = 0.0
-        self.state: dict[str, list[int]] = {}
-        self.finished: list[str] = []
-        """Every released request id, in order (a duplicate = released twice), by a final update or a finished id."""
-        self.finals: dict[str, list[int]] = {}
-        """Request id -> the whole sequence its final update completed."""
-        self.num_resyncs = 0
-        self.num_calls = 0
-        self.markers: dict[int, str] = {}
-        """Segment marker token -> the segment a request is in from it on (until the next marker)."""
-
-    async def draft(self, queries: Sequence[DraftQuery], finished_ids: Sequence[str]) -> dict[str, DraftReply]:
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        return self.draft_sync(queries, finished_ids)
-
-    def draft_sync(self, queries: Sequence[DraftQuery], finished_ids: Sequence[str]) -> dict[str, DraftReply]:
-        self.num_calls += 1
-        if self.mode == "raise":
-            raise RuntimeError("injected drafter bug")
-        if self.mode == "down":
-            return {}
-        if self.mode == "forget" and self.num_calls >= 3:
-            self.state.clear()
-            self.mode = "ok"
-        replies = {q.request_id: self._answer(q) for q in queries}
-        for request_id in finished_ids:
-            self.finished.append(request_id)
-            self.state.pop(request_id, None)
-        return replies
-
-    def _answer(self, query: DraftQuery) -> DraftReply:
-        tokens = self.state.get(query.request_id, []) + list(query.new_token_ids)
-        if len(tokens) != query.num_tokens and query.is_final and len(query.new_token_ids) == query.num_tokens:
-            tokens = list(query.new_token_ids)  # a final update may carry the whole sequence
-        if len(tokens) != query.num_tokens:
-            self.state.pop(query.request_id, None)
-            self.num_resyncs += 1
-            return DraftReply(CandidateTree(), needs_resync=True)
-        if query.is_final:  # the request ended: its whole sequence, then its state goes
-            self.finals[query.request_id] = tokens
-            self.finished.append(query.request_id)
-            self.state.pop(query.request_id, None)
-            return DraftReply(CandidateTree())
-        self.state[query.request_id] = tokens
-        segment = next((self.markers[t] for t in reversed(tokens) if t in self.markers), self.segment)
-        return DraftReply(self._tree(tokens, query.max_nodes), segment, marker_token_ids=tuple(self.markers))
-
-    def _tree(self, tokens: list[int], max_nodes: int) -> CandidateTree:
-        if self.mode == "empty" or max_nodes == 0:
-            return CandidateTree()
-        chain, context = [], list(tokens)
-        for depth in range(max_nodes - 1):
-            right = self.rule(context)
-            chain.append(right if depth < self.num_right else (right + 1) % self.vocab_size)
-            context.append(chain[-1])
-        token_ids = [(self.rule(tokens) + 5) % self.vocab_size] + chain  # a wrong sibling first, then the chain
-        parents = [ROOT, ROOT] + list(range(1, len(chain)))
-        token_ids, parents = token_ids[:max_nodes], parents[:max_nodes]
-        if self.mode == "oov":
-            token_ids[-1] = self.vocab_size + 3
-        elif self.mode == "bad_parents":
-            parents[0] = len(parents)
-        elif self.mode == "too_many":
-            token_ids, parents = token_ids + [1] * 50, parents + [ROOT] * 50
-        return CandidateTree(tuple(token_ids), tuple(parents))
-
-    def stats(self) -> DrafterStats:
-        """Its GetStats answer: its one segment kind, whose "corpus" is every token it holds (10 bytes each)."""
-        num_tokens = sum(len(tokens) for tokens in self.state.values())
-        return DrafterStats((DrafterSegmentStats(self.segment, num_tokens, 10 * num_tokens, len(self.state)),),
-                            len(self.state))
-
-
-class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    """A FakeDrafter over gRPC; `is_garbage` answers every query in another request's name."""
-
-    def __init__(self, drafter: FakeDrafter):
-        self.drafter = drafter
-        self.is_garbage = False
-
-    async def Draft(self, request, context):
-        queries = [DraftQuery(q.request_id, list(q.new_token_ids), q.num_tokens, q.num_prompt_tokens, q.max_nodes,
-                              q.num_known_tokens, q.is_final) for q in request.queries]
-        replies = await self.drafter.draft(queries, list(request.finished_request_ids))
-        return drafter_pb2.DraftResponse(replies=[
-            drafter_pb2.DraftReply(request_id="someone-else" if self.is_garbage else q.request_id,
-                                   tree=replies[q.request_id].tree.to_pb(), segment=replies[q.request_id].segment,
-                                   needs_resync=replies[q.request_id].needs_resync,
-                                   marker_token_ids=replies[q.request_id].marker_token_ids)
-            for q in queries])
-
-    async def GetStats(self, request, context):
-        if self.drafter.mode == "down":
-            await asyncio.sleep(5)  # past any caller's deadline
-        return self.drafter.stats().to_pb()
-
-
-async def serve(add_servicer, servicer) -> grpc.aio.Server:
-    """A started in-process gRPC server on a free port (`server.bound_port`)."""
-    server = grpc.aio.server()
-    add_servicer(servicer, server)
-    server.bound_port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server

@@ -134,7 +134,9 @@ async def test_final_updates_reach_the_replica_holding_the_state_which_forgets_t
 
 async def test_a_call_that_asks_for_no_tree_runs_under_the_longer_update_deadline():
     from protos.segserve.v1 import drafter_pb2_grpc
-    from tests.fakes import FakeDrafter, FakeDrafterServicer, positional, serve
+    from tests.fake_drafter import FakeDrafter
+    from tests.fake_services import FakeDrafterServicer, serve
+    from tests.fakes import positional
 
     fake = FakeDrafter(positional(97), 97)
     fake.delay_s = 0.2

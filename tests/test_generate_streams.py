@@ -29,7 +29,7 @@ from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
 from router.scheduler_client import SchedulerClient
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import SchedulerServicer, start_server, stop_server
-from tests.fakes import FakeWorkerServicer, serve
+from tests.fake_services import FakeWorkerServicer, serve
 from tests.test_scheduler_service import EOS, VOCAB, collect, idle_stats, make_fake, wait_until
 
 

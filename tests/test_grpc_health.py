@@ -9,7 +9,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from protos.segserve.v1 import worker_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server as start_scheduler, stop_server
-from tests.fakes import FakeWorkerServicer, serve
+from tests.fake_services import FakeWorkerServicer, serve
 from tests.test_scheduler_service import make_fake
 from tests.test_worker_server import runner  # noqa: F401 (fixture)
 from worker.server import WorkerServicer, start_server as start_worker

@@ -13,7 +13,8 @@ from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
 from scheduler.block_manager import BlockManager, hash_block
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
-from tests.fakes import FakeDrafter, FakeWorker, InjectedFailure, positional, reference
+from tests.fake_drafter import FakeDrafter
+from tests.fakes import FakeWorker, InjectedFailure, positional, reference
 from tests.test_scheduler import collect_events
 from tests.test_scheduler_spec import make_speculator, step
 

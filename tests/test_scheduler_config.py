@@ -11,7 +11,8 @@ from protos.segserve.v1 import worker_pb2_grpc
 from scheduler.config import SchedulerConfig, auto_max_num_seqs
 from scheduler.servicer import start_server, stop_server
 from segserve.flags import add_dataclass_args, from_args, to_argv
-from tests.fakes import FakeWorker, FakeWorkerServicer, increment, serve
+from tests.fake_services import FakeWorkerServicer, serve
+from tests.fakes import FakeWorker, increment
 
 
 def test_the_pool_of_the_default_model_on_cpu_holds_28_sequences_of_1024_tokens():

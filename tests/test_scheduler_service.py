@@ -32,7 +32,8 @@ from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server, stop_server
 from segserve.launcher import free_port
-from tests.fakes import FakeWorker, FakeWorkerServicer, increment, serve
+from tests.fake_services import FakeWorkerServicer, serve
+from tests.fakes import FakeWorker, increment
 
 VOCAB = 300
 EOS = 299

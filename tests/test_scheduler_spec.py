@@ -18,7 +18,8 @@ from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecPolicy
 from scheduler.speculator import Speculator
-from tests.fakes import FakeDrafter, FakeWorker, positional
+from tests.fake_drafter import FakeDrafter
+from tests.fakes import FakeWorker, positional
 from tests.fakes import reference as rule_reference
 from tests.test_scheduler import collect_events
 

@@ -19,7 +19,9 @@ from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server, stop_server
 from scheduler.spec_gate import GateDecision
 from scheduler.spec_policy import SpecPolicy
-from tests.fakes import FakeDrafter, FakeDrafterServicer, FakeWorker, FakeWorkerServicer, serve
+from tests.fake_drafter import FakeDrafter
+from tests.fake_services import FakeDrafterServicer, FakeWorkerServicer, serve
+from tests.fakes import FakeWorker
 from tests.test_scheduler_service import collect, generate_request, wait_until
 from tests.test_scheduler_spec import EOS, RULE, VOCAB, reference
 

@@ -10,7 +10,8 @@ from scheduler.sequence import Sequence
 from scheduler.spec_gate import GateState
 from scheduler.spec_policy import SpecPolicy
 from scheduler.speculator import CLASSIFY_INTERVAL, Speculator
-from tests.fakes import FakeDrafter, FakeWorker
+from tests.fake_drafter import FakeDrafter
+from tests.fakes import FakeWorker
 from tests.test_scheduler import collect_events
 from tests.test_scheduler_spec import EOS, PROMPTS, RULE, VOCAB, make_scheduler, reference, run_all, step
 

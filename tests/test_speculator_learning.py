@@ -17,7 +17,8 @@ from scheduler.drafter_client import DraftQuery, DraftReply
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecPolicy
 from scheduler.speculator import Speculator
-from tests.fakes import FakeDrafter, FakeWorker
+from tests.fake_drafter import FakeDrafter
+from tests.fakes import FakeWorker
 from tests.test_scheduler_spec import EOS, RULE, VOCAB, make_drafter, make_pair, make_scheduler, reference, step
 
 MAX_TOKENS = 12

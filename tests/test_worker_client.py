@@ -13,7 +13,7 @@ from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.step import StepRequest
 from scheduler.worker_client import WorkerClient, WorkerError
-from tests.fakes import serve
+from tests.fake_services import serve
 
 
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
