@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from protos.segserve.v1.step import StepRequest
+from protos.segserve.v1.step import ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler
@@ -19,9 +19,13 @@ from scheduler.sequence import Sequence
 
 def draft_candidates(scheduler: Scheduler, request: StepRequest) -> list[Sequence]:
     """The step's decode sequences: their only uncomputed token is the last sampled one."""
-    return [seq for work in request.sequences
-            if (seq := scheduler.in_flight(work.seq_id)) is not None and seq.num_uncomputed_tokens == 1
-            and work.sample_indices]
+    return [seq for work in request.sequences if (seq := _decoding(scheduler, work)) is not None]
+
+
+def _decoding(scheduler: Scheduler, work: ScheduledSequence) -> Sequence | None:
+    """The running sequence of `work` where it is a decode step (it samples its one uncomputed token), else None."""
+    seq = scheduler.in_flight(work.seq_id)
+    return seq if seq is not None and seq.num_uncomputed_tokens == 1 and work.sample_indices else None
 
 
 def draft_room(scheduler: Scheduler, request: StepRequest) -> int:
@@ -39,8 +43,7 @@ def attach_drafts(scheduler: Scheduler, request: StepRequest, trees: Mapping[str
     block_manager = scheduler.block_manager
     for index, work in enumerate(request.sequences):
         tree = trees.get(work.seq_id)
-        seq = scheduler.in_flight(work.seq_id)
-        if tree is None or seq is None or not work.sample_indices or seq.num_uncomputed_tokens != 1:
+        if tree is None or (seq := _decoding(scheduler, work)) is None:
             continue
         tree = fit_tree(tree, seq, room, scheduler.max_len, block_manager)
         if not tree:
