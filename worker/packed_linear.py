@@ -125,7 +125,7 @@ class MergedProduct:
         """Linear `index` of x: a slice of the product of x, computed unless this part of it is still unclaimed."""
         if x is not self._input or self._parts[index] is None:
             product = in_row_blocks(self._linear, x, self.policy)
-            self._input, self._parts = x, list(product.split(self.sizes, dim=-1))
+            self._input, self._parts = x, list(product.split_with_sizes(self.sizes, -1))
         out, self._parts[index] = self._parts[index], None
         if all(part is None for part in self._parts):
             self._input = None  # every part claimed: hold no tensor between forwards

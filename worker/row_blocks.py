@@ -74,7 +74,8 @@ def in_row_blocks(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
         return linear(x)
     num_blocks = max(1, -(-num_rows // rows)) if policy.block_rows else 1
     if num_blocks * rows != num_rows:
-        flat = F.pad(flat, (0, 0, 0, num_blocks * rows - num_rows))  # padding rows reach no real row's output
+        # padding rows reach no real row's output (constant_pad_nd: F.pad without its Python wrapper)
+        flat = torch.constant_pad_nd(flat, (0, 0, 0, num_blocks * rows - num_rows))
     if num_blocks == 1:
         out = linear(flat)
     else:
