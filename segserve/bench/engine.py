@@ -370,7 +370,7 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
 
 def run_engine(args: argparse.Namespace) -> dict:
     """The CLI entry: run the benchmark, print the table, return the results."""
-    from segserve.bench.throughput import machine_info
+    from segserve.bench.machine import machine_info
 
     config = config_from_args(args)
     header = {"command": shlex.join(sys.argv), "machine": machine_info()}

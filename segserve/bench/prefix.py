@@ -233,7 +233,7 @@ def run_prefix(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from segserve.bench.peers import resolve_dtype
-    from segserve.bench.throughput import machine_info
+    from segserve.bench.machine import machine_info
     from segserve.checkpoint import resolve_model
 
     config = PrefixBenchConfig(**{f.name: getattr(args, f.name) for f in fields(PrefixBenchConfig)})

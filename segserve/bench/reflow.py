@@ -33,7 +33,8 @@ import grpc
 import httpx
 
 from segserve.bench import loadgen, reflow_report, report
-from segserve.bench.throughput import PROMPTS, machine_info
+from segserve.bench.machine import machine_info
+from segserve.bench.throughput import PROMPTS
 
 
 @dataclass

@@ -215,12 +215,22 @@ def markdown_table(results: dict) -> str:
             lines.append(f"| {level['concurrency']} | {_fmt(level['median'], 2)} [{_fmt(level['min'], 2)}-"
                          f"{_fmt(level['max'], 2)}] | {', '.join(_fmt(v, 2) for v in level['overhead_ms_per_token'])} "
                          f"| {_fmt(cpu.get('router'), 3)} / {_fmt(cpu.get('grpc'), 3)} |")
+    lines += decode_rounds_table(results.get("decode_rounds"))
     lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
     for goal in results.get("goals", []):
         verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
         measured = "n/a" if goal["measured"] is None else f"{goal['measured']:.2f}x"
         lines.append(f"| {goal['name']} | {goal['target']} | {measured} | {verdict} |")
     return "\n".join(lines)
+
+
+def decode_rounds_table(summary: dict | None) -> list[str]:
+    """Markdown lines for the decode rounds' summary (segserve/bench/decode_rounds.py); [] when not run."""
+    if summary is None:
+        return []
+    each = ", ".join(f"{ratio:.2f}" for ratio in summary["ratios"])
+    return ["", "| 1-stream decode rate vs plain generate(), alternated rounds: median [min-max] | each round |",
+            "|---:|---|", f"| {summary['median']:.2f}x [{summary['min']:.2f}-{summary['max']:.2f}] | {each} |"]
 
 
 def overhead_table(levels: list[dict], via: str = "router") -> list[str]:

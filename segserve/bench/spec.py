@@ -253,7 +253,7 @@ def _percent(value: float | None) -> str:
 def run_spec(args: argparse.Namespace) -> dict:
     """Run the whole benchmark; write spec.json + spec.png under --out, print the tables, return the results."""
     from segserve.bench.peers import resolve_dtype
-    from segserve.bench.throughput import machine_info
+    from segserve.bench.machine import machine_info
     from segserve.checkpoint import resolve_model
 
     try:

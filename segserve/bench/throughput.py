@@ -8,7 +8,8 @@ through its public gRPC API (`grpc_public`, GenerateStream; skipped with
 called directly over gRPC (`grpc_direct`, for the router's own overhead over
 HTTP and over gRPC; skipped with --no-router-overhead or --segserve-url) -> with
 --overhead-rounds N, N rounds of each level through the router and then directly,
-back to back -> the peer (`transformers serve
+back to back -> with --decode-rounds N, N rounds of one generate() and one stream
+through the router, back to back (`decode_rounds`) -> the peer (`transformers serve
 --continuous-batching`, or batched `generate()` when that cannot start). Each
 server is warmed up first (a short request, then a short batched round).
 Outputs go to --out: throughput.json, throughput.png, the peer's log; the
@@ -18,15 +19,16 @@ markdown table is printed.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
-import platform
 import shlex
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from segserve.bench import grpc_direct, grpc_public, loadgen, peers, report
+from segserve.bench import decode_rounds, grpc_direct, grpc_public, loadgen, peers, report
+from segserve.bench.machine import machine_info
 
 # Open-ended prompts of similar length: a base model continues them for long
 # stretches, and requests additionally ask the server to ignore EOS.
@@ -67,6 +69,9 @@ class ThroughputConfig:
     """With router_overhead, this many more rounds after the levels: each runs every level through the router
     and then straight to the scheduler, back to back; the report gives each level's overhead per round, and
     their median and spread (this machine's speed drifts between the levels of one pass)."""
+    decode_rounds: int = 0
+    """This many rounds at one stream after the levels, each a generate() and one stream through the router back to
+    back, for their decode rates' ratio, median and spread (segserve/bench/decode_rounds.py)."""
     grpc_api: bool = True
     """Also drive the launched stack's router through its public gRPC API (GenerateStream) at every level."""
     baseline_runs: int = 2
@@ -97,8 +102,8 @@ class ThroughputConfig:
             raise ValueError("concurrency must list positive stream counts")
         if self.max_tokens < 2 or self.requests_per_stream <= 0 or self.baseline_runs <= 0:
             raise ValueError("max_tokens must be >= 2; requests_per_stream and baseline_runs > 0")
-        if self.overhead_rounds < 0:
-            raise ValueError("overhead_rounds must be >= 0")
+        if self.overhead_rounds < 0 or self.decode_rounds < 0:
+            raise ValueError("overhead_rounds and decode_rounds must be >= 0")
         if self.peer not in PEER_CHOICES:
             raise ValueError(f"peer must be one of {PEER_CHOICES}")
         if min(self.level_time_limit_s, self.request_timeout_s, self.startup_timeout_s) <= 0:
@@ -131,6 +136,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                         help="also call the scheduler's gRPC directly to measure the router's overhead")  # fmt: skip
     parser.add_argument("--overhead-rounds", type=int, default=defaults.overhead_rounds,
                         help="more rounds of router-then-direct per level, for the overhead's median and spread")
+    parser.add_argument("--decode-rounds", type=int, default=defaults.decode_rounds,
+                        help="alternated rounds of generate() and one stream through the router, for their ratio")
     parser.add_argument("--grpc-api", action=argparse.BooleanOptionalAction, default=defaults.grpc_api,
                         help="also stream through the router's public gRPC API (GenerateStream)")  # fmt: skip
     parser.add_argument("--baseline-runs", type=int, default=defaults.baseline_runs)
@@ -152,24 +159,6 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
     return ThroughputConfig(**{f.name: getattr(args, f.name) for f in fields(ThroughputConfig)})
-
-
-def machine_info() -> dict:
-    import torch
-    import transformers
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-        "transformers": transformers.__version__,
-        "loadavg_start": list(os.getloadavg()),
-    }
 
 
 def bench_http(name: str, base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig) -> dict:
@@ -238,8 +227,10 @@ def _progress(name: str, level: dict) -> None:
           f"{summary['num_errors']}/{summary['num_requests']} errors", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict[str, dict]:
-    """{"segserve": through the router} and, when measured, {"segserve_grpc": its scheduler called directly}."""
+def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path,
+                   generate_rate: decode_rounds.GenerateRate | None = None) -> dict[str, dict]:
+    """{"segserve": through the router} and, when measured, {"segserve_grpc": its scheduler called directly}.
+    generate_rate: one generate()'s decode rate, for the decode rounds."""
     extra_body = {"ignore_eos": True}
     if config.segserve_url:
         model = loadgen.run(loadgen.fetch_model_name(config.segserve_url))
@@ -268,15 +259,17 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path) -> dict
         )
         with Stack(stack_config) as stack:
             return bench_router_and_scheduler(config, model_dir, stack.base_url, stack.config.router.scheduler_address,
-                                              stack.grpc_address)  # fmt: skip
+                                              stack.grpc_address, generate_rate)  # fmt: skip
     except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
         return {"segserve": {"name": "segserve", "error": f"{type(exc).__name__}: {exc}", "levels": []}}
 
 
 def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_url: str, scheduler_address: str,
-                               grpc_address: str | None = None):
+                               grpc_address: str | None = None,
+                               generate_rate: decode_rounds.GenerateRate | None = None) -> dict[str, dict]:
     """One running stack: every level through the router over HTTP, then (grpc_api) through its public gRPC API
-    at `grpc_address`, then (router_overhead) straight to its scheduler."""
+    at `grpc_address`, then (router_overhead) straight to its scheduler, then (decode_rounds, with generate_rate)
+    the decode rounds through the router."""
     model = loadgen.run(loadgen.fetch_model_name(base_url))
     systems = {"segserve": bench_http("segserve", base_url, model, {"ignore_eos": True}, config)}
     if config.grpc_api and grpc_address:
@@ -303,6 +296,10 @@ def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_u
             except Exception as exc:  # keep both systems' levels when a round fails
                 direct.setdefault("notes", []).append(f"overhead rounds failed: {type(exc).__name__}: {exc}")
         systems["segserve_grpc"] = direct
+    if config.decode_rounds and generate_rate is not None:
+        extra_body = systems["segserve"].get("extra_body", {})
+        systems["segserve"]["decode_rounds"] = decode_rounds.run(
+            config.decode_rounds, generate_rate, lambda: http_level(base_url, model, extra_body, config, 1)["summary"])
     return systems
 
 
@@ -368,10 +365,11 @@ def run_throughput(args: argparse.Namespace) -> dict:
     model, tokenizer = peers.load_model(model_dir, config.dtype)
     results["baseline"] = peers.measure_plain_generate(model, tokenizer, PROMPTS[0], config.max_tokens,
                                                        config.baseline_runs)  # fmt: skip
-    del model, tokenizer
+    generate_rate = functools.partial(decode_rounds.generate_rate, model, tokenizer, PROMPTS[0], config.max_tokens)
     freeze_startup_heap()  # the client's own full collections would stall its reading of every stream
     if not config.skip_segserve:
-        results["systems"].update(bench_segserve(config, model_dir, out))
+        results["systems"].update(bench_segserve(config, model_dir, out, generate_rate))
+    del model, tokenizer
     peer = bench_peer(config, model_dir, out)
     if peer is not None:
         results["systems"]["peer"] = peer
@@ -385,6 +383,9 @@ def run_throughput(args: argparse.Namespace) -> dict:
             results["grpc_api_overhead"] = report.router_overhead(api, direct)
     low, high = config.concurrency[0], config.concurrency[-1]
     results["goals"] = report.evaluate_goals(results["baseline"], results["systems"].get("segserve"), peer, low, high)
+    if systems.get("segserve", {}).get("decode_rounds"):
+        results["decode_rounds"] = decode_rounds.summarize(systems["segserve"]["decode_rounds"])
+        results["goals"].append(decode_rounds.goal(results["decode_rounds"]))
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["outputs"] = {"json": str(out / "throughput.json"), "png": str(out / "throughput.png")}
     report.plot(out / "throughput.png", results)
