@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from segserve.bench import decode_rounds, report, throughput
-from tests.test_bench import FakeOpenAI, fake_server  # noqa: F401 (the fixture)
+from tests.test_bench import fake_server  # noqa: F401 (the fixture)
 
 
 def test_rounds_swap_the_order_every_round_and_give_each_rounds_ratio():

@@ -18,7 +18,6 @@ draft tokens / drafted tokens.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from segserve.bench.spec_workloads import EDIT_KINDS, KINDS
