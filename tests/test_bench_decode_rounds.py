@@ -64,10 +64,13 @@ def test_decode_rounds_stream_one_request_at_a_time_through_the_router(fake_serv
     assert f"| {summary['median']:.2f}x [{summary['min']:.2f}-{summary['max']:.2f}] |" in table
 
 
-def test_decode_rounds_flag_and_its_check():
+def test_decode_rounds_and_decode_steps_flags():
     parser = argparse.ArgumentParser()
     throughput.add_throughput_args(parser)
     assert throughput.config_from_args(parser.parse_args([])).decode_rounds == 0
     assert throughput.config_from_args(parser.parse_args(["--decode-rounds", "5"])).decode_rounds == 5
+    defaults = throughput.config_from_args(parser.parse_args([]))
+    assert defaults.decode_steps_ms is None and defaults.num_decode_steps is None  # the scheduler's own
+    assert throughput.config_from_args(parser.parse_args(["--decode-steps-ms", "12.5"])).decode_steps_ms == 12.5
     with pytest.raises(ValueError, match="decode_rounds"):
         throughput.ThroughputConfig(decode_rounds=-1)

@@ -34,7 +34,7 @@ import httpx
 
 from segserve.bench import loadgen, reflow_report, report
 from segserve.bench.machine import machine_info
-from segserve.bench.throughput import PROMPTS
+from segserve.bench.prompts import PROMPTS
 
 
 @dataclass

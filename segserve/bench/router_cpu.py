@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from segserve.bench import loadgen, report
-from segserve.bench.throughput import PROMPTS
+from segserve.bench.prompts import PROMPTS
 
 ENDPOINTS = ("completions", "chat")
 _PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -29,19 +29,8 @@ from pathlib import Path
 
 from segserve.bench import decode_rounds, grpc_direct, grpc_public, loadgen, peers, report
 from segserve.bench.machine import machine_info
+from segserve.bench.prompts import PROMPTS
 
-# Open-ended prompts of similar length: a base model continues them for long
-# stretches, and requests additionally ask the server to ignore EOS.
-PROMPTS = [
-    "The history of the printing press begins in the fifteenth century, when",
-    "Here is a short story about a lighthouse keeper who finds a strange map. One morning,",
-    "The main differences between a compiler and an interpreter are",
-    "In the mountains north of the village, the old road winds past",
-    "A practical guide to baking bread at home. First, you will need",
-    "The city council met on Tuesday evening to discuss the new train line, and",
-    "Photosynthesis is the process by which plants turn sunlight into",
-    "When the expedition finally reached the frozen coast, the captain wrote in his journal that",
-]
 PEER_CHOICES = ("auto", "transformers-serve", "batched-generate", "none")
 
 
@@ -93,6 +82,8 @@ class ThroughputConfig:
     num_decode_steps: int | None = None
     """The launched scheduler's multi-step decoding (SchedulerConfig.num_decode_steps; 1 = off, None = its
     default)."""
+    decode_steps_ms: float | None = None
+    """The launched scheduler's time bound on one request's decode steps (SchedulerConfig; None = its default)."""
     out: str = "bench-results"
     """Directory for throughput.json, throughput.png and logs."""
 
@@ -154,6 +145,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode-steps", type=int, default=defaults.num_decode_steps,
                         help="the launched scheduler's most decode steps per worker request (1 = off; default: "
                         "the scheduler's)")
+    parser.add_argument("--decode-steps-ms", type=float, default=defaults.decode_steps_ms,
+                        help="the launched scheduler's time bound on one request's decode steps (default: its own)")
     parser.add_argument("--out", default=defaults.out, help="output directory (default: bench-results/)")
 
 
@@ -250,8 +243,8 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path,
             worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0,  # 0 = the launcher picks
                                 is_compiled=config.compiled),
             scheduler=SchedulerConfig(port=0, is_async_scheduling=config.async_scheduling,
-                                      **({} if config.num_decode_steps is None
-                                         else {"num_decode_steps": config.num_decode_steps})),
+                                      **{name: value for name in ("num_decode_steps", "decode_steps_ms")
+                                         if (value := getattr(config, name)) is not None}),
             is_speculative=config.speculation,
             router=RouterConfig(port=0, is_grpc_api=config.grpc_api, grpc_port=0),  # 0: the launcher picks
             startup_timeout_s=config.startup_timeout_s,
