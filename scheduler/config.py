@@ -78,11 +78,11 @@ class SchedulerConfig:
     nothing is drafted (scheduler/decode_steps.py), within decode_steps_ms. Fewer round trips per token, at the
     price of tokens reaching a stream several at a time; 1 = one step per request. Capped by the worker's
     WorkerInfo.max_decode_steps. worker_step_timeout_s bounds the whole request, all of its steps."""
-    decode_steps_ms: float = 10.0
+    decode_steps_ms: float = 25.0
     """How long the decode steps of one request may take together, by the worker's recent compute time per step:
-    a stream's tokens come at least this often, and a request that arrives waits at most about this long (twice,
-    behind a step ahead) for its prefill. Where a step takes longer than half of it, every request is one step.
-    0 = no bound: always num_decode_steps."""
+    a stream's tokens come at least this often (40 times a second at 25 ms), and a request that arrives waits at
+    most about this long (twice, behind a step ahead) for its prefill. Where a step takes longer than half of it,
+    every request is one step. 0 = no bound: always num_decode_steps."""
     is_prefix_caching: bool = True
     """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
     whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""

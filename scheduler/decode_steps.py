@@ -11,7 +11,7 @@ The price is granularity: a stream gets its tokens num_steps at a time, a reques
 for its prefill until the request in flight is done (and the step ahead of it, with async scheduling: up to twice
 num_steps steps), and a cancellation or a stop takes effect after them. So only a plain decode step takes more
 than one, only while nobody waits, and only as many as fit a time bound (Scheduler.decode_steps_now: by default
-up to 8 steps within 10 ms at the worker's recent time per step, so a step of over 5 ms stays one per request).
+up to 8 steps within 25 ms at the worker's recent time per step, so a step of over 12.5 ms stays one per request).
 """
 
 from __future__ import annotations
