@@ -205,6 +205,11 @@ def test_graphs_are_on_by_default_on_a_gpu_with_a_lean_decoder(tiny_gemma3_dir):
     assert (make_runner(tiny_gemma3_dir, 16).graphs is not None) == is_gpu
     assert make_runner(tiny_gemma3_dir, 16, is_lean_decoder=False).graphs is None
     assert make_runner(tiny_gemma3_dir, 16, is_cuda_graphs=False).graphs is None
+    # the default resolved for either device, whichever this machine has
+    assert WorkerConfig().uses_cuda_graphs("cuda", True) and not WorkerConfig().uses_cuda_graphs("cpu", True)
+    assert not WorkerConfig().uses_cuda_graphs("cuda", False)
+    assert not WorkerConfig(is_cuda_graphs=False).uses_cuda_graphs("cuda", True)
+    assert WorkerConfig(is_cuda_graphs=True).uses_cuda_graphs("cpu", True)  # the tests' padded eager steps
 
 
 @pytest.mark.parametrize("fields", [dict(is_compiled=True), dict(is_lean_decoder=False)])

@@ -76,6 +76,13 @@ class WorkerConfig:
     internal_tls_ca_file: str = ""
     """PEM CA bundle: a client (the scheduler) must present a certificate it signed."""
 
+    def uses_cuda_graphs(self, device_type: str, has_lean_decoder: bool) -> bool:
+        """is_cuda_graphs with its default resolved, for a worker on `device_type` whose model has a lean decoder
+        or not: None means on CUDA with a lean decoder."""
+        if self.is_cuda_graphs is None:
+            return device_type == "cuda" and has_lean_decoder
+        return self.is_cuda_graphs
+
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError("block_size must be > 0")

@@ -102,8 +102,7 @@ class ModelRunner:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
         shape = KVCacheShape.from_model_config(self.model.config)
         num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
-        is_graphs = config.is_cuda_graphs  # None, the default: on a GPU, where the model has a lean decoder
-        is_graphs = (self.device.type == "cuda" and self._lean is not None) if is_graphs is None else is_graphs
+        is_graphs = config.uses_cuda_graphs(self.device.type, self._lean is not None)
         num_scratch = 1 if is_graphs else 0  # a block the scheduler never gets, for the graphs' padding
         self.kv_cache = PagedKVCache(shape, num_blocks + num_scratch, config.block_size, self.dtype, self.device)
         self.limits = StepLimits(num_blocks=num_blocks, block_size=config.block_size,
