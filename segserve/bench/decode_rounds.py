@@ -4,11 +4,11 @@
 The level rows measure `generate()` once, before the stack starts, and segserve a minute later. On a shared machine
 whose speed drifts by a tenth or more within a minute, their ratio is the drift as much as the systems: three runs
 of one build on the 2-core CPU gave 1.05x, 0.77x and 0.93x, with `generate()` itself at 441, 540 and 459 tok/s.
-A round here measures both back to back, with the same prompt and token count: one `generate()` in the benchmark
-process (the stack idle meanwhile) and one stream of requests through the router (the HF model idle), the order
-swapped every round, so that drift falls on both sides alike. A round's ratio is segserve's median decode rate
-(a request's tokens after the first over their span) to `generate()`'s; the report gives the rounds' median and
-spread.
+A round here measures both back to back, at the same token count: one `generate()` of the bench's first prompt in
+the benchmark process (the stack idle meanwhile) and one stream of requests through the router (the HF model idle),
+on the bench's prompts in turn, the order swapped every round, so that drift falls on both sides alike. A round's
+ratio is segserve's median decode rate (a request's tokens after the first over their span) to `generate()`'s; the
+report gives the rounds' median and spread.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ def generate_rate(model, tokenizer, prompt: str, max_new_tokens: int) -> float |
     return peers.measure_plain_generate(model, tokenizer, prompt, max_new_tokens, runs=1)["decode_tokens_per_s"]
 
 
-def run(num_rounds: int, generate_rate: GenerateRate, segserve_level: Callable[[], dict]
-        ) -> list[dict]:
+def run(num_rounds: int, generate_rate: GenerateRate, segserve_level: Callable[[], dict]) -> list[dict]:
     """num_rounds rounds of `generate_rate()` (one generate(): its decode tokens per second) and `segserve_level()`
     (one stream's requests through the router: a level summary, report.summarize), back to back, the order swapped
     every round."""
