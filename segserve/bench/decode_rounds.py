@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from statistics import median
 
-from segserve.bench import peers
+from segserve.bench import peers, report
 
 GenerateRate = Callable[[], "float | None"]
 """One generate()'s decode tokens per second (None when it cannot be told)."""
@@ -44,7 +44,7 @@ def run(num_rounds: int, generate_rate: GenerateRate, segserve_level: Callable[[
             summary = segserve_level()
             baseline = generate_rate()
         ours = summary["decode_tokens_per_s_median"]
-        ratio = ours / baseline if ours and baseline else None
+        ratio = report.ratio(ours, baseline)
         rounds.append({"round": number, "generate_decode_tokens_per_s": baseline,
                        "segserve_decode_tokens_per_s": ours, "ratio": ratio, "num_errors": summary["num_errors"]})
         print(f"[bench] decode round {number + 1}/{num_rounds}: segserve {ours or 0:.1f}, generate() "
@@ -63,6 +63,4 @@ def summarize(rounds: list[dict]) -> dict | None:
 
 def goal(summary: dict | None) -> dict:
     """The goal row (report.evaluate_goals' form) for the rounds' median ratio."""
-    measured = None if summary is None else summary["median"]
-    return {"name": NAME, "target": f">= {TARGET}x", "measured": measured,
-            "passed": None if measured is None else measured >= TARGET}
+    return report.check(NAME, f">= {TARGET}x", None if summary is None else summary["median"], TARGET)

@@ -113,12 +113,14 @@ def evaluate_goals(baseline: dict | None, ours: dict | None, peer: dict | None, 
     peer_high = _level(peer, high) if peer else None
     goals = []
 
-    ratio = _ratio(ours_low and ours_low["decode_tokens_per_s_median"], baseline and baseline["decode_tokens_per_s"])
-    goals.append(_check(f"{low}-stream decode vs plain generate()", ">= 0.95x", ratio, 0.95))
-    ratio = _ratio(ours_high and ours_high["aggregate_tokens_per_s"], ours_low and ours_low["aggregate_tokens_per_s"])
-    goals.append(_check(f"{high}-stream aggregate vs our {low}-stream", ">= 3x", ratio, 3.0))
-    ratio = _ratio(ours_high and ours_high["aggregate_tokens_per_s"], peer_high and peer_high["aggregate_tokens_per_s"])
-    goals.append(_check(f"{high}-stream aggregate vs {peer['name'] if peer else 'peer'}", "> 1x", ratio, 1.0, strict=True))
+    measured = ratio(ours_low and ours_low["decode_tokens_per_s_median"], baseline and baseline["decode_tokens_per_s"])
+    goals.append(check(f"{low}-stream decode vs plain generate()", ">= 0.95x", measured, 0.95))
+    measured = ratio(ours_high and ours_high["aggregate_tokens_per_s"], ours_low and ours_low["aggregate_tokens_per_s"])
+    goals.append(check(f"{high}-stream aggregate vs our {low}-stream", ">= 3x", measured, 3.0))
+    measured = ratio(ours_high and ours_high["aggregate_tokens_per_s"],
+                     peer_high and peer_high["aggregate_tokens_per_s"])
+    goals.append(check(f"{high}-stream aggregate vs {peer['name'] if peer else 'peer'}", "> 1x", measured, 1.0,
+                       strict=True))
     return goals
 
 
@@ -165,11 +167,13 @@ def _difference(minuend: float | None, subtrahend: float | None) -> float | None
     return None if minuend is None or subtrahend is None else minuend - subtrahend
 
 
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator; None when either is missing or zero."""
     return numerator / denominator if numerator and denominator else None
 
 
-def _check(name: str, target: str, measured: float | None, threshold: float, strict: bool = False) -> dict:
+def check(name: str, target: str, measured: float | None, threshold: float, strict: bool = False) -> dict:
+    """A goal row: measured against threshold (> when strict, else >=); passed is None when nothing was measured."""
     if measured is None:
         passed = None
     else:
@@ -228,7 +232,7 @@ def decode_rounds_table(summary: dict | None) -> list[str]:
     """Markdown lines for the decode rounds' summary (segserve/bench/decode_rounds.py); [] when not run."""
     if summary is None:
         return []
-    each = ", ".join(f"{ratio:.2f}" for ratio in summary["ratios"])
+    each = ", ".join(f"{value:.2f}" for value in summary["ratios"])
     return ["", "| 1-stream decode rate vs plain generate(), alternated rounds: median [min-max] | each round |",
             "|---:|---|", f"| {summary['median']:.2f}x [{summary['min']:.2f}-{summary['max']:.2f}] | {each} |"]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from segserve.bench.report import check, ratio
 from segserve.bench.spec_workloads import EDIT_KINDS, KINDS
 
 PLAIN, LOOKUP, OFF = "hf_plain", "hf_prompt_lookup", "segserve_off"
@@ -42,10 +43,6 @@ GOALS = {
 EDIT_GOAL = 1.3
 
 
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator and denominator else None
-
-
 def summarize(requests: list[dict], num_warmup: int) -> dict:
     """Steady-state (after `num_warmup`) and all-request rates, plus speculation counters if present."""
     steady = requests[num_warmup:]
@@ -55,15 +52,15 @@ def summarize(requests: list[dict], num_warmup: int) -> dict:
         totals = {name: sum((r.get("spec") or {}).get(name, 0) for r in steady) for name in SPEC_COUNTERS}
         num_tokens = sum(r["num_tokens"] for r in steady)
         summary["spec"] = totals
-        summary["tokens_per_step"] = _ratio(num_tokens, totals["num_steps"])
-        summary["accepted_per_verify"] = _ratio(totals["num_accepted_tokens"], totals["num_verified"])
-        summary["draft_acceptance"] = _ratio(totals["num_accepted_tokens"], totals["num_draft_tokens"])
+        summary["tokens_per_step"] = ratio(num_tokens, totals["num_steps"])
+        summary["accepted_per_verify"] = ratio(totals["num_accepted_tokens"], totals["num_verified"])
+        summary["draft_acceptance"] = ratio(totals["num_accepted_tokens"], totals["num_draft_tokens"])
     return summary
 
 
 def _rate(requests: list[dict]) -> float | None:
     wall_s = sum(r["wall_s"] for r in requests)
-    return _ratio(sum(r["num_tokens"] for r in requests), wall_s)
+    return ratio(sum(r["num_tokens"] for r in requests), wall_s)
 
 
 def progression(requests: list[dict]) -> list[dict]:
@@ -72,7 +69,7 @@ def progression(requests: list[dict]) -> list[dict]:
     for index, request in enumerate(requests):
         steps = (request.get("spec") or {}).get("num_steps")
         rows.append({"index": index, "tokens_per_s": _rate([request]),
-                     "tokens_per_step": _ratio(request["num_tokens"], steps)})  # fmt: skip
+                     "tokens_per_step": ratio(request["num_tokens"], steps)})  # fmt: skip
     return rows
 
 
@@ -86,14 +83,14 @@ def speedups(summaries: dict[str, dict[str, dict]]) -> dict[str, dict[str, float
         rate = {system: (per_kind.get(kind) or {}).get("tokens_per_s") for system, per_kind in summaries.items()}
         row = {}
         for system in (SPEC, SEG_LOOKUP, OFF, LOOKUP):
-            row[f"{system}_vs_plain"] = _ratio(rate.get(system), rate.get(PLAIN))
+            row[f"{system}_vs_plain"] = ratio(rate.get(system), rate.get(PLAIN))
         for system, plain in PLAIN_OF.items():
-            row[f"{system}_vs_own_plain"] = _ratio(rate.get(system), rate.get(plain))
-        row[f"{SPEC}_vs_lookup"] = _ratio(rate.get(SPEC), rate.get(LOOKUP))
-        row[f"{SPEC}_vs_{SEG_LOOKUP}"] = _ratio(rate.get(SPEC), rate.get(SEG_LOOKUP))
+            row[f"{system}_vs_own_plain"] = ratio(rate.get(system), rate.get(plain))
+        row[f"{SPEC}_vs_lookup"] = ratio(rate.get(SPEC), rate.get(LOOKUP))
+        row[f"{SPEC}_vs_{SEG_LOOKUP}"] = ratio(rate.get(SPEC), rate.get(SEG_LOOKUP))
         per_step = {system: (summaries.get(system, {}).get(kind) or {}).get("tokens_per_step")
                     for system in (SPEC, SEG_LOOKUP)}  # fmt: skip
-        row[f"{SPEC}_vs_{SEG_LOOKUP}_tokens_per_step"] = _ratio(per_step[SPEC], per_step[SEG_LOOKUP])
+        row[f"{SPEC}_vs_{SEG_LOOKUP}_tokens_per_step"] = ratio(per_step[SPEC], per_step[SEG_LOOKUP])
         table[kind] = row
     return table
 
@@ -106,22 +103,17 @@ def evaluate_goals(speedup_table: dict[str, dict], mismatches: list[dict] | None
         if kind not in speedup_table:
             continue
         row = speedup_table[kind]
-        goals.append(_check(f"{kind}: spec on vs plain", f">= {vs_plain}x", row.get(f"{SPEC}_vs_plain"), vs_plain))
-        goals.append(_check(f"{kind}: spec on vs prompt lookup", f">= {vs_lookup}x",
+        goals.append(check(f"{kind}: spec on vs plain", f">= {vs_plain}x", row.get(f"{SPEC}_vs_plain"), vs_plain))
+        goals.append(check(f"{kind}: spec on vs prompt lookup", f">= {vs_lookup}x",
                             row.get(f"{SPEC}_vs_lookup"), vs_lookup))  # fmt: skip
     for kind in EDIT_KINDS:
         if kind in speedup_table:
-            goals.append(_check(f"{kind}: full segserve vs prompt lookup only", f">= {EDIT_GOAL}x",
+            goals.append(check(f"{kind}: full segserve vs prompt lookup only", f">= {EDIT_GOAL}x",
                                 speedup_table[kind].get(f"{SPEC}_vs_{SEG_LOOKUP}"), EDIT_GOAL))  # fmt: skip
     if mismatches is not None:
         goals.append({"name": "greedy outputs equal plain decoding's", "target": "0 mismatches",
                       "measured": float(len(mismatches)), "passed": not mismatches})  # fmt: skip
     return goals
-
-
-def _check(name: str, target: str, measured: float | None, threshold: float) -> dict:
-    passed = None if measured is None else measured >= threshold
-    return {"name": name, "target": target, "measured": measured, "passed": passed}
 
 
 def mismatches(texts: dict[str, dict[str, list[str]]], greedy_kinds: tuple[str, ...] | None = None,
