@@ -265,6 +265,7 @@ def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_u
     the decode rounds through the router."""
     model = loadgen.run(loadgen.fetch_model_name(base_url))
     systems = {"segserve": bench_http("segserve", base_url, model, {"ignore_eos": True}, config)}
+    extra_body = systems["segserve"].get("extra_body", {})  # what the router accepted (bench_http)
     if config.grpc_api and grpc_address:
         try:
             public = grpc_public.bench_public_grpc(grpc_address, PROMPTS, model, config)
@@ -282,7 +283,6 @@ def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_u
         for level in direct["levels"]:
             _progress(direct["name"], level)
         if config.overhead_rounds and not direct.get("error"):
-            extra_body = systems["segserve"].get("extra_body", {})
             try:
                 direct["overhead_rounds"] = overhead_rounds(config, base_url, model, extra_body, scheduler_address,
                                                             prompt_token_ids)
@@ -290,7 +290,6 @@ def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_u
                 direct.setdefault("notes", []).append(f"overhead rounds failed: {type(exc).__name__}: {exc}")
         systems["segserve_grpc"] = direct
     if config.decode_rounds and generate_rate is not None:
-        extra_body = systems["segserve"].get("extra_body", {})
         systems["segserve"]["decode_rounds"] = decode_rounds.run(
             config.decode_rounds, generate_rate, lambda: http_level(base_url, model, extra_body, config, 1)["summary"])
     return systems
