@@ -60,6 +60,12 @@ class WorkerConfig:
     per kernel. Needs a lean decoder (is_lean_decoder, not is_compiled, one of its architectures). None (the
     default): on where the worker runs on CUDA with a lean decoder, off elsewhere. True on the CPU runs the same
     padded steps eagerly, with nothing to capture: what the tests check it with."""
+    is_compiled_layers: bool | None = None
+    """Run the lean decoder's layers as two regions compiled by torch.compile around their eager paged attention
+    (worker/compiled_layers.py): the norms, casts, rotary embedding, activations and residuals fused into a few
+    kernels per layer, one compile for every layer and token count (seconds, during the warm-up), for every step.
+    Needs a lean decoder. Its numerics differ from the eager layers' in the last bits; the linears stay unpacked.
+    None (the default): on where the worker runs on CUDA with a lean decoder, off elsewhere."""
     compile_max_tokens: int = 256
     """With is_compiled: the buckets up to this many tokens (1, 2, 4, ...) are compiled during the warm-up,
     before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
@@ -79,9 +85,11 @@ class WorkerConfig:
     def uses_cuda_graphs(self, device_type: str, has_lean_decoder: bool) -> bool:
         """is_cuda_graphs with its default resolved, for a worker on `device_type` whose model has a lean decoder
         or not: None means on CUDA with a lean decoder."""
-        if self.is_cuda_graphs is None:
-            return device_type == "cuda" and has_lean_decoder
-        return self.is_cuda_graphs
+        return _on_cuda_with_lean(self.is_cuda_graphs, device_type, has_lean_decoder)
+
+    def uses_compiled_layers(self, device_type: str, has_lean_decoder: bool) -> bool:
+        """is_compiled_layers with its default resolved, as uses_cuda_graphs resolves is_cuda_graphs."""
+        return _on_cuda_with_lean(self.is_compiled_layers, device_type, has_lean_decoder)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -97,6 +105,15 @@ class WorkerConfig:
             raise ValueError("linear_block_rows must be >= 0, or -1 for the device's default")
         if self.is_cuda_graphs and (self.is_compiled or not self.is_lean_decoder):
             raise ValueError("cuda_graphs needs the lean decoder: not with is_compiled or without is_lean_decoder")
+        if self.is_compiled_layers and (self.is_compiled or not self.is_lean_decoder):
+            raise ValueError("compiled_layers needs the lean decoder: not with is_compiled or without is_lean_decoder")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         internal_tls(self)  # ValueError naming the fields when only some are given
+
+
+def _on_cuda_with_lean(value: bool | None, device_type: str, has_lean_decoder: bool) -> bool:
+    """A setting whose None default means on CUDA with a lean decoder, resolved."""
+    if value is None:
+        return device_type == "cuda" and has_lean_decoder
+    return value

@@ -8,9 +8,10 @@ picks the graph.
 
 Which steps: decode steps (every sequence computes one token and samples it, no tree, no prompt log-probabilities)
 of at most max(CAPTURE_SIZES) sequences, and only with a lean decoder (worker/lean_decoder.py); every other step
-runs eagerly, as without graphs. The B sequences are padded to the next capture size. A padding row computes token
-0 at position 0, writes its key and value to the scratch block (one block past the scheduler's, which no sequence
-ever gets) and reads key 0 of block-table row 0 (read only, its output dropped).
+runs eagerly, as without graphs. The B sequences are padded to the next capture size (at least the lean decoder's
+min_tokens: compiled layers take one token as two). A padding row computes token 0 at position 0, writes its key
+and value to the scratch block (one block past the scheduler's, which no sequence ever gets) and reads key 0 of
+block-table row 0 (read only, its output dropped).
 
 A graph's key: the padded rows, the key length and each sliding window's key count, which are all the shapes a
 decode step's attention takes. Key lengths are padded to powers of two (graph_bucket_keys, worker/attention_plan.py),
@@ -97,7 +98,7 @@ class DecodeGraphs:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's logits [B, V] (float32) and its new tokens' non-finite flags [B], for a step that fits()."""
         num_works = len(layout.rows)
-        num_rows = next(size for size in CAPTURE_SIZES if size >= num_works)
+        num_rows = next(size for size in CAPTURE_SIZES if size >= max(num_works, self.lean.min_tokens))
         host = np.zeros((6, num_rows), dtype=np.int64)
         host[_TOKEN, :num_works], host[_POSITION, :num_works] = token_ids, positions
         host[_SLOT, :num_works], host[_SLOT, num_works:] = layout.slots, self.scratch_slot

@@ -53,7 +53,8 @@ same calls itself."""
 
 @dataclass(frozen=True, slots=True)
 class LayerCalls:
-    """The forward methods of one decoder layer's modules (None where the class has no such module)."""
+    """The forward methods of one decoder layer's modules (None where the class has no such module), and what the
+    layer's regions need besides."""
 
     q_proj: Callable
     k_proj: Callable
@@ -65,9 +66,14 @@ class LayerCalls:
     pre_feedforward_norm: Callable | None
     post_feedforward_norm: Callable | None
     mlp: Callable
+    rotate_half: Callable
+    """The class's rotate_half (its transformers module's)."""
+    num_heads: int
+    head_dim: int
 
     @classmethod
-    def of(cls, layer: nn.Module, query_key_norm: nn.Module | None) -> LayerCalls:
+    def of(cls, layer: nn.Module, query_key_norm: nn.Module | None, rotate_half: Callable, num_heads: int
+           ) -> LayerCalls:
         attn = layer.self_attn
 
         def forward(module: nn.Module | None) -> Callable | None:
@@ -76,7 +82,8 @@ class LayerCalls:
         return cls(attn.q_proj.forward, attn.k_proj.forward, attn.v_proj.forward, attn.o_proj.forward,
                    forward(query_key_norm), layer.input_layernorm.forward, layer.post_attention_layernorm.forward,
                    forward(getattr(layer, "pre_feedforward_layernorm", None)),
-                   forward(getattr(layer, "post_feedforward_layernorm", None)), _mlp_forward(layer.mlp))
+                   forward(getattr(layer, "post_feedforward_layernorm", None)), _mlp_forward(layer.mlp),
+                   rotate_half, num_heads, attn.head_dim)
 
 
 def _mlp_forward(mlp: nn.Module) -> Callable:
@@ -87,10 +94,15 @@ def _mlp_forward(mlp: nn.Module) -> Callable:
     return lambda x: down(act(gate(x)) * up(x))
 
 
-def lean_decoder(model: nn.Module) -> LeanDecoder | None:
-    """The lean forward of `model`, or None when its class has none (it then runs transformers' forward)."""
+Regions = Callable[[Callable, Callable], tuple[Callable, Callable]]
+"""What replaces a lean decoder's two regions (before_attention, after_attention), given them."""
+
+
+def lean_decoder(model: nn.Module, regions: Regions | None = None) -> LeanDecoder | None:
+    """The lean forward of `model`, its regions replaced by `regions` if given, or None when its class has none (it
+    then runs transformers' forward)."""
     lean = LEAN_DECODERS.get(type(model).__name__)
-    return lean(model) if lean is not None else None
+    return lean(model, regions) if lean is not None else None
 
 
 class LeanDecoder:
@@ -100,14 +112,19 @@ class LeanDecoder:
     Two ops are merged where the result is the same bit for bit: a layer's queries and keys go through the rotary
     embedding as one tensor (element-wise ops, so each element is computed as on its own), and a class that norms
     them per head does so in one call (StackedRMSNorm, tested against each norm on its own heads). That halves the
-    rotary ops and the query and key norm calls of every layer."""
+    rotary ops and the query and key norm calls of every layer.
+
+    A layer runs as two regions around its paged attention: before_attention (input norm, projections, query and
+    key norms, rotary embedding) and the class's after_attention (output projection, norms, residuals, MLP). They
+    take a layer's LayerCalls, so one function serves every layer; `regions` may replace both
+    (worker/compiled_layers.py compiles them)."""
 
     modeling = modeling_llama
     """The transformers module of the class (its rotate_half)."""
     has_query_key_norms = False
     """Whether the class's attention norms its queries and keys per head (q_norm, k_norm)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, regions: Regions | None = None):
         self.model = model
         self.text = model.model
         config = self.text.config
@@ -116,14 +133,28 @@ class LeanDecoder:
         heads = (self.num_heads, config.num_key_value_heads)
         query_key_norms = [StackedRMSNorm(list(zip((layer.self_attn.q_norm, layer.self_attn.k_norm), heads)))
                            if self.has_query_key_norms else None for layer in self.layers]
-        self.calls = [LayerCalls.of(layer, norms) for layer, norms in zip(self.layers, query_key_norms)]
+        self.calls = [LayerCalls.of(layer, norms, self.modeling.rotate_half, self.num_heads)
+                      for layer, norms in zip(self.layers, query_key_norms)]
+        self.attention_kwargs = [{"scaling": layer.self_attn.scaling, **self.window(layer.self_attn)}
+                                 for layer in self.layers]
+        """Per layer, what the class's attention passes to its attention function besides the tensors."""
+        self.before_attention, self.after_attention = before_attention, self.after_attention
+        if regions is not None:
+            self.before_attention, self.after_attention = regions(before_attention, self.after_attention)
+        self.min_tokens: int = getattr(self.before_attention, "min_tokens", 1)
+        """The fewest tokens the regions compute without padding them (compiled ones: 2); DecodeGraphs pads its
+        steps to at least that many rows."""
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  segserve_batch: AttentionBatch) -> torch.Tensor:
         """input_ids, position_ids: [1, T]; logits_to_keep: [N] the rows to compute logits for. Returns [1, N, V]."""
         hidden = self.text.embed_tokens(input_ids)
-        for index, (layer, rotary) in enumerate(zip(self.layers, self.rotary(hidden, position_ids))):
-            hidden = self.layer(index, layer, hidden, rotary, segserve_batch)
+        for index, (cos, sin) in enumerate(self.rotary(hidden, position_ids)):
+            calls = self.calls[index]
+            query, key, value = self.before_attention(calls, hidden, cos, sin)
+            output, _ = paged_attention_forward(self.layers[index].self_attn, query, key, value, None,
+                                                segserve_batch=segserve_batch, **self.attention_kwargs[index])
+            hidden = self.after_attention(calls, hidden, output.contiguous())
         return self.head(self.text.norm(hidden)[:, logits_to_keep, :])
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
@@ -138,31 +169,34 @@ class LeanDecoder:
         """The windows of the model's sliding-window layers (empty: every layer attends to every key)."""
         return {self.window(layer.self_attn).get("sliding_window") for layer in self.layers} - {None}
 
-    def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
-              ) -> torch.Tensor:
+    @staticmethod
+    def after_attention(calls: LayerCalls, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input `hidden` [1, T, hidden size] and its attention's output [1, T, H, D]
+        (contiguous)."""
         raise NotImplementedError
-
-    def attention(self, index: int, attn: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch,
-                  **window) -> torch.Tensor:
-        """The attention block's output before its residual: projections, query and key norms (where the class has
-        them), rotary embedding, the paged attention called as the class's attention calls it (`window`: the
-        sliding-window keyword the class passes, if any), output projection."""
-        calls = self.calls[index]
-        heads_shape = (*hidden.shape[:-1], -1, attn.head_dim)
-        query_key = torch.cat((calls.q_proj(hidden).view(heads_shape), calls.k_proj(hidden).view(heads_shape)), dim=-2)
-        if calls.query_key_norm is not None:
-            query_key = calls.query_key_norm(query_key)
-        query_key = query_key.transpose(1, 2)  # [1, H + KVH, T, D]
-        value = calls.v_proj(hidden).view(heads_shape).transpose(1, 2)
-        cos, sin = rotary
-        query_key = (query_key * cos) + (self.modeling.rotate_half(query_key) * sin)  # apply_rotary_pos_emb's
-        query, key = query_key[:, : self.num_heads], query_key[:, self.num_heads :]
-        output, _ = paged_attention_forward(attn, query, key, value, None, scaling=attn.scaling, segserve_batch=batch,
-                                            **window)
-        return calls.o_proj(output.reshape(*hidden.shape[:-1], -1).contiguous())
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden)
+
+
+def before_attention(calls: LayerCalls, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's queries [1, H, T, D], keys and values [1, KVH, T, D] from its input hidden [1, T, hidden size]:
+    input norm, projections, query and key norms (where the class has them), rotary embedding."""
+    normed = calls.input_norm(hidden)
+    heads_shape = (*normed.shape[:-1], -1, calls.head_dim)
+    query_key = torch.cat((calls.q_proj(normed).view(heads_shape), calls.k_proj(normed).view(heads_shape)), dim=-2)
+    if calls.query_key_norm is not None:
+        query_key = calls.query_key_norm(query_key)
+    query_key = query_key.transpose(1, 2)  # [1, H + KVH, T, D]
+    value = calls.v_proj(normed).view(heads_shape).transpose(1, 2)
+    query_key = (query_key * cos) + (calls.rotate_half(query_key) * sin)  # apply_rotary_pos_emb's
+    return query_key[:, :calls.num_heads], query_key[:, calls.num_heads:], value
+
+
+def _output_projection(calls: LayerCalls, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """The attention block's output before its residual: [1, T, H, D] (contiguous) -> o_proj -> [1, T, hidden size]."""
+    return calls.o_proj(attention.view(*hidden.shape[:-1], -1))
 
 
 class LeanGemma3(LeanDecoder):
@@ -171,8 +205,8 @@ class LeanGemma3(LeanDecoder):
     modeling = modeling_gemma3
     has_query_key_norms = True
 
-    def __init__(self, model: nn.Module):
-        super().__init__(model)
+    def __init__(self, model: nn.Module, regions: Regions | None = None):
+        super().__init__(model, regions)
         self.layer_types = list(self.text.config.layer_types)
         self.final_softcap = self.text.config.final_logit_softcapping
 
@@ -184,13 +218,9 @@ class LeanGemma3(LeanDecoder):
     def window(self, attn: nn.Module) -> dict:
         return {"sliding_window": attn.sliding_window}
 
-    def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
-              ) -> torch.Tensor:
-        # as Gemma3's attention calls it: no softcap
-        calls = self.calls[index]
-        output = self.attention(index, layer.self_attn, calls.input_norm(hidden), rotary, batch,
-                                **self.window(layer.self_attn))
-        hidden = hidden + calls.post_attention_norm(output)
+    @staticmethod
+    def after_attention(calls: LayerCalls, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + calls.post_attention_norm(_output_projection(calls, hidden, attention))
         return hidden + calls.post_feedforward_norm(calls.mlp(calls.pre_feedforward_norm(hidden)))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -207,10 +237,9 @@ class LeanLlama(LeanDecoder):
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rotary]:
         return [_over_heads(self.text.rotary_emb(hidden, position_ids=position_ids))] * len(self.layers)
 
-    def layer(self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: Rotary, batch: AttentionBatch
-              ) -> torch.Tensor:
-        attn, calls = layer.self_attn, self.calls[index]
-        hidden = hidden + self.attention(index, attn, calls.input_norm(hidden), rotary, batch, **self.window(attn))
+    @staticmethod
+    def after_attention(calls: LayerCalls, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + _output_projection(calls, hidden, attention)
         return hidden + calls.mlp(calls.post_attention_norm(hidden))
 
 

@@ -35,6 +35,7 @@ from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
 from worker.attention_plan import bucket_keys, graph_bucket_keys, plan_groups
 from worker.block_tables import BlockTables
 from worker.compiled import CompiledDecoder
+from worker.compiled_layers import compiled_regions
 from worker.decode_graphs import DecodeGraphs
 from segserve.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
@@ -43,7 +44,7 @@ from protos.segserve.v1.step import MAX_DECODE_STEPS, NewSequence, ScheduledSequ
 from protos.segserve.v1.step_result import PromptLogprobs, SequenceOutput, TopLogprobs
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
-from worker.lean_decoder import lean_decoder
+from worker.lean_decoder import LEAN_DECODERS, lean_decoder
 from worker.fused_norm import fuse_rms_norms
 from worker.packed_linear import choose_row_policies, pack_linears
 from worker.row_blocks import RowPolicy, block_linears, fixed_policy
@@ -90,19 +91,23 @@ class ModelRunner:
             path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device).eval()
         self.device = self.model.device  # "cuda" resolved to "cuda:0"
-        self._prepare_linears(config)
+        has_lean = config.is_lean_decoder and not config.is_compiled and type(self.model).__name__ in LEAN_DECODERS
+        is_graphs = config.uses_cuda_graphs(self.device.type, has_lean)
+        self.is_compiled_layers = config.uses_compiled_layers(self.device.type, has_lean)
+        if (is_graphs or self.is_compiled_layers) and not has_lean:
+            raise ValueError(f"{type(self.model).__name__} has no lean decoder for cuda_graphs or compiled_layers")
+        self._prepare_linears(config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
         if config.is_compiled:
             CompiledDecoder(self.model)
-        self._lean = lean_decoder(self.model) if config.is_lean_decoder and not config.is_compiled else None
+        regions = compiled_regions if self.is_compiled_layers else None
+        self._lean = lean_decoder(self.model, regions) if has_lean else None
         """The model's lean forward (worker/lean_decoder.py), or None: transformers' forward."""
-        model_config = self.model.config.get_text_config()
-        max_len = model_config.max_position_embeddings
+        max_len = self.model.config.get_text_config().max_position_embeddings
         if config.max_model_len > max_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
         shape = KVCacheShape.from_model_config(self.model.config)
         num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
-        is_graphs = config.uses_cuda_graphs(self.device.type, self._lean is not None)
         num_scratch = 1 if is_graphs else 0  # a block the scheduler never gets, for the graphs' padding
         self.kv_cache = PagedKVCache(shape, num_blocks + num_scratch, config.block_size, self.dtype, self.device)
         self.limits = StepLimits(num_blocks=num_blocks, block_size=config.block_size,
@@ -121,13 +126,9 @@ class ModelRunner:
             max_decode_steps=MAX_DECODE_STEPS,
         )
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs = DecodeGraphs(self._lean, self.kv_cache, self.block_tables, num_blocks * config.block_size,
+                                   is_capture=self.device.type == "cuda") if is_graphs else None
         """Decode steps on static buffers and CUDA graphs (config.is_cuda_graphs), or None: every step eager."""
-        if is_graphs:
-            if self._lean is None:
-                raise ValueError(f"cuda_graphs needs a lean decoder; {type(self.model).__name__} has none")
-            self.graphs = DecodeGraphs(self._lean, self.kv_cache, self.block_tables, num_blocks * config.block_size,
-                                       is_capture=self.device.type == "cuda")
         self.key_bucket = graph_bucket_keys if self.graphs is not None else bucket_keys
         """How eager steps pad key lengths: as the graphs do, where there are graphs."""
         self._states: dict[str, SequenceState] = {}
@@ -142,12 +143,12 @@ class ModelRunner:
     def info(self) -> WorkerInfo:
         return self._info
 
-    def _prepare_linears(self, config: WorkerConfig) -> None:
-        """Pack the large CPU linears for oneDNN, merge siblings, and hand every linear its rows so that none
-        depends on the batch (worker/row_blocks.py): as this machine's probe finds cheapest at each weight shape,
+    def _prepare_linears(self, config: WorkerConfig, is_packed: bool) -> None:
+        """Pack the large CPU linears for oneDNN (is_packed), merge siblings, and hand every linear its rows so that
+        none depends on the batch (worker/row_blocks.py): as this machine's probe finds cheapest at each weight shape,
         or in blocks of config.linear_block_rows."""
         if config.linear_block_rows < 0:
-            policies = choose_row_policies(self.model, config.is_packed_linear)
+            policies = choose_row_policies(self.model, is_packed)
             padded = {shape: policy for shape, policy in policies.items() if policy != RowPolicy()}
             logger.info("linear rows as they come, except at weight shapes %s", padded)
 
@@ -155,7 +156,7 @@ class ModelRunner:
                 return policies.get(shape, RowPolicy())
         else:
             policy_of = fixed_policy(config.linear_block_rows)
-        if config.is_packed_linear:
+        if is_packed:
             logger.info("packed %d linear weights for oneDNN or merged them with their siblings",
                         pack_linears(self.model, is_merged=not config.is_compiled, policy_of=policy_of))
         block_linears(self.model, policy_of)

@@ -124,6 +124,9 @@ class RowBlockLinear(nn.Module):
         self.policy = policy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # an opaque op: the policy's branches read the row count
+            return torch.ops.segserve.row_block_linear(x, self.weight, self.bias, self.policy.min_rows,
+                                                       self.policy.block_rows)
         return in_row_blocks(self._linear, x, self.policy)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +135,19 @@ class RowBlockLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.policy}")
+
+
+@torch.library.custom_op("segserve::row_block_linear", mutates_args=())
+def row_block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int,
+                     block_rows: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) with x's rows handed over as RowPolicy(min_rows, block_rows) says: a RowBlockLinear
+    inside compiled code (worker/compiled_layers.py), computed as in an eager step."""
+    return in_row_blocks(lambda rows: F.linear(rows, weight, bias), x, RowPolicy(min_rows, block_rows))
+
+
+@row_block_linear.register_fake
+def _(x, weight, bias, min_rows, block_rows):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def block_linears(model: nn.Module, policy_of: PolicyOf) -> int:
