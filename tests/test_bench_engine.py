@@ -11,7 +11,8 @@ from segserve.cli import main
 
 
 @pytest.mark.parametrize("extra", [[], ["--draft", "--repetition-penalty", "1.3"], ["--num-decode-steps", "4"],
-                                   ["--cuda-graphs"]], ids=["plain", "draft-penalty", "decode-steps", "cuda-graphs"])
+                                   ["--cuda-graphs"], ["--compiled-layers"]],
+                         ids=["plain", "draft-penalty", "decode-steps", "cuda-graphs", "compiled-layers"])
 def test_engine_bench_reports_every_part_per_batch_size(tmp_path, capsys, extra):
     out = tmp_path / "engine"
     argv = ["bench", "engine", "--tiny", "--device", "cpu", "--batch-sizes", "1,4", "--steps", "3",
@@ -22,6 +23,7 @@ def test_engine_bench_reports_every_part_per_batch_size(tmp_path, capsys, extra)
     assert (out / "engine.png").stat().st_size > 0
     # on the CPU the padded static steps run eagerly: nothing to capture
     assert results.get("graphs_captured") == (0 if "--cuda-graphs" in extra else None)
+    assert results["compiled_layers"] is ("--compiled-layers" in extra)  # the worker's default: off on the CPU
     assert [b["batch_size"] for b in results["batches"]] == [1, 4]
     for batch in results["batches"]:
         assert set(batch["parts"]) == set(PARTS)
@@ -36,13 +38,16 @@ def test_engine_bench_reports_every_part_per_batch_size(tmp_path, capsys, extra)
         assert abs(parts_sum - batch["total"]["median_ms"]) <= 0.1 * batch["total"]["median_ms"]
         excluding = batch["total"]["median_ms"] - batch["parts"]["forward"]["median_ms"]
         assert batch["excluding_forward"]["median_ms"] == pytest.approx(excluding)
+        untimed = batch["untimed"]  # the steps between the timed ones, whose parts were not timed
+        assert len(untimed["rounds_ms"]) == 2 and min(untimed["rounds_ms"]) > 0
+        assert batch["untimed_tokens_per_s"] == pytest.approx(1000 * batch["tokens_per_step"] / untimed["median_ms"])
         assert batch["tokens_per_step"] >= batch["batch_size"]  # one token per sequence, more with drafts
         if "--draft" not in extra:
             assert batch["parts"]["draft"]["max_ms"] == 0
             # one request of 4 decode steps gives every sequence 4 tokens
             assert batch["tokens_per_step"] == batch["batch_size"] * (4 if "--num-decode-steps" in extra else 1)
     table = capsys.readouterr().out
-    assert "| batch |" in table and "excl. forward" in table
+    assert "| batch |" in table and "excl. forward" in table and "untimed tok/s" in table
     assert ("one request of up to 4 decode steps" in table) is ("--num-decode-steps" in extra)
     assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")][1:] == ["1", "4"]
 
@@ -63,8 +68,26 @@ def test_random_weights_bench_the_default_models_shape(tmp_path, default_model_d
     assert built.rms_norm_eps == pytest.approx(real.rms_norm_eps)
 
     out = tmp_path / "engine"
-    assert main(["bench", "engine", "--random-weights", "--device", "cpu", "--batch-sizes", "1", "--steps", "1",
+    assert main(["bench", "engine", "--random-weights", "--device", "cpu", "--batch-sizes", "1", "--steps", "2",
                  "--warmup-steps", "0", "--repeats", "1", "--out", str(out)]) == 0
     results = json.loads((out / "engine.json").read_text())
     assert results["model"].startswith("gemma-3-270m's shape") and results["dtype"] == "float32"
     assert results["batches"][0]["tokens_per_step"] == 1
+
+
+def test_steps_that_capture_a_cuda_graph_are_left_out_of_their_round():
+    """A capture is a one-time cost per shape; the round keeps the other steps (all of them, should every one
+    capture)."""
+    from segserve.bench.engine import _uncaptured
+
+    steps = [(({"total": float(index)}, 1), index in (1, 4)) for index in range(6)]
+    assert [parts["total"] for parts, _ in _uncaptured(steps)] == [0, 2, 3, 5]
+    every = [(step, True) for step, _ in steps]
+    assert [parts["total"] for parts, _ in _uncaptured(every)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_round_needs_two_steps_one_timed_and_one_whole():
+    from segserve.bench.engine import EngineBenchConfig
+
+    with pytest.raises(ValueError, match="every other one is timed"):
+        EngineBenchConfig(steps=1)

@@ -19,9 +19,13 @@ are timed. Each step is split into
             GenerateStreams message (packed chunks) built, serialized, parsed
             and read back
 A round's part is its mean over the round's steps; the report gives the median over
-rounds and the spread (min, max). With --hf-compiled, HF `generate()` with a static
-cache and torch.compile runs at the same batch sizes in the same run (ms per decode
-step = (time of steps + 1 new tokens - time of 1 new token) / steps).
+rounds and the spread (min, max). On CUDA the runner ends each part it times with a
+device synchronize, so only every other step of a round is split into parts; the
+steps between run as a worker's do, and "untimed" gives their whole steps. A step in
+which the runner captured a CUDA graph (once per shape, as a compile is) is left out
+of its round (graphs_captured and graph_capture_s count every capture). With --hf-compiled,
+HF `generate()` with a static cache and torch.compile runs at the same batch sizes in
+the same run (segserve/bench/hf_compiled.py).
 Outputs under --out: engine.json (every number, the config, the command, the machine)
 and engine.png (stacked bars per batch size); the table is printed.
 """
@@ -39,6 +43,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import engine_report as report
+from segserve.bench.hf_compiled import bench_hf_compiled
 from segserve.bench.random_models import build_random_gemma3_270m, build_tiny_gemma3
 from segserve.heap import freeze_startup_heap
 
@@ -61,7 +66,7 @@ class EngineBenchConfig:
     batch_sizes: tuple[int, ...] = (1, 16, 64, 256)
     """Decode batch sizes, one measurement each."""
     steps: int = 16
-    """Timed decode steps per round."""
+    """Timed decode steps per round: every other one split into parts, the others whole ("untimed")."""
     warmup_steps: int = 3
     """Untimed decode steps after the prefill."""
     repeats: int = 3
@@ -83,6 +88,9 @@ class EngineBenchConfig:
     """Decode steps on static buffers, replayed from CUDA graphs on a GPU (WorkerConfig.is_cuda_graphs; None = the
     worker's default: on a GPU with a lean decoder); graphs are captured as their shapes first come, in the warm-up
     steps or the timed ones."""
+    is_compiled_layers: bool | None = None
+    """The lean decoder's layers compiled around their attention, in the warm-up (WorkerConfig.is_compiled_layers;
+    None = the worker's default: on a GPU with a lean decoder)."""
     is_lean_decoder: bool = True
     """The worker's lean forward of Gemma3, Llama, Mistral, Qwen2 and Qwen3 (WorkerConfig.is_lean_decoder); False =
     transformers' forward."""
@@ -102,8 +110,9 @@ class EngineBenchConfig:
         self.batch_sizes = tuple(self.batch_sizes)
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError("batch_sizes must be a non-empty list of sizes >= 1")
-        if self.steps < 1 or self.repeats < 1 or self.warmup_steps < 0 or self.prompt_len < 1:
-            raise ValueError("steps, repeats and prompt_len must be >= 1, warmup_steps >= 0")
+        if self.steps < 2 or self.repeats < 1 or self.warmup_steps < 0 or self.prompt_len < 1:
+            raise ValueError("steps must be >= 2 (every other one is timed), repeats and prompt_len >= 1, "
+                             "warmup_steps >= 0")
         if self.repetition_penalty <= 0 or self.max_draft_nodes < 1 or self.num_threads < 0:
             raise ValueError("repetition_penalty must be > 0, max_draft_nodes >= 1, num_threads >= 0")
         from protos.segserve.v1.step import MAX_DECODE_STEPS
@@ -128,7 +137,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=d.dtype)
     parser.add_argument("--batch-sizes", type=_sizes, default=d.batch_sizes, help="comma-separated (1,16,64,256)")
-    parser.add_argument("--steps", type=int, default=d.steps, help="timed decode steps per round")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed decode steps per round (every other one split into parts)")
     parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     parser.add_argument("--repeats", type=int, default=d.repeats, help="timed rounds (median and spread)")
     parser.add_argument("--prompt-len", type=int, default=d.prompt_len)
@@ -142,6 +151,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", dest="is_cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="decode steps replayed from CUDA graphs (on the CPU: the same padded steps, eager; "
                         "default: the worker's, on a GPU with a lean decoder)")
+    parser.add_argument("--compiled-layers", dest="is_compiled_layers", action=argparse.BooleanOptionalAction,
+                        default=None, help="the lean decoder's layers compiled around their attention (default: the "
+                        "worker's, on a GPU with a lean decoder)")
     parser.add_argument("--lean-decoder", dest="is_lean_decoder", action=argparse.BooleanOptionalAction,
                         default=d.is_lean_decoder, help="the worker's lean forward of Gemma3, Llama, Mistral, Qwen2 "
                         "and Qwen3 (--no-lean-decoder: transformers' forward)")
@@ -202,6 +214,7 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
                                       block_size=block_size, num_kv_blocks=num_blocks,
                                       num_threads=config.num_threads, is_compiled=config.is_compiled,
                                       is_lean_decoder=config.is_lean_decoder, is_cuda_graphs=config.is_cuda_graphs,
+                                      is_compiled_layers=config.is_compiled_layers,
                                       linear_block_rows=config.linear_block_rows,
                                       compile_max_tokens=max(config.batch_sizes) * tokens_per_step))
     runner.warm_up()
@@ -239,9 +252,15 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     t6 = time.perf_counter()
     parts = {"schedule": (t1 - t0) + (t2b - t2), "draft": t2 - t1, "wire": (t3 - t2b) + (t5 - t4), "output": t6 - t5,
              "total": t6 - t0}
-    for part in ("metadata", "forward", "sample"):
-        parts[part] = runner.timings.get(part, 0.0)
+    for part in ("metadata", "forward", "sample"):  # 0 in an untimed step
+        parts[part] = (runner.timings or {}).get(part, 0.0)
     return parts, sum(len(o.token_ids) for o in result.outputs)
+
+
+def _uncaptured(steps: list[tuple[tuple[dict, int], bool]]) -> list[tuple[dict, int]]:
+    """The steps (_decode_step's results, each with whether the runner captured a CUDA graph in it, a first-time
+    cost per shape as a compile is) in which nothing was captured; all of them, should every one have captured."""
+    return [step for step, is_captured in steps if not is_captured] or [step for step, _ in steps]
 
 
 def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: int) -> dict:
@@ -270,69 +289,31 @@ def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: 
         request = scheduler.schedule()
         scheduler.postprocess(request, StepResult(runner.step(request)))
     drafter = InProcessDrafter(config.max_draft_nodes) if config.is_draft else None
-    runner.timings = {}
     rounds = []
     try:
         for _ in range(config.warmup_steps):
             _decode_step(scheduler, runner, drafter)
         for _ in range(config.repeats):
-            steps = [_decode_step(scheduler, runner, drafter) for _ in range(config.steps)]
+            timed_and_untimed = ([], [])  # (_decode_step's result, whether the runner captured a graph in it)
+            for index in range(config.steps):
+                # every other step times the runner's parts (on CUDA, each part then ends with a synchronize)
+                runner.timings = {} if index % 2 == 0 else None
+                before = runner.graphs.num_captured if runner.graphs is not None else 0
+                step = _decode_step(scheduler, runner, drafter)
+                timed_and_untimed[index % 2].append((step, runner.graphs is not None
+                                                     and runner.graphs.num_captured > before))
+            steps, untimed = (_uncaptured(part) for part in timed_and_untimed)
             if len(scheduler.running) != batch_size:
                 raise RuntimeError(f"{batch_size - len(scheduler.running)} sequences ended during the timed steps")
             mean = {part: 1000 * statistics.fmean(p[part] for p, _ in steps) for part in (*PARTS, "total")}
-            mean["tokens_per_step"] = statistics.fmean(n for _, n in steps)
-            rounds.append(mean)
+            rounds.append(mean | {"tokens_per_step": statistics.fmean(n for _, n in steps),
+                                  "untimed": 1000 * statistics.fmean(parts["total"] for parts, _ in untimed)})
     finally:
         runner.timings = None
         for seq_id in seq_ids:
             scheduler.abort(seq_id)
         runner.step(StepRequest(finished_seq_ids=seq_ids))  # the runner forgets them
     return report.summarize_batch(batch_size, rounds)
-
-
-def bench_hf_compiled(config: EngineBenchConfig, model_dir: Path, runner) -> dict[int, dict]:
-    """HF generate() with a static cache + torch.compile at every batch size: ms per decode step, tok/s."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.configuration_utils import CompileConfig
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=runner.dtype).to(runner.device).eval()
-    compile_config = CompileConfig()
-    compile_config._compile_all_devices = True  # transformers compiles on cuda only unless told
-    vocab_size = runner.info().vocab_size
-    results = {}
-    for batch_size in config.batch_sizes:
-        generator = torch.Generator().manual_seed(config.seed + batch_size)
-        input_ids = torch.randint(3, vocab_size, (batch_size, config.prompt_len), generator=generator)
-        input_ids = input_ids.to(runner.device)
-
-        def generate(num_new: int) -> float:
-            kwargs = dict(do_sample=False, max_new_tokens=num_new, min_new_tokens=num_new,
-                          cache_implementation="static", compile_config=compile_config,
-                          repetition_penalty=config.repetition_penalty, pad_token_id=0,
-                          attention_mask=torch.ones_like(input_ids))
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            start = time.perf_counter()
-            with torch.inference_mode():
-                model.generate(input_ids, **kwargs)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            return time.perf_counter() - start
-
-        try:
-            for _ in range(2):  # compiles, then settles
-                generate(config.steps + 1)
-                generate(1)
-            per_step = []
-            for _ in range(config.repeats):
-                long, short = generate(config.steps + 1), generate(1)
-                per_step.append(1000 * max(long - short, 0.0) / config.steps)
-            results[batch_size] = report.summarize_hf(batch_size, per_step)
-        except Exception as exc:  # a benchmark reports what would not run; it does not crash
-            results[batch_size] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"[bench engine] HF compiled batch {batch_size}: {results[batch_size]}", file=sys.stderr, flush=True)
-    return results
 
 
 def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | None = None,
@@ -352,6 +333,7 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
         results["batches"].append(batch)
         print(f"[bench engine] batch {batch_size}: {batch['total']['median_ms']:.2f} ms/step",
               file=sys.stderr, flush=True)
+    results["compiled_layers"] = runner.is_compiled_layers
     if runner.graphs is not None:
         results["graphs_captured"] = runner.graphs.num_captured
         results["graph_capture_s"] = runner.graphs.capture_seconds

@@ -16,9 +16,10 @@ def _stat(values: list[float]) -> dict:
 
 
 def summarize_batch(batch_size: int, rounds: list[dict[str, float]]) -> dict:
-    """rounds: per timed round, the mean ms of every part, "total" and "tokens_per_step"."""
+    """rounds: per timed round, the mean ms of every part, "total" and "tokens_per_step", and "untimed": the mean ms
+    of the steps of a round run without timing the parts."""
     tokens_per_step = statistics.median(r["tokens_per_step"] for r in rounds)
-    total = _stat([r["total"] for r in rounds])
+    total, untimed = _stat([r["total"] for r in rounds]), _stat([r["untimed"] for r in rounds])
     return {
         "batch_size": batch_size,
         "parts": {part: _stat([r[part] for r in rounds]) for part in PARTS},
@@ -26,6 +27,8 @@ def summarize_batch(batch_size: int, rounds: list[dict[str, float]]) -> dict:
         "excluding_forward": _stat([r["total"] - r["forward"] for r in rounds]),
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": 1000 * tokens_per_step / total["median_ms"] if total["median_ms"] > 0 else None,
+        "untimed": untimed,
+        "untimed_tokens_per_s": 1000 * tokens_per_step / untimed["median_ms"] if untimed["median_ms"] > 0 else None,
     }
 
 
@@ -39,9 +42,11 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def markdown_table(results: dict) -> str:
-    """One row per batch size: ms/step (median, spread), every part, excluding forward, tok/s, HF compiled."""
+    """One row per batch size: ms/step (median, spread), every part, excluding forward, tok/s, the same untimed
+    (the steps of rounds whose parts were not timed), HF compiled."""
     has_hf = any(b.get("hf_compiled") for b in results["batches"])
-    head = ["batch", "ms/step (min-max)", *PARTS, "excl. forward", "tok/step", "tok/s"]
+    head = ["batch", "ms/step (min-max)", *PARTS, "excl. forward", "tok/step", "tok/s", "untimed ms/step (min-max)",
+            "untimed tok/s"]
     if has_hf:
         head += ["HF compiled ms/step", "HF tok/s"]
     lines = [f"engine step on {results.get('model')} ({results.get('device')}, {results.get('dtype')}); "
@@ -55,6 +60,9 @@ def markdown_table(results: dict) -> str:
         cells += [_fmt(b["parts"][part]["median_ms"]) for part in PARTS]
         cells += [_fmt(b["excluding_forward"]["median_ms"]), _fmt(b["tokens_per_step"], 1),
                   _fmt(b["tokens_per_s"], 0)]
+        untimed = b["untimed"]
+        cells += [f"{_fmt(untimed['median_ms'])} ({_fmt(untimed['min_ms'])}-{_fmt(untimed['max_ms'])})",
+                  _fmt(b["untimed_tokens_per_s"], 0)]
         if has_hf:
             hf = b.get("hf_compiled") or {}
             cells += ["error" if "error" in hf else _fmt(hf.get("median_ms")), _fmt(hf.get("tokens_per_s"), 0)]
