@@ -137,3 +137,19 @@ def test_a_region_takes_one_token_as_two_and_compiles_again_for_inputs_of_anothe
         got = region(2.0, x)
         assert got.shape == x.shape and got.dtype == x.dtype
         torch.testing.assert_close(got, _scaled_rows(2.0, x))
+
+
+def test_a_region_that_cannot_be_compiled_runs_eagerly_from_then_on(monkeypatch, caplog):
+    """As without a C compiler for Triton's launcher: the worker is slower, not failed, and says so."""
+    region = CompiledRegion(_scaled_rows, (1,), (1,), "test")
+
+    def fail(*args):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(region, "_compiled", fail)
+    x = torch.randn(1, 3, 4, device=TEST_DEVICE)
+    with caplog.at_level("ERROR", logger="worker.compiled_layers"):
+        for tokens in (x, x[:, :1], x):
+            assert torch.equal(region(2.0, tokens), _scaled_rows(2.0, tokens))
+    assert [record.getMessage() for record in caplog.records] == [
+        "the layers' test could not be compiled, so they run eagerly: RuntimeError: Failed to find C compiler"]

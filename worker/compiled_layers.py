@@ -51,7 +51,7 @@ class CompiledRegion:
 
     def __init__(self, fn: Callable, token_dims: tuple[int, ...], output_dims: tuple[int, ...], name: str):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self._compiled = torch.compile(fn, fullgraph=True)
+        self._fn, self._compiled = fn, torch.compile(fn, fullgraph=True)
         self.token_dims, self.output_dims, self.name = token_dims, output_dims, name
         self._is_compiled = False
 
@@ -80,14 +80,21 @@ class CompiledRegion:
         return self._compiled(calls, *tensors)
 
     def _compile(self, calls, tensors: tuple[torch.Tensor, ...]):
-        """The first call: the token count marked dynamic, compiled (or found in dynamo's cache, compiled by
-        another runner of the same model class in this process)."""
+        """The first call (in the worker's warm-up): the token count marked dynamic, compiled (or found in dynamo's
+        cache, compiled by another runner of the same model class in this process). Should compiling fail (no C
+        compiler for Triton's launcher, say), the region runs eagerly from then on, every step alike."""
         for tensor, dim in zip(tensors, self.token_dims):
             torch._dynamo.mark_dynamic(tensor, dim)
         start = time.perf_counter()
-        output = self._compiled(calls, *tensors)
+        try:
+            output = self._compiled(calls, *tensors)
+            logger.info("compiled the layers' %s in %.1f s", self.name, time.perf_counter() - start)
+        except Exception as error:  # a slower worker, not a failed one
+            logger.error("the layers' %s could not be compiled, so they run eagerly: %s: %s", self.name,
+                         type(error).__name__, error)
+            self._compiled = self._fn
+            output = self._fn(calls, *tensors)
         self._is_compiled = True
-        logger.info("compiled the layers' %s in %.1f s", self.name, time.perf_counter() - start)
         return output
 
 
