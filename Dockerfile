@@ -38,6 +38,13 @@ RUN groupadd --system --gid 10001 segserve \
     && useradd --system --uid 10001 --gid segserve --home-dir /home/segserve --create-home segserve \
     && mkdir -p /var/cache/segserve /var/lib/segserve \
     && chown segserve:segserve /var/cache/segserve /var/lib/segserve
+# A CUDA worker compiles its layers at start (worker/compiled_layers.py), and Triton builds its kernel launchers
+# with a C compiler then; the CPU image compiles nothing by default and gets none. Debian's current gcc.
+ARG TORCH_VARIANT=cpu
+# hadolint ignore=DL3008
+RUN if [ "${TORCH_VARIANT}" != "cpu" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; \
+    fi
 COPY --from=build /opt/segserve /opt/segserve
 # Offline by design: no hub look-ups; caches under $HOME/.cache (an emptyDir in the manifests).
 ENV PATH=/opt/segserve/bin:${PATH} \

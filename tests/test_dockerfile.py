@@ -88,3 +88,11 @@ def test_the_build_context_keeps_what_the_build_copies():
         assert not any(fnmatch.fnmatch(source, p) for p in patterns), f"{source} is ignored by .dockerignore"
     for heavy in (".git", ".venv", "tests"):
         assert heavy in patterns
+
+
+def test_a_cuda_image_gets_a_c_compiler_for_the_compiled_layers():
+    """Triton builds its kernel launchers with one when a CUDA worker compiles its layers at start."""
+    runtime = instructions("runtime")
+    assert ("ARG", "TORCH_VARIANT=cpu") in runtime
+    installs = [rest for word, rest in runtime if word == "RUN" and "apt-get install" in rest]
+    assert len(installs) == 1 and '[ "${TORCH_VARIANT}" != "cpu" ]' in installs[0] and " gcc " in installs[0]
