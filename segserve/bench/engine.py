@@ -23,9 +23,9 @@ rounds and the spread (min, max). On CUDA the runner ends each part it times wit
 device synchronize, so only every other step of a round is split into parts; the
 steps between run as a worker's do, and "untimed" gives their whole steps. A step in
 which the runner captured a CUDA graph (once per shape, as a compile is) is left out
-of its round (graphs_captured and graph_capture_s count every capture). With --hf-compiled,
-HF `generate()` with a static cache and torch.compile runs at the same batch sizes in
-the same run (segserve/bench/hf_compiled.py).
+of its round (graphs_captured and graph_capture_s count every capture). With
+--hf-compiled, HF `generate()` with a static cache and torch.compile runs at the same
+batch sizes in the same run (segserve/bench/hf_compiled.py).
 Outputs under --out: engine.json (every number, the config, the command, the machine)
 and engine.png (stacked bars per batch size); the table is printed.
 """
@@ -137,7 +137,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=d.dtype)
     parser.add_argument("--batch-sizes", type=_sizes, default=d.batch_sizes, help="comma-separated (1,16,64,256)")
-    parser.add_argument("--steps", type=int, default=d.steps, help="timed decode steps per round (every other one split into parts)")
+    parser.add_argument("--steps", type=int, default=d.steps,
+                        help="timed decode steps per round (every other one split into parts)")
     parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     parser.add_argument("--repeats", type=int, default=d.repeats, help="timed rounds (median and spread)")
     parser.add_argument("--prompt-len", type=int, default=d.prompt_len)
@@ -257,6 +258,11 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     return parts, sum(len(o.token_ids) for o in result.outputs)
 
 
+def _num_captured(runner) -> int:
+    """The CUDA graphs the runner has captured so far (0 without graphs)."""
+    return runner.graphs.num_captured if runner.graphs is not None else 0
+
+
 def _uncaptured(steps: list[tuple[tuple[dict, int], bool]]) -> list[tuple[dict, int]]:
     """The steps (_decode_step's results, each with whether the runner captured a CUDA graph in it, a first-time
     cost per shape as a compile is) in which nothing was captured; all of them, should every one have captured."""
@@ -298,10 +304,9 @@ def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: 
             for index in range(config.steps):
                 # every other step times the runner's parts (on CUDA, each part then ends with a synchronize)
                 runner.timings = {} if index % 2 == 0 else None
-                before = runner.graphs.num_captured if runner.graphs is not None else 0
+                before = _num_captured(runner)
                 step = _decode_step(scheduler, runner, drafter)
-                timed_and_untimed[index % 2].append((step, runner.graphs is not None
-                                                     and runner.graphs.num_captured > before))
+                timed_and_untimed[index % 2].append((step, _num_captured(runner) > before))
             steps, untimed = (_uncaptured(part) for part in timed_and_untimed)
             if len(scheduler.running) != batch_size:
                 raise RuntimeError(f"{batch_size - len(scheduler.running)} sequences ended during the timed steps")
