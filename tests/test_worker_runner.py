@@ -385,7 +385,7 @@ def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(
     the kernel sums fewer masked keys)."""
     import worker.attention as attention
 
-    gemma3_runner = fine_keys_gemma3_runner
+    runner = fine_keys_gemma3_runner
 
     windowed_keys = attention.WindowSource.keys
     key_counts = []  # (the group's keys, the window layer's) per group, since the last clear()
@@ -401,17 +401,17 @@ def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(
 
     def run() -> torch.Tensor:
         new = [NewSequence("long", SamplingParams(), len(long)), NewSequence("chunked", SamplingParams(), len(chunked))]
-        gemma3_runner.step(StepRequest([ScheduledSequence("long", long, 0, blocks["long"]),
-                                        ScheduledSequence("chunked", chunked[:30], 0, blocks["chunked"])], new))
+        runner.step(StepRequest([ScheduledSequence("long", long, 0, blocks["long"]),
+                                 ScheduledSequence("chunked", chunked[:30], 0, blocks["chunked"])], new))
         if first_work == "decode":
             work = ScheduledSequence("long", [7], len(long), blocks["long"], sample_indices=[0])
         else:
             work = ScheduledSequence("long", (ROOT_TOKEN,), len(long), blocks["long"], draft=TREE)
         key_counts.clear()
         step = [work, ScheduledSequence("chunked", chunked[30:], 30, blocks["chunked"], sample_indices=[0, 4])]
-        logits = gemma3_runner.compute_logits(StepRequest(step))
+        logits = runner.compute_logits(StepRequest(step))
         compared.append(list(key_counts))
-        gemma3_runner.step(StepRequest(finished_seq_ids=["long", "chunked"]))
+        runner.step(StepRequest(finished_seq_ids=["long", "chunked"]))
         return logits
 
     windowed, full = windowed_and_full(run, counting_keys)
