@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
 
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
@@ -15,6 +16,7 @@ from protos.segserve.v1.tree import CandidateTree
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from tests.devices import TEST_DEVICE
+from segserve.bench.random_models import TINY_GEMMA3, save_random
 from tests.tiny_models import LLAMA_KIN
 from worker.sampler import sample
 from worker.validation import InvalidRequest
@@ -66,9 +68,9 @@ def runner(request):
 
 
 @contextlib.contextmanager
-def stock_attention(model):
-    """Run the same weights with transformers' own SDPA attention (the reference)."""
-    model.set_attn_implementation("sdpa")
+def stock_attention(model, implementation: str = "sdpa"):
+    """Run the same weights with transformers' own attention (the reference): SDPA, or "eager"."""
+    model.set_attn_implementation(implementation)
     try:
         yield model
     finally:
@@ -82,9 +84,9 @@ def reference_greedy(model, prompt: list[int], num_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def reference_last_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """Logits after `token_ids`, computed from scratch with no cache: [V]."""
-    with stock_attention(model), torch.inference_mode():
+def reference_last_logits(model, token_ids: list[int], implementation: str = "sdpa") -> torch.Tensor:
+    """Logits after `token_ids`, computed from scratch with no cache, under transformers' `implementation`: [V]."""
+    with stock_attention(model, implementation), torch.inference_mode():
         ids = torch.tensor([token_ids], device=model.device)
         return model(input_ids=ids, use_cache=False).logits[0, -1].float()
 
@@ -459,3 +461,62 @@ def test_greedy_decode_with_windowed_sliding_layers_matches_generate(gemma3_runn
     prompt = PROMPT + list(range(200, 230))  # 41 tokens
     got = run_together(gemma3_runner, [Decoder("w", prompt, list(range(40, 64)), chunks=[17, 9, 15])], 40)["w"]
     assert got == reference_greedy(gemma3_runner.model, prompt, 40)
+
+
+@pytest.fixture(scope="module")
+def capped_gemma2_dir(tmp_path_factory):
+    """A tiny Gemma2, the kind of model that caps its attention logits (tanh), here at 0.5: low enough to change
+    every layer's output. It runs on transformers' forward (there is no lean Gemma2)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(**{**TINY_GEMMA3, "attn_logit_softcapping": 0.5, "final_logit_softcapping": None})
+    return save_random(Gemma2ForCausalLM, config, tmp_path_factory.mktemp("capped-gemma2"))
+
+
+def test_capped_attention_logits_give_transformers_logits(capped_gemma2_dir):
+    """Capped attention logits (softcap, which SDPA cannot do): a chunked prefill, a decode step and a tree past the
+    sliding window give the logits of transformers' eager attention, which caps them."""
+    runner = make_runner(capped_gemma2_dir)
+    context = PROMPT + [200, 201, 202, 203]  # 15 tokens: past the sliding window of 8
+    blocks = (20, 3, 44, 9, 30, 1)
+    runner.step(StepRequest([ScheduledSequence("t", context[:9], 0, blocks)],
+                            [NewSequence("t", SamplingParams(), len(context))]))
+    runner.step(StepRequest([ScheduledSequence("t", context[9:], 9, blocks)]))
+    decode = runner.compute_logits(StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
+                                                                  sample_indices=(0,))]))
+    tree = runner.compute_logits(StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
+                                                                draft=TREE)]))
+    runner.step(StepRequest(finished_seq_ids=["t"]))
+    uncapped = AutoModelForCausalLM.from_pretrained(capped_gemma2_dir, dtype=torch.float32).to(runner.device)
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    for node, path in enumerate(node_paths(TREE)):
+        expected = reference_last_logits(runner.model, context + path, "eager").to(tree.device)
+        torch.testing.assert_close(tree[node], expected, atol=1e-4, rtol=0)
+        assert not torch.allclose(reference_last_logits(uncapped, context + path, "eager").to(tree.device),
+                                  expected, atol=1e-2)  # the cap matters
+    torch.testing.assert_close(decode[0], tree[0])
+
+
+def test_layers_share_one_additive_mask_per_window_in_a_step(fine_keys_gemma3_runner, monkeypatch):
+    """SDPA gets an additive mask of the queries' dtype (0 or -inf), made once per step for each window: tiny
+    Gemma3's three sliding layers share one and its full-attention layer has its own, instead of SDPA converting a
+    boolean mask at every layer."""
+    runner, sdpa = fine_keys_gemma3_runner, torch.nn.functional.scaled_dot_product_attention
+    masks = []
+
+    def recording_sdpa(query, key, value, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    blocks = list(range(8))
+    runner.step(StepRequest([ScheduledSequence("m", PROMPT, 0, blocks)],
+                            [NewSequence("m", SamplingParams(), len(PROMPT))]))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    runner.step(StepRequest([ScheduledSequence("m", (ROOT_TOKEN,), len(PROMPT), blocks, sample_indices=(0,))]))
+    runner.step(StepRequest(finished_seq_ids=["m"]))
+    assert len(masks) == len(runner.model.model.layers) == 4
+    assert len({id(mask) for mask in masks}) == 2
+    for mask in masks:
+        assert mask.dtype == torch.float32
+        assert set(mask.unique().tolist()) == {0.0, float("-inf")}

@@ -65,10 +65,11 @@ class AttentionGroup:
     _masks: dict = field(default_factory=dict)
     _windows: dict = field(default_factory=dict)
 
-    def attn_mask(self, window: int | None, num_groups: int) -> torch.Tensor:
-        """[R, 1, num_groups * Q, L] bool mask for a layer, cached per (window, num_groups); [R, 1, 1, L] with one
-        query per row (decode), which attention broadcasts over the query heads instead of copying it."""
-        cached = self._masks.get((window, num_groups))
+    def attn_mask(self, window: int | None, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """[R, 1, num_groups * Q, L] additive mask of `dtype` for a layer (_additive), cached per (window,
+        num_groups, dtype); [R, 1, 1, L] with one query per row (decode), which attention broadcasts over the query
+        heads instead of copying it."""
+        cached = self._masks.get((window, num_groups, dtype))
         if cached is None:
             mask = self.mask
             if window is not None:
@@ -76,28 +77,45 @@ class AttentionGroup:
                 mask = mask & (self.query_pos[:, :, None] - self.key_pos[:, None, :] < window)
                 # a padding query keeps key 0 so its softmax row is never empty (no NaN)
                 mask[:, :, 0] |= self.is_pad_query
-            cached = _per_query_head(mask, num_groups)
-            self._masks[(window, num_groups)] = cached
+            cached = _additive(_per_query_head(mask, num_groups), dtype)
+            self._masks[(window, num_groups, dtype)] = cached
         return cached
 
-    def layer_keys(self, window: int | None, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key slots [R, L'] and mask [R, 1, G * Q or 1, L'] a layer with this window attends with.
+    def layer_keys(self, window: int | None, num_groups: int, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key slots [R, L'] and additive mask [R, 1, G * Q or 1, L'] of `dtype` a layer with this window
+        attends with.
 
         A sliding-window layer reads only the keys its queries can reach, when that range is shorter than the
         group's keys: from the WINDOW_KEY_GRID line at or below `window` - 1 keys before a row's first new token
         to its last new token (gemma-3-270m's window is 512 keys, against contexts of thousands). The keys it
         skips are the ones the full range masks."""
-        cache_key = (window, num_groups)
+        cache_key = (window, num_groups, dtype)
         if cache_key not in self._windows:
             windowed = None if window is None else self.window_source.keys(window, self)
-            self._windows[cache_key] = windowed and (windowed[0], _per_query_head(windowed[1], num_groups))
-        return self._windows[cache_key] or (self.key_slots, self.attn_mask(window, num_groups))
+            self._windows[cache_key] = windowed and (windowed[0],
+                                                     _additive(_per_query_head(windowed[1], num_groups), dtype))
+        return self._windows[cache_key] or (self.key_slots, self.attn_mask(window, num_groups, dtype))
 
 
 def _per_query_head(mask: torch.Tensor, num_groups: int) -> torch.Tensor:
     """[R, Q, L] -> [R, 1, G * Q, L] for G query heads per kv head; one query per row stays [R, 1, 1, L], which
     attention broadcasts over the query heads instead of copying it."""
     return (mask if mask.shape[1] == 1 else mask.repeat(1, num_groups, 1)).unsqueeze(1)
+
+
+MASK_ALIGNMENT = 8
+"""Elements: the strides CUDA's memory-efficient attention kernel needs of a mask; SDPA pads a copy of any other."""
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask [..., L] (True: may attend) as SDPA would turn it into an additive one at every call: 0 where
+    True, -inf where False, in the queries' dtype. Made once per step here, instead of at each layer (on CUDA with
+    a pad too, unless the strides are aligned: the rows are stored MASK_ALIGNMENT-aligned, the view is [..., L])."""
+    length = mask.shape[-1]
+    stored = -(-length // MASK_ALIGNMENT) * MASK_ALIGNMENT
+    additive = mask.new_empty((*mask.shape[:-1], stored), dtype=dtype)[..., :length]
+    return additive.fill_(float("-inf")).masked_fill_(mask, 0.0)
 
 
 WINDOW_KEY_GRID = 16
@@ -268,7 +286,7 @@ def _attend_group(group: AttentionGroup, tokens_query: torch.Tensor, cache: Page
     """One group's attention output [R, Q, H, D] (padding queries included). tokens_query: [T, H, D]."""
     num_heads, head_dim = tokens_query.shape[1], tokens_query.shape[2]
     num_groups = num_heads // cache.shape.num_kv_heads
-    key_slots, mask = group.layer_keys(window, num_groups)  # [R, L], [R, 1, G * Q or 1, L]
+    key_slots, mask = group.layer_keys(window, num_groups, tokens_query.dtype)  # [R, L], [R, 1, G * Q or 1, L]
     group_key, group_value = cache.gather(layer, key_slots)  # [R, KVH, L, D]
     rows, num_queries = group.query_index.shape
     if group.is_whole_step:
@@ -283,13 +301,14 @@ def _attend_group(group: AttentionGroup, tokens_query: torch.Tensor, cache: Page
 
 
 def _attend(query, key, value, mask, scaling, softcap):
-    """Masked attention; SDPA unless the model caps its attention logits (SDPA cannot)."""
+    """Attention under an additive mask (_additive); SDPA unless the model caps its attention logits (SDPA
+    cannot)."""
     if softcap is None:
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [R, KVH, G * Q, L]
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores + mask  # capped logits are finite: + 0 leaves them as they are, + -inf masks them
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(weights, value)
 
