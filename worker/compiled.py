@@ -42,6 +42,11 @@ RECOMPILE_LIMIT = 64
 """Compiled shapes per decoder code (dynamo's limit, 8 by default, past which it would run eager, with other
 numerics): a worker's buckets, 2**0 to 2**16 tokens, for a few runners in one process (tests, benchmarks)."""
 
+
+def allow_recompiles() -> None:
+    """Raise dynamo's recompile limit, process-wide, to at least RECOMPILE_LIMIT (never lower it)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
 _COMPILE_CONFIG = {"freezing": True, "cpp.weight_prepack": False}
 """Inductor's options for the worker's compiles (a compile() option does not take them): the weights as constants;
 the linears computed as the eager worker computes them (and its probe checked: worker/row_blocks.py), a packed
@@ -114,7 +119,7 @@ class CompiledDecoder:
         if not isinstance(decoder, nn.Module):
             raise ValueError(f"{type(model).__name__} has no decoder at .model to compile")
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        allow_recompiles()
         self._eager = decoder.forward
         self._compiled = torch.compile(self._eager, dynamic=False, fullgraph=True)
         self._buckets: set[int] = set()

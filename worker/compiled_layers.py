@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker.compiled import RECOMPILE_LIMIT
+from worker.compiled import allow_recompiles
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class CompiledRegion:
     """The fewest tokens a call computes as they come; one token goes as two copies of it."""
 
     def __init__(self, fn: Callable, token_dims: tuple[int, ...], output_dims: tuple[int, ...], name: str):
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        allow_recompiles()
         self._fn, self._compiled = fn, torch.compile(fn, fullgraph=True)
         self.token_dims, self.output_dims, self.name = token_dims, output_dims, name
         self._is_compiled = False
