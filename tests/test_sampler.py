@@ -144,6 +144,22 @@ def test_greedy_is_argmax_of_penalized_logits_and_scores_the_logit():
     assert out.top_logprobs == [None, None, None]
 
 
+def test_plain_greedy_rows_take_a_shorter_way_to_the_same_tokens_and_scores(monkeypatch):
+    """Rows that only take the argmax (most decode steps) skip processing: the same tokens (the first of tied maxima)
+    and float32 scores as the same rows beside one asking for top log-probabilities, which takes the full path."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
+    logits[0, 5] = logits[0, 9] = 10.0
+    for dtype in (torch.float32, torch.bfloat16):
+        full = sample(logits.to(dtype), [row() for _ in range(3)] + [row(num_top_logprobs=2)])
+        with monkeypatch.context() as patch:
+            patch.setattr(sampler, "_processed", None)  # the full path would call it
+            plain = sample(logits.to(dtype), [row() for _ in range(4)])
+        assert plain.token_ids == full.token_ids and plain.token_ids[0] == 5
+        assert plain.scores == full.scores
+        assert plain.score_tensor.dtype == torch.float32
+        assert plain.top_logprobs == [None] * 4
+
+
 def test_sampling_scores_and_top_logprobs_are_under_the_final_distribution():
     logits = torch.randn(len(MIXED_ROWS), VOCAB, generator=torch.Generator().manual_seed(4)) * 2
     rows = [SampleRow(SamplingParams(**{**r.params.__dict__, "num_top_logprobs": 1 + i % 4}), r.token_ids, r.num_prompt_tokens, make_generator(i, "cpu")) for i, r in enumerate(MIXED_ROWS)]
