@@ -151,8 +151,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], uniform: torch.Tenso
     num_rows, device = len(rows), logits.device
     params = [row.params for row in rows]
     kinds = _distinct(params)  # a tree's nodes share their sequence's params: flags are read per distinct params
-    if all(_is_plain_greedy(p) for p in kinds):  # most decode steps: each row's first maximum and its logit
-        chosen, token_ids = logits.max(dim=-1)  # [N] each; argmax's token (the first maximum) in one op
+    if not any(p.do_sample or p.logit_bias or p.has_penalty or p.watermark or p.num_top_logprobs for p in kinds):
+        # plain greedy rows (most decode steps): each row's first maximum (argmax's token) and its logit, one op
+        chosen, token_ids = logits.max(dim=-1)  # [N] each
         no_top = torch.empty(0, 0, dtype=torch.long, device=device)
         return SamplerOutput(token_ids, chosen.float(), [], [], no_top, no_top.float())
     token_ids = torch.empty(num_rows, dtype=torch.long, device=device)  # [N]
@@ -293,12 +294,6 @@ def _processed(logits: torch.Tensor, row_ids: list[int], rows: Sequence[SampleRo
     if has_penalty:
         apply_penalties(scores, rows)
     return scores
-
-
-def _is_plain_greedy(params: SamplingParams) -> bool:
-    """Greedy on the logits as they are, with no top log-probabilities: nothing to process, warp or rank."""
-    return not (params.do_sample or params.logit_bias or params.has_penalty or params.watermark
-                or params.num_top_logprobs)
 
 
 def _distinct(params: list[SamplingParams]) -> list[SamplingParams]:
