@@ -150,14 +150,29 @@ class WindowSource:
         first = (self.start - window + 1).clamp_(min=0).div_(WINDOW_KEY_GRID, rounding_mode="floor")
         first *= WINDOW_KEY_GRID  # [R, 1]
         key = first + torch.arange(num_keys, device=first.device)  # [R, L']: key index (= storage position)
-        # past a row's last key, a column is capped to the last one the group reads (a real block, masked)
-        column = (key // self.block_size).clamp_(max=self.tables.shape[1] - 1)
-        key_slots = self.tables.gather(1, column) * self.block_size + key % self.block_size
+        key_slots = _window_slots(self.tables, first, key, self.block_size)
         mask, key_pos = _key_mask(key, self.start, self.length, self.depth, self.sees, group.is_pad_query)
         mask &= group.query_pos[:, :, None] - key_pos[:, None, :] < window  # the range starts below the window
         if mask.shape[1] > 1:  # a padding query keeps a key, so that its softmax row is never empty
             mask[:, :, 0] |= group.is_pad_query
         return key_slots, mask
+
+
+def _window_slots(tables: torch.Tensor, first: torch.Tensor, key: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slots [R, L'] of keys key [R, L'] (storage positions, each row's from first [R, 1] on, a multiple of
+    WINDOW_KEY_GRID), from the rows' block-table columns tables [R, C]. Past a row's last key, a column is capped to
+    the last one the group reads (a real block, masked).
+
+    Where block_size divides the grid, every row starts on a block: the blocks are gathered, one entry per block,
+    and their slots laid out by a broadcast add (_key_slots'). On this CPU, 64 rows of 544 keys (gemma-3-270m's
+    window of 512) took 134 us by a gather per key and 37 us so."""
+    num_cols, num_keys = tables.shape[1], key.shape[1]
+    if WINDOW_KEY_GRID % block_size:
+        return tables.gather(1, (key // block_size).clamp_(max=num_cols - 1)) * block_size + key % block_size
+    num_blocks = -(-num_keys // block_size)
+    columns = (first // block_size + torch.arange(num_blocks, device=first.device)).clamp_(max=num_cols - 1)
+    slots = (tables.gather(1, columns) * block_size).unsqueeze(2) + torch.arange(block_size, device=first.device)
+    return slots.view(len(slots), -1)[:, :num_keys].contiguous()
 
 
 def windowed_num_keys(window: int, host_starts: np.ndarray, host_ends: np.ndarray,
