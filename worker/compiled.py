@@ -47,6 +47,7 @@ def allow_recompiles() -> None:
     """Raise dynamo's recompile limit, process-wide, to at least RECOMPILE_LIMIT (never lower it)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
+
 _COMPILE_CONFIG = {"freezing": True, "cpp.weight_prepack": False}
 """Inductor's options for the worker's compiles (a compile() option does not take them): the weights as constants;
 the linears computed as the eager worker computes them (and its probe checked: worker/row_blocks.py), a packed
