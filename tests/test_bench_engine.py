@@ -38,7 +38,7 @@ def test_engine_bench_reports_every_part_per_batch_size(tmp_path, capsys, extra)
         assert abs(parts_sum - batch["total"]["median_ms"]) <= 0.1 * batch["total"]["median_ms"]
         excluding = batch["total"]["median_ms"] - batch["parts"]["forward"]["median_ms"]
         assert batch["excluding_forward"]["median_ms"] == pytest.approx(excluding)
-        untimed = batch["untimed"]  # the steps between the timed ones, whose parts were not timed
+        untimed = batch["untimed"]  # the steps other than the timed ones, whose parts were not timed
         assert len(untimed["rounds_ms"]) == 2 and min(untimed["rounds_ms"]) > 0
         assert batch["untimed_tokens_per_s"] == pytest.approx(1000 * batch["tokens_per_step"] / untimed["median_ms"])
         assert batch["tokens_per_step"] >= batch["batch_size"]  # one token per sequence, more with drafts
@@ -89,5 +89,19 @@ def test_steps_that_capture_a_cuda_graph_are_left_out_of_their_round():
 def test_a_round_needs_two_steps_one_timed_and_one_whole():
     from segserve.bench.engine import EngineBenchConfig
 
-    with pytest.raises(ValueError, match="every other one is timed"):
+    with pytest.raises(ValueError, match="half of them are timed"):
         EngineBenchConfig(steps=1)
+
+
+def test_half_the_steps_of_a_round_are_timed_and_not_always_the_same_ones():
+    """Timed steps at random, not every other one: a fixed alternation lines up with periodic step costs."""
+    import random
+
+    from segserve.bench.engine import timed_steps
+
+    rng = random.Random(0)
+    rounds = [timed_steps(rng, 16) for _ in range(20)]
+    assert all(len(steps) == 8 and steps <= set(range(16)) for steps in rounds)
+    assert len({frozenset(steps) for steps in rounds}) > 1
+    assert any(step % 2 for steps in rounds for step in steps)
+    assert timed_steps(random.Random(0), 3) <= {0, 1, 2} and len(timed_steps(random.Random(0), 3)) == 2

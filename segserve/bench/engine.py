@@ -20,8 +20,10 @@ are timed. Each step is split into
             and read back
 A round's part is its mean over the round's steps; the report gives the median over
 rounds and the spread (min, max). On CUDA the runner ends each part it times with a
-device synchronize, so only every other step of a round is split into parts; the
-steps between run as a worker's do, and "untimed" gives their whole steps. A step in
+device synchronize, so only half the steps of a round, chosen at random (seeded), are
+split into parts; the others run as a worker's do, and "untimed" gives their whole
+steps. (A fixed alternation lined up with periodic costs: with 8-token requests, every
+other step's sliding windows read more keys than the steps between.) A step in
 which the runner captured a CUDA graph (once per shape, as a compile is) is left out
 of its round (graphs_captured and graph_capture_s count every capture). With
 --hf-compiled, HF `generate()` with a static cache and torch.compile runs at the same
@@ -66,7 +68,7 @@ class EngineBenchConfig:
     batch_sizes: tuple[int, ...] = (1, 16, 64, 256)
     """Decode batch sizes, one measurement each."""
     steps: int = 16
-    """Timed decode steps per round: every other one split into parts, the others whole ("untimed")."""
+    """Timed decode steps per round: half of them, at random, split into parts, the others whole ("untimed")."""
     warmup_steps: int = 3
     """Untimed decode steps after the prefill."""
     repeats: int = 3
@@ -111,7 +113,7 @@ class EngineBenchConfig:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError("batch_sizes must be a non-empty list of sizes >= 1")
         if self.steps < 2 or self.repeats < 1 or self.warmup_steps < 0 or self.prompt_len < 1:
-            raise ValueError("steps must be >= 2 (every other one is timed), repeats and prompt_len >= 1, "
+            raise ValueError("steps must be >= 2 (half of them are timed), repeats and prompt_len >= 1, "
                              "warmup_steps >= 0")
         if self.repetition_penalty <= 0 or self.max_draft_nodes < 1 or self.num_threads < 0:
             raise ValueError("repetition_penalty must be > 0, max_draft_nodes >= 1, num_threads >= 0")
@@ -138,7 +140,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=d.dtype)
     parser.add_argument("--batch-sizes", type=_sizes, default=d.batch_sizes, help="comma-separated (1,16,64,256)")
     parser.add_argument("--steps", type=int, default=d.steps,
-                        help="timed decode steps per round (every other one split into parts)")
+                        help="timed decode steps per round (half of them, at random, split into parts)")
     parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     parser.add_argument("--repeats", type=int, default=d.repeats, help="timed rounds (median and spread)")
     parser.add_argument("--prompt-len", type=int, default=d.prompt_len)
@@ -258,6 +260,12 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     return parts, sum(len(o.token_ids) for o in result.outputs)
 
 
+def timed_steps(rng: random.Random, num_steps: int) -> set[int]:
+    """The steps of a round that time the runner's parts (on CUDA each part then ends with a synchronize): half of
+    them, at random, so that they line up with no periodic cost (every other step crossing a key-grid line, say)."""
+    return set(rng.sample(range(num_steps), (num_steps + 1) // 2))
+
+
 def _num_captured(runner) -> int:
     """The CUDA graphs the runner has captured so far (0 without graphs)."""
     return runner.graphs.num_captured if runner.graphs is not None else 0
@@ -301,12 +309,12 @@ def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: 
             _decode_step(scheduler, runner, drafter)
         for _ in range(config.repeats):
             timed_and_untimed = ([], [])  # (_decode_step's result, whether the runner captured a graph in it)
+            timed = timed_steps(rng, config.steps)
             for index in range(config.steps):
-                # every other step times the runner's parts (on CUDA, each part then ends with a synchronize)
-                runner.timings = {} if index % 2 == 0 else None
+                runner.timings = {} if index in timed else None
                 before = _num_captured(runner)
                 step = _decode_step(scheduler, runner, drafter)
-                timed_and_untimed[index % 2].append((step, _num_captured(runner) > before))
+                timed_and_untimed[index not in timed].append((step, _num_captured(runner) > before))
             steps, untimed = (_uncaptured(part) for part in timed_and_untimed)
             if len(scheduler.running) != batch_size:
                 raise RuntimeError(f"{batch_size - len(scheduler.running)} sequences ended during the timed steps")

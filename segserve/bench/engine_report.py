@@ -17,7 +17,7 @@ def _stat(values: list[float]) -> dict:
 
 def summarize_batch(batch_size: int, rounds: list[dict[str, float]]) -> dict:
     """rounds: per timed round, the mean ms of every part, "total" and "tokens_per_step" over its timed steps, and
-    "untimed": the mean ms of its steps between those, whose parts were not timed."""
+    "untimed": the mean ms of its other steps, whose parts were not timed."""
     tokens_per_step = statistics.median(r["tokens_per_step"] for r in rounds)
     total, untimed = _stat([r["total"] for r in rounds]), _stat([r["untimed"] for r in rounds])
     return {
@@ -43,7 +43,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def markdown_table(results: dict) -> str:
     """One row per batch size: ms/step (median, spread), every part, excluding forward, tok/s, the same for the
-    untimed steps (between the timed ones, their parts not timed), HF compiled."""
+    untimed steps (the others of a round, their parts not timed), HF compiled."""
     has_hf = any(b.get("hf_compiled") for b in results["batches"])
     head = ["batch", "ms/step (min-max)", *PARTS, "excl. forward", "tok/step", "tok/s", "untimed ms/step (min-max)",
             "untimed tok/s"]
