@@ -171,8 +171,7 @@ def _window_slots(tables: torch.Tensor, first: torch.Tensor, key: torch.Tensor, 
         return tables.gather(1, (key // block_size).clamp_(max=num_cols - 1)) * block_size + key % block_size
     num_blocks = -(-num_keys // block_size)
     columns = (first // block_size + torch.arange(num_blocks, device=first.device)).clamp_(max=num_cols - 1)
-    slots = (tables.gather(1, columns) * block_size).unsqueeze(2) + torch.arange(block_size, device=first.device)
-    return slots.view(len(slots), -1)[:, :num_keys].contiguous()
+    return _block_slots(tables.gather(1, columns), torch.arange(block_size, device=first.device), num_keys)
 
 
 def windowed_num_keys(window: int, host_starts: np.ndarray, host_ends: np.ndarray,
@@ -264,11 +263,17 @@ def _key_slots(tables: torch.Tensor, block_size: int, num_keys: int, block_col: 
     Where the columns hold every key (no padding key past the table), the keys are each column's block_size slots
     in turn: one broadcast add, no gather. On this CPU, at 64 rows, index_select along the columns took 22, 41,
     250 and 750 us at 80, 160, 1,024 and 4,096 keys, against 10, 14, 34 and 95 us."""
-    rows, num_cols = tables.shape
-    if block_size <= num_keys <= num_cols * block_size:
-        slots = (tables * block_size).unsqueeze(2) + key_offset[:block_size]  # [R, C, block_size]
-        return slots.view(rows, -1)[:, :num_keys].contiguous()
+    if block_size <= num_keys <= tables.shape[1] * block_size:
+        return _block_slots(tables, key_offset[:block_size], num_keys)
     return tables.index_select(1, block_col) * block_size + key_offset  # padding keys read the last column
+
+
+def _block_slots(blocks: torch.Tensor, offsets: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """The first num_keys slots of each row's blocks [R, C] (long) in turn, [R, num_keys] contiguous: a broadcast
+    add of the in-block offsets [block_size] (0, 1, ...) to every block's first slot, no gather."""
+    block_size = offsets.shape[0]
+    slots = (blocks * block_size).unsqueeze(2) + offsets  # [R, C, block_size]
+    return slots.view(len(blocks), -1)[:, :num_keys].contiguous()
 
 
 def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
