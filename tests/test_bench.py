@@ -169,6 +169,13 @@ def test_goals_pass_and_fail():
     assert [g["passed"] for g in slow] == [False, False, None]
 
 
+def test_one_concurrency_level_leaves_the_scaling_goal_unmeasured():
+    ours = _system("segserve", {1: 10.0}, decode=9.6)
+    goals = report.evaluate_goals({"decode_tokens_per_s": 10.0}, ours, None, 1, 1)
+    assert [g["passed"] for g in goals] == [True, None, None]
+    assert goals[1]["measured"] is None and "not measured" in report.markdown_table({"systems": {}, "goals": goals})
+
+
 # ----- load generator, pure parts -----
 
 
