@@ -18,7 +18,9 @@ off (vLLM's); logit_bias keys are token ids written as strings; `logprobs` /
 `top_logprobs` become num_top_logprobs and, with `echo`, num_prompt_logprobs.
 top_k, typical_p, repetition_penalty and ignore_eos are extensions, as in vLLM.
 Stop strings are applied by the router (stop.py), the n choices are n scheduler
-requests (choices.py).
+requests (choices.py). What segserve does not do is refused, not ignored: a
+`response_format` other than text (no constrained decoding) and `tools` unless
+`tool_choice` is "none" (no tool-call parsing).
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ class StreamOptions(BaseModel):
     """segserve's extension: every chunk gets a `segserve` object saying how each token came about (accepted
     draft or the model's own), in which segment kind, and the size and depth of each step's candidate tree
     (router/speculation.py)."""
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _free_text_only(cls, type: str) -> str:
+        if type != "text":
+            raise ValueError(f"type {type!r} is not supported: segserve does not constrain its output to JSON or "
+                             "a schema, so only 'text' is accepted")
+        return type
 
 
 def _bounded(field: str, **changes: float | None):
@@ -106,6 +122,8 @@ class SamplingRequest(BaseModel):
     """Token id (as a string) -> bias added to its logit, in [-100, 100]."""
     ignore_eos: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    """Free text only: a request for JSON or a schema is refused rather than answered unconstrained."""
 
     @field_validator("stop")
     @classmethod
@@ -284,6 +302,17 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = _bounded("num_top_logprobs")
+    tool_choice: str | dict | None = None
+    tools: list[dict] | None = None
+    """Accepted only with tool_choice "none": segserve neither shows tools to the model nor parses tool calls."""
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tool_calls(cls, tools: list[dict] | None, info: ValidationInfo) -> list[dict] | None:
+        if tools and info.data.get("tool_choice") != "none":
+            raise ValueError('tool calling is not supported: segserve does not parse tool calls from the output. '
+                             'Send tool_choice "none" to have the tools ignored')
+        return tools
 
     @field_validator("top_logprobs")
     @classmethod

@@ -228,6 +228,7 @@ def test_the_values_clients_send_by_default_are_accepted(router_url):
     ({"seed": 2**64}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"),
     ({"suffix": "x"}, "suffix"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_unsupported_or_bad_values_get_400_naming_the_field(router_url, body, param):
     response = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "prompt": "x", **body})
@@ -235,6 +236,35 @@ def test_unsupported_or_bad_values_get_400_naming_the_field(router_url, body, pa
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
+     "'json_schema' is not supported"),
+    ({"tools": TOOLS}, "tools", "tool calling is not supported"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tools", "tool calling is not supported"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tools",
+     "tool calling is not supported"),
+])  # fmt: skip
+def test_chat_refuses_what_it_would_otherwise_ignore(router_url, scheduler, body, param, words):
+    fake, _ = scheduler
+    num_sent = len(fake.requests)
+    response = httpx.post(f"{router_url}/v1/chat/completions", json={"model": MODEL, "messages": USER, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert len(fake.requests) == num_sent
+
+
+def test_tools_with_tool_choice_none_are_ignored(router_url):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 3, "tools": TOOLS, "tool_choice": "none"}
+    response = httpx.post(f"{router_url}/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
 
 
 def test_unknown_model_is_404_in_openai_shape(router_url):
