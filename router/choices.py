@@ -1,12 +1,13 @@
-"""n choices of one request: n independent generations merged into one event stream.
+"""The choices of one request (n per prompt, for each of its prompts): independent generations merged into
+one event stream.
 
 In: one event stream per choice (generate_deltas', possibly through
 stop_at_strings), each without keep-alives. Out: their Deltas interleaved as
 they arrive, each tagged with its choice's `index`; every choice's last Delta
 keeps its finish_reason, and the last one to finish carries the usage of all
-(prompt tokens once, completion tokens summed), so a renderer sends per-choice
-endings and one usage at the end. A failure of any choice ends the whole
-stream (the other generations are cancelled), as does closing it.
+(each prompt's tokens once, completion tokens summed), so a renderer sends
+per-choice endings and one usage at the end. A failure of any choice ends the
+whole stream (the other generations are cancelled), as does closing it.
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ from router.generation import KEEPALIVE, Delta, KeepAlive, Usage
 logger = logging.getLogger(__name__)
 
 MAX_CHOICES = 16
+MAX_GENERATIONS = 256
+"""The most generations one request may start: its prompts times n."""
 
 
 async def merge_choices(
-    streams: Sequence[AsyncIterator], keepalive_s: float | None = None
+    streams: Sequence[AsyncIterator], keepalive_s: float | None = None, prompts: Sequence[int] | None = None
 ) -> AsyncIterator[Delta | GenerateError | KeepAlive]:
-    """Interleave `streams` (choice i = streams[i]); KEEPALIVE when none sent anything for keepalive_s."""
+    """Interleave `streams` (choice i = streams[i]); KEEPALIVE when none sent anything for keepalive_s.
+    `prompts[i]` numbers choice i's prompt (all one prompt when None): the usage counts each prompt once."""
     queue: asyncio.Queue[tuple[int, Delta | GenerateError]] = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(index, stream, queue)) for index, stream in enumerate(streams)]
     num_running = len(streams)
-    num_prompt_tokens = num_completion_tokens = 0
-    cached_tokens = None  # the most any choice took from the prefix cache
+    num_completion_tokens = 0
+    prompt_tokens: dict[int, int] = {}  # per prompt
+    cached_tokens: dict[int, int] = {}  # per prompt, the most any of its choices took from the prefix cache
     try:
         while num_running:
             try:
@@ -48,11 +53,13 @@ async def merge_choices(
             usage = None
             if event.finish_reason is not None:
                 num_running -= 1
-                num_prompt_tokens = event.usage.prompt_tokens
+                prompt = 0 if prompts is None else prompts[index]
+                prompt_tokens[prompt] = event.usage.prompt_tokens
                 num_completion_tokens += event.usage.completion_tokens
-                cached_tokens = max(cached_tokens or 0, event.usage.cached_tokens or 0) or None
+                cached_tokens[prompt] = max(cached_tokens.get(prompt, 0), event.usage.cached_tokens or 0)
                 if not num_running:
-                    usage = Usage(num_prompt_tokens, num_completion_tokens, cached_tokens)
+                    usage = Usage(sum(prompt_tokens.values()), num_completion_tokens,
+                                  sum(cached_tokens.values()) or None)
             yield dataclasses.replace(event, index=index, usage=usage)
     finally:
         for pump in pumps:

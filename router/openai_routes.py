@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}].
 
-A request's life: the pydantic body checks types (protocol.py); the prompt is
-tokenized (prompts.py); each of the n choices becomes a contract GenerateRequest
+A request's life: the pydantic body checks types (protocol.py); the prompt (each
+of a completion's prompts) is tokenized (prompts.py); each of the n choices (per
+prompt) becomes a contract GenerateRequest
 that admission.py validates with the contract's validator (a 400 naming the
 field in OpenAI's words, before the scheduler sees anything); the output budget
 is fixed against the context left; serving.py runs the jobs (one per choice,
@@ -39,22 +40,28 @@ router = APIRouter()
 @router.post("/v1/completions", responses=STREAM_OR_JSON)
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     state.check_model(body.model)
-    prompt_ids = completion_prompt_ids(state.tokenizer, body.prompt)
-    jobs = choice_jobs(state, body, prompt_ids, f"cmpl-{uuid.uuid4().hex}", "prompt")
-    echo = None
+    prompts = body.prompts
+    prompt_ids = [completion_prompt_ids(state.tokenizer, prompt) for prompt in prompts]
+    num_choices = body.num_choices
+    request_ids = generation_ids(f"cmpl-{uuid.uuid4().hex}", len(prompts) * num_choices)
+    jobs = [job for number, ids in enumerate(prompt_ids)
+            for job in choice_jobs(state, body, ids, request_ids[number * num_choices:][:num_choices], "prompt")]
+    echoes = None
     if body.echo:  # the ids were validated with the jobs: decoding them is safe
-        text = body.prompt if isinstance(body.prompt, str) else state.tokenizer.decode(prompt_ids)
-        echo = EchoPrompt(text, tuple(prompt_ids), body.num_prompt_logprobs)
+        echoes = [EchoPrompt(prompt if isinstance(prompt, str) else state.tokenizer.decode(ids), tuple(ids),
+                             body.num_prompt_logprobs)
+                  for prompt, ids in zip(prompts, prompt_ids) for _ in range(num_choices)]
     renderer = CompletionRenderer(_response_id(jobs), int(time.time()), state.served_name, state.token_texts,
-                                  body.num_top_logprobs is not None, len(jobs), echo=echo)
-    return await serve(state, request, body, jobs, renderer)
+                                  body.num_top_logprobs is not None, len(jobs), echoes=echoes)
+    return await serve(state, request, body, jobs, renderer, [index // num_choices for index in range(len(jobs))])
 
 
 @router.post("/v1/chat/completions", responses=STREAM_OR_JSON)
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     state.check_model(body.model)
     prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages())
-    jobs = choice_jobs(state, body, prompt_ids, f"chatcmpl-{uuid.uuid4().hex}", "messages")
+    jobs = choice_jobs(state, body, prompt_ids, generation_ids(f"chatcmpl-{uuid.uuid4().hex}", body.num_choices),
+                       "messages")
     renderer = ChatRenderer(_response_id(jobs), int(time.time()), state.served_name, state.token_texts,
                             body.num_top_logprobs is not None, len(jobs))
     return await serve(state, request, body, jobs, renderer)
@@ -76,20 +83,26 @@ def _model_card(state: RouterState) -> dict:
             "max_model_len": state.model_info.max_model_len}
 
 
+def generation_ids(response_id: str, count: int) -> list[str]:
+    """The scheduler's request ids of a response's `count` generations: the response id for one, else
+    `<id>-<index>`."""
+    return [response_id] if count == 1 else [f"{response_id}-{index}" for index in range(count)]
+
+
 def _response_id(jobs: list[GenerationJob]) -> str:
-    """With one choice the scheduler's request id is the response id; with n, `<id>-<index>`."""
     return jobs[0].request_id if len(jobs) == 1 else jobs[0].request_id.rsplit("-", 1)[0]
 
 
-def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int], response_id: str,
+def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int], request_ids: list[str],
                 prompt_param: str) -> list[GenerationJob]:
-    """One validated job per choice: the contract checks every value first (400 naming the field), then the
-    budget is fixed: the request's max tokens, else the default, within the context the prompt leaves."""
-    num_choices, requested = body.num_choices, body.requested_max_tokens
+    """One validated job per choice of one prompt (`request_ids`: the n choices' ids): the contract checks
+    every value first (400 naming the field), then the budget is fixed: the request's max tokens, else the
+    default, within the context the prompt leaves."""
+    requested = body.requested_max_tokens
     requests = [
-        body.to_request(response_id if num_choices == 1 else f"{response_id}-{index}", prompt_ids,
-                        state.config.default_max_tokens if requested is None else requested, index)
-        for index in range(num_choices)
+        body.to_request(request_id, prompt_ids, state.config.default_max_tokens if requested is None else requested,
+                        index)
+        for index, request_id in enumerate(request_ids)
     ]
     names = body.api_names
     for generate_request in requests:
@@ -105,17 +118,18 @@ def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int]
 
 
 async def serve(state: RouterState, request: Request, body: SamplingRequest, jobs: list[GenerationJob],
-                renderer) -> Response:
-    """Run the choices' jobs (stop strings applied per choice, choices merged) and answer with `renderer`."""
-    stops, num_prompt_tokens = body.stop_strings, len(jobs[0].prompt_token_ids)
+                renderer, prompts: list[int] | None = None) -> Response:
+    """Run the choices' jobs (stop strings applied per choice, choices merged) and answer with `renderer`;
+    `prompts[i]` numbers job i's prompt (merge_choices), None when all share one."""
+    stops = body.stop_strings
 
     def choice_events(job: GenerationJob, keepalive_s: float | None) -> AsyncIterator:
         events = job_events(state, job, keepalive_s)
-        return stop_at_strings(events, stops, num_prompt_tokens) if stops else events
+        return stop_at_strings(events, stops, len(job.prompt_token_ids)) if stops else events
 
     def open_events(keepalive_s: float | None) -> AsyncIterator:
         if len(jobs) == 1:
             return choice_events(jobs[0], keepalive_s)
-        return merge_choices([choice_events(job, None) for job in jobs], keepalive_s)
+        return merge_choices([choice_events(job, None) for job in jobs], keepalive_s, prompts)
 
     return await respond_events(state, request, open_events, renderer, body.stream, body.include_usage)

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from protos.segserve.v1.generate import GenerateRequest
 from protos.segserve.v1.sampling import MAX_LOGIT_BIAS_ENTRIES, SEED_LIMIT, SamplingParams, StoppingCriteria
 from router.admission import bounds
-from router.choices import MAX_CHOICES
+from router.choices import MAX_CHOICES, MAX_GENERATIONS
 
 # Temperatures below this are greedy decoding (as in vLLM).
 GREEDY_TEMPERATURE = 1e-5
@@ -212,6 +212,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    """One prompt (text or token ids) or a list of them; prompt i's choices are indices i * n to i * n + n - 1."""
     logprobs: int | None = Field(default=None, json_schema_extra=bounds(
         "num_top_logprobs", maximum=MAX_COMPLETION_LOGPROBS))
     """Alternatives per token, at most 5 (the legacy API's own limit; the range is the contract's)."""
@@ -223,14 +224,21 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported for now")
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise ValueError("the prompt must not be empty")
+    def _prompts(cls, prompt, info: ValidationInfo):
+        prompts = _as_prompts(prompt)
+        num_generations = len(prompts) * (info.data.get("n") or 1)
+        if num_generations > MAX_GENERATIONS:
+            raise ValueError(f"{len(prompts)} prompts times n makes {num_generations} generations; "
+                             f"at most {MAX_GENERATIONS} are allowed per request")
+        for number, one in enumerate(prompts):
+            if len(one) == 0:
+                raise ValueError("the prompt must not be empty" if len(prompts) == 1 else f"prompt {number} is empty")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a text or a list of token ids."""
+        return _as_prompts(self.prompt)
 
     @field_validator("logprobs")
     @classmethod
@@ -267,6 +275,12 @@ class CompletionRequest(SamplingRequest):
     @property
     def api_names(self) -> dict[str, str]:
         return {**super().api_names, "num_top_logprobs": "logprobs", "num_prompt_logprobs": "logprobs"}
+
+
+def _as_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
 
 
 class TextPart(BaseModel):

@@ -214,18 +214,19 @@ class EchoPrompt:
 class CompletionRenderer(_Renderer):
     """/v1/completions."""
 
-    def __init__(self, *args, echo: EchoPrompt | None = None, **kwargs) -> None:
+    def __init__(self, *args, echoes: list[EchoPrompt] | None = None, **kwargs) -> None:
+        """`echoes[i]`: the prompt choice i prepends (with `echo`), None without `echo`."""
         super().__init__(*args, **kwargs)
-        self.echo = echo
+        self.echoes = echoes
         self._text_offsets = [0] * self.num_choices  # per choice: where its next token's text starts
-        self._is_echoed = [echo is None] * self.num_choices
+        self._is_echoed = [echoes is None] * self.num_choices
         # per choice: prompt position -> (its logprob, its alternatives), as the chunks bring them
         self._prompt_logprobs: list[dict[int, tuple[float, dict[int, float]]]] = [{} for _ in range(self.num_choices)]
         self._text_chunk = TextTemplate(lambda index, text: self._body([CompletionChoice(index=index, text=text)]))
 
     def _take_prompt_logprobs(self, delta: Delta) -> None:
         prompt: PromptLogprobs | None = delta.prompt_logprobs
-        if prompt is None or self.echo is None:
+        if prompt is None or self.echoes is None:
             return
         for offset, logprob in enumerate(prompt.logprobs):
             top = prompt.top_logprobs[offset] if offset < len(prompt.top_logprobs) else None
@@ -237,7 +238,7 @@ class CompletionRenderer(_Renderer):
         if self._is_echoed[index]:
             return "", None
         self._is_echoed[index] = True
-        echo, known = self.echo, self._prompt_logprobs[index]
+        echo, known = self.echoes[index], self._prompt_logprobs[index]
         self._text_offsets[index] = len(echo.text)  # generated tokens' offsets follow the prompt text
         if not self.want_logprobs:
             return echo.text, None

@@ -123,6 +123,59 @@ def test_n_choices_non_streamed(client, scheduler):
     assert sorted(r.sampling.seed for r in sent) == [7, 8, 9], "one reproducible seed per choice"
 
 
+def test_several_prompts_non_streamed_with_echo(client, scheduler):
+    fake, _ = scheduler
+    echoed = ["x", "a longer prompt", "Ü 東京"]
+    out = client.completions.create(model=MODEL, prompt=echoed, n=2, max_tokens=3, temperature=0, seed=7,
+                                    echo=True)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [echoed[i // 2] + OUTPUT_TEXT[:len(c.text) - len(echoed[i // 2])]
+                                             for i, c in enumerate(out.choices)]
+    assert all(len(c.text) > len(echoed[i // 2]) for i, c in enumerate(out.choices))
+    sent = {r.request_id: r for r in fake.requests[-6:]}
+    assert sorted(sent) == [f"{out.id}-{i}" for i in range(6)]
+    assert [sent[f"{out.id}-{i}"].sampling.seed for i in range(6)] == [7, 8] * 3, "seeds per choice, per prompt"
+    assert list(sent[f"{out.id}-4"].prompt_token_ids) == fake.tokenizer("Ü 東京").input_ids
+    assert out.usage.prompt_tokens == sum(len(sent[f"{out.id}-{i}"].prompt_token_ids) for i in (0, 2, 4))
+    assert out.usage.completion_tokens == 6 * 3
+
+
+def test_several_prompts_streamed(client, scheduler):
+    fake, _ = scheduler
+    ids = [fake.tokenizer("x").input_ids, fake.tokenizer("a longer prompt").input_ids]
+    stream = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert texts[0] == texts[1] and OUTPUT_TEXT.startswith(texts[0]) and texts[0]
+    assert finishes == {0: "length", 1: "length"}
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 8
+    assert sorted(list(r.prompt_token_ids) for r in fake.requests[-2:]) == sorted(ids)
+    assert usage.prompt_tokens == len(ids[0]) + len(ids[1])
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"prompt": ["x", ""]}, "prompt 1 is empty"),
+    ({"prompt": [[1, 2], [1, 99999999]]}, "outside the vocabulary"),
+    ({"prompt": ["x", [1, 2]]}, "invalid type"),
+    ({"prompt": ["x"] * 257}, "257 generations"),
+    ({"prompt": ["x"] * 17, "n": 16}, "272 generations"),
+])
+def test_a_bad_prompt_in_a_list_refuses_the_whole_request(router_url, scheduler, body, words):
+    fake, _ = scheduler
+    num_sent = len(fake.requests)
+    response = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and words in error["message"]
+    assert len(fake.requests) == num_sent
+
+
 def test_n_choices_with_a_negative_seed_and_none(client, scheduler):
     fake, _ = scheduler
     client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2, seed=-1)
@@ -305,6 +358,13 @@ async def test_merge_tags_indices_and_sums_usage_on_the_last_finish():
     assert sorted((d.index, d.text) for d in out) == [(0, ""), (0, "a"), (1, "b"), (1, "c")]
     finished = [d for d in out if d.finish_reason]
     assert [d.usage for d in finished] == [None, Usage(4, 3)] and out[-1] is finished[-1]
+
+
+async def test_merge_counts_each_prompts_tokens_once():
+    streams = [_events(Delta("a", finish_reason="stop", usage=Usage(prompt, 1, cached)))
+               for prompt, cached in [(4, 2), (4, 3), (7, 0), (7, 5)]]
+    out = [event async for event in merge_choices(streams, prompts=[0, 0, 1, 1])]
+    assert out[-1].usage == Usage(4 + 7, 4, 3 + 5)
 
 
 async def test_merge_ends_at_a_failure_and_sends_keepalives():

@@ -4,7 +4,7 @@ In: the router app (an ASGI middleware around it) and the event stream of each
 generation (`record_deltas`). Out: one RequestRecording per POST to
 /v1/completions, /v1/chat/completions or /v2/models/.../generate[_stream],
 with the raw body, one response chunk per delta the client received (after
-stop strings; with n > 1, choice 0's) holding its text and the generated token
+stop strings; with several choices or prompts, choice 0's) holding its text and the generated token
 ids behind it (a delta whose tokens made no text yet, e.g. half a character or
 the EOS token, is recorded with its ids alone), and exactly one finish state:
 - the generation's own end: complete (with usage), a failure (deadline for a
