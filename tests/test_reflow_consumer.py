@@ -126,14 +126,16 @@ def test_redaction_happens_before_the_write(tmp_path):
     body = json.dumps({"messages": [{"role": "user", "content": "I am bob@example.com, key sk-abcdefghijklmnop1234"}]})
     recording = recorder.start_request("r1", "c", "m", body.encode())
     recording.delta("Call +44 20 7946 0958", [5, 6])
+    recording.delta("or mail carol@example.com", [7, 8], choice=1)
     recording.finish(FinishState.COMPLETE)
     recorder.close()
     _drain(url, tmp_path / "logs", redact=True)
     text = (tmp_path / "logs").joinpath(os.listdir(tmp_path / "logs")[0]).read_text()
-    assert "bob@" not in text and "sk-abc" not in text and "7946" not in text
+    assert "bob@" not in text and "sk-abc" not in text and "7946" not in text and "carol@" not in text
     [[turn]] = read_logs(tmp_path / "logs")
     assert turn["request"]["messages"][0]["content"] == "I am [EMAIL], key [API_KEY]"
     assert (turn["response_text"], turn["response_token_ids"]) == ("Call [PHONE]", [])
+    assert turn["other_choices"] == [{"index": 1, "text": "or mail [EMAIL]", "token_ids": []}]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "redis"])

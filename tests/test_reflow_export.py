@@ -56,6 +56,17 @@ def test_unfinished_and_tool_turns_are_not_training_examples():
     assert list(chat_examples(turns)) == [[{"role": "user", "content": "c"}, {"role": "assistant", "content": "ok"}]]
 
 
+def test_each_of_a_completions_prompts_is_its_own_example():
+    turn = {"finish": "complete", "response_text": "a0", "request": {"prompt": ["p", "q", "r"], "n": 2},
+            "other_choices": [{"index": 1, "text": "a1"}, {"index": 2, "text": "b0"}, {"index": 3, "text": "b1"}]}
+    assert list(chat_examples([turn])) == [
+        [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a0"}],
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b0"}],
+    ]  # prompt r's choices (4 and 5) were not recorded: no example
+    ids = {**turn, "request": {"prompt": [[1, 2], [3]], "n": 2}}
+    assert list(chat_examples([ids])) == []
+
+
 def test_corpus_build_from_reflow_learns_what_the_model_wrote(tiny_gemma3_dir, tmp_path):
     """A recorded completion whose reply holds a code block feeds the drafter's code corpus."""
     from transformers import AutoTokenizer

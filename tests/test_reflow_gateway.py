@@ -128,6 +128,32 @@ def test_every_exit_path_yields_exactly_one_record(router, tmp_path, tiny_gemma3
     assert records["worker-error"][0]["response_text"]
 
 
+def test_every_choice_of_every_prompt_is_recorded(router, tmp_path):
+    url, stop = router
+    body = {"model": MODEL, "prompt": ["The answer:", "Another"], "n": 2, "max_tokens": 6, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        plain = http.post("/v1/completions", json=body, headers={"X-Request-Id": "batch"})
+        assert plain.status_code == 200
+        with http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "chat-n"},
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 3,
+                               "max_tokens": 6, "stream": True}) as response:
+            texts: dict[int, str] = {}
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    stop()
+
+    records = _records(tmp_path)
+    (batch,), (chat,) = records["batch"], records["chat-n"]
+    answer = [c["text"] for c in sorted(plain.json()["choices"], key=lambda c: c["index"])]
+    assert batch["response_text"] == answer[0] and batch["response_token_ids"]
+    assert [(c["index"], c["text"]) for c in batch["other_choices"]] == [(1, answer[1]), (2, answer[2]), (3, answer[3])]
+    assert all(c["token_ids"] for c in batch["other_choices"])
+    assert chat["response_text"] == texts[0]
+    assert [(c["index"], c["text"]) for c in chat["other_choices"]] == [(1, texts[1]), (2, texts[2])]
+
+
 def test_status_and_client_id_rules():
     assert [state_for_status(s) for s in (200, 400, 404, 429, 499, 500, 504, None)] == [
         FinishState.COMPLETE, FinishState.REJECTED, FinishState.REJECTED, FinishState.REJECTED,

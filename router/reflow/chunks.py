@@ -5,7 +5,8 @@ In: a request body (bytes) or a streamed delta, plus the request's tags. Out:
 
 A request is recorded in two directions, each its own sequence numbered from 0:
 the request body split into pieces of at most `max_chunk_bytes` bytes, and the
-response as one chunk per delta. The response's last chunk carries the finish
+response as one chunk per delta, each naming its choice (of n, and of each of a
+completion's prompts). The response's last chunk carries the finish
 state (its `finish` is set on it alone), the usage, how many request chunks there
 were and how many chunks of the request the recorder dropped under pressure, so
 the consumer knows a record is whole even when a bound was hit:
@@ -70,6 +71,8 @@ class Chunk:
     text: str = ""
     """A piece of the request body, or one response delta."""
     token_ids: tuple[int, ...] = ()
+    choice: int = 0
+    """A response delta's choice index (the OpenAI response's `index`)."""
     finish: FinishState | None = None
     """Set on the response's last chunk, and there alone."""
     usage: Mapping[str, int] | None = None

@@ -4,8 +4,8 @@ In: the router app (an ASGI middleware around it) and the event stream of each
 generation (`record_deltas`). Out: one RequestRecording per POST to
 /v1/completions, /v1/chat/completions or /v2/models/.../generate[_stream],
 with the raw body, one response chunk per delta the client received (after
-stop strings; with several choices or prompts, choice 0's) holding its text and the generated token
-ids behind it (a delta whose tokens made no text yet, e.g. half a character or
+stop strings; of every choice, and of each of a completion's prompts) holding
+its choice's index, its text and the generated token ids behind it (a delta whose tokens made no text yet, e.g. half a character or
 the EOS token, is recorded with its ids alone), and exactly one finish state:
 - the generation's own end: complete (with usage), a failure (deadline for a
   timeout, rejected for overload or invalid input, else error), or cancelled
@@ -128,8 +128,8 @@ async def _recorded(events: AsyncIterator, recording: RequestRecording) -> Async
                 if isinstance(event, GenerateError):
                     recording.finish(_FAILURE_STATES.get(event.code, FinishState.ERROR), error=event.message)
                 elif isinstance(event, Delta):
-                    if event.index == 0 and (event.text or event.token_ids):
-                        recording.delta(event.text, event.token_ids)
+                    if event.text or event.token_ids:
+                        recording.delta(event.text, event.token_ids, event.index)
                     usage = event.usage or usage
                     if event.complete is not None and event.complete.finish_reason is FinishReason.ERROR:
                         error_message = event.complete.error_message  # this request alone failed

@@ -77,10 +77,11 @@ class RequestRecording:
             self._offer(Direction.REQUEST, self.num_request_chunks, text=piece)
             self.num_request_chunks += 1
 
-    def delta(self, text: str, token_ids: tuple[int, ...] | list[int] = ()) -> None:
-        """One streamed delta (or the whole non-streamed text) of the response."""
+    def delta(self, text: str, token_ids: tuple[int, ...] | list[int] = (), choice: int = 0) -> None:
+        """One streamed delta (or the whole non-streamed text) of the response's choice `choice`."""
         if not self.is_finished:
-            self._offer(Direction.RESPONSE, self.num_response_chunks, text=text, token_ids=tuple(token_ids))
+            self._offer(Direction.RESPONSE, self.num_response_chunks, text=text, token_ids=tuple(token_ids),
+                        choice=choice)
             self.num_response_chunks += 1
 
     def finish(self, state: FinishState, usage: Mapping[str, int] | None = None, error: str | None = None) -> None:

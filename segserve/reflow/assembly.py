@@ -67,11 +67,16 @@ class Assembler:
 
 
 def build_record(request_id: str, pending: _Pending) -> dict[str, Any]:
-    """One request and its response, as the sink stores it (one turn of a session's log)."""
+    """One request and its response, as the sink stores it (one turn of a session's log): choice 0's text and
+    token ids, and those of any other choices (n > 1, or a completion's several prompts) in `other_choices`."""
     ordered = sorted(pending.chunks.values(), key=lambda c: (c.direction != Direction.REQUEST, c.seq))
     first, final = ordered[0], pending.final
     request_text = "".join(c.text for c in ordered if c.direction == Direction.REQUEST)
     deltas = [c for c in ordered if c.direction == Direction.RESPONSE]
+    by_choice: dict[int, list[Chunk]] = {}
+    for chunk in deltas:
+        by_choice.setdefault(chunk.choice, []).append(chunk)
+    first_choice = by_choice.pop(0, [])
     try:
         request = json.loads(request_text)
     except ValueError:  # a body that was not JSON, or one whose chunks were dropped
@@ -86,8 +91,11 @@ def build_record(request_id: str, pending: _Pending) -> dict[str, Any]:
         "finished_at": max(c.timestamp for c in ordered),
         "finish": (final.finish if final else FinishState.INCOMPLETE).value,
         "request": request,
-        "response_text": "".join(c.text for c in deltas),
-        "response_token_ids": [t for c in deltas for t in c.token_ids],
+        "response_text": "".join(c.text for c in first_choice),
+        "response_token_ids": [t for c in first_choice for t in c.token_ids],
+        "other_choices": [{"index": index, "text": "".join(c.text for c in chunks),
+                           "token_ids": [t for c in chunks for t in c.token_ids]}
+                          for index, chunks in sorted(by_choice.items())],
         "usage": dict(final.usage) if final and final.usage else {},
         "error": final.extra.get("error", "") if final else "",
         "num_chunks": len(ordered),

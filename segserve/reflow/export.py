@@ -6,8 +6,10 @@ them). Out: one file.
   roles system/user/assistant with string content. Each completed turn whose
   conversation a later turn of the same session does not extend gives one example
   (a follow-up repeats its history, so only the last turn of each branch is new):
-  its messages plus the assistant's reply. A completion prompt becomes a user
-  message. Turns with other roles (tools) or non-text content are skipped.
+  its messages plus the assistant's reply (choice 0's). A completion prompt
+  becomes a user message, each of a list of text prompts its own example (with
+  its first choice's text). Turns with other roles (tools) or non-text content
+  are skipped.
 - parquet: one row per turn, request/usage as JSON text, for analysis.
 """
 
@@ -48,41 +50,53 @@ def chat_samples(sink_dir: str | Path) -> Iterator[dict[str, list[dict[str, str]
 
 
 def generated_texts(sink_dir: str | Path) -> Iterator[str]:
-    """Per completed turn, the text the model continued: a completion's prompt + response,
-    or a chat turn's response (for drafter corpora, segserve/corpus_build.py)."""
+    """Per completed turn, the text the model continued: a completion's prompt + response (for each of its
+    prompts), or a chat turn's response (for drafter corpora, segserve/corpus_build.py)."""
     for sink in _sinks(sink_dir):
         for turns in sink.sessions():
             for turn in turns:
-                if turn["finish"] != "complete" or not turn["response_text"]:
+                if turn["finish"] != "complete":
                     continue
-                prompt = turn["request"].get("prompt")
-                yield (prompt if isinstance(prompt, str) else "") + turn["response_text"]
+                for prompt, text in _prompt_responses(turn):
+                    if text:
+                        yield (prompt if isinstance(prompt, str) else "") + text
 
 
 def chat_examples(turns: list[dict[str, Any]]) -> Iterator[list[dict[str, str]]]:
     """Fine-tuning conversations of one session (rules in the module docstring)."""
-    conversations = [c for c in map(_conversation, turns) if c is not None]
+    conversations = [c for turn in turns for c in _conversations(turn)]
     for index, messages in enumerate(conversations):
         if not any(other[: len(messages)] == messages for other in conversations[index + 1 :]):
             yield messages
 
 
-def _conversation(turn: dict[str, Any]) -> list[dict[str, str]] | None:
-    if turn["finish"] != "complete" or not turn["response_text"]:
-        return None
+def _conversations(turn: dict[str, Any]) -> list[list[dict[str, str]]]:
+    if turn["finish"] != "complete":
+        return []
     request = turn["request"]
     if isinstance(request.get("messages"), list):
         messages = []
         for message in request["messages"]:
             role, content = _ROLE_MAP.get(message.get("role")), _text(message.get("content"))
             if role is None or content is None:
-                return None
+                return []
             messages.append({"role": role, "content": content})
-    elif isinstance(request.get("prompt"), str):
-        messages = [{"role": "user", "content": request["prompt"]}]
+        prompted = [(messages, turn["response_text"])]
     else:
-        return None
-    return messages + [{"role": "assistant", "content": turn["response_text"]}]
+        prompted = [([{"role": "user", "content": prompt}], text) for prompt, text in _prompt_responses(turn)
+                    if isinstance(prompt, str)]
+    return [messages + [{"role": "assistant", "content": text}] for messages, text in prompted if text]
+
+
+def _prompt_responses(turn: dict[str, Any]) -> list[tuple[Any, str]]:
+    """A completion's (prompt, its first choice's text) pairs; one (None, text) pair for anything else. Prompt
+    i's choices are indices i * n to i * n + n - 1."""
+    texts = {0: turn["response_text"], **{c["index"]: c["text"] for c in turn.get("other_choices") or []}}
+    prompt = turn["request"].get("prompt")
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [(prompt, texts[0])]
+    n = turn["request"].get("n") or 1
+    return [(one, texts.get(number * n, "")) for number, one in enumerate(prompt)]
 
 
 def _text(content: Any) -> str | None:

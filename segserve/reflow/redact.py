@@ -2,8 +2,8 @@
 
 In: a record (assembly.build_record). Out: a copy whose strings, at any depth of
 the request and in the response, have e-mail addresses, phone numbers and API
-keys replaced by [EMAIL], [PHONE] and [API_KEY]. The response's token ids encode
-the unredacted text, so a redacted record carries none.
+keys replaced by [EMAIL], [PHONE] and [API_KEY]. The response's token ids (every
+choice's) encode the unredacted text, so a redacted record carries none.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def redact_text(text: str) -> str:
 def redact_record(record: dict[str, Any]) -> dict[str, Any]:
     redacted = {key: _redact_value(value) for key, value in record.items()
                 if key not in ("response_token_ids", "request_id", "session_id", "client_id", "service_id")}
+    if redacted.get("other_choices"):
+        redacted["other_choices"] = [{**choice, "token_ids": []} for choice in redacted["other_choices"]]
     return {**record, **redacted, "response_token_ids": []}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-_JSON_COLUMNS = ("request", "usage")  # nested values, stored as JSON text in Parquet
+_JSON_COLUMNS = ("request", "usage", "other_choices")  # nested values, stored as JSON text in Parquet
 
 
 class SessionSink(ABC):
@@ -86,7 +86,7 @@ class ParquetSink(SessionSink):
         rows = pq.read_table(path).to_pylist()
         for row in rows:
             for column in _JSON_COLUMNS:
-                row[column] = json.loads(row[column])
+                row[column] = json.loads(row[column]) if column in row else None  # older logs lack a column
         return rows
 
     def _write(self, path: Path, records: list[dict[str, Any]]) -> None:
@@ -98,7 +98,7 @@ def write_parquet(path: str | Path, records: list[dict[str, Any]]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{**r, **{c: json.dumps(r[c], ensure_ascii=False) for c in _JSON_COLUMNS}} for r in records]
+    rows = [{**r, **{c: json.dumps(r.get(c), ensure_ascii=False) for c in _JSON_COLUMNS}} for r in records]
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
