@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from protos.segserve.v1.info import WorkerInfo
-from router import openai_routes, ops, playground, status, v2
+from router import openai_routes, ops, playground, status, tokenize_routes, v2
 from router.config import RouterConfig
 from router.drain import DrainGuard
 from router.errors import ERROR_RESPONSES, install_error_handlers
@@ -54,6 +54,7 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
                        tenant_header=config.tenant_header, is_metrics_key_required=config.metrics_require_key)
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
+    app.include_router(tokenize_routes.router)
     app.include_router(v2.router_for(state.served_name))
     app.include_router(status.router)
     app.include_router(playground.router)

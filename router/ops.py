@@ -277,7 +277,8 @@ class _MeteredStream:
 
 
 class RequestGuard:
-    """ASGI middleware: API keys on /v1 and /v2 and the body-size limit, checked before any route runs."""
+    """ASGI middleware: API keys on /v1, /v2 and /(de)tokenize and the body-size limit, checked before any route
+    runs."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int, tenant_header: str = "",
                  is_metrics_key_required: bool = False) -> None:
@@ -353,7 +354,7 @@ def is_authorized(authorization: bytes, api_keys: list[bytes]) -> bool:
 
 
 def _is_api_path(path: str) -> bool:
-    return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/v2")
+    return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/v2", "/tokenize", "/detokenize")
 
 
 def _is_ops_path(path: str) -> bool:

@@ -128,7 +128,8 @@ def test_health_is_liveness_and_ready_waits_for_the_worker(router_url, scheduler
                                      {"Authorization": f"Basic {KEY}"}])
 def test_api_routes_need_a_key(router_url, headers):
     for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "hi"}),
-                               ("POST", f"/v2/models/{MODEL}/generate", {"text_input": "hi"})]:
+                               ("POST", f"/v2/models/{MODEL}/generate", {"text_input": "hi"}),
+                               ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]})]:
         reply = httpx.request(method, f"{router_url}{path}", json=body, headers=headers)
         assert reply.status_code == 401, path
         assert reply.headers["www-authenticate"] == "Bearer"
