@@ -6,11 +6,15 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from segserve.bench import engine_report as report
 
+if TYPE_CHECKING:  # engine.py imports this module
+    from segserve.bench.engine import EngineBenchConfig
 
-def bench_hf_compiled(config, model_dir: Path, runner) -> dict[int, dict]:
+
+def bench_hf_compiled(config: EngineBenchConfig, model_dir: Path, runner) -> dict[int, dict]:
     """HF generate() with a static cache + torch.compile at every batch size: ms per decode step, tok/s."""
     import torch
     from transformers import AutoModelForCausalLM
