@@ -6,10 +6,10 @@ In: a request body (bytes) or a streamed delta, plus the request's tags. Out:
 A request is recorded in two directions, each its own sequence numbered from 0:
 the request body split into pieces of at most `max_chunk_bytes` bytes, and the
 response as one chunk per delta, each naming its choice (of n, and of each of a
-completion's prompts). The response's last chunk carries the finish
-state (its `finish` is set on it alone), the usage, how many request chunks there
-were and how many chunks of the request the recorder dropped under pressure, so
-the consumer knows a record is whole even when a bound was hit:
+completion's prompts). The response's last chunk carries the finish state (its
+`finish` is set on it alone), the usage, how many request chunks there were and
+how many chunks of the request the recorder dropped under pressure, so the
+consumer knows a record is whole even when a bound was hit:
 request chunks + response chunks present + dropped == request chunks + last seq + 1.
 
 Session ids (`session_id_for`), first match wins:

@@ -5,8 +5,9 @@ generation (`record_deltas`). Out: one RequestRecording per POST to
 /v1/completions, /v1/chat/completions or /v2/models/.../generate[_stream],
 with the raw body, one response chunk per delta the client received (after
 stop strings; of every choice, and of each of a completion's prompts) holding
-its choice's index, its text and the generated token ids behind it (a delta whose tokens made no text yet, e.g. half a character or
-the EOS token, is recorded with its ids alone), and exactly one finish state:
+its choice's index, its text and the generated token ids behind it (a delta
+whose tokens made no text yet, e.g. half a character or the EOS token, is
+recorded with its ids alone), and exactly one finish state:
 - the generation's own end: complete (with usage), a failure (deadline for a
   timeout, rejected for overload or invalid input, else error), or cancelled
   when the stream is closed early (the client went away);
