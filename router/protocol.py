@@ -19,8 +19,9 @@ off (vLLM's); logit_bias keys are token ids written as strings; `logprobs` /
 top_k, typical_p, repetition_penalty and ignore_eos are extensions, as in vLLM.
 Stop strings are applied by the router (stop.py), the n choices are n scheduler
 requests (choices.py). What segserve does not do is refused, not ignored: a
-`response_format` other than text (no constrained decoding) and `tools` unless
-`tool_choice` is "none" (no tool-call parsing).
+`response_format` other than text (no constrained decoding), and `tools` unless
+`tool_choice` is "none" or a `tool_choice` that demands a call (no tool-call
+parsing).
 """
 
 from __future__ import annotations
@@ -310,6 +311,9 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+_TOOLS_REFUSED = 'segserve does not parse tool calls from the output. Send tool_choice "none" to have tools ignored'
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -320,12 +324,18 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict] | None = None
     """Accepted only with tool_choice "none": segserve neither shows tools to the model nor parses tool calls."""
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_required_tool_call(cls, tool_choice: str | dict | None) -> str | dict | None:
+        if tool_choice == "required" or isinstance(tool_choice, dict):
+            raise ValueError(f"tool calling is not supported: {_TOOLS_REFUSED}")
+        return tool_choice
+
     @field_validator("tools")
     @classmethod
     def _no_tool_calls(cls, tools: list[dict] | None, info: ValidationInfo) -> list[dict] | None:
-        if tools and info.data.get("tool_choice") != "none":
-            raise ValueError('tool calling is not supported: segserve does not parse tool calls from the output. '
-                             'Send tool_choice "none" to have the tools ignored')
+        if tools and info.data.get("tool_choice", "none") != "none":
+            raise ValueError(f"tool calling is not supported: {_TOOLS_REFUSED}")
         return tools
 
     @field_validator("top_logprobs")

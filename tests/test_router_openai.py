@@ -300,8 +300,10 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"typ
      "'json_schema' is not supported"),
     ({"tools": TOOLS}, "tools", "tool calling is not supported"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tools", "tool calling is not supported"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tools",
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice",
      "tool calling is not supported"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "tool calling is not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "tool calling is not supported"),
 ])  # fmt: skip
 def test_chat_refuses_what_it_would_otherwise_ignore(router_url, scheduler, body, param, words):
     fake, _ = scheduler
