@@ -42,7 +42,7 @@ from protos.segserve.v1.generate import GenerateError
 from router.choices import merge_choices
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
-from router.errors import RETRY_AFTER_S, APIError, bad_request
+from router.errors import RETRY_AFTER_S, APIError
 from router.generation import GenerationJob, generate_deltas
 from router.grpc_convert import Prompt, Renderer, StepLog, choice_jobs, prompt_of, reflow_body, stop_strings
 from router.ops import MeteredClient, is_authorized
@@ -173,12 +173,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @_rpc
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         self.state.check_model(request.model or None)
-        vocab_size = self.state.model_info.vocab_size
-        bad = next((t for t in request.token_ids if t >= vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"Invalid request: `token_ids` holds id {bad}, outside the vocabulary of {vocab_size}",
-                              "token_ids")
-        text = self.state.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        text = self.state.decode(list(request.token_ids), "token_ids", skip_special_tokens=request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     @_rpc

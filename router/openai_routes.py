@@ -42,8 +42,8 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     state.check_model(body.model)
     prompts = body.prompts
     prompt_ids = [completion_prompt_ids(state.tokenizer, prompt) for prompt in prompts]
-    num_choices = body.num_choices
-    request_ids = generation_ids(f"cmpl-{uuid.uuid4().hex}", len(prompts) * num_choices)
+    num_choices, response_id = body.num_choices, f"cmpl-{uuid.uuid4().hex}"
+    request_ids = generation_ids(response_id, len(prompts) * num_choices)
     jobs = [job for number, ids in enumerate(prompt_ids)
             for job in choice_jobs(state, body, ids, request_ids[number * num_choices:][:num_choices], "prompt")]
     echoes = None
@@ -51,7 +51,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         echoes = [EchoPrompt(prompt if isinstance(prompt, str) else state.tokenizer.decode(ids), tuple(ids),
                              body.num_prompt_logprobs)
                   for prompt, ids in zip(prompts, prompt_ids) for _ in range(num_choices)]
-    renderer = CompletionRenderer(_response_id(jobs), int(time.time()), state.served_name, state.token_texts,
+    renderer = CompletionRenderer(response_id, int(time.time()), state.served_name, state.token_texts,
                                   body.num_top_logprobs is not None, len(jobs), echoes=echoes)
     return await serve(state, request, body, jobs, renderer, [index // num_choices for index in range(len(jobs))])
 
@@ -60,9 +60,9 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     state.check_model(body.model)
     prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages())
-    jobs = choice_jobs(state, body, prompt_ids, generation_ids(f"chatcmpl-{uuid.uuid4().hex}", body.num_choices),
-                       "messages")
-    renderer = ChatRenderer(_response_id(jobs), int(time.time()), state.served_name, state.token_texts,
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    jobs = choice_jobs(state, body, prompt_ids, generation_ids(response_id, body.num_choices), "messages")
+    renderer = ChatRenderer(response_id, int(time.time()), state.served_name, state.token_texts,
                             body.num_top_logprobs is not None, len(jobs))
     return await serve(state, request, body, jobs, renderer)
 
@@ -87,10 +87,6 @@ def generation_ids(response_id: str, count: int) -> list[str]:
     """The scheduler's request ids of a response's `count` generations: the response id for one, else
     `<id>-<index>`."""
     return [response_id] if count == 1 else [f"{response_id}-{index}" for index in range(count)]
-
-
-def _response_id(jobs: list[GenerationJob]) -> str:
-    return jobs[0].request_id if len(jobs) == 1 else jobs[0].request_id.rsplit("-", 1)[0]
 
 
 def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int], request_ids: list[str],

@@ -226,7 +226,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, prompt, info: ValidationInfo):
-        prompts = _as_prompts(prompt)
+        prompts = prompt_list(prompt)
         num_generations = len(prompts) * (info.data.get("n") or 1)
         if num_generations > MAX_GENERATIONS:
             raise ValueError(f"{len(prompts)} prompts times n makes {num_generations} generations; "
@@ -239,7 +239,7 @@ class CompletionRequest(SamplingRequest):
     @property
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each a text or a list of token ids."""
-        return _as_prompts(self.prompt)
+        return prompt_list(self.prompt)
 
     @field_validator("logprobs")
     @classmethod
@@ -278,7 +278,9 @@ class CompletionRequest(SamplingRequest):
         return {**super().api_names, "num_top_logprobs": "logprobs", "num_prompt_logprobs": "logprobs"}
 
 
-def _as_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+def prompt_list(prompt: object) -> list:
+    """A completions body's `prompt` as a list of prompts: a list of texts or of token-id lists as it is, anything
+    else (one text, one list of ids) as the only prompt."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         return list(prompt)
     return [prompt]
@@ -356,5 +358,9 @@ class ChatCompletionRequest(SamplingRequest):
         return {**super().api_names, "prompt_token_ids": "messages", "num_top_logprobs": "top_logprobs"}
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates expect them: role and plain-string content."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as chat templates expect them: role and plain-string content."""
+    return [{"role": m.role, "content": m.text()} for m in messages]

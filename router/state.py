@@ -18,7 +18,7 @@ from protos.segserve.v1.info import WorkerInfo
 from router.config import RouterConfig
 from router.detokenizer import TokenTexts, segment_marker_ids
 from router.drain import Drain
-from router.errors import model_not_found
+from router.errors import bad_request, model_not_found
 
 if TYPE_CHECKING:
     from router.ops import MeteredClient, RouterMetrics
@@ -62,6 +62,16 @@ class RouterState:
         """404 unless `model` is None or the served model's name."""
         if model is not None and model != self.served_name:
             raise model_not_found(model)
+
+    def decode(self, token_ids: list[int], param: str, skip_special_tokens: bool = False) -> str:
+        """The text of a client's token ids (/detokenize, gRPC Detokenize); a 400 naming `param` for an id outside
+        the vocabulary."""
+        vocab_size = self.model_info.vocab_size
+        bad = next((token for token in token_ids if not 0 <= token < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"Invalid request: `{param}` holds id {bad}, outside the vocabulary of {vocab_size}",
+                              param)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 async def get_state(request: Request) -> RouterState:

@@ -13,9 +13,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.errors import bad_request
 from router.prompts import chat_prompt_ids, completion_prompt_ids
-from router.protocol import ChatMessage
+from router.protocol import ChatMessage, template_messages
 from router.state import StateDep
 
 router = APIRouter()
@@ -59,7 +58,7 @@ class DetokenizeResponse(BaseModel):
 async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
     state.check_model(body.model)
     if body.messages is not None:
-        ids = chat_prompt_ids(state.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        ids = chat_prompt_ids(state.tokenizer, template_messages(body.messages))
     else:
         ids = completion_prompt_ids(state.tokenizer, body.prompt)
     strs = [state.token_texts.get(token)[0] for token in ids] if body.return_token_strs else None
@@ -69,9 +68,4 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: StateDep) -> DetokenizeResponse:
     state.check_model(body.model)
-    vocab_size = state.model_info.vocab_size
-    bad = next((token for token in body.tokens if not 0 <= token < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"Invalid request: `tokens` holds id {bad}, outside the vocabulary of {vocab_size}",
-                          "tokens")
-    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=state.decode(body.tokens, "tokens"))

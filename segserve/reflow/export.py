@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from router.protocol import prompt_list
 from segserve.reflow.sink import JsonlSink, ParquetSink, SessionSink, write_parquet
 
 EXPORT_FORMATS = ("openai-chat", "parquet")
@@ -89,14 +90,12 @@ def _conversations(turn: dict[str, Any]) -> list[list[dict[str, str]]]:
 
 
 def _prompt_responses(turn: dict[str, Any]) -> list[tuple[Any, str]]:
-    """A completion's (prompt, its first choice's text) pairs; one (None, text) pair for anything else. Prompt
-    i's choices are indices i * n to i * n + n - 1."""
+    """(prompt, its first choice's text) for each of a completion's prompts (prompt i's choices are indices i * n
+    to i * n + n - 1); one (None, text) pair for a request without a prompt."""
     texts = {0: turn["response_text"], **{c["index"]: c["text"] for c in turn.get("other_choices") or []}}
-    prompt = turn["request"].get("prompt")
-    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
-        return [(prompt, texts[0])]
-    n = turn["request"].get("n") or 1
-    return [(one, texts.get(number * n, "")) for number, one in enumerate(prompt)]
+    request = turn["request"]
+    n = request.get("n") or 1
+    return [(prompt, texts.get(number * n, "")) for number, prompt in enumerate(prompt_list(request.get("prompt")))]
 
 
 def _text(content: Any) -> str | None:
