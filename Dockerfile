@@ -23,6 +23,7 @@ RUN python -m venv /opt/segserve \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos ./protos
+COPY common ./common
 COPY segserve ./segserve
 COPY router ./router
 COPY scheduler ./scheduler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from segserve.tls import internal_tls
+from common.tls import internal_tls
 
 
 @dataclass
@@ -54,7 +54,7 @@ class DrafterConfig:
     loses nothing the log holds: a restarted replica replays it from its snapshot's position."""
     redact_corpora: bool = False
     """Pass every learned segment through reflow's redaction (e-mail addresses, phone numbers and API keys become
-    [EMAIL], [PHONE], [API_KEY]; segserve/reflow/redact.py) before it reaches a corpus, the shared log or a
+    [EMAIL], [PHONE], [API_KEY]; common/redact.py) before it reaches a corpus, the shared log or a
     snapshot, as `segserve reflow consume --redact` does for the inference logs."""
     replica_name: str = ""
     """This replica's name in the log's records (default: the host name)."""

@@ -2,7 +2,7 @@
 
 In: a closed segment's token ids. Out: the same ids when their text holds nothing
 to redact, else the ids of the redacted text (e-mail addresses, phone numbers and
-API keys replaced by [EMAIL], [PHONE] and [API_KEY], as segserve.reflow.redact
+API keys replaced by [EMAIL], [PHONE] and [API_KEY], as common.redact
 does for the inference logs). The corpus then never proposes, persists or shares
 what redaction removes; drafts of that text are lost, which costs speed, never
 correctness (a draft is only a guess the target verifies).
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from segserve.reflow.redact import redact_text
+from common.redact import redact_text
 
 
 class SegmentRedactor:

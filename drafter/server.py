@@ -31,10 +31,10 @@ from drafter.service import DrafterServicer
 from drafter.state import RequestStates
 from drafter.types import ContinuationSource
 from protos.segserve.v1 import drafter_pb2_grpc
-from segserve.checkpoint import resolve_model
-from segserve.health import add_health_and_reflection
-from segserve.heap import freeze_startup_heap
-from segserve.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
+from common.checkpoint import resolve_model
+from common.health import add_health_and_reflection
+from common.heap import freeze_startup_heap
+from common.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ async def start_server(servicer: DrafterServicer, host: str, port: int,
                        tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
     """Bind and start a grpc.aio server with the Drafter, the standard health service (servicer.health: SERVING
     once started) and reflection; returns it and the bound port (port 0 = any free one). With `tls`
-    (segserve.tls.internal_tls of the config), clients must present a certificate its CA signed."""
+    (common.tls.internal_tls of the config), clients must present a certificate its CA signed."""
     server = grpc.aio.server(options=[EXCLUSIVE_PORT])
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     add_health_and_reflection(server, servicer.serving)

@@ -6,7 +6,7 @@ Health answers with protos.segserve.v1.info.Health. A tree that fails
 CandidateTree.problem() is never sent: the reply carries an empty tree. A batch
 expected to take long runs in a worker thread (corpus lookups and any draft model are
 CPU work) so that Health stays responsive, a short one on the event loop
-(segserve/blocking.py: the hand-off to a thread costs more than a short batch);
+(common/blocking.py: the hand-off to a thread costs more than a short batch);
 batches are serialized because request states are
 single-threaded, and each holds the corpora still (planner.reading()) while the
 learner's thread adds learned segments between batches, a slice at a time
@@ -32,8 +32,8 @@ from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
-from segserve.blocking import CallCost, run_blocking
-from segserve.health import Serving
+from common.blocking import CallCost, run_blocking
+from common.health import Serving
 
 logger = logging.getLogger(__name__)
 _UPDATE_PIECE_TOKENS = 4096
@@ -87,7 +87,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """The shared log and snapshots (drafter/memory.py); its learn() is the states' sink."""
         self._lock = asyncio.Lock()
         self.cost = CallCost()
-        """Where draft calls run (segserve/blocking.py: on the loop when short), by queries."""
+        """Where draft calls run (common/blocking.py: on the loop when short), by queries."""
         self.serving = Serving([drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name])
         """The standard grpc.health.v1 status: SERVING while the server takes requests (start_server)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from segserve.tls import TlsFiles, internal_tls
+from common.tls import TlsFiles, internal_tls
 
 
 @dataclass

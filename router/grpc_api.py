@@ -52,8 +52,8 @@ from router.reflow.gateway import client_id, record_deltas, state_for_status
 from router.reflow.recorder import RequestRecording
 from router.state import RouterState
 from router.stop import stop_at_strings
-from segserve.health import Serving, add_health_and_reflection
-from segserve.tls import EXCLUSIVE_PORT, add_port
+from common.health import Serving, add_health_and_reflection
+from common.tls import EXCLUSIVE_PORT, add_port
 
 logger = logging.getLogger(__name__)
 

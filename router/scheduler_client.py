@@ -36,7 +36,7 @@ from router.scheduler_streams import (
     stream_events,
 )
 from router.tenants import current_tenant
-from segserve.tls import TlsFiles, open_channel
+from common.tls import TlsFiles, open_channel
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRe
 from protos.segserve.v1.info import Health, WorkerInfo
 from router.scheduler_client import SchedulerClient, SchedulerLoad, SegmentLoad, SpecTotals
 from router.scheduler_streams import ReadyStream, RequestStream, open_stream, stream_events, terminal_index
-from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
-from segserve.tls import TlsFiles
+from common.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
+from common.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 RETRIED_CODES = ("overloaded", "unavailable")

@@ -26,8 +26,8 @@ from router.config import RouterConfig
 from router.drain import Drain
 from router.grpc_api import GrpcApi, start_grpc_server
 from router.scheduler_pool import SchedulerPool, parse_targets
-from segserve.heap import freeze_startup_heap
-from segserve.tls import internal_tls
+from common.heap import freeze_startup_heap
+from common.tls import internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def load_tokenizer(model: str | None):
     """The tokenizer (with its chat template) of the served model directory."""
     from transformers import AutoTokenizer
 
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 

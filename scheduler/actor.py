@@ -12,7 +12,7 @@ import ray
 
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server, stop_server
-from segserve.heap import freeze_startup_heap
+from common.heap import freeze_startup_heap
 
 
 @ray.remote(num_cpus=0)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from protos.segserve.v1.step import MAX_DECODE_STEPS
-from segserve.tls import internal_tls
+from common.tls import internal_tls
 
 AUTO_MAX_NUM_SEQS_RANGE = (16, 256)
 """The least and the most sequences the automatic max_num_seqs picks: the top is vLLM's default max_num_seqs;

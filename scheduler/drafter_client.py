@@ -32,8 +32,8 @@ import grpc
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.stats import DrafterReplicaStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
-from segserve.discovery import is_dns_target, rendezvous, resolve_names
-from segserve.tls import TlsFiles, open_channel
+from common.discovery import is_dns_target, rendezvous, resolve_names
+from common.tls import TlsFiles, open_channel
 
 logger = logging.getLogger(__name__)
 

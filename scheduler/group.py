@@ -13,7 +13,7 @@ engine is its own asyncio task waiting on its own worker).
   each to a connected worker, as preemption would; the stream pauses and goes on, and greedy output is
   unchanged. With no worker left, those requests end with an "unavailable" error event. The lost
   engine reconnects on its own: a restarted worker rejoins.
-- Workers are given as addresses or as `dns:///name:port` (segserve/discovery.py), re-resolved every
+- Workers are given as addresses or as `dns:///name:port` (common/discovery.py), re-resolved every
   `refresh_s`: workers that appear get an engine, workers that disappear hand their requests over.
 """
 
@@ -34,7 +34,7 @@ from scheduler.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SegmentStats
 from scheduler.speculator import Drafter
-from segserve.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
+from common.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import threading
 import psutil
 
 from scheduler.config import SchedulerConfig
-from segserve.tls import internal_tls
+from common.tls import internal_tls
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
 from scheduler.streams import StreamsCall
 from scheduler.worker_client import WorkerClient
-from segserve.health import Serving, add_health_and_reflection
-from segserve.tls import EXCLUSIVE_PORT, add_port, internal_tls
+from common.health import Serving, add_health_and_reflection
+from common.tls import EXCLUSIVE_PORT, add_port, internal_tls
 
 logger = logging.getLogger(__name__)
 

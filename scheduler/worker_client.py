@@ -24,7 +24,7 @@ from protos.segserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.step import MalformedStep, StepRequest
 from protos.segserve.v1.step_result import StepResult
-from segserve.tls import TlsFiles, open_channel
+from common.tls import TlsFiles, open_channel
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 _UNREACHABLE_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})

@@ -1,5 +1,6 @@
-"""The `segserve` command line, the local launcher and offline tools (reflow/: the data-reflow consumer and
-exports; corpus_build.py; checkpoint.py: model resolution, the one module the services may import); the
-services live in router/, scheduler/, worker/, drafter/ and never import each other. Keep this file free of
-imports: a service importing segserve.checkpoint runs it.
+"""The top layer: the `segserve` command line, the local launcher, the benchmarks and the offline tools.
+
+reflow/: the data-reflow consumer and exports; corpus_build.py; finetune*.py; bench/; client/: the public
+Python client, which imports only protos. The services live in router/, scheduler/, worker/ and drafter/,
+import only protos and common, and never import this package (pyproject.toml's import-linter contracts).
 """

@@ -35,7 +35,7 @@ from scheduler.config import SchedulerConfig
 from segserve.finetune_cli import add_finetune_commands
 from segserve.flags import add_dataclass_args, env_name, from_args
 from segserve.reflow.config import ConsumerConfig
-from segserve.tls import INTERNAL_FIELDS
+from common.tls import INTERNAL_FIELDS
 from worker.config import WorkerConfig
 
 # `serve` takes every service's flags; the names that clash get a service prefix, and the internal hops' TLS
@@ -158,7 +158,7 @@ def _watermark_detect_command(args: argparse.Namespace) -> int:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
     from worker.watermark import detect
 
     if args.text is not None:
@@ -180,7 +180,7 @@ def _stop_on_sigterm() -> None:
 
 
 def _prepare_model_command(args: argparse.Namespace) -> int:
-    from segserve.checkpoint import prepare_default_model
+    from common.checkpoint import prepare_default_model
 
     print(prepare_default_model())
     return 0

@@ -23,7 +23,7 @@ def _rules(pairs: list[str]) -> dict[str, str]:
 
 def _segments_annotate_command(args: argparse.Namespace) -> int:
     from segserve.annotate import annotate
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
 
     if not args.files and not args.from_reflow:
         raise SystemExit("segments annotate needs JSONL files or --from-reflow DIR")
@@ -45,7 +45,7 @@ def _segments_synth_command(args: argparse.Namespace) -> int:
 def _segments_eval_command(args: argparse.Namespace) -> int:
     import json
 
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
     from segserve.finetune_eval import evaluate
 
     report = evaluate(resolve_model(args.model), resolve_model(args.base_model), args.files, args.out,
@@ -56,7 +56,7 @@ def _segments_eval_command(args: argparse.Namespace) -> int:
 
 
 def _finetune_command(args: argparse.Namespace) -> int:
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
     from segserve.finetune import FinetuneConfig, finetune
 
     summary = finetune(args.data, resolve_model(args.model), args.out, from_args(FinetuneConfig, args))

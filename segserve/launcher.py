@@ -29,9 +29,9 @@ from drafter.config import DrafterConfig
 from protos.segserve.v1 import common_pb2, drafter_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
-from segserve.checkpoint import resolve_model
+from common.checkpoint import resolve_model
 from segserve.flags import env_names, to_argv, to_env
-from segserve.tls import internal_tls, open_blocking_channel
+from common.tls import internal_tls, open_blocking_channel
 from worker.config import WorkerConfig
 from worker.threads import available_cpus, format_cpu_list
 

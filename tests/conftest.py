@@ -36,7 +36,7 @@ def tiny_qwen3_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The real gemma-3-270m, converted once into the cache (about a minute the first time)."""
-    from segserve.checkpoint import prepare_default_model
+    from common.checkpoint import prepare_default_model
 
     return prepare_default_model()
 

@@ -37,7 +37,7 @@ COMPONENT_CONFIGS: dict[tuple[str, ...], type] = {
 }
 """A segserve command (its leading words) -> the config its flags and SEGSERVE_* variables set."""
 PLUMBING_ENV = frozenset({"SEGSERVE_CACHE_DIR"})
-"""Environment variables read outside the configs (segserve/checkpoint.py: where the model is converted to)."""
+"""Environment variables read outside the configs (common/checkpoint.py: where the model is converted to)."""
 
 
 @cache

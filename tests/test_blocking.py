@@ -1,4 +1,4 @@
-"""segserve/blocking.py: a blocking call runs on the event loop when the last one says it is short, else in a
+"""common/blocking.py: a blocking call runs on the event loop when the last one says it is short, else in a
 thread (the worker's steps and the drafter's batches; the worker's servicer is tested in test_worker_server)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from segserve.blocking import INLINE_MAX_S, CallCost, run_blocking
+from common.blocking import INLINE_MAX_S, CallCost, run_blocking
 
 
 def test_call_cost_guesses_from_the_last_call_per_unit():

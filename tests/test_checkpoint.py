@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from segserve import checkpoint
+from common import checkpoint
 
 
 def test_concurrent_preparers_convert_once_and_all_get_the_finished_checkpoint(tmp_path, monkeypatch):

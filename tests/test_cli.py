@@ -118,7 +118,7 @@ def test_an_env_only_field_gets_no_flag_and_reaches_a_child_in_its_environment(m
 def test_serve_takes_the_internal_tls_files_once_for_every_service():
     from drafter.config import DrafterConfig
     from segserve.cli import _SERVE_DRAFTER_RENAME, _SERVE_SCHEDULER_RENAME, _SERVE_WORKER_RENAME
-    from segserve.tls import TlsFiles, internal_tls
+    from common.tls import TlsFiles, internal_tls
 
     args = build_parser().parse_args(["serve", "--internal-tls-cert-file", "s.pem", "--internal-tls-key-file",
                                       "s.key", "--internal-tls-ca-file", "ca.pem"])

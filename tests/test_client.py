@@ -37,7 +37,7 @@ from segserve.client import (
 )
 from segserve.client.base import generation_parameters
 from segserve.client.results import finish_reason_of
-from segserve.tls import TlsFiles, add_port
+from common.tls import TlsFiles, add_port
 from tests.certs import CertificateAuthority
 from tests.e2e_helpers import GreedyReference, tiny_stack, wait_until_idle
 from tests.test_e2e_http import stop_string_in

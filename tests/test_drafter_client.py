@@ -7,7 +7,7 @@ import pytest
 from drafter.config import DrafterConfig
 from drafter.segments import parse_segments
 from drafter.server import build_servicer, start_server
-from segserve.discovery import rendezvous, resolve
+from common.discovery import rendezvous, resolve
 from scheduler.drafter_client import DrafterClient, DraftQuery
 
 RAW = {"default": {"algorithm": "best_first", "max_nodes": 6}, "segment": [{"name": "code", "start": 1, "end": 1}]}

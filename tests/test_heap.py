@@ -1,4 +1,4 @@
-"""segserve.heap: start-up objects leave the collector's walks; garbage and later objects do not, and the young
+"""common.heap: start-up objects leave the collector's walks; garbage and later objects do not, and the young
 generation is collected less often, but still on its own."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 # In a child process: the freeze is process-wide and would change every later test's collections.
 _CHILD = textwrap.dedent("""
     import gc, weakref
-    from segserve.heap import YOUNG_COLLECTION_THRESHOLD, freeze_startup_heap
+    from common.heap import YOUNG_COLLECTION_THRESHOLD, freeze_startup_heap
 
     class Node:
         pass

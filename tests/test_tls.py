@@ -33,9 +33,9 @@ from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server as start_scheduler, stop_server
 from segserve.client import Client, RetryPolicy, SegserveError
-from segserve.discovery import resolve_names
+from common.discovery import resolve_names
 from segserve.launcher import Stack, StackConfig
-from segserve.tls import TlsFiles, add_port, internal_tls, open_blocking_channel
+from common.tls import TlsFiles, add_port, internal_tls, open_blocking_channel
 from tests.certs import CertificateAuthority, Issued
 from tests.devices import TEST_DEVICE
 from tests.router_server import free_port, serve_router_and_grpc

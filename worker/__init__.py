@@ -30,5 +30,5 @@ Modules:
   server           the grpc.aio servicer and serve(config).
 
 The worker owns KV memory; the scheduler owns its allocation (block tables). Model checkpoints
-are resolved by segserve.checkpoint.
+are resolved by common.checkpoint.
 """

@@ -11,7 +11,7 @@ import asyncio
 
 import ray
 
-from segserve.tls import internal_tls
+from common.tls import internal_tls
 from worker.config import WorkerConfig
 from worker.server import WorkerServicer, load_runner, start_server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from segserve.tls import internal_tls
+from common.tls import internal_tls
 from worker.threads import parse_cpu_list
 
 

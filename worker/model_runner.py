@@ -37,7 +37,7 @@ from worker.block_tables import BlockTables
 from worker.compiled import CompiledDecoder
 from worker.compiled_layers import compiled_regions
 from worker.decode_graphs import DecodeGraphs
-from segserve.checkpoint import resolve_model
+from common.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import MAX_DECODE_STEPS, NewSequence, ScheduledSequence, StepRequest, multi_step_problem

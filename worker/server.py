@@ -3,7 +3,7 @@ a ModelRunner.
 
 Protobuf is converted here and nowhere else, with the contract types' from_pb / to_pb
 (protos/segserve/v1/step.py, step_result.py, info.py). A step that may take long runs in a thread, so that the event
-loop keeps answering Health meanwhile; a short one runs on the loop itself (segserve/blocking.py: the
+loop keeps answering Health meanwhile; a short one runs on the loop itself (common/blocking.py: the
 hand-off cost a one-stream decode step of the tiny model 0.6-0.9 ms of its 2.5-2.8). Steps are
 serialized (the runner and its KV cache are single-threaded), and a step ahead runs after the step it
 follows (worker/step_order.py). A failure of one sequence is an error in its SequenceOutput, not a
@@ -26,10 +26,10 @@ from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.step import MalformedStep, StepRequest
 from protos.segserve.v1.step_result import StepResult
-from segserve.blocking import CallCost, run_blocking
-from segserve.health import Serving, add_health_and_reflection
-from segserve.heap import freeze_startup_heap
-from segserve.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
+from common.blocking import CallCost, run_blocking
+from common.health import Serving, add_health_and_reflection
+from common.heap import freeze_startup_heap
+from common.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.step_order import StepOrder
@@ -88,7 +88,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._detail = "loading the model"
         self._step_lock = asyncio.Lock()
         self.cost = CallCost()
-        """Where steps run (segserve/blocking.py), by scheduled tokens."""
+        """Where steps run (common/blocking.py), by scheduled tokens."""
         self.order = StepOrder()
         """A step ahead (async scheduling) runs after the step it follows, whichever RPC came first."""
         self.serving = Serving([worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name])
@@ -162,7 +162,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 async def start_server(servicer: WorkerServicer, host: str, port: int,
                        tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
     """Bind and start a grpc.aio server for `servicer`; returns it and the bound port (port 0 = any free one).
-    With `tls` (segserve.tls.internal_tls of the config), clients must present a certificate its CA signed."""
+    With `tls` (common.tls.internal_tls of the config), clients must present a certificate its CA signed."""
     server = grpc.aio.server(options=[
         EXCLUSIVE_PORT,
         ("grpc.max_receive_message_length", 64 * 2**20),

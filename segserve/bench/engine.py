@@ -47,7 +47,7 @@ from pathlib import Path
 from segserve.bench import engine_report as report
 from segserve.bench.hf_compiled import bench_hf_compiled
 from segserve.bench.random_models import build_random_gemma3_270m, build_tiny_gemma3
-from segserve.heap import freeze_startup_heap
+from common.heap import freeze_startup_heap
 
 PARTS = report.PARTS
 
@@ -378,7 +378,7 @@ def run_engine(args: argparse.Namespace) -> dict:
                 label = "gemma-3-270m's shape, random weights (--random-weights)"
             results = run_benchmark(config, model_dir, header, label)
     else:
-        from segserve.checkpoint import resolve_model
+        from common.checkpoint import resolve_model
 
         results = run_benchmark(config, resolve_model(config.model), header)
     print(report.markdown_table(results))

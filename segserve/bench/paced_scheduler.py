@@ -197,7 +197,7 @@ class _PacedStream:
 
 def load_tokenizer(model: str | None) -> Tokenizer:
     """The model directory's tokenizer.json, read with `tokenizers` alone (no torch import: starts in a second)."""
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
 
     return Tokenizer.from_file(str(resolve_model(model) / "tokenizer.json"))
 

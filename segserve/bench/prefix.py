@@ -234,7 +234,7 @@ def run_prefix(args: argparse.Namespace) -> dict:
 
     from segserve.bench.peers import resolve_dtype
     from segserve.bench.machine import machine_info
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
 
     config = PrefixBenchConfig(**{f.name: getattr(args, f.name) for f in fields(PrefixBenchConfig)})
     config.dtype = resolve_dtype(config.dtype)

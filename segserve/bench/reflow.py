@@ -235,7 +235,7 @@ def measure_drain(queue_url: str, sink_dir: Path) -> dict:
 
 def run_reflow(args: argparse.Namespace) -> dict:
     """Run the whole benchmark; write JSON + PNG under --out, print the table, return the results."""
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
 
     config = ReflowBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ReflowBenchConfig)})
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -294,7 +294,7 @@ def plot(path: Path, results: dict) -> Path:
 def run_router(args: argparse.Namespace) -> dict:
     """Run the whole benchmark; write JSON + PNG under --out, print the table, return the results."""
     from segserve.bench.machine import machine_info
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
 
     config = RouterBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RouterBenchConfig)})
     logging.getLogger("httpx").setLevel(logging.WARNING)

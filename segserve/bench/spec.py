@@ -254,7 +254,7 @@ def run_spec(args: argparse.Namespace) -> dict:
     """Run the whole benchmark; write spec.json + spec.png under --out, print the tables, return the results."""
     from segserve.bench.peers import resolve_dtype
     from segserve.bench.machine import machine_info
-    from segserve.checkpoint import resolve_model
+    from common.checkpoint import resolve_model
 
     try:
         config = config_from_args(args)

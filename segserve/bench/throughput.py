@@ -336,8 +336,8 @@ def bench_batched_generate(config: ThroughputConfig, model_dir: Path, notes: lis
 
 def run_throughput(args: argparse.Namespace) -> dict:
     """Run the whole benchmark; write JSON + PNG under --out, print the table, return the results."""
-    from segserve.checkpoint import resolve_model
-    from segserve.heap import freeze_startup_heap
+    from common.checkpoint import resolve_model
+    from common.heap import freeze_startup_heap
 
     config = config_from_args(args)
     config.dtype = peers.resolve_dtype(config.dtype)

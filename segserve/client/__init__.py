@@ -22,7 +22,7 @@ In: prompts or chats and sampling parameters; out: small frozen dataclasses (`Ge
 - Errors: every failure raises `SegserveError`, with the gRPC status name (`code`), the server's `message`,
   and for INVALID_ARGUMENT the `field` at fault (`parameters.top_p`).
 
-Imports only grpc, the generated stubs in protos/ and segserve.tls (for the credentials), never a service.
+Imports only grpc, the generated stubs in protos/ and common.tls (for the credentials), never a service.
 """
 
 from segserve.client.aio import AsyncClient

@@ -11,7 +11,7 @@ import grpc
 from protos.segserve.v1 import generation_pb2 as pb
 from segserve.client.errors import SegserveError
 from segserve.client.retry import RetryPolicy
-from segserve.tls import channel_credentials
+from common.tls import channel_credentials
 
 DEFAULT_TARGET = "localhost:8001"
 

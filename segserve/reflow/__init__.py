@@ -10,7 +10,7 @@ router.reflow.chunks.
 
 Modules, in the order data flows:
 - assembly.py: chunks back into request records, deduped.
-- consumer.py: claim -> reassemble -> write -> ack (redact.py before the write).
+- consumer.py: claim -> reassemble -> write -> ack (common.redact before the write).
 - sink.py: per-session log files, idempotent atomic rewrites.
 - export.py: OpenAI fine-tuning chat JSONL and Parquet; the generated texts for drafter corpora.
 - config.py: ConsumerConfig.

@@ -21,7 +21,7 @@ from router.reflow.chunks import Chunk
 from router.reflow.queue import ChunkQueue, open_queue
 from segserve.reflow.assembly import Assembler
 from segserve.reflow.config import ConsumerConfig
-from segserve.reflow.redact import redact_record
+from common.redact import redact_record
 from segserve.reflow.sink import SessionSink, open_sink
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ three of its `internal_tls_*` files (`internal_tls`). A certificate must carry t
 a DNS name or IP address in its subjectAltName, with two cases where that name is not the target's host,
 both set with gRPC's `grpc.ssl_target_name_override` (and nothing else uses it):
 - replicas found through a `dns:///name:port` target are dialled by the addresses the name resolves to
-  (segserve/discovery.py places requests on them itself); their certificates are checked against `name`,
+  (common/discovery.py places requests on them itself); their certificates are checked against `name`,
   as gRPC checks a `dns:///` target it resolves itself (`open_channel(server_name=name)`);
 - a `unix:` socket target is checked against `localhost` (gRPC would check the socket's path, which no
   certificate carries).

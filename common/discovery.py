@@ -4,7 +4,7 @@ A target is either `host:port`, one replica reached as written, or gRPC's `dns:/
 every address the name resolves to (a Kubernetes headless Service resolves to its ready pods),
 resolved again every `refresh_s` so that a scaled Deployment is picked up without a restart.
 `resolve_names` also tells which name each address came from (over TLS, the name its certificate
-must carry; segserve/tls.py).
+must carry; common/tls.py).
 
 `rendezvous` places a key (e.g. `affinity_key` of a prompt) on one replica of a set (highest random weight hashing): every key
 keeps its replica when replicas join or leave, except the keys of a replica that left and the

@@ -1,0 +1,12 @@
+"""Runtime utilities every service may use, and nothing above them.
+
+Beside protos/ at the bottom of the layers (pyproject.toml's import-linter contracts): common imports no
+first-party package but protos. In: configuration values and gRPC servers or channels. Out:
+- blocking.py: where a servicer runs a blocking call (on its event loop when short, else in a thread);
+- checkpoint.py: model resolution (a directory, or the default GGUF converted once into a cache);
+- discovery.py: replica addresses (`dns:///name:port`) and rendezvous hashing;
+- health.py: the gRPC health protocol and reflection;
+- heap.py: the garbage collector's start-up freeze;
+- redact.py: redaction of personal data and secrets in recorded text;
+- tls.py: TLS credentials, secure ports and channels.
+"""

@@ -1,0 +1,65 @@
+"""The layers, as pyproject.toml's import-linter contracts declare them, and no import cycle anywhere.
+
+protos/ and common/ are the bottom; router/, scheduler/, worker/ and drafter/ sit on them, independent of
+each other; segserve/ (CLI, launcher, benchmarks, offline tools, the public client) is the top. The
+contracts are the one source of truth: these tests run the tool on them, and show that it fails on a
+deliberately bad edge, so a contract that stopped matching anything would not pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("protos", "common", "router", "scheduler", "worker", "drafter", "segserve")
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def copy_of_the_project(tmp_path: Path) -> Path:
+    root = tmp_path / "project"
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, root / package, ignore=ignore)
+    shutil.copy(REPO / "pyproject.toml", root)
+    return root
+
+
+def test_the_layer_contracts_hold():
+    result = lint_imports(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_a_service_importing_the_cli_breaks_the_layers(tmp_path):
+    root = copy_of_the_project(tmp_path)
+    (root / "worker" / "misplaced.py").write_text("from segserve import launcher\n")
+    result = lint_imports(root)
+    assert result.returncode != 0
+    assert "worker.misplaced -> segserve.launcher" in result.stdout
+
+
+def test_a_service_importing_another_breaks_their_independence(tmp_path):
+    root = copy_of_the_project(tmp_path)
+    (root / "drafter" / "misplaced.py").write_text("def later():\n    from scheduler import engine\n")
+    result = lint_imports(root)
+    assert result.returncode != 0
+    assert "drafter.misplaced -> scheduler.engine" in result.stdout
+
+
+def test_the_public_client_imports_nothing_heavy(tmp_path):
+    root = copy_of_the_project(tmp_path)
+    (root / "segserve" / "client" / "misplaced.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n")
+    result = lint_imports(root)
+    assert result.returncode != 0
+    assert "segserve.client.misplaced -> torch" in result.stdout
