@@ -81,7 +81,7 @@ def test_the_build_context_keeps_what_the_build_copies():
                 if line.strip() and not line.startswith("#")]
     copied = [source for word, rest in instructions("build") if word == "COPY" and "--from" not in rest
               for source in rest.split()[:-1]]
-    assert set(copied) == {"pyproject.toml", "README.md", "protos", "segserve", "router", "scheduler", "worker",
+    assert set(copied) == {"pyproject.toml", "README.md", "protos", "common", "segserve", "router", "scheduler", "worker",
                            "drafter"}
     for source in copied:
         assert (REPO / source).exists(), source
