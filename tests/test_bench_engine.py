@@ -87,7 +87,7 @@ def test_steps_that_capture_a_cuda_graph_are_left_out_of_their_round():
 
 
 def test_a_round_needs_two_steps_one_timed_and_one_whole():
-    from segserve.bench.engine import EngineBenchConfig
+    from segserve.bench.engine_config import EngineBenchConfig
 
     with pytest.raises(ValueError, match="half of them are timed"):
         EngineBenchConfig(steps=1)

@@ -23,7 +23,7 @@ from router.scheduler_client import SchedulerClient
 from segserve.bench import loadgen, report
 
 if TYPE_CHECKING:
-    from segserve.bench.throughput import ThroughputConfig
+    from segserve.bench.throughput_config import ThroughputConfig
 
 
 @dataclass

@@ -22,7 +22,7 @@ from segserve.bench import loadgen, report
 from segserve.client import AsyncClient, RetryPolicy, SegserveError, StreamEvent
 
 if TYPE_CHECKING:
-    from segserve.bench.throughput import ThroughputConfig
+    from segserve.bench.throughput_config import ThroughputConfig
 
 NAME = "segserve gRPC API"
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from segserve.bench import engine_report as report
 
-if TYPE_CHECKING:  # engine.py imports this module
-    from segserve.bench.engine import EngineBenchConfig
+if TYPE_CHECKING:
+    from segserve.bench.engine_config import EngineBenchConfig
 
 
 def bench_hf_compiled(config: EngineBenchConfig, model_dir: Path, runner) -> dict[int, dict]:
