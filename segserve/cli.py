@@ -33,7 +33,7 @@ from drafter.config import DrafterConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.finetune_cli import add_finetune_commands
-from segserve.flags import add_dataclass_args, env_name, from_args
+from segserve.flags import HelpFormatter, add_dataclass_args, flag, from_args
 from segserve.reflow.config import ConsumerConfig
 from common.tls import INTERNAL_FIELDS
 from worker.config import WorkerConfig
@@ -42,11 +42,9 @@ from worker.config import WorkerConfig
 # files are one set of flags for every service (each config's from_args reads the same values).
 _SERVE_SHARED = frozenset(INTERNAL_FIELDS)
 _SERVE_SHARED_HELP = (
-    "PEM certificate every service presents on the internal gRPC hops (router -> scheduler -> workers and "
-    "drafters), as server and as client; with the key and the CA it turns on mutual TLS",
+    "PEM certificate every service presents on the internal gRPC hops, as server and as client",
     "PEM private key of --internal-tls-cert-file",
-    "PEM CA bundle that signed the services' certificates: every internal server requires a client certificate "
-    "it signed, and every client checks the server's against it",
+    "PEM CA bundle that signed every service's certificate (all three files: mutual TLS)",
 )
 _SERVE_WORKER_RENAME = {"host": "worker_host", "port": "worker_port"}
 _SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port",
@@ -56,7 +54,9 @@ _SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address
 _SERVE_DRAFTER_RENAME = {"host": "drafter_host", "port": "drafter_port", "device": "drafter_device",
                          "dtype": "drafter_dtype"}
 _SERVE_DRAFTER_SKIP = frozenset({"tokenizer"}) | _SERVE_SHARED
-_CONSUME_RENAME = {"is_drain": "drain"}
+_CONFIG_HELP = ("Each flag is a field of the config class its group names, whose docstring tells the whole story. "
+                "Every flag also reads SEGSERVE_ and its name in capitals (--max-num-seqs: SEGSERVE_MAX_NUM_SEQS; "
+                "a boolean's takes on|off); the command line wins.")
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -133,7 +133,7 @@ def _reflow_consume_command(args: argparse.Namespace) -> int:
     from segserve.reflow.consumer import consume
 
     _stop_on_sigterm()
-    consumer = consume(from_args(ConsumerConfig, args, _CONSUME_RENAME))
+    consumer = consume(from_args(ConsumerConfig, args))
     print(f"{consumer.num_records_written} records written")
     return 0
 
@@ -233,33 +233,38 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run router, scheduler and worker on this machine")
+    serve = commands.add_parser("serve", help="run router, scheduler and worker on this machine",
+                                usage="%(prog)s [options]", description="Run the whole stack on this machine. "
+                                + _CONFIG_HELP, formatter_class=HelpFormatter)
+    stack = serve.add_argument_group("stack (the launcher)")
+    stack.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
+                       help="run a drafter and decode speculatively (default: on)")
+    stack.add_argument("--workers", type=int, default=1, metavar="N",
+                       help="worker processes, each with the model and its own KV pool (default: 1)")
+    stack.add_argument("--ray-workers", action="store_true",
+                       help="run the workers as Ray actors on the --ray-address cluster (a GPU each when it has GPUs)")
+    stack.add_argument("--drafters", type=int, default=1, metavar="N",
+                       help="drafter replicas; several share what they learn through one log (default: 1)")
+    stack.add_argument("--log-dir", default=None, metavar="DIR", help="write each service's log to this directory")
+    stack.add_argument("--cpu-pinning", action=argparse.BooleanOptionalAction, default=True,
+                       help="on a CPU, pin the workers to their cores, the others to the CPU kept for them "
+                            "(default: on)")
     add_dataclass_args(serve, WorkerConfig, skip=_SERVE_SHARED, rename=_SERVE_WORKER_RENAME)
     add_dataclass_args(serve, SchedulerConfig, skip=_SERVE_SCHEDULER_SKIP, rename=_SERVE_SCHEDULER_RENAME)
     add_dataclass_args(serve, DrafterConfig, skip=_SERVE_DRAFTER_SKIP, rename=_SERVE_DRAFTER_RENAME)
-    serve.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
-                       help="run a drafter and decode speculatively (default: on)")
     add_dataclass_args(serve, RouterConfig, skip=_SERVE_ROUTER_SKIP)
+    internal_tls = serve.add_argument_group("internal TLS (the same files for every service's config)")
     for name, help_text in zip(INTERNAL_FIELDS, _SERVE_SHARED_HELP):
-        serve.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                           help=f"{help_text} (default: none, plaintext; env {env_name(name)})")
-    serve.add_argument("--workers", type=int, default=1,
-                       help="worker processes, each with the model and its own KV pool (default: 1)")
-    serve.add_argument("--ray-workers", action="store_true",
-                       help="run the workers as Ray actors on the --ray-address cluster (a GPU each when it has GPUs)")
-    serve.add_argument("--drafters", type=int, default=1,
-                       help="drafter replicas; several share what they learn through one log (default: 1)")
-    serve.add_argument("--log-dir", default=None, help="write each service's log to this directory")
-    serve.add_argument("--cpu-pinning", action=argparse.BooleanOptionalAction, default=True,
-                       help="on a CPU, pin the workers to their cores and the other services to the one kept for "
-                            "them (default: on)")
+        internal_tls.add_argument(flag(name), dest=name, default=None, metavar="FILE", help=help_text)
     serve.set_defaults(func=_serve_command)
 
     for name, cls, func in (("worker", WorkerConfig, _worker_command),
                             ("scheduler", SchedulerConfig, _scheduler_command),
                             ("router", RouterConfig, _router_command),
                             ("drafter", DrafterConfig, _drafter_command)):
-        sub = commands.add_parser(name, help=f"run the {name} service alone")
+        sub = commands.add_parser(name, help=f"run the {name} service alone", usage="%(prog)s [options]",
+                                  description=f"Run the {name} service alone. " + _CONFIG_HELP,
+                                  formatter_class=HelpFormatter)
         add_dataclass_args(sub, cls)
         sub.set_defaults(func=func)
 
@@ -277,8 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_finetune_commands(commands)
     reflow = commands.add_parser("reflow", help="data reflow: recorded traffic as inference logs")
     reflow_commands = reflow.add_subparsers(dest="reflow", required=True)
-    consume = reflow_commands.add_parser("consume", help="drain the reflow queue into per-session logs")
-    add_dataclass_args(consume, ConsumerConfig, rename=_CONSUME_RENAME)
+    consume = reflow_commands.add_parser("consume", help="drain the reflow queue into per-session logs",
+                                         description="Drain the reflow queue into per-session logs. " + _CONFIG_HELP,
+                                         formatter_class=HelpFormatter)
+    add_dataclass_args(consume, ConsumerConfig, title="reflow consumer")
     consume.set_defaults(func=_reflow_consume_command)
     export = reflow_commands.add_parser("export", help="inference logs to a training / analysis format")
     export.add_argument("--logs", default=ConsumerConfig.sink_dir, help="the consumer's sink directory")

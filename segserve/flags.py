@@ -1,15 +1,17 @@
 """Command-line flags derived from the services' config dataclasses.
 
-Each dataclass field becomes `--field-name`, typed from its annotation, with its
-attribute docstring as help. A boolean is `--field-name/--no-field-name`; an
-`is_*` boolean also answers to its name without `is_` (`is_prefix_caching`:
-`--prefix-caching/--no-prefix-caching`). `to_argv` is the inverse, used by the launcher to
-start each service as its own process with the same config.
+Each dataclass field becomes `--field-name`, typed from its annotation. A boolean has one spelling,
+`--field-name/--no-field-name`, where an `is_*` field drops its `is_` (`is_prefix_caching`:
+`--prefix-caching/--no-prefix-caching`; the prefix stays in the code). `to_argv` is the inverse, used by the
+launcher to start each service as its own process with the same config.
 
-Every flag also reads an environment variable, for container manifests: `SEGSERVE_` and the
-flag's name in capitals (`--max-num-seqs` -> SEGSERVE_MAX_NUM_SEQS, `--prefix-caching` ->
-SEGSERVE_PREFIX_CACHING). A flag given on the command line wins over its variable. Booleans take
-1/true/yes/on or 0/false/no/off; lists take comma-separated values.
+`--help` shows one argument group per config class, each flag with a summary of its field's docstring (its first
+sentence, shortened to fit two lines: `summary`); the docstring itself is the full text.
+
+Every flag also reads an environment variable, for container manifests: `SEGSERVE_` and the flag's name in
+capitals (`--max-num-seqs` -> SEGSERVE_MAX_NUM_SEQS, `--prefix-caching` -> SEGSERVE_PREFIX_CACHING). A flag given
+on the command line wins over its variable. Booleans take on|off (true/false, yes/no and 1/0 too); lists take
+comma-separated values.
 
 A secret (the router's api_keys) is a field with `metadata={ENV_ONLY: True}`: it gets no flag, since
 flags show in `ps` and /proc/<pid>/cmdline, only its environment variable sets it, `to_argv` leaves
@@ -23,6 +25,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import textwrap
 import typing
 from functools import cache
@@ -52,14 +55,32 @@ def _base_type(annotation: Any) -> type:
     return typing.get_origin(annotation) or annotation
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def option_name(dest: str) -> str:
+    """The name a field (or renamed destination) goes by outside the code: its `is_` prefix dropped."""
+    return dest.removeprefix("is_")
+
+
+def flag(dest: str) -> str:
+    """The flag of the field (or renamed destination) `dest`: `is_prefix_caching` -> `--prefix-caching`."""
+    return "--" + option_name(dest).replace("_", "-")
 
 
 ENV_PREFIX = "SEGSERVE_"
 ENV_ONLY = "env_only"
 """The field metadata key of a secret: set only by its environment variable, never a flag (module docstring)."""
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_TRUE, _FALSE = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
+HELP_WIDTH, HELP_LINES = 46, 2
+"""A flag's help, default included, takes at most two lines of 46 characters: its column in HelpFormatter's
+layout on an 80-column terminal."""
+_METAVARS = {int: "N", float: "X", str: "TEXT", list: "ITEM"}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout with the help column at 32, where most flags with their metavar fit: a flag's help starts
+    on its line and takes at most two (HELP_WIDTH)."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 32, width: int | None = None):
+        super().__init__(prog, indent_increment, max_help_position, width)
 
 
 def is_env_only(field: dataclasses.Field) -> bool:
@@ -68,7 +89,7 @@ def is_env_only(field: dataclasses.Field) -> bool:
 
 def env_name(dest: str) -> str:
     """The environment variable of the flag whose destination is `dest`."""
-    return ENV_PREFIX + dest.removeprefix("is_").upper()
+    return ENV_PREFIX + option_name(dest).upper()
 
 
 def env_names(cls: type, rename: dict[str, str] | None = None) -> set[str]:
@@ -86,7 +107,7 @@ def _from_env(dest: str, kind: type) -> Any:
     try:
         if kind is bool:
             if text.lower() not in _TRUE + _FALSE:
-                raise ValueError(f"expected one of {'/'.join(_TRUE + _FALSE)}")
+                raise ValueError("expected on or off")
             return text.lower() in _TRUE
         if kind is list:
             return [part.strip() for part in text.split(",") if part.strip()]
@@ -95,28 +116,60 @@ def _from_env(dest: str, kind: type) -> Any:
         raise ValueError(f"environment variable {name}={text!r}: {exc}") from None
 
 
+def summary(doc: str, suffix: str = "") -> str:
+    """The first sentence of `doc`, then `suffix`, in at most HELP_LINES lines of HELP_WIDTH: when it is longer, its
+    parentheticals go, then its last clauses (after `; `) while half a line is left, then its last words, for an
+    ellipsis. The whole docstring stays the reference (the docs); this is what `--help` has room for."""
+
+    def fits(text: str) -> bool:
+        return len(textwrap.wrap(text + suffix, HELP_WIDTH)) <= HELP_LINES
+
+    protected = doc.replace("e.g.", "e\0g\0").replace("i.e.", "i\0e\0")
+    text = re.split(r"(?<=[.!?])\s+", protected, maxsplit=1)[0].replace("\0", ".").rstrip(".")
+    while not fits(text) and re.search(r"\s*\([^()]*\)", text):
+        text = re.sub(r"\s*\([^()]*\)", "", text, count=1)
+    clauses = text.split("; ")
+    while not fits(text) and len(clauses) > 1 and len("; ".join(clauses[:-1])) >= HELP_WIDTH // 2:
+        clauses.pop()
+        text = "; ".join(clauses)
+    words = text.split(" ")
+    while not fits(text) and len(words) > 1:
+        words.pop()
+        text = " ".join(words).rstrip(",;:") + "…"
+    return text + suffix
+
+
+def _help(doc: str, default: Any) -> str:
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    return summary(doc, "" if default in (None, "", []) else f" (default: {default})")
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] = frozenset(),
-                       rename: dict[str, str] | None = None) -> None:
-    """Add one flag per field of `cls` (defaults None, so unset flags keep the dataclass default); none for
-    `skip`'s fields and the env-only ones."""
+                       rename: dict[str, str] | None = None, title: str | None = None) -> None:
+    """Add one flag per field of `cls` (defaults None, so unset flags keep the dataclass default), in an argument
+    group titled `title` (by default the class's name without Config: `worker (WorkerConfig)`); none for `skip`'s
+    fields and the env-only ones."""
     rename = rename or {}
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    group = parser.add_argument_group(f"{title or cls.__name__.removesuffix('Config').lower()} ({cls.__name__})")
     for field in dataclasses.fields(cls):
         if field.name in skip or is_env_only(field):
             continue
         dest = rename.get(field.name, field.name)
         kind = _base_type(hints[field.name])
         default = field.default if field.default is not dataclasses.MISSING else None
-        help_text = f"{docs.get(field.name, '')} (default: {default}; env {env_name(dest)})"
+        help_text = _help(docs.get(field.name, ""), default)
         if kind is bool:
-            names = [_flag(dest)] + ([_flag(dest.removeprefix("is_"))] if dest.startswith("is_") else [])
-            parser.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            group.add_argument(flag(dest), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
         elif kind is list:
-            parser.add_argument(_flag(dest), dest=dest, nargs="*", default=None, help=help_text)
+            group.add_argument(flag(dest), dest=dest, nargs="*", default=None, metavar=_METAVARS[list],
+                               help=help_text)
         else:
-            parser.add_argument(_flag(dest), dest=dest, type=kind, default=None, help=help_text)
+            group.add_argument(flag(dest), dest=dest, type=kind, default=None, metavar=_METAVARS.get(kind),
+                               help=help_text)
 
 
 def from_args(cls: type[T], args: argparse.Namespace, rename: dict[str, str] | None = None, **overrides) -> T:
@@ -145,11 +198,11 @@ def to_argv(config: Any) -> list[str]:
         if is_env_only(field) or value is None or value == field.default:
             continue
         if isinstance(value, bool):
-            argv.append(_flag(field.name) if value else "--no-" + field.name.replace("_", "-"))
+            argv.append(flag(field.name) if value else "--no-" + flag(field.name).removeprefix("--"))
         elif isinstance(value, (list, tuple)):
-            argv += [_flag(field.name), *map(str, value)]
+            argv += [flag(field.name), *map(str, value)]
         else:
-            argv += [_flag(field.name), str(value)]
+            argv += [flag(field.name), str(value)]
     return argv
 
 

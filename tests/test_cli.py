@@ -1,11 +1,18 @@
 """CLI flags come from the config dataclasses, and the launcher's argv round-trips through them."""
 
+import dataclasses
+import re
+import textwrap
+import typing
+
 import pytest
 
+from drafter.config import DrafterConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.cli import build_parser
 from segserve.flags import add_dataclass_args, field_docs, from_args, to_argv
+from segserve.reflow.config import ConsumerConfig
 from worker.config import WorkerConfig
 
 
@@ -13,6 +20,13 @@ from worker.config import WorkerConfig
     WorkerConfig(model="/models/x", port=1234, num_kv_blocks=7, dtype="float32"),
     SchedulerConfig(worker_address="10.0.0.1:9", max_num_seqs=3),
     RouterConfig(port=0, served_model_name="m"),
+    WorkerConfig(is_packed_linear=False, is_compiled=True, is_lean_decoder=False, is_cuda_graphs=False,
+                 is_compiled_layers=False),
+    SchedulerConfig(is_spec_adaptive=False, is_async_scheduling=False, is_prefix_caching=False,
+                    drafter_addresses=["a:1", "b:2"]),
+    RouterConfig(is_grpc_api=False, is_strip_segment_markers=False),
+    DrafterConfig(redact_corpora=True, snapshot_interval_s=2.5),
+    ConsumerConfig(is_drain=True, redact=True, claim_batch=5),
 ])
 def test_to_argv_round_trips(config):
     import argparse
@@ -20,6 +34,118 @@ def test_to_argv_round_trips(config):
     parser = argparse.ArgumentParser()
     add_dataclass_args(parser, type(config))
     assert from_args(type(config), parser.parse_args(to_argv(config))) == config
+    assert not [arg for arg in to_argv(config) if arg.startswith(("--is-", "--no-is-"))]
+
+
+@pytest.mark.parametrize("command, config", [
+    ("worker", WorkerConfig(is_packed_linear=False, is_lean_decoder=True, is_cuda_graphs=True, port=5)),
+    ("scheduler", SchedulerConfig(is_prefix_caching=False, is_spec_adaptive=False, max_num_seqs=3)),
+    ("router", RouterConfig(is_grpc_api=False, is_strip_segment_markers=False, port=0)),
+    ("drafter", DrafterConfig(redact_corpora=True)),
+])
+def test_the_launchers_argv_parses_with_the_service_command_into_the_same_config(command, config):
+    args = build_parser().parse_args([command, *to_argv(config)])  # what Stack._spawn runs
+    assert from_args(type(config), args) == config
+
+
+_BOOLEANS = [(cls, field.name) for cls in (WorkerConfig, SchedulerConfig, RouterConfig, DrafterConfig,
+                                           ConsumerConfig)
+             for field in dataclasses.fields(cls) if typing.get_type_hints(cls)[field.name] in (bool, bool | None)]
+
+
+@pytest.mark.parametrize("cls, name", _BOOLEANS, ids=[f"{cls.__name__}.{name}" for cls, name in _BOOLEANS])
+def test_a_boolean_has_one_spelling_and_its_variable_takes_on_or_off(cls, name, monkeypatch):
+    import argparse
+
+    monkeypatch.setenv("SEGSERVE_API_KEYS", "key-1")  # what the router's metrics_require_key needs
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, cls)
+    yes, no = "--" + name.removeprefix("is_").replace("_", "-"), "--no-" + name.removeprefix("is_").replace("_", "-")
+    variable = "SEGSERVE_" + name.removeprefix("is_").upper()
+    assert getattr(from_args(cls, parser.parse_args([yes])), name) is True
+    assert getattr(from_args(cls, parser.parse_args([no])), name) is False
+    if name.startswith("is_"):  # the prefix stays in the code only
+        for old in ("--" + name.replace("_", "-"), "--no-" + name.replace("_", "-")):
+            with pytest.raises(SystemExit):
+                parser.parse_args([old])
+    for text, value in (("on", True), ("off", False), ("ON", True), ("true", True), ("0", False)):
+        monkeypatch.setenv(variable, text)
+        assert getattr(from_args(cls, parser.parse_args([])), name) is value
+    monkeypatch.setenv(variable, "on")
+    assert getattr(from_args(cls, parser.parse_args([no])), name) is False  # the command line wins
+    monkeypatch.setenv(variable, "off")
+    assert getattr(from_args(cls, parser.parse_args([yes])), name) is True
+    monkeypatch.setenv(variable, "maybe")
+    with pytest.raises(ValueError, match=f"{variable}='maybe': expected on or off"):
+        from_args(cls, parser.parse_args([]))
+
+
+def _help(monkeypatch, capsys, *command) -> str:
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps to the terminal; the limits are for 80 columns
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--help"])
+    return capsys.readouterr().out
+
+
+def _sections(help_text: str) -> dict[str, list[list[str]]]:
+    """A help text's groups: title -> its options, each the lines it takes."""
+    sections, options = {}, None
+    for line in help_text.splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            options = sections.setdefault(line[:-1], [])
+        elif options is not None and line.startswith("  -"):
+            options.append([line])
+        elif options is not None and line.startswith("   ") and options:
+            options[-1].append(line)
+    return sections
+
+
+def _flags(option: list[str]) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", option[0].strip().split("  ")[0]))
+
+
+def test_serve_help_is_short_grouped_by_config_class_with_two_lines_a_flag(monkeypatch, capsys):
+    from segserve.cli import (_SERVE_DRAFTER_RENAME, _SERVE_DRAFTER_SKIP, _SERVE_ROUTER_SKIP, _SERVE_SCHEDULER_RENAME,
+                              _SERVE_SCHEDULER_SKIP, _SERVE_SHARED, _SERVE_WORKER_RENAME)
+    from segserve.flags import flag, is_env_only
+
+    help_text = _help(monkeypatch, capsys, "serve")
+    assert len(help_text.splitlines()) < 250
+    sections = _sections(help_text)
+    for cls, skip, rename in ((WorkerConfig, _SERVE_SHARED, _SERVE_WORKER_RENAME),
+                              (SchedulerConfig, _SERVE_SCHEDULER_SKIP, _SERVE_SCHEDULER_RENAME),
+                              (DrafterConfig, _SERVE_DRAFTER_SKIP, _SERVE_DRAFTER_RENAME),
+                              (RouterConfig, _SERVE_ROUTER_SKIP, {})):
+        title = f"{cls.__name__.removesuffix('Config').lower()} ({cls.__name__})"
+        shown = set().union(*map(_flags, sections[title]))
+        expected = {flag(rename.get(f.name, f.name)) for f in dataclasses.fields(cls)
+                    if f.name not in skip and not is_env_only(f)}
+        assert shown >= expected, f"{title} lacks {expected - shown}"
+    tls = next(options for title, options in sections.items() if title.startswith("internal TLS"))
+    assert set().union(*map(_flags, tls)) == {flag(name) for name in _SERVE_SHARED}
+
+
+@pytest.mark.parametrize("command", [["serve"], ["worker"], ["scheduler"], ["router"], ["drafter"],
+                                     ["reflow", "consume"], ["finetune"]])
+def test_no_help_offers_an_is_flag_and_every_config_flag_has_at_most_two_lines(command, monkeypatch, capsys):
+    help_text = _help(monkeypatch, capsys, *command)
+    assert "--is-" not in help_text and "--no-is-" not in help_text
+    assert command[0] not in ("worker", "scheduler", "router", "drafter") or len(help_text.splitlines()) < 100
+    for title, options in _sections(help_text).items():
+        for option in options:
+            is_help_on_first_line = bool(re.match(r"  -\S.*?\s{2,}\S", option[0]))  # flags, 2+ spaces, help
+            assert is_help_on_first_line + len(option) - 1 <= 2, (title, option)
+
+
+def test_summary_keeps_the_first_sentence_within_two_lines():
+    from segserve.flags import HELP_LINES, HELP_WIDTH, summary
+
+    assert summary("Tokens per KV-cache block. More.", " (default: 16)") == "Tokens per KV-cache block (default: 16)"
+    assert summary("A header (e.g. X-Tenant) is its tenant. Else none.") == "A header (e.g. X-Tenant) is its tenant"
+    long = "Run decode steps (one token each) on static buffers, " + "replayed from graphs " * 10 + "instead. Then."
+    short = summary(long, " (default: on)")
+    assert len(textwrap.wrap(short, HELP_WIDTH)) <= HELP_LINES
+    assert short.endswith("… (default: on)") and "(one token each)" not in short
 
 
 def test_every_config_field_is_documented():
@@ -42,7 +168,7 @@ def test_prefix_caching_is_on_by_default_and_no_prefix_caching_turns_it_off(argv
     parser = build_parser()
     rename = {"host": "scheduler_host", "port": "scheduler_port"} if argv[0] == "serve" else {}
     assert from_args(SchedulerConfig, parser.parse_args(argv), rename).is_prefix_caching is True
-    for flag in ("--no-prefix-caching", "--no-is-prefix-caching"):
+    for flag in ("--no-prefix-caching",):
         assert from_args(SchedulerConfig, parser.parse_args(argv + [flag]), rename).is_prefix_caching is False
     off = SchedulerConfig(is_prefix_caching=False)  # the launcher's argv for the scheduler process
     assert from_args(SchedulerConfig, parser.parse_args(["scheduler", *to_argv(off)])) == off

@@ -13,9 +13,8 @@ import re
 import kubernetes_validate
 import pytest
 
-from segserve.cli import _CONSUME_RENAME, build_parser
+from segserve.cli import build_parser
 from segserve.flags import env_names, from_args
-from segserve.reflow.config import ConsumerConfig
 from tests.k8s_helpers import (K8S, OVERLAYS, PLUMBING_ENV, REPO, config_class, container_env, find, localize, one,
                                pod_labels, pod_spec, render, segserve_argv, segserve_containers, selects, workloads)
 
@@ -38,7 +37,7 @@ def build_config(argv, env, workload, container, objects, tmp_path, monkeypatch)
     for name, value in zip(env, localize(list(env.values()), workload, container, objects, tmp_path)):
         monkeypatch.setenv(name, value)
     args = build_parser().parse_args(argv)
-    return from_args(cls, args, _CONSUME_RENAME if cls is ConsumerConfig else None)
+    return from_args(cls, args)
 
 
 def component_config(objects, component, tmp_path, monkeypatch):
@@ -81,7 +80,7 @@ def test_every_variable_a_container_sets_is_read_by_its_config(objects):
     for workload, container in segserve_containers(objects):
         argv = segserve_argv(container)
         cls = config_class(argv)
-        read = (env_names(cls, _CONSUME_RENAME if cls is ConsumerConfig else None) if cls else set()) | PLUMBING_ENV
+        read = (env_names(cls) if cls else set()) | PLUMBING_ENV
         unread = set(container_env(container, objects)) - read
         assert not unread, f"{workload['metadata']['name']}/{container['name']} sets {unread}, which nothing reads"
 
