@@ -2,11 +2,11 @@
 
 Routes: the OpenAI-compatible /v1 routes (openai_routes.py), the MindIE-style
 /v2/models/{model}/generate[_stream] routes (v2.py), GET /health, /ready,
-/metrics (ops.py), GET /status (status.py: the live view's JSON), and the browser
-playground at GET /playground (playground/). They share nothing but the `RouterState` built here (config,
-scheduler client, tokenizer, model facts, metrics, reflow recorder) and fetched
+/metrics (ops.py), GET /status (status.py: the live view's JSON), POST /tokenize and /detokenize
+(tokenize_routes.py), and the browser playground at GET /playground (playground/). They share nothing but the
+`RouterState` built here (config, scheduler client, tokenizer, model facts, metrics, reflow recorder) and fetched
 by a FastAPI dependency (state.py); the running of a generation is serving.py's.
-Middleware, outermost first: the request guard (API keys, body limit; ops.py),
+Middleware, outermost first: the request guard (API keys, body limit; guard.py),
 then data reflow's recording when configured (reflow/gateway.py), then the drain
 guard (drain.py: requests under way counted, new ones refused once shutting down).
 """
@@ -23,15 +23,15 @@ from router import openai_routes, ops, playground, status, tokenize_routes, v2
 from router.config import RouterConfig
 from router.drain import DrainGuard
 from router.errors import ERROR_RESPONSES, install_error_handlers
-from router.ops import MeteredClient, RequestGuard, RouterMetrics
+from router.guard import RequestGuard
+from router.metrics import RouterMetrics
 from router.reflow import RecorderConfig, open_recorder
 from router.reflow.gateway import ReflowCollector, ReflowMiddleware
-from router.scheduler_client import SchedulerClient
-from router.serving import SSE_HEADERS, sse_events, until_disconnected
+from router.scheduler_client import SchedulerApi
 from router.state import RouterState
 
 
-def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_info: WorkerInfo) -> FastAPI:
+def create_app(config: RouterConfig, client: SchedulerApi, tokenizer, model_info: WorkerInfo) -> FastAPI:
     """The router's FastAPI app, serving `model_info`'s model through `client`."""
     state = build_state(config, client, tokenizer, model_info)
 
@@ -61,16 +61,11 @@ def create_app(config: RouterConfig, client: SchedulerClient, tokenizer, model_i
     return app
 
 
-def build_state(config: RouterConfig, client: SchedulerClient, tokenizer, model_info: WorkerInfo) -> RouterState:
+def build_state(config: RouterConfig, client: SchedulerApi, tokenizer, model_info: WorkerInfo) -> RouterState:
     """Everything the routes share; opens the reflow recorder when `config` asks for one."""
     served_name = config.served_model_name or model_info.model_name
     recorder = None
     if config.reflow_queue_url:
         recorder = open_recorder(RecorderConfig(queue_url=config.reflow_queue_url, spill_dir=config.reflow_spill_dir))
-    metrics = RouterMetrics(served_name)
-    return RouterState(config=config, scheduler=client, client=MeteredClient(client, metrics), metrics=metrics,
-                       tokenizer=tokenizer, model_info=model_info, served_name=served_name, created=int(time.time()),
-                       recorder=recorder)
-
-
-__all__ = ["create_app", "build_state", "SSE_HEADERS", "sse_events", "until_disconnected"]
+    return RouterState(config=config, scheduler=client, metrics=RouterMetrics(served_name), tokenizer=tokenizer,
+                       model_info=model_info, served_name=served_name, created=int(time.time()), recorder=recorder)

@@ -6,18 +6,21 @@ it, per-token logprobs, prompt logprobs when asked for, and on the last one the
 finish reason and usage), a `GenerateError`, or `KEEPALIVE` when nothing arrived
 for a while (so
 a streaming endpoint can send an SSE comment). The events are taken straight from
-the request's stream (`SchedulerClient.open`, scheduler_streams.py), with the
+the request's stream (`SchedulerApi.open`, scheduler_client.py), with the
 keep-alive as the wait's timeout: token chunks that arrived while the consumer was
 busy come in one take and are merged into one Delta; closing the iterator (client
-gone) closes the stream, which cancels the request at the scheduler. A client with
-only `generate` is read through a pump task (scheduler_streams.PumpStream).
+gone) closes the stream, which cancels the request at the scheduler. The request's
+`StreamObserver`s (metrics, the gRPC API's step sizes) are told what is taken, as it is.
+
+`OPENAI_FINISH_REASONS` is the one map of the contract's FinishReason to OpenAI's
+`finish_reason` (also vLLM's `finished_reason` metric label, metrics.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from protos.segserve.v1.generate import (
@@ -30,19 +33,19 @@ from protos.segserve.v1.generate import (
 )
 from protos.segserve.v1.step_result import PromptLogprobs
 from router.detokenizer import IncrementalDetokenizer
-from router.scheduler_client import SchedulerClient
-from router.scheduler_streams import open_stream
+from router.scheduler_client import SchedulerApi
+from router.scheduler_streams import StreamObserver
 from router.speculation import Speculation, StepQueue
 
 logger = logging.getLogger(__name__)
 
-_OPENAI_FINISH = {
+OPENAI_FINISH_REASONS = {
     FinishReason.EOS_TOKEN: "stop",
     FinishReason.STOP_TOKEN: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.CONTEXT_LENGTH: "length",
     FinishReason.UNSPECIFIED: "stop",
-    FinishReason.ERROR: "error",  # this request alone failed in the worker (see app.py for the stream)
+    FinishReason.ERROR: "error",  # this request alone failed in the worker (serving.py: the stream's error event)
 }
 
 
@@ -140,23 +143,28 @@ def to_logprobs(chunk: TokenChunk, num_top: int) -> list[TokenLogprob]:
 def finish_delta(done: GenerateComplete, job: GenerationJob, text: str) -> Delta:
     usage = Usage(done.num_prompt_tokens or len(job.prompt_token_ids), done.num_generated_tokens,
                   done.num_cached_prompt_tokens or None)
-    return Delta(text=text, finish_reason=_OPENAI_FINISH[done.finish_reason], usage=usage, complete=done)
+    return Delta(text=text, finish_reason=OPENAI_FINISH_REASONS[done.finish_reason], usage=usage, complete=done)
 
 
 async def generate_deltas(
-    client: SchedulerClient,
+    client: SchedulerApi,
     job: GenerationJob,
     detokenizer: IncrementalDetokenizer,
     keepalive_s: float | None = None,
+    observers: Sequence[StreamObserver] = (),
 ) -> AsyncIterator[Delta | GenerateError | KeepAlive]:
     """Stream one request; ends after the Delta carrying finish_reason or after a GenerateError.
 
     Token chunks that piled up while the consumer was busy (a slow client, a
     loaded router) come out as one Delta, as vLLM merges the outputs of a
     request its client has not read yet: one detokenization and one SSE event
-    for all of them.
+    for all of them. `observers` see every event as it is taken, before the merge.
     """
-    stream = open_stream(client, job.request, job.timeout_s)
+    stream = client.open(job.request, job.timeout_s)
+    if observers:
+        now_s = time.monotonic()
+        for observer in observers:
+            observer.opened(now_s)
     steps = StepQueue() if job.include_speculation else None
     try:
         while True:
@@ -169,6 +177,10 @@ async def generate_deltas(
             if not events:
                 yield KEEPALIVE
                 continue
+            if observers:
+                now_s = time.monotonic()
+                for observer in observers:
+                    observer.took(events, now_s)
             if steps is not None:
                 steps.note(events)
             for event in merge_chunks(events):
@@ -181,7 +193,11 @@ async def generate_deltas(
                     yield event
                     return
     finally:
-        await stream.close()
+        try:
+            await stream.close()
+        finally:
+            for observer in observers:
+                observer.closed()
 
 
 def _chunk_delta(chunk: TokenChunk, job: GenerationJob, detokenizer: IncrementalDetokenizer,

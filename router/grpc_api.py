@@ -44,8 +44,9 @@ from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import RETRY_AFTER_S, APIError
 from router.generation import GenerationJob, generate_deltas
-from router.grpc_convert import Prompt, Renderer, StepLog, choice_jobs, prompt_of, reflow_body, stop_strings
-from router.ops import MeteredClient, is_authorized
+from router.grpc_convert import Prompt, Renderer, StepSizes, choice_jobs, prompt_of, reflow_body, stop_strings
+from router.guard import is_authorized
+from router.metrics import ProtocolMetrics, RequestTracker
 from router.tenants import InvalidTenant, current_tenant, tenant_for
 from router.reflow.chunks import FinishState
 from router.reflow.gateway import client_id, record_deltas, state_for_status
@@ -132,7 +133,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self, state: RouterState) -> None:
         self.state = state
-        self.client = MeteredClient(state.scheduler, state.metrics, protocol="grpc")
+        self.metrics = ProtocolMetrics(state.metrics, "grpc")
         self._api_keys = [key.encode() for key in state.config.api_keys]
 
     def authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -198,10 +199,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if recording is not None:
                 recording.finish(state_for_status(exc.status), error=exc.message)
             raise
-        step_logs = [StepLog(self.client) for _ in jobs]
-        renderer = Renderer(self.state, response_id, prompt.token_ids, step_logs, request.parameters.details,
+        step_sizes = [StepSizes() for _ in jobs]
+        renderer = Renderer(self.state, response_id, prompt.token_ids, step_sizes, request.parameters.details,
                             arrived_s)
-        return GenerationRun(self.state, prompt, jobs, stops, step_logs, renderer, recording)
+        return GenerationRun(self.state, self.metrics, prompt, jobs, stops, step_sizes, renderer, recording)
 
     def _timeout_s(self, context) -> float | None:
         """The scheduler's deadline: the router's request timeout or the caller's deadline, the sooner."""
@@ -227,16 +228,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 class GenerationRun:
     """One admitted generation: its jobs, how its Deltas are read and rendered, and its recording."""
 
-    def __init__(self, state: RouterState, prompt: Prompt, jobs: list[GenerationJob], stops: list[str],
-                 step_logs: list[StepLog], renderer: Renderer, recording: RequestRecording | None) -> None:
-        self.state, self.prompt, self.jobs, self.stops = state, prompt, jobs, stops
-        self.step_logs, self.renderer, self.recording = step_logs, renderer, recording
+    def __init__(self, state: RouterState, metrics: ProtocolMetrics, prompt: Prompt, jobs: list[GenerationJob],
+                 stops: list[str], step_sizes: list[StepSizes], renderer: Renderer,
+                 recording: RequestRecording | None) -> None:
+        self.state, self.metrics, self.prompt, self.jobs, self.stops = state, metrics, prompt, jobs, stops
+        self.step_sizes, self.renderer, self.recording = step_sizes, renderer, recording
 
     def _choice(self, index: int) -> AsyncIterator:
         job = self.jobs[index]
         detokenizer = IncrementalDetokenizer(self.state.tokenizer, job.prompt_token_ids,
                                              hidden_token_ids=self.state.hidden_token_ids)
-        events = generate_deltas(self.step_logs[index], job, detokenizer)
+        observers = (RequestTracker(self.metrics), self.step_sizes[index])
+        events = generate_deltas(self.state.scheduler, job, detokenizer, observers=observers)
         return stop_at_strings(events, self.stops, len(self.prompt.token_ids)) if self.stops else events
 
     async def deltas(self, context) -> AsyncIterator:

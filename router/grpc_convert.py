@@ -15,10 +15,10 @@ off (SPEC: given sampling parameters make do_sample true); a temperature in
 seed + i (protocol.choice_seed).
 
 Speculative decoding shows in `step_num_tokens`: the scheduler sends one chunk
-per step, so `StepLog` notes each chunk's token count (1 + the drafts accepted
-in that step) as the chunks come in, and each Delta takes the counts of the
-tokens it covers (generation.py merges the chunks a busy consumer did not read
-in time into one Delta).
+per step, so `StepSizes` (a StreamObserver of the choice's stream) notes each
+chunk's token count (1 + the drafts accepted in that step) as the chunks are
+taken, and each Delta takes the counts of the tokens it covers (generation.py
+merges the chunks a busy consumer did not read in time into one Delta).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import AsyncIterator
 
 from google.protobuf.json_format import MessageToDict
 
@@ -41,7 +40,7 @@ from router.generation import Delta, GenerationJob, TokenLogprob, Usage
 from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from router.protocol import MAX_STOP_STRINGS, choice_seed, sampling_temperature
 from router.responses import by_choice
-from router.scheduler_streams import RequestStream, open_stream, stream_events
+from router.scheduler_streams import StreamObserver
 from router.state import RouterState
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -123,26 +122,23 @@ def stop_strings(params: pb.GenerationParameters) -> list[str]:
 
 def choice_jobs(state: RouterState, request: pb.GenerationRequest, prompt: Prompt, scheduler_id: str,
                 timeout_s: float | None) -> list[GenerationJob]:
-    """One validated job per choice; the output budget fixed as /v1 fixes it (prompts.output_budget)."""
+    """One validated job per choice, each with the output budget /v1 would give it (prompts.output_budget)."""
     params = request.parameters
     num_choices = params.n or 1
     if num_choices > MAX_CHOICES:
         raise bad_request(f"Invalid request: `parameters.n` must be in [1, {MAX_CHOICES}] (got {num_choices})",
                           "parameters.n")
-    requested = params.max_tokens if params.HasField("max_tokens") else None
-    names = {**FIELD_PATHS, "prompt_token_ids": prompt.field}
-    stopping = StoppingCriteria(max_tokens=state.config.default_max_tokens if requested is None else requested,
-                                stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    max_tokens = output_budget(params.max_tokens if params.HasField("max_tokens") else None, len(prompt.token_ids),
+                               state.model_info.max_model_len, state.config.default_max_tokens)
+    stopping = StoppingCriteria(max_tokens=max_tokens, stop_token_ids=tuple(params.stop_token_ids),
+                                ignore_eos=params.ignore_eos)
     requests = [GenerateRequest(scheduler_id if num_choices == 1 else f"{scheduler_id}-{index}", prompt.token_ids,
                                 to_sampling(params, index), stopping) for index in range(num_choices)]
+    names = {**FIELD_PATHS, "prompt_token_ids": prompt.field}
     for generate_request in requests:
         check_request(generate_request, state.model_info, names)
-    budget = output_budget(requested, len(prompt.token_ids), state.model_info.max_model_len,
-                           state.config.default_max_tokens, prompt.field, "parameters.max_tokens")
-    stopping = dataclasses.replace(stopping, max_tokens=budget)
     num_top = params.logprobs if params.HasField("logprobs") else None
-    return [GenerationJob(dataclasses.replace(r, stopping=stopping), state.eos_token_ids, num_top, timeout_s)
-            for r in requests]
+    return [GenerationJob(r, state.eos_token_ids, num_top, timeout_s) for r in requests]
 
 
 def reflow_body(request: pb.GenerationRequest, served_name: str) -> dict:
@@ -158,19 +154,16 @@ def reflow_body(request: pb.GenerationRequest, served_name: str) -> dict:
     return body
 
 
-class StepLog:
-    """A scheduler client's stand-in for one choice: notes how many tokens each step's chunk brought."""
+class StepSizes(StreamObserver):
+    """One choice's step sizes: how many tokens each of the scheduler's chunks brought, noted as they are taken."""
 
-    def __init__(self, client) -> None:
-        self.client = client
+    def __init__(self) -> None:
         self._sizes: collections.deque[int] = collections.deque()
 
-    def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
-        """The client's stream of the request, noting each chunk's size as it is taken (no task of its own)."""
-        return _LoggedStream(open_stream(self.client, request, timeout_s), self._sizes)
-
-    def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
-        return stream_events(self.open, request, timeout_s)
+    def took(self, events: list[GenerateEvent], now_s: float) -> None:
+        for event in events:
+            if isinstance(event, TokenChunk) and event.token_ids:
+                self._sizes.append(len(event.token_ids))
 
     def take(self, num_tokens: int) -> list[int]:
         """The step sizes behind the next `num_tokens` tokens (whole steps: a Delta never splits a chunk)."""
@@ -179,26 +172,6 @@ class StepLog:
             steps.append(self._sizes.popleft())
             num_tokens -= steps[-1]
         return steps
-
-
-class _LoggedStream:
-    """A request's stream whose token chunks' sizes go to its StepLog as they are taken."""
-
-    __slots__ = ("stream", "sizes")
-
-    def __init__(self, stream: RequestStream, sizes: collections.deque[int]) -> None:
-        self.stream = stream
-        self.sizes = sizes
-
-    async def take(self, timeout_s: float | None = None) -> list[GenerateEvent]:
-        events = await self.stream.take(timeout_s)
-        for event in events:
-            if isinstance(event, TokenChunk) and event.token_ids:
-                self.sizes.append(len(event.token_ids))
-        return events
-
-    async def close(self) -> None:
-        await self.stream.close()
 
 
 def finish_reason(delta: Delta) -> int:
@@ -244,16 +217,16 @@ class _Costs:
 class Renderer:
     """Deltas of one request to the API's messages; knows the request's id, tokens, choices and options."""
 
-    def __init__(self, state: RouterState, response_id: str, prompt_ids: list[int], step_logs: list[StepLog],
+    def __init__(self, state: RouterState, response_id: str, prompt_ids: list[int], step_sizes: list[StepSizes],
                  is_details: bool, arrived_s: float | None = None) -> None:
         self.response_id = response_id
         self.model = state.served_name
         self.token_texts = state.token_texts
         self.prompt_ids = prompt_ids
-        self.step_logs = step_logs
+        self.step_sizes = step_sizes
         self.is_details = is_details
         arrived_s = time.monotonic() if arrived_s is None else arrived_s
-        self._costs = [_Costs(arrived_s) for _ in step_logs]
+        self._costs = [_Costs(arrived_s) for _ in step_sizes]
 
     def event(self, delta: Delta) -> pb.GenerationStreamResponse | None:
         """The stream event of `delta`; None when it carries nothing (no text, token, end or prompt logprob)."""
@@ -261,7 +234,7 @@ class Renderer:
         costs.read(delta)
         if not (delta.text or delta.token_ids or delta.finish_reason or delta.prompt_logprobs or delta.logprobs):
             return None
-        steps = self.step_logs[delta.index].take(delta.num_tokens)
+        steps = self.step_sizes[delta.index].take(delta.num_tokens)
         event = pb.GenerationStreamResponse(
             id=self.response_id, index=delta.index, text=delta.text, token_ids=delta.token_ids,
             logprobs=self._logprobs(delta.logprobs), step_num_tokens=steps,
@@ -281,7 +254,7 @@ class Renderer:
             last = choice[-1]
             for delta in choice:
                 self._costs[delta.index].read(delta)
-            steps = self.step_logs[last.index].take(sum(d.num_tokens for d in choice))
+            steps = self.step_sizes[last.index].take(sum(d.num_tokens for d in choice))
             answer.choices.append(pb.GenerationChoice(
                 index=last.index, text="".join(d.text for d in choice),
                 token_ids=[t for d in choice for t in d.token_ids],

@@ -1,18 +1,17 @@
 """The OpenAI-compatible routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}].
 
 A request's life: the pydantic body checks types (protocol.py); the prompt (each
-of a completion's prompts) is tokenized (prompts.py); each of the n choices (per
-prompt) becomes a contract GenerateRequest
-that admission.py validates with the contract's validator (a 400 naming the
-field in OpenAI's words, before the scheduler sees anything); the output budget
-is fixed against the context left; serving.py runs the jobs (one per choice,
-merged by choices.py; stop strings cut by stop.py) and a renderer
+of a completion's prompts) is tokenized (prompts.py), which fixes the output
+budget (prompts.output_budget); each of the n choices (per prompt) becomes a
+contract GenerateRequest that admission.py validates with the contract's
+validator and against the context left (a 400 naming the field in OpenAI's
+words, before the scheduler sees anything); serving.py runs the jobs (one per
+choice, merged by choices.py; stop strings cut by stop.py) and a renderer
 (responses.py) shapes the answer, SSE when `stream`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,7 +44,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     num_choices, response_id = body.num_choices, f"cmpl-{uuid.uuid4().hex}"
     request_ids = generation_ids(response_id, len(prompts) * num_choices)
     jobs = [job for number, ids in enumerate(prompt_ids)
-            for job in choice_jobs(state, body, ids, request_ids[number * num_choices:][:num_choices], "prompt")]
+            for job in choice_jobs(state, body, ids, request_ids[number * num_choices:][:num_choices])]
     echoes = None
     if body.echo:  # the ids were validated with the jobs: decoding them is safe
         echoes = [EchoPrompt(prompt if isinstance(prompt, str) else state.tokenizer.decode(ids), tuple(ids),
@@ -61,7 +60,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     state.check_model(body.model)
     prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages())
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    jobs = choice_jobs(state, body, prompt_ids, generation_ids(response_id, body.num_choices), "messages")
+    jobs = choice_jobs(state, body, prompt_ids, generation_ids(response_id, body.num_choices))
     renderer = ChatRenderer(response_id, int(time.time()), state.served_name, state.token_texts,
                             body.num_top_logprobs is not None, len(jobs))
     return await serve(state, request, body, jobs, renderer)
@@ -89,27 +88,20 @@ def generation_ids(response_id: str, count: int) -> list[str]:
     return [response_id] if count == 1 else [f"{response_id}-{index}" for index in range(count)]
 
 
-def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int], request_ids: list[str],
-                prompt_param: str) -> list[GenerationJob]:
-    """One validated job per choice of one prompt (`request_ids`: the n choices' ids): the contract checks
-    every value first (400 naming the field), then the budget is fixed: the request's max tokens, else the
-    default, within the context the prompt leaves."""
-    requested = body.requested_max_tokens
-    requests = [
-        body.to_request(request_id, prompt_ids, state.config.default_max_tokens if requested is None else requested,
-                        index)
-        for index, request_id in enumerate(request_ids)
-    ]
-    names = body.api_names
-    for generate_request in requests:
-        check_request(generate_request, state.model_info, names)
-    budget = output_budget(requested, len(prompt_ids), state.model_info.max_model_len,
-                            state.config.default_max_tokens, prompt_param, names["max_tokens"])
+def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int],
+                request_ids: list[str]) -> list[GenerationJob]:
+    """One validated job per choice of one prompt (`request_ids`: the n choices' ids), each with the output
+    budget the prompt leaves (a 400 naming the field when the contract or the context refuses it)."""
+    max_tokens = output_budget(body.requested_max_tokens, len(prompt_ids), state.model_info.max_model_len,
+                               state.config.default_max_tokens)
+    requests = [body.to_request(request_id, prompt_ids, max_tokens, index)
+                for index, request_id in enumerate(request_ids)]
+    for request in requests:
+        check_request(request, state.model_info, body.api_names)
     return [
-        GenerationJob(request=dataclasses.replace(r, stopping=dataclasses.replace(r.stopping, max_tokens=budget)),
-                      eos_token_ids=state.eos_token_ids, num_top_logprobs=body.num_top_logprobs,
+        GenerationJob(request=request, eos_token_ids=state.eos_token_ids, num_top_logprobs=body.num_top_logprobs,
                       timeout_s=state.config.request_timeout_s or None, include_speculation=body.include_speculation)
-        for r in requests
+        for request in requests
     ]
 
 

@@ -4,6 +4,10 @@ Completions prompts are tokenized with the tokenizer's default special tokens
 (BOS for gemma); a list of token ids is taken as is. Chat messages go through
 the model's chat template, which already writes the BOS token, so the templated
 text is tokenized without adding special tokens again.
+
+`output_budget` is the `max_tokens` every API edge (OpenAI, /v2, gRPC) puts in
+its requests, computed once before it builds them; admission.check_request then
+refuses a requested budget that the context cannot hold.
 """
 
 from __future__ import annotations
@@ -36,21 +40,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return ids
 
 
-def output_budget(
-    requested: int | None, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int,
-    prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
-) -> int:
-    """The output budget: the request's, else the default bounded by the context left."""
-    room = max_model_len - num_prompt_tokens
-    if room <= 0:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{num_prompt_tokens} tokens; shorten the {prompt_param}.", prompt_param, "context_length_exceeded")
-    if requested is None:
-        return min(default_max_tokens, room)
-    if requested > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
-            f"tokens, so {max_tokens_param} can be at most {room} (got {requested}).",
-            max_tokens_param, "context_length_exceeded")
-    return requested
+def output_budget(requested: int | None, num_prompt_tokens: int, max_model_len: int, default: int) -> int:
+    """The request's max tokens as the client sent it, else the API's `default` cut to the context the prompt
+    leaves. Unchecked: the contract's ranges and the room left are admission.check_request's."""
+    if requested is not None:
+        return requested
+    return min(default, max_model_len - num_prompt_tokens)

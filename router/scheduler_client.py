@@ -1,4 +1,9 @@
-"""The router's gRPC client of the Scheduler service: the one place protobuf is touched.
+"""The interface the routes reach schedulers through (`SchedulerApi`), and its gRPC client of one scheduler.
+
+`SchedulerApi` is what create_app is given: `open` (the one way a request is sent), `health`, `get_stats` and
+`close`. SchedulerClient (here: one scheduler) and SchedulerPool (scheduler_pool.py: several) implement it, and
+so do the tests' doubles. What watches a request (metrics, the gRPC API's step sizes) is not a client: it is a
+StreamObserver (scheduler_streams.py) that generation.generate_deltas tells what it takes from the stream.
 
 Requests go out as a contract `GenerateRequest` (protos/segserve/v1/generate.py);
 the response stream comes back as the contract's events (`TokenChunk`,
@@ -14,6 +19,7 @@ without it gets one Generate call per request.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import time
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest
+from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest, TokenChunk
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.stats import DrafterReplicaStats
 from router.scheduler_streams import (
@@ -33,7 +39,6 @@ from router.scheduler_streams import (
     SharedCall,
     SharedStream,
     generate_per_request,
-    stream_events,
 )
 from router.tenants import current_tenant
 from common.tls import TlsFiles, open_channel
@@ -110,7 +115,43 @@ def load_from_pb(stats: scheduler_pb2.SchedulerStats) -> SchedulerLoad:
                          tuple(DrafterReplicaStats.from_pb(d) for d in stats.drafters))
 
 
-class SchedulerClient:
+class SchedulerApi(abc.ABC):
+    """What the router reaches its schedulers through: one scheduler (SchedulerClient) or a pool of them
+    (scheduler_pool.SchedulerPool)."""
+
+    @abc.abstractmethod
+    def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
+        """Start one request; its consumer takes its events (the last one a GenerateComplete or a GenerateError)
+        from the returned stream and closes it, which cancels a request not ended yet."""
+
+    @abc.abstractmethod
+    async def health(self, timeout_s: float = 2.0) -> Health:
+        """Readiness (GET /ready); an unreachable scheduler is simply not ready."""
+
+    @abc.abstractmethod
+    async def get_stats(self, timeout_s: float = 2.0) -> SchedulerLoad:
+        """Current load and counters (GET /metrics, /status); raises when no scheduler answers."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the connections; requests still open end with an error event."""
+
+    async def generate(self, request: GenerateRequest, timeout_s: float | None = None
+                       ) -> AsyncIterator[GenerateEvent]:
+        """`open`'s events one by one, up to and with the terminal one (scripts and benchmarks). Closing the
+        iterator before then cancels the request."""
+        stream = self.open(request, timeout_s)
+        try:
+            while True:
+                for event in await stream.take():
+                    yield event
+                    if not isinstance(event, TokenChunk):
+                        return
+        finally:
+            await stream.close()
+
+
+class SchedulerClient(SchedulerApi):
     """Async client of one scheduler. The channel is opened lazily in the running event loop; with `tls`, mutual
     TLS (server_name: the DNS name the scheduler's certificate carries when `address` is one it resolved to)."""
 
@@ -131,9 +172,7 @@ class SchedulerClient:
         return self._stub
 
     def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
-        """Start one request; its consumer takes its events (the last one a GenerateComplete or a GenerateError)
-        from the returned stream and closes it. A request without a tenant gets the one its edge set
-        (router/tenants.py)."""
+        """SchedulerApi.open; a request without a tenant gets the one its edge set (router/tenants.py)."""
         if not request.tenant:
             request = dataclasses.replace(request, tenant=current_tenant.get())
         if self.is_per_request:
@@ -143,10 +182,6 @@ class SchedulerClient:
         if request.request_id in self._shared.inboxes:
             return ReadyStream([GenerateError("invalid_request", f"request_id: {request.request_id!r} is already live")])
         return SharedStream(self._shared, request, timeout_s, self._generate_per_request)
-
-    def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
-        """One request's events as an async iterator (`open`'s, one by one)."""
-        return stream_events(self.open, request, timeout_s)
 
     def _on_shared_end(self, shared: SharedCall, is_unimplemented: bool) -> None:
         if is_unimplemented:

@@ -1,7 +1,7 @@
-"""Several schedulers behind the one client interface the routes use.
+"""Several schedulers behind the one client interface the routes use (scheduler_client.SchedulerApi).
 
 In: the scheduler targets (`host:port`, or `dns:///name:port` resolving to every replica; re-resolved
-every `refresh_s`). Out: the same calls as one SchedulerClient (open, generate, get_info, get_stats, health,
+every `refresh_s`). Out: the same calls as one SchedulerClient (open, get_info, get_stats, health,
 wait_ready, close), served by the pool.
 
 - Placement: a request goes to the scheduler its prompt's first tokens (`affinity_key`) hash to (rendezvous hashing
@@ -23,13 +23,13 @@ import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from itertools import zip_longest
 
 from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
-from router.scheduler_client import SchedulerClient, SchedulerLoad, SegmentLoad, SpecTotals
-from router.scheduler_streams import ReadyStream, RequestStream, open_stream, stream_events, terminal_index
+from router.scheduler_client import SchedulerApi, SchedulerClient, SchedulerLoad, SegmentLoad, SpecTotals
+from router.scheduler_streams import ReadyStream, RequestStream, terminal_index
 from common.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
 from common.tls import TlsFiles
 
@@ -45,7 +45,7 @@ def parse_targets(text: str) -> list[str]:
     return targets
 
 
-class SchedulerPool:
+class SchedulerPool(SchedulerApi):
     """A SchedulerClient per scheduler (mutual TLS with `tls`); create it on the event loop that uses it (start()
     begins polling)."""
 
@@ -84,10 +84,6 @@ class SchedulerPool:
     def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
         """One request's events from the scheduler chosen for it; refused or unreachable ones are retried."""
         return _PoolStream(self, request, timeout_s)
-
-    def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[GenerateEvent]:
-        """`open`'s events one by one."""
-        return stream_events(self.open, request, timeout_s)
 
     def pick(self, prompt_token_ids: Sequence[int], exclude: set[str] = frozenset()) -> str | None:
         """The scheduler for a prompt: its affinity choice unless that one is too busy, then the least busy;
@@ -225,7 +221,7 @@ class _PoolStream:
         self._tried.add(address)
         pool._in_flight[address] += 1
         self._address = address
-        return open_stream(pool._clients[address], self._request, self._timeout_s)
+        return pool._clients[address].open(self._request, self._timeout_s)
 
     async def take(self, timeout_s: float | None = None) -> list[GenerateEvent]:
         while True:

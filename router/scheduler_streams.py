@@ -6,6 +6,9 @@ which one reader task hands to the requests' inboxes (one gRPC message per step 
 and step). When that call fails, every request on it ends with the mapped error and the next request opens a
 new call; a scheduler without GenerateStreams (UNIMPLEMENTED) gets one Generate call per request from then on
 (`generate_per_request`).
+
+Also the shapes every client shares: `RequestStream` (one request's events as its consumer takes them) and
+`StreamObserver` (what watches them being taken: metrics.RequestTracker, grpc_convert.StepSizes).
 """
 
 from __future__ import annotations
@@ -210,7 +213,7 @@ async def generate_per_request(stub: scheduler_pb2_grpc.SchedulerStub, request: 
 
 
 class RequestStream(Protocol):
-    """One request's events as its consumer takes them (`SchedulerClient.open`): TokenChunks, then one terminal
+    """One request's events as its consumer takes them (`SchedulerApi.open`): TokenChunks, then one terminal
     event (GenerateComplete or GenerateError), after which the stream is over."""
 
     async def take(self, timeout_s: float | None = None) -> list[GenerateEvent]:
@@ -221,6 +224,20 @@ class RequestStream(Protocol):
     async def close(self) -> None:
         """Done with the request: one not ended yet is cancelled at the scheduler."""
         ...
+
+
+class StreamObserver:
+    """Watches one request's stream as its consumer reads it (generation.generate_deltas tells it), without
+    being in the way: it sees the events, it cannot change them. Override what is needed; the rest does nothing."""
+
+    def opened(self, now_s: float) -> None:
+        """The request was sent (time.monotonic)."""
+
+    def took(self, events: list[GenerateEvent], now_s: float) -> None:
+        """The consumer took `events` (never empty) at `now_s`."""
+
+    def closed(self) -> None:
+        """The consumer closed the stream: after its terminal event, or before it (the client went away)."""
 
 
 def terminal_index(events: list) -> int:
@@ -300,7 +317,7 @@ class SharedStream:
 
 
 class PumpStream:
-    """A request read from an async iterator of its events (its own Generate call, or any `generate`) by a task
+    """A request read from an async iterator of its events (its own Generate call, or a test double's) by a task
     that puts them into an inbox, so that taking with a timeout never disturbs the iterator. Closing it cancels
     the task, which closes the iterator."""
 
@@ -345,27 +362,3 @@ class ReadyStream:
 
     async def close(self) -> None:
         pass
-
-
-def open_stream(client, request: GenerateRequest, timeout_s: float | None) -> RequestStream:
-    """`client.open(request, timeout_s)`, or, for a client that only has `generate`, its iterator read by a
-    PumpStream."""
-    opener = getattr(client, "open", None)
-    if opener is not None:
-        return opener(request, timeout_s)
-    return PumpStream(client.generate(request, timeout_s=timeout_s), request.request_id)
-
-
-async def stream_events(open_fn: Callable[[GenerateRequest, float | None], RequestStream], request: GenerateRequest,
-                        timeout_s: float | None) -> AsyncIterator[GenerateEvent]:
-    """A RequestStream as an async iterator (opened on the first step): its events one by one, up to and with
-    the terminal one. Closing it before then cancels the request."""
-    stream = open_fn(request, timeout_s)
-    try:
-        while True:
-            for event in await stream.take():
-                yield event
-                if not isinstance(event, TokenChunk):
-                    return
-    finally:
-        await stream.close()

@@ -35,6 +35,7 @@ from protos.segserve.v1.generate import FinishReason, GenerateError
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import SERVER_ERROR, error_body, from_failure
 from router.generation import Delta, GenerationJob, KeepAlive, generate_deltas
+from router.metrics import RequestTracker
 from router.reflow.gateway import STATE_KEY, record_deltas
 from router.speculation import with_extension
 from router.state import RouterState
@@ -149,10 +150,11 @@ async def collect(events: AsyncIterator) -> list[Delta]:
 
 
 def job_events(state: RouterState, job: GenerationJob, keepalive_s: float | None) -> AsyncIterator:
-    """One job's Deltas, detokenized (generation.generate_deltas) from `state`'s scheduler client."""
+    """One job's Deltas, detokenized (generation.generate_deltas) from `state`'s schedulers, the request metrics
+    observed under protocol "http"."""
     detokenizer = IncrementalDetokenizer(state.tokenizer, job.prompt_token_ids,
                                          hidden_token_ids=state.hidden_token_ids)
-    return generate_deltas(state.client, job, detokenizer, keepalive_s)
+    return generate_deltas(state.scheduler, job, detokenizer, keepalive_s, (RequestTracker(state.metrics.http),))
 
 
 async def respond(state: RouterState, request: Request, job: GenerationJob, renderer, stream: bool,

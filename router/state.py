@@ -1,8 +1,9 @@
 """What every route needs, built once per app: `RouterState`, fetched per request by a dependency.
 
 create_app (app.py) builds one RouterState and stores it on `app.state.router`;
-routes (openai_routes.py, v2.py, ops.py) declare a `state: StateDep` parameter
-and FastAPI hands them that object (`get_state`). So the routes are plain
+routes (openai_routes.py, v2.py, tokenize_routes.py, status.py, ops.py) declare a
+`state: StateDep` parameter and FastAPI hands them that object (`get_state`); the
+gRPC API (grpc_api.py) is given the same object. So the routes are plain
 APIRouter functions, and a test can build an app around any client, tokenizer
 and model facts.
 """
@@ -21,9 +22,9 @@ from router.drain import Drain
 from router.errors import bad_request, model_not_found
 
 if TYPE_CHECKING:
-    from router.ops import MeteredClient, RouterMetrics
+    from router.metrics import RouterMetrics
     from router.reflow.recorder import Recorder
-    from router.scheduler_client import SchedulerClient
+    from router.scheduler_client import SchedulerApi
 
 
 @dataclass
@@ -31,10 +32,8 @@ class RouterState:
     """One app's dependencies: its config, scheduler client, tokenizer and served model."""
 
     config: RouterConfig
-    scheduler: SchedulerClient
-    """The raw client: readiness and stats."""
-    client: MeteredClient
-    """What routes generate with: the scheduler client, feeding the request metrics."""
+    scheduler: SchedulerApi
+    """The schedulers: generation (each request watched by a metrics.RequestTracker), readiness and stats."""
     metrics: RouterMetrics
     tokenizer: Any
     model_info: WorkerInfo

@@ -5,7 +5,7 @@ tokenizes them as generation would (prompts.py: the tokenizer's special tokens
 for a prompt, the chat template with its generation prompt for messages), so
 `count` is what a request with the same input is charged against
 `max_model_len`. /detokenize turns token ids back into text. Both want the API
-key as /v1 does (router/ops.py).
+key as /v1 does (router/guard.py).
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ first-token and decode times (its clock: no HTTP, tokenization or gRPC in them).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from typing import Any, ClassVar
@@ -99,6 +98,11 @@ class Parameters(BaseModel):
     watermark: bool = False
     """Green-list watermark (worker/watermark.py); `segserve watermark detect` tests text for it."""
     perf_stat: bool = False
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """`max_new_tokens` when the client sent it; None = the default, cut to the room the prompt leaves."""
+        return self.max_new_tokens if "max_new_tokens" in self.model_fields_set else None
 
     def to_sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -330,12 +334,10 @@ def _endpoint(stream: bool):
         if not prompt_ids:
             raise bad_request("text_input tokenizes to no tokens", "text_input")
         request_id = f"gen-{uuid.uuid4().hex}"
-        contract_request = to_request(body, request_id, prompt_ids, params.max_new_tokens)
+        max_tokens = output_budget(params.requested_max_tokens, len(prompt_ids), state.model_info.max_model_len,
+                                   DEFAULT_MAX_NEW_TOKENS)
+        contract_request = to_request(body, request_id, prompt_ids, max_tokens)
         check_request(contract_request, state.model_info, API_NAMES)
-        requested = params.max_new_tokens if "max_new_tokens" in params.model_fields_set else None
-        budget = output_budget(requested, len(prompt_ids), state.model_info.max_model_len, DEFAULT_MAX_NEW_TOKENS,
-                                "text_input", API_NAMES["max_tokens"])
-        contract_request = dataclasses.replace(contract_request, stopping=StoppingCriteria(max_tokens=budget))
         job = GenerationJob(request=contract_request, eos_token_ids=state.eos_token_ids,
                             timeout_s=state.config.request_timeout_s or None)
         renderer = V2Renderer(body.id or request_id, state.served_name, version, arrived_s, params.details,

@@ -12,20 +12,34 @@ REJECT (an invalid_request error event at once). A request with
 num_prompt_logprobs first gets its prompt's logprobs (PROMPT_LOGPROB and
 alternatives), in two chunks without generated tokens. GetStats reports the streams under
 way as running; is_refusing makes every Generate a full queue.
+
+`ScriptedClient` is the in-process double for tests below the gRPC wire: a SchedulerApi whose every request
+streams the same scripted events.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator, Sequence
 from concurrent import futures
 
 import grpc
 
 from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateError, GenerateRequest, TokenChunk
+from protos.segserve.v1.generate import (
+    FinishReason,
+    GenerateComplete,
+    GenerateError,
+    GenerateEvent,
+    GenerateRequest,
+    TokenChunk,
+)
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.step_result import PromptLogprobs, TopLogprobs
+from router.scheduler_client import SchedulerApi, SchedulerLoad
+from router.scheduler_streams import PumpStream, RequestStream
 
 OUTPUT_TEXT = "Hello 🙂 東京 Übermäßig!\n    def add(a, b):\n        return a + b\n"
 GREEDY_LOGIT = 7.0  # what the fake reports as the score of a greedy token (a logit, not a logprob)
@@ -183,3 +197,30 @@ def start_fake_scheduler(tokenizer, **kwargs) -> tuple[grpc.Server, FakeSchedule
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, fake, port
+
+
+class ScriptedClient(SchedulerApi):
+    """A scheduler client whose every request gets `events`: all at once (the consumer fell behind), or each
+    `delay_s` after the previous one."""
+
+    def __init__(self, events: Sequence[GenerateEvent], delay_s: float = 0.0) -> None:
+        self.events = list(events)
+        self.delay_s = delay_s
+
+    def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
+        return PumpStream(self._script(), request.request_id)
+
+    async def _script(self) -> AsyncIterator[GenerateEvent]:
+        for event in self.events:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            yield event
+
+    async def health(self, timeout_s: float = 2.0) -> Health:
+        return Health(True, "")
+
+    async def get_stats(self, timeout_s: float = 2.0) -> SchedulerLoad:
+        raise ConnectionError("a scripted client has no stats")
+
+    async def close(self) -> None:
+        pass

@@ -27,7 +27,7 @@ from protos.segserve.v1 import generation_pb2 as pb
 from protos.segserve.v1 import generation_pb2_grpc
 from router.config import RouterConfig
 from router.grpc_api import server_options, start_grpc_server
-from router.ops import RouterMetrics
+from router.metrics import RouterMetrics
 from segserve.reflow.config import ConsumerConfig
 from segserve.reflow.consumer import consume
 from segserve.reflow.export import export

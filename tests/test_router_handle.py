@@ -1,4 +1,5 @@
-"""SchedulerClient.open: a request's events taken straight from its stream, with a timeout.
+"""SchedulerClient.open: a request's events taken straight from its stream, with a timeout; and the observers
+(metrics, the gRPC API's step sizes) that generate_deltas tells of them, without a task per request.
 
 The real Engine and Scheduler service in front of tests/fakes.py's FakeWorker (next token = last + 1), reached
 over the shared GenerateStreams call and, for a scheduler without it, over one Generate call per request.
@@ -13,10 +14,10 @@ import os
 import pytest
 
 from protos.segserve.v1.generate import GenerateComplete, GenerateError, TokenChunk
-from router.grpc_convert import StepLog
-from router.ops import MeteredClient, RouterMetrics
+from router.generation import Delta, GenerationJob, generate_deltas
+from router.grpc_convert import StepSizes
+from router.metrics import RequestTracker, RouterMetrics
 from router.scheduler_client import SchedulerClient
-from router.scheduler_streams import open_stream
 from tests.test_generate_streams import client_events, request, running_stack, start_older_scheduler
 from tests.test_scheduler_service import wait_until
 
@@ -156,42 +157,74 @@ async def test_a_request_id_already_live_is_refused_and_the_live_one_goes_on():
         assert tokens == [2, 3, 4] and isinstance(last, GenerateComplete)
 
 
-async def test_the_shared_call_hands_events_over_without_a_task_per_request():
+class _IdTexts:
+    """A detokenizer stand-in: a token's text is its id and a space."""
+
+    def add(self, token_ids) -> str:
+        return "".join(f"{token} " for token in token_ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+def observed_deltas(client, request_id: str, prompt: list[int], max_tokens: int, observers):
+    job = GenerationJob(request(request_id, prompt, max_tokens=max_tokens), eos_token_ids=frozenset())
+    return generate_deltas(client, job, _IdTexts(), observers=observers)
+
+
+async def test_the_shared_call_hands_events_to_observed_requests_without_a_task_per_request():
     async with stack(False, step_delay_s=0.02) as (client, engine):
-        metered = MeteredClient(client, RouterMetrics("tiny"))
+        metrics = RouterMetrics("tiny")
         await client_events(client, request("warm", [1], max_tokens=1))  # the shared call and its reader exist
-        streams = [open_stream(metered, request(f"m{i}", [i + 1], max_tokens=4), None) for i in range(8)]
+        generations = [observed_deltas(client, f"m{i}", [i + 1], 4, [RequestTracker(metrics.http)])
+                       for i in range(8)]
         try:
-            firsts = [await stream.take(5.0) for stream in streams]
-            assert all(isinstance(events[0], TokenChunk) for events in firsts)
+            firsts = [await anext(deltas) for deltas in generations]
+            assert all(isinstance(delta, Delta) and delta.token_ids for delta in firsts)
             assert router_tasks() == ["segserve-scheduler-streams"]  # the one reader, no pump per request
-            results = [await take_to_end(stream) for stream in streams]
+            rests = [[delta async for delta in deltas] for deltas in generations]
         finally:
-            for stream in streams:
-                await stream.close()
-        for i, ((tokens, last), events) in enumerate(zip(results, firsts)):
-            first_tokens = [t for e in events if isinstance(e, TokenChunk) for t in e.token_ids]
-            assert first_tokens + tokens == [i + 2, i + 3, i + 4, i + 5] and isinstance(last, GenerateComplete)
-        samples = {s.name: s.value for m in metered.metrics.registry.collect() for s in m.samples}
-        assert samples['vllm:generation_tokens_total'] == 8 * 4
+            for deltas in generations:
+                await deltas.aclose()
+        for i, (first, rest) in enumerate(zip(firsts, rests)):
+            assert [t for d in (first, *rest) for t in d.token_ids] == [i + 2, i + 3, i + 4, i + 5]
+            assert rest[-1].finish_reason == "length"
+        samples = {(s.name, s.labels.get("finished_reason")): s.value
+                   for m in metrics.registry.collect() for s in m.samples}
+        assert samples[("vllm:generation_tokens_total", None)] == 8 * 4
+        assert samples[("vllm:request_success_total", "length")] == 8
         await wait_until(lambda: is_idle(engine), timeout_s=2.0)
 
 
-async def test_the_grpc_apis_step_log_notes_chunk_sizes_without_a_task_per_request():
+async def test_a_request_closed_before_its_end_is_counted_as_aborted():
+    async with stack(False, step_delay_s=0.02) as (client, engine):
+        metrics = RouterMetrics("tiny")
+        deltas = observed_deltas(client, "gone", [1], 1000, [RequestTracker(metrics.http)])
+        assert (await anext(deltas)).token_ids
+        await deltas.aclose()  # the client went away
+        samples = {(s.name, s.labels.get("finished_reason")): s.value
+                   for m in metrics.registry.collect() for s in m.samples}
+        assert samples[("vllm:request_success_total", "abort")] == 1
+        assert samples[("vllm:time_to_first_token_seconds_count", None)] == 1
+        await wait_until(lambda: is_idle(engine), timeout_s=2.0)
+
+
+async def test_the_grpc_apis_step_sizes_note_chunk_sizes_without_a_task_per_request():
     async with stack(False, step_delay_s=0.02) as (client, engine):
         await client_events(client, request("warm", [1], max_tokens=1))  # the shared call and its reader exist
-        logs = [StepLog(MeteredClient(client, RouterMetrics("tiny"))) for _ in range(4)]
-        streams = [log.open(request(f"g{i}", [i + 10], max_tokens=3), None) for i, log in enumerate(logs)]
+        sizes = [StepSizes() for _ in range(4)]
+        generations = [observed_deltas(client, f"g{i}", [i + 10], 3, [step_sizes])
+                       for i, step_sizes in enumerate(sizes)]
         try:
-            firsts = [await stream.take(5.0) for stream in streams]
-            assert all(isinstance(events[0], TokenChunk) for events in firsts)
+            firsts = [await anext(deltas) for deltas in generations]
+            assert all(isinstance(delta, Delta) and delta.token_ids for delta in firsts)
             assert router_tasks() == ["segserve-scheduler-streams"]  # no pump task for the gRPC API's choices
-            results = [await take_to_end(stream) for stream in streams]
+            rests = [[delta async for delta in deltas] for deltas in generations]
         finally:
-            for stream in streams:
-                await stream.close()
-        for i, (log, events, (tokens, last)) in enumerate(zip(logs, firsts, results)):
-            first_tokens = [t for e in events if isinstance(e, TokenChunk) for t in e.token_ids]
-            assert first_tokens + tokens == [i + 11, i + 12, i + 13] and isinstance(last, GenerateComplete)
-            assert sum(log.take(3)) == 3  # every chunk's size was noted, whole steps
+            for deltas in generations:
+                await deltas.aclose()
+        for i, (step_sizes, first, rest) in enumerate(zip(sizes, firsts, rests)):
+            assert [t for d in (first, *rest) for t in d.token_ids] == [i + 11, i + 12, i + 13]
+            assert rest[-1].complete is not None
+            assert sum(step_sizes.take(3)) == 3  # every chunk's size was noted, whole steps
         await wait_until(lambda: is_idle(engine), timeout_s=2.0)

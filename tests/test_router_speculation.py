@@ -18,7 +18,7 @@ from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
 from router.detokenizer import IncrementalDetokenizer
 from router.generation import GenerationJob, generate_deltas
 from router.speculation import Speculation, StepInfo, with_extension
-from tests.fake_scheduler import FAKE_SEGMENT, OUTPUT_TEXT
+from tests.fake_scheduler import FAKE_SEGMENT, OUTPUT_TEXT, ScriptedClient
 from tests.test_router import MODEL, router_url, scheduler, tokenizer  # noqa: F401
 
 USER = [{"role": "user", "content": "hi"}]
@@ -81,15 +81,6 @@ def test_a_wrong_option_value_is_a_400_naming_the_field(router_url):
     assert "include_speculation" in response.text
 
 
-class _PiledUpClient:
-    def __init__(self, events) -> None:
-        self.events = events
-
-    async def generate(self, request, timeout_s=None):
-        for event in self.events:
-            yield event
-
-
 async def test_chunks_merged_into_one_delta_keep_their_steps_in_order(tokenizer):
     ids = tokenizer("Hello 🙂 world, again", add_special_tokens=False).input_ids
     eos = 1
@@ -100,7 +91,7 @@ async def test_chunks_merged_into_one_delta_keep_their_steps_in_order(tokenizer)
     job = GenerationJob(GenerateRequest("r", (2,), SamplingParams(), StoppingCriteria(max_tokens=32)),
                         eos_token_ids=frozenset({eos}), include_speculation=True)
     events = [*chunks, GenerateComplete(FinishReason.EOS_TOKEN, 1, len(ids) + 1)]
-    deltas = [d async for d in generate_deltas(_PiledUpClient(events), job, IncrementalDetokenizer(tokenizer, (2,)))]
+    deltas = [d async for d in generate_deltas(ScriptedClient(events), job, IncrementalDetokenizer(tokenizer, (2,)))]
     first = deltas[0]
     assert first.speculation.steps == tuple(StepInfo.of(c) for c in chunks)
     assert "".join(first.speculation.token_texts) == first.text == tokenizer.decode(ids)

@@ -3,8 +3,6 @@ models' own, and the tokenizer's Rust decoder is used only where it decodes exac
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from transformers import AutoTokenizer
 
@@ -15,6 +13,7 @@ from router.detokenizer import IncrementalDetokenizer, backend_decoder
 from router.generation import Delta, GenerationJob, generate_deltas, merge_chunks
 from router.responses import ChatDelta, ChatRenderer, ChatStreamChoice, CompletionChoice, CompletionRenderer
 from router.v2 import V2Renderer
+from tests.fake_scheduler import ScriptedClient
 from tests.tiny_models import build_tokenizer
 
 TEXTS = ["hi", 'quote " backslash \\ newline \n tab \t nul \x00 unit \x1f del \x7f', "é 東京 🙂 \u2028 </script>"]
@@ -30,26 +29,6 @@ def test_consecutive_chunks_merge_in_order_and_a_chunk_with_prompt_logprobs_stay
     merged = merge_chunks(events)
     assert merged[0] == TokenChunk((1, 2, 3, 6), (0.1, 0.2, 0.3, 0.6), (top,) * 4, 4, 8)
     assert merged[1:] == [events[3], events[4], done]
-
-
-class _PiledUpClient:
-    """A scheduler client whose whole stream is there at once (the consumer fell behind)."""
-
-    def __init__(self, events) -> None:
-        self.events = events
-
-    async def generate(self, request, timeout_s=None):
-        for event in self.events:
-            yield event
-
-
-class _OneByOneClient(_PiledUpClient):
-    """Each chunk after the consumer took the previous one."""
-
-    async def generate(self, request, timeout_s=None):
-        for event in self.events:
-            await asyncio.sleep(0.01)
-            yield event
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +50,8 @@ async def test_chunks_that_piled_up_come_out_as_one_delta_with_the_same_text_and
     ids = tiny_tokenizer("Hello 🙂 world, again", add_special_tokens=False).input_ids
     chunks = [TokenChunk((t,), (-0.5 - i,), batch_size=i + 1) for i, t in enumerate(ids)] + [TokenChunk((99,), (0.0,))]
     events = [*chunks, GenerateComplete(FinishReason.EOS_TOKEN, 2, len(ids) + 1)]
-    piled = await _deltas(_PiledUpClient(events), tiny_tokenizer, _job(num_top_logprobs=0))
-    one_by_one = await _deltas(_OneByOneClient(events), tiny_tokenizer, _job(num_top_logprobs=0))
+    piled = await _deltas(ScriptedClient(events), tiny_tokenizer, _job(num_top_logprobs=0))
+    one_by_one = await _deltas(ScriptedClient(events, delay_s=0.01), tiny_tokenizer, _job(num_top_logprobs=0))
     assert len(one_by_one) == len(chunks) + 1 and len(piled) < len(one_by_one)
     for deltas in (piled, one_by_one):
         assert "".join(d.text for d in deltas) == tiny_tokenizer.decode(ids)

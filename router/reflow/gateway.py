@@ -15,7 +15,7 @@ recorded with its ids alone), and exactly one finish state:
   decides: 2xx complete, 499 cancelled, 408/504
   deadline, other 4xx rejected (validation, 404, 429), 5xx error; an exception
   out of the app is an error, and no response at all is cancelled.
-Requests the guard in router/ops.py refuses (401, 413) never reach this
+Requests the guard in router/guard.py refuses (401, 413) never reach this
 middleware and are not recorded: they are not requests of any client we know.
 
 The client id is the `X-Client-Id` header, else a hash of the API key (never the
