@@ -25,8 +25,8 @@ class DrafterConfig:
     tokenizer: str | None = None
     """Model directory whose tokenizer resolves marker strings; None = the default model."""
     corpus_dir: str | None = None
-    """Directory of the corpora's snapshots (<segment>.corpus.npz + snapshot.json): loaded at start, saved every
-    snapshot_interval_s and at shutdown; None = in memory only."""
+    """Directory of the corpora's snapshots; None = in memory only. Snapshots (<segment>.corpus.npz +
+    snapshot.json) are loaded at start and saved every snapshot_interval_s and at shutdown."""
     max_requests: int = 4096
     """Most requests tracked at once; the least recently queried is dropped (it resyncs later)."""
     history_max_key: int = 8
@@ -53,9 +53,9 @@ class DrafterConfig:
     """How often the corpora (and the log position) are snapshotted to corpus_dir; also on SIGTERM. kill -9
     loses nothing the log holds: a restarted replica replays it from its snapshot's position."""
     redact_corpora: bool = False
-    """Pass every learned segment through reflow's redaction (e-mail addresses, phone numbers and API keys become
-    [EMAIL], [PHONE], [API_KEY]; common/redact.py) before it reaches a corpus, the shared log or a
-    snapshot, as `segserve reflow consume --redact` does for the inference logs."""
+    """Redact what the corpora learn. Every learned segment goes through reflow's redaction (e-mail addresses,
+    phone numbers and API keys become [EMAIL], [PHONE], [API_KEY]; common/redact.py) before it reaches a corpus,
+    the shared log or a snapshot, as `segserve reflow consume --redact` does for the inference logs."""
     replica_name: str = ""
     """This replica's name in the log's records (default: the host name)."""
     device: str = "auto"

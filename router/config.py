@@ -28,9 +28,9 @@ class RouterConfig:
     grpc_max_message_bytes: int = 4 * 1024 * 1024
     """Largest gRPC message received or sent by the public gRPC API; a larger one is RESOURCE_EXHAUSTED."""
     grpc_keepalive_time_s: float = 30.0
-    """The gRPC API pings a connection after this many idle seconds, so load balancers keep long streams open."""
+    """Idle seconds before the gRPC API pings a connection (load balancers then keep long streams open)."""
     grpc_keepalive_timeout_s: float = 10.0
-    """A connection that does not answer a keep-alive ping within this many seconds is closed."""
+    """Seconds before a connection with an unanswered keep-alive ping is closed."""
     default_max_tokens: int = 256
     """max_tokens when a request gives none (bounded by the context left)."""
     keepalive_interval_s: float = 10.0
@@ -38,14 +38,14 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     """Deadline of one request from arrival; past it the stream ends with an error event. 0 = none."""
     scheduler_wait_s: float = 300.0
-    """How long start-up waits for the scheduler to answer GetInfo before giving up."""
+    """Seconds start-up waits for the scheduler to answer GetInfo."""
     drain_timeout_s: float = 10.0
-    """Graceful shutdown: from SIGTERM, /ready answers 503, the gRPC API's health NOT_SERVING, new requests are
-    refused (HTTP 503, gRPC UNAVAILABLE), and the requests under way get this many seconds to finish before the
-    server stops (a pod's terminationGracePeriodSeconds must cover it)."""
+    """Seconds the requests under way get to finish after SIGTERM. Meanwhile /ready answers 503, the gRPC API's
+    health NOT_SERVING, and new requests are refused (HTTP 503, gRPC UNAVAILABLE); a pod's
+    terminationGracePeriodSeconds must cover it."""
     api_keys: list[str] = field(default_factory=list, metadata={"env_only": True})  # segserve.flags.ENV_ONLY
-    """Keys clients must send as `Authorization: Bearer <key>` on /v1 and /v2 routes and on the gRPC API; none = no
-    auth. A secret, so never a flag (flags show in `ps`): SEGSERVE_API_KEYS (comma-separated) sets it, and
+    """API keys; none = no auth. Clients send one as `Authorization: Bearer <key>` on /v1 and /v2 routes and on
+    the gRPC API. A secret, so never a flag (flags show in `ps`): SEGSERVE_API_KEYS (comma-separated) sets it, and
     api_key_file's keys are added to it."""
     api_key_file: str = ""
     """File of API keys, one a line (blank lines and '#' comments skipped), added to api_keys at start-up; a missing
@@ -75,10 +75,10 @@ class RouterConfig:
     """Record every inference request for data reflow into this queue (sqlite:///PATH or
     redis://HOST:PORT/DB[#STREAM]; `segserve reflow consume` drains it); empty = no recording."""
     reflow_spill_dir: str = "reflow/spill"
-    """Where the recorder spills chunks while the reflow queue refuses writes."""
+    """Where chunks spill while the reflow queue refuses writes."""
     is_strip_segment_markers: bool = True
-    """Leave the segment markers of a model fine-tuned to emit them (`segserve finetune`; the tokenizer's config
-    lists them) out of the text users see. They stay tokens: counted in usage, returned as token ids and
+    """Leave segment markers out of the text users see. These are the markers of a model fine-tuned to emit them
+    (`segserve finetune`; the tokenizer's config lists them). They stay tokens: counted in usage, returned as token ids and
     logprobs, and used by the drafter to find segments."""
 
     def __post_init__(self) -> None:

@@ -31,7 +31,7 @@ class ConsumerConfig:
     visibility_timeout_s: float = 60.0
     """A claimed chunk not acknowledged within this time is delivered again (a crashed consumer's claims)."""
     incomplete_after_s: float = 300.0
-    """A request with no final chunk and no new chunk for this long is written as incomplete."""
+    """Idle seconds after which an unfinished request is written as incomplete."""
     max_held_chunks: int = 200_000
     """Bound on chunks held in memory (unfinished requests, sink down); past it claiming pauses."""
     is_drain: bool = False
