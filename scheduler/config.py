@@ -41,7 +41,7 @@ class SchedulerConfig:
     many sequences as its KV blocks hold at 1,024 tokens each (or max_model_len when shorter), from 16 to 256
     (`auto_max_num_seqs`; the scheduler logs the value)."""
     max_num_batched_tokens: int = 256
-    """Token budget of one step: prefill chunks, decode tokens and draft tokens together."""
+    """Token budget of one step (prefill chunks, decode and draft tokens together)."""
     host: str = "127.0.0.1"
     """Address the gRPC server binds to (localhost by default)."""
     port: int = 50051
@@ -54,8 +54,9 @@ class SchedulerConfig:
     worker_step_timeout_s: float = 120.0
     """Deadline of one worker step; a step past it fails the requests it carried."""
     max_failed_steps: int = 8
-    """Failed whole worker steps in a row (out of memory, an internal error, a malformed answer) a request may be
-    in before it ends with FINISH_REASON_ERROR; each failed step is retried by preemption at half the batch size."""
+    """Failed worker steps in a row before a request ends with an error. A failed step is a whole step that ran out
+    of memory, hit an internal error or got a malformed answer; the request then ends with FINISH_REASON_ERROR.
+    Each failed step is retried by preemption at half the batch size."""
     drafter_addresses: list[str] = field(default_factory=list)
     """gRPC addresses of the drafter replicas (requests are hashed over them); empty = no speculation."""
     draft_timeout_ms: float = 20.0
@@ -69,27 +70,28 @@ class SchedulerConfig:
     drafter_retry_s: float = 1.0
     """First backoff after a drafter replica fails; it doubles per failure up to 60 s."""
     is_async_scheduling: bool = True
-    """While the worker runs a decode step, send it the next one (vLLM's async scheduling): the worker fills in
+    """Send the next decode step while the worker runs one (vLLM's async scheduling). The worker fills in
     the tokens it is sampling, so it never waits for the scheduler's round trip between steps. Only in the
     steady decode state (no request waiting, no prefill) and while nothing is drafted, since a tree needs each
     step's tokens first; greedy output is the same either way."""
     num_decode_steps: int = 8
-    """Multi-step decoding: the most decode steps one request to the worker may take while nobody waits and
-    nothing is drafted (scheduler/decode_steps.py), within decode_steps_ms. Fewer round trips per token, at the
-    price of tokens reaching a stream several at a time; 1 = one step per request. Capped by the worker's
+    """Most decode steps in one request to the worker (multi-step decoding). They are taken while nobody waits
+    and nothing is drafted (scheduler/decode_steps.py), within decode_steps_ms. Fewer round trips per token, at
+    the price of tokens reaching a stream several at a time; 1 = one step per request. Capped by the worker's
     WorkerInfo.max_decode_steps. worker_step_timeout_s bounds the whole request, all of its steps."""
     decode_steps_ms: float = 25.0
-    """How long the decode steps of one request may take together, by the worker's recent compute time per step:
-    a stream's tokens come at least this often (40 times a second at 25 ms), and a request that arrives waits at
-    most about this long (twice, behind a step ahead) for its prefill. Where a step takes longer than half of it,
-    every request is one step. 0 = no bound: always num_decode_steps."""
+    """Longest the decode steps of one request may take together, in ms. It is judged by the worker's recent compute
+    time per step: a stream's tokens come at least this often (40 times a second at 25 ms), and a request that arrives
+    waits at most about this long (twice, behind a step ahead) for its prefill. Where a step takes longer than half of
+    it, every request is one step. 0 = no bound: always num_decode_steps."""
     is_prefix_caching: bool = True
-    """Automatic prefix caching: full KV blocks are kept (LRU) after their request ends and shared by any request
-    whose tokens start with the same blocks (chat turns, shared system prompts, n > 1 choices)."""
+    """Automatic prefix caching: share the KV blocks of common prefixes. Full KV blocks are kept (LRU) after their
+    request ends and shared by any request whose tokens start with the same blocks (chat turns, shared system
+    prompts, n > 1 choices)."""
     drain_timeout_s: float = 10.0
-    """Graceful shutdown: from SIGTERM, health is NOT_SERVING, new Generate calls are refused with UNAVAILABLE (a
-    router retries them on another scheduler), and the requests under way get this many seconds to finish before
-    the engine stops (a pod's terminationGracePeriodSeconds must cover it)."""
+    """Seconds the requests under way get to finish after SIGTERM. Meanwhile health is NOT_SERVING and new
+    Generate calls are refused with UNAVAILABLE (a router retries them on another scheduler); a pod's
+    terminationGracePeriodSeconds must cover it."""
     ray_address: str | None = None
     """Ray cluster to run the scheduler actor on (e.g. 10.0.0.5:6379 of `ray start --head`, or "auto");
     None = a private Ray instance on this machine."""
@@ -98,13 +100,13 @@ class SchedulerConfig:
     code 1, for its supervisor (the launcher, Kubernetes) to start it again, rather than hang unready. Raise it
     for a cluster that must first scale up to place the actor."""
     internal_tls_cert_file: str = ""
-    """PEM certificate the scheduler presents, as the router's server and as the workers' and drafters' client;
+    """PEM certificate the scheduler presents. It serves the router and dials the workers and drafters with it;
     with internal_tls_key_file and internal_tls_ca_file it turns on mutual TLS (all three empty = plaintext)."""
     internal_tls_key_file: str = ""
     """PEM private key of internal_tls_cert_file."""
     internal_tls_ca_file: str = ""
-    """PEM CA bundle: clients (the router) must present a certificate it signed, and so must the workers and
-    drafters the scheduler dials."""
+    """PEM CA bundle that signs the scheduler's peers. Clients (the router) must present a certificate it signed,
+    and so must the workers and drafters the scheduler dials."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:

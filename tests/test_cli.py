@@ -130,6 +130,7 @@ def test_serve_help_is_short_grouped_by_config_class_with_two_lines_a_flag(monke
 def test_no_help_offers_an_is_flag_and_every_config_flag_has_at_most_two_lines(command, monkeypatch, capsys):
     help_text = _help(monkeypatch, capsys, *command)
     assert "--is-" not in help_text and "--no-is-" not in help_text
+    assert "…" not in help_text, "a field's first sentence is too long for two lines of help: shorten it"
     assert command[0] not in ("worker", "scheduler", "router", "drafter") or len(help_text.splitlines()) < 100
     for title, options in _sections(help_text).items():
         for option in options:

@@ -30,45 +30,48 @@ class WorkerConfig:
     """torch intra-op threads on cpu; 0 = torch's default capped by the CPUs this process may use (its affinity
     and its cgroup's CPU quota: worker/threads.py). The local stack gives its worker all CPUs but one."""
     compute_cpus: str = ""
-    """CPUs the worker's compute threads are bound to, as a CPU list ("1-3,6", as taskset -c and cpusets write it;
-    worker/threads.py, bind_compute_thread): the thread that runs the steps and the threads it starts, torch's among
-    them. Its other threads (gRPC's) keep the process's CPUs, so the next step is received while this one
-    computes. Empty = no binding. A local stack binds its CPU workers to the CPUs their threads use
-    (segserve/launcher.py)."""
+    """CPUs the compute threads are bound to, as a CPU list ("1-3,6"). The list is written as taskset -c and cpusets
+    write it (worker/threads.py, bind_compute_thread); the compute threads are the thread that runs the steps and the
+    threads it starts, torch's among them. Its other threads (gRPC's) keep the process's CPUs, so the next step is
+    received while this one computes. Empty = no binding. A local stack binds its CPU workers to the CPUs their threads
+    use (segserve/launcher.py)."""
     is_packed_linear: bool = True
-    """On cpu, pack every linear weight of at least 2**16 elements once for oneDNN (worker/packed_linear.py;
-    smaller ones stay torch's, cheaper per call), the q/k/v and gate/up siblings as one weight each: about twice
-    the decode throughput at 16 rows, for a second copy of the linear weights in memory."""
+    """On cpu, pack the large linear weights once for oneDNN. Every weight of at least 2**16 elements is packed
+    (worker/packed_linear.py; smaller ones stay torch's, cheaper per call), the q/k/v and gate/up siblings as one weight
+    each: about twice the decode throughput at 16 rows, for a second copy of the linear weights in memory."""
     linear_block_rows: int = -1
-    """How the linears get their rows, so that a row's output does not depend on its batch and greedy speculation
-    stays lossless (worker/row_blocks.py): -1 = probe this machine at load and give each weight shape the cheapest
-    way that holds (as they come, padded to a few rows, or blocks); N > 0 = blocks of exactly N rows everywhere;
-    0 = as they come (a BLAS then picks its kernel by the row count, and rows may differ in the last bits between
-    batch sizes: measured on an H100 in fp32, on an Intel Xeon, and at one shape of gemma-3-270m on CI's CPU)."""
+    """How the linears get their rows; -1 = probed. A row's output must not depend on its batch, so that greedy
+    speculation stays lossless (worker/row_blocks.py): -1 = probe this machine at load and give each weight shape the
+    cheapest way that holds (as they come, padded to a few rows, or blocks); N > 0 = blocks of exactly N rows
+    everywhere; 0 = as they come (a BLAS then picks its kernel by the row count, and rows may differ in the last bits
+    between batch sizes: measured on an H100 in fp32, on an Intel Xeon, and at one shape of gemma-3-270m on CI's
+    CPU)."""
     is_compiled: bool = False
-    """Run the model's decoder compiled by torch.compile (worker/compiled.py): static shapes, one per power of two
+    """Run the decoder compiled by torch.compile. It compiles (worker/compiled.py) static shapes, one per power of two
     of the tokens in a step, compiled during the warm-up up to compile_max_tokens (seconds to half a minute each
     on a CPU; the log says how long). Fewer, fused ops per forward; its numerics differ from the eager forward's
     in the last bits, so every step of the worker runs compiled."""
     is_lean_decoder: bool = True
-    """Run a Gemma3, Llama, Mistral, Qwen2 or Qwen3 model's eager forward without transformers' per-call wrappers and
-    mask building (worker/lean_decoder.py): the same modules and ops, bit-identical logits, less Python per step.
-    Other models, and a compiled decoder, run transformers' forward either way."""
+    """Run the eager forward without transformers' wrappers. For Gemma3, Llama, Mistral, Qwen2 and Qwen3, the forward
+    skips transformers' per-call wrappers and mask building (worker/lean_decoder.py): the same modules and ops,
+    bit-identical logits, less Python per step. Other models, and a compiled decoder, run transformers' forward either
+    way."""
     is_cuda_graphs: bool | None = None
-    """Run decode steps (one token per sequence, up to 256 sequences) on static buffers, replayed from CUDA graphs
-    captured per batch size and key length (worker/decode_graphs.py), so that a step is one launch instead of one
-    per kernel. Needs a lean decoder (is_lean_decoder, not is_compiled, one of its architectures). None (the
-    default): on where the worker runs on CUDA with a lean decoder, off elsewhere. True on the CPU runs the same
-    padded steps eagerly, with nothing to capture: what the tests check it with."""
+    """Replay decode steps from CUDA graphs. Decode steps (one token per sequence, up to 256 sequences) run on static
+    buffers, replayed from CUDA graphs captured per batch size and key length (worker/decode_graphs.py), so that a step
+    is one launch instead of one per kernel. Needs a lean decoder (is_lean_decoder, not is_compiled, one of its
+    architectures). None (the default): on where the worker runs on CUDA with a lean decoder, off elsewhere. True on the
+    CPU runs the same padded steps eagerly, with nothing to capture: what the tests check it with."""
     is_compiled_layers: bool | None = None
-    """Run the lean decoder's layers as two regions compiled by torch.compile around their eager paged attention
-    (worker/compiled_layers.py): the norms, casts, rotary embedding, activations and residuals fused into a few
-    kernels per layer, one compile for every layer and token count (seconds, during the warm-up), for every step.
-    Needs a lean decoder. Its numerics differ from the eager layers' in the last bits; the linears stay unpacked.
-    None (the default): on where the worker runs on CUDA with a lean decoder, off elsewhere."""
+    """Compile the lean decoder's layers around their attention. Each layer runs as two regions compiled by
+    torch.compile around its eager paged attention (worker/compiled_layers.py): the norms, casts, rotary embedding,
+    activations and residuals fused into a few kernels per layer, one compile for every layer and token count (seconds,
+    during the warm-up), for every step. Needs a lean decoder. Its numerics differ from the eager layers' in the last
+    bits; the linears stay unpacked. None (the default): on where the worker runs on CUDA with a lean decoder, off
+    elsewhere."""
     compile_max_tokens: int = 256
-    """With is_compiled: the buckets up to this many tokens (1, 2, 4, ...) are compiled during the warm-up,
-    before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
+    """Largest step bucket compiled in the warm-up, with is_compiled. The buckets up to this many tokens (1, 2, 4, ...)
+    are compiled before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
     max_num_batched_tokens (256 by default) is the most a step holds."""
     host: str = "127.0.0.1"
     """Address the gRPC server binds to (localhost by default)."""
