@@ -37,10 +37,6 @@ class RestrictedHead:
         """Gemma-style final logit soft-capping (tanh(x / c) * c), or None."""
         self._fixed = set(ids)
 
-    @property
-    def num_fixed_tokens(self) -> int:
-        return int(self.token_ids.numel())
-
     def logits(self, hidden: torch.Tensor, context: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [N + E] for hidden [H]; the token id [N + E] of each (E = context tokens not fixed)."""
         extra = sorted(set(context) - self._fixed)
