@@ -82,10 +82,6 @@ class StreamsCall:
         self.is_packed = False
         """The client reads packed chunks (it said so in a StreamsRequest): responses carry them."""
 
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     async def read(self, requests: AsyncIterator[scheduler_pb2.StreamsRequest]) -> None:
         """Apply the client's actions as they arrive, until it closes its side (or the call breaks)."""
         try:

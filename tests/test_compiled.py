@@ -11,7 +11,7 @@ from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from tests.devices import TEST_DEVICE
 from tests.test_worker_runner import (
-    BLOCK_SIZE, PROMPT, ROOT_TOKEN, TREE, Decoder, assert_batch_invariant, make_runner, run_together,
+    BLOCK_SIZE, PROMPT, ROOT_TOKEN, TREE, Decoder, assert_batch_invariant, logits_of, make_runner, run_together,
 )
 from worker.compiled import bucket
 from worker.config import WorkerConfig
@@ -58,7 +58,7 @@ def _decode_row(runner: ModelRunner, others: int) -> torch.Tensor:
         runner.step(StepRequest([ScheduledSequence(seq_id, prompt, 0, blocks)],
                                 [NewSequence(seq_id, SamplingParams(), len(prompt))]))
     decode = [ScheduledSequence(s, [5], len(p), b, sample_indices=[0]) for s, p, b in seqs]
-    logits = runner.compute_logits(StepRequest(decode))
+    logits = logits_of(runner, StepRequest(decode))
     runner.step(StepRequest(finished_seq_ids=[s for s, _, _ in seqs]))
     return logits[0]
 
@@ -76,8 +76,8 @@ def test_a_tree_scores_like_the_eager_runners(compiled, eager):
     def tree_logits(runner: ModelRunner) -> torch.Tensor:
         runner.step(StepRequest([ScheduledSequence("t", context, 0, blocks)],
                                 [NewSequence("t", SamplingParams(), len(context))]))
-        logits = runner.compute_logits(StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
-                                                                      draft=TREE)]))
+        logits = logits_of(runner, StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
+                                                                  draft=TREE)]))
         runner.step(StepRequest(finished_seq_ids=["t"]))
         return logits
 
@@ -104,8 +104,8 @@ def test_two_compiled_runners_in_one_process_each_run_their_own_weights(tiny_gem
         prompt = PROMPT[:3]  # prefill in the bucket of 4, decode in the bucket of 1: both compiled in the warm-up
         runner.step(StepRequest([ScheduledSequence("s", prompt, 0, (1, 2))],
                                 [NewSequence("s", SamplingParams(), len(prompt))]))
-        logits = runner.compute_logits(StepRequest([ScheduledSequence("s", [5], len(prompt), (1, 2),
-                                                                      sample_indices=[0])]))
+        logits = logits_of(runner, StepRequest([ScheduledSequence("s", [5], len(prompt), (1, 2),
+                                                                  sample_indices=[0])]))
         runner.step(StepRequest(finished_seq_ids=["s"]))
         return logits[0]
 

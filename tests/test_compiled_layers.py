@@ -19,7 +19,8 @@ from tests.devices import TEST_DEVICE
 from tests.test_decode_graphs import logits_of_each_step, prompts
 from tests.test_verify import oracle_tree, random_tree, spec_decode
 from tests.test_worker_runner import (
-    PROMPT, ROOT_TOKEN, TREE, Decoder, _prefill_logits, assert_batch_invariant, make_runner, run_together,
+    PROMPT, ROOT_TOKEN, TREE, Decoder, _prefill_logits, assert_batch_invariant, logits_of, make_runner,
+    run_together,
 )
 from worker.attention_plan import graph_bucket_keys
 from worker.compiled_layers import CompiledRegion
@@ -64,7 +65,7 @@ def test_one_compile_serves_every_layer_and_token_count(tiny_gemma3_dir):
     blocks = (4, 5, 6, 7, 8)
     new = NewSequence("t", SamplingParams(), len(PROMPT))
     runner.step(StepRequest([ScheduledSequence("t", PROMPT, 0, blocks)], [new]))
-    runner.compute_logits(StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(PROMPT), blocks, draft=TREE)]))
+    logits_of(runner, StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(PROMPT), blocks, draft=TREE)]))
     runner.step(StepRequest(finished_seq_ids=["t"]))
     after = [len(_debug_get_cache_entry_list(code)) for code in codes]
     assert [a - b for a, b in zip(after, before)] in ([0, 0], [1, 1])

@@ -15,7 +15,8 @@ from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
 from tests.devices import TEST_DEVICE
 from tests.test_worker_runner import (
-    ARCHITECTURES, PROMPT, Decoder, assert_batch_invariant, make_runner, reference_greedy, run_together,
+    ARCHITECTURES, PROMPT, Decoder, assert_batch_invariant, logits_of, make_runner, reference_greedy,
+    run_together,
 )
 from worker.attention_plan import graph_bucket_keys
 from worker.config import WorkerConfig
@@ -72,13 +73,13 @@ def logits_of_each_step(runner, prompt_list: list[list[int]], num_steps: int) ->
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(prompt_list))]
     ids = [f"s{i}" for i in range(len(prompt_list))]
     works = [ScheduledSequence(i, p, 0, t, sample_indices=[len(p) - 1]) for i, p, t in zip(ids, prompt_list, tables)]
-    runner.compute_logits(StepRequest(works, [NewSequence(i, SamplingParams(), len(p)) for i, p in
-                                              zip(ids, prompt_list)]))
+    logits_of(runner, StepRequest(works, [NewSequence(i, SamplingParams(), len(p)) for i, p in
+                                          zip(ids, prompt_list)]))
     steps = []
     for step in range(num_steps):
         works = [ScheduledSequence(i, [7 + step], len(p) + step, t, sample_indices=[0])
                  for i, p, t in zip(ids, prompt_list, tables)]
-        steps.append(runner.compute_logits(StepRequest(works)).cpu())
+        steps.append(logits_of(runner, StepRequest(works)).cpu())
     runner.step(StepRequest(finished_seq_ids=ids))
     return steps
 
@@ -137,7 +138,7 @@ def test_other_steps_run_eagerly(runners, counted):
                      ScheduledSequence("b", PROMPT[1:3], 1, [3, 4], sample_indices=[1])]),
     ]
     for request in requests:
-        assert torch.equal(eager.compute_logits(request).cpu(), graphs.compute_logits(request).cpu())
+        assert torch.equal(logits_of(eager, request).cpu(), logits_of(graphs, request).cpu())
     assert calls[0] == 0
     for runner in (eager, graphs):
         runner.step(StepRequest(finished_seq_ids=["a", "b"]))
@@ -175,7 +176,7 @@ def test_the_block_tables_growing_does_not_leave_the_steps_reading_the_old_ones(
             for step in range(3):
                 works = [ScheduledSequence(f"s{i}", [5 + step], computed[i], [2 * i, 2 * i + 1], sample_indices=[0])
                          for i in computed]
-                steps.append(runner.compute_logits(StepRequest(works)).cpu())
+                steps.append(logits_of(runner, StepRequest(works)).cpu())
                 computed = {i: n + 1 for i, n in computed.items()}
     assert graphs.block_tables.device_table is not first
     for want, have in zip(logits[id(eager)], logits[id(graphs)], strict=True):

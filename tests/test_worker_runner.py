@@ -34,6 +34,15 @@ def make_runner(model_dir, num_kv_blocks: int = 64, block_size: int = BLOCK_SIZE
     return runner
 
 
+def logits_of(runner: ModelRunner, request: StepRequest) -> torch.Tensor:
+    """The float32 logits [N, V] that runner.step(request) samples from, one row per sample index (every node of a
+    tree) in request order: its own state update and forward, without the sampling."""
+    plan = runner.update_states(request)
+    if plan.rejected:
+        raise InvalidRequest("; ".join(plan.rejected.values()))
+    return runner.execute(plan)[:plan.num_sample_rows]
+
+
 @pytest.fixture(scope="module")
 def gemma3_runner(tiny_gemma3_dir):
     return make_runner(tiny_gemma3_dir)
@@ -192,9 +201,9 @@ def assert_batch_invariant(runner: ModelRunner) -> None:
 
 def _prefill_logits(runner: ModelRunner, seq_id: str, tokens: list[int], blocks: list[int]) -> torch.Tensor:
     work = ScheduledSequence(seq_id, tokens, 0, blocks, sample_indices=list(range(len(tokens))))
-    logits = runner.compute_logits(StepRequest([work], [NewSequence(seq_id, SamplingParams(), len(tokens))]))
+    logits = logits_of(runner, StepRequest([work], [NewSequence(seq_id, SamplingParams(), len(tokens))]))
     decode = ScheduledSequence(seq_id, [5], len(tokens), blocks, sample_indices=[0])
-    logits = torch.cat([logits, runner.compute_logits(StepRequest([decode]))])
+    logits = torch.cat([logits, logits_of(runner, StepRequest([decode]))])
     runner.step(StepRequest(finished_seq_ids=[seq_id]))
     return logits
 
@@ -231,7 +240,7 @@ def test_tree_forward_matches_naive(runner):
     prefill = ScheduledSequence("t", context, 0, blocks)
     runner.step(StepRequest([prefill], [NewSequence("t", SamplingParams(), len(context))]))
     tree = ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks, draft=TREE)
-    packed = runner.compute_logits(StepRequest([tree]))
+    packed = logits_of(runner, StepRequest([tree]))
     runner.step(StepRequest(finished_seq_ids=["t"]))
     assert packed.shape[0] == len(TREE) + 1
     for node, path in enumerate(node_paths(TREE)):
@@ -350,10 +359,10 @@ def test_attention_without_gather_or_scatter_gives_the_same_logits(runner, monke
         new = [NewSequence(i, SamplingParams(), len(p)) for i, p in zip(ids, prompts)]
         prefill = [ScheduledSequence(i, p[:4], 0, [10 * k, 10 * k + 1, 10 * k + 2], sample_indices=[3])
                    for k, (i, p) in enumerate(zip(ids, prompts))]
-        runner.compute_logits(StepRequest(prefill, new))
+        logits_of(runner, StepRequest(prefill, new))
         step = [ScheduledSequence(i, p[4:4 + n], 4, [10 * k, 10 * k + 1, 10 * k + 2], sample_indices=list(range(s)))
                 for k, (i, p, (n, s)) in enumerate(zip(ids, prompts, chunks))]
-        logits[is_shortcut] = runner.compute_logits(StepRequest(step))
+        logits[is_shortcut] = logits_of(runner, StepRequest(step))
         runner.step(StepRequest(finished_seq_ids=ids))
     assert torch.equal(logits[True], logits[False])
     is_whole = {"[(1, 1), (1, 1)]": True, "[(3, 3), (3, 3)]": False, "[(4, 4), (4, 4)]": True, "[(1, 1), (3, 3)]": False}
@@ -411,7 +420,7 @@ def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(
             work = ScheduledSequence("long", (ROOT_TOKEN,), len(long), blocks["long"], draft=TREE)
         key_counts.clear()
         step = [work, ScheduledSequence("chunked", chunked[30:], 30, blocks["chunked"], sample_indices=[0, 4])]
-        logits = runner.compute_logits(StepRequest(step))
+        logits = logits_of(runner, StepRequest(step))
         compared.append(list(key_counts))
         runner.step(StepRequest(finished_seq_ids=["long", "chunked"]))
         return logits
@@ -448,7 +457,7 @@ def test_windowed_keys_give_the_logits_of_every_key_for_any_mix_of_contexts_and_
             new = [n for n in new if n.seq_id not in {p.seq_id for p in prefill}]
         step = [ScheduledSequence(i, t[c:], c, b, sample_indices=list(range(n)))
                 for i, t, (c, n), b in zip(ids, tokens, sizes, blocks)]
-        logits = gemma3_runner.compute_logits(StepRequest(step, new))
+        logits = logits_of(gemma3_runner, StepRequest(step, new))
         gemma3_runner.step(StepRequest(finished_seq_ids=ids))
         return logits
 
@@ -482,10 +491,10 @@ def test_capped_attention_logits_give_transformers_logits(capped_gemma2_dir):
     runner.step(StepRequest([ScheduledSequence("t", context[:9], 0, blocks)],
                             [NewSequence("t", SamplingParams(), len(context))]))
     runner.step(StepRequest([ScheduledSequence("t", context[9:], 9, blocks)]))
-    decode = runner.compute_logits(StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
-                                                                  sample_indices=(0,))]))
-    tree = runner.compute_logits(StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
-                                                                draft=TREE)]))
+    decode = logits_of(runner, StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
+                                                              sample_indices=(0,))]))
+    tree = logits_of(runner, StepRequest([ScheduledSequence("t", (ROOT_TOKEN,), len(context), blocks,
+                                                            draft=TREE)]))
     runner.step(StepRequest(finished_seq_ids=["t"]))
     uncapped = AutoModelForCausalLM.from_pretrained(capped_gemma2_dir, dtype=torch.float32).to(runner.device)
     for layer in uncapped.model.layers:

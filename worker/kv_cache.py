@@ -55,10 +55,6 @@ class PagedKVCache:
         self._flat_keys = [k.view(flat) for k in self.keys]
         self._flat_values = [v.view(flat) for v in self.values]
 
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store new tokens. slots: [T] flat slot ids; key/value: [T, num_kv_heads, head_dim]."""
         self._flat_keys[layer_idx].index_copy_(0, slots, key)

@@ -219,14 +219,6 @@ class ModelRunner:
         self._lap("sample")
         return outputs
 
-    def compute_logits(self, request: StepRequest) -> torch.Tensor:
-        """Like step() without sampling: float32 logits [N, V], one row per sample index (every node
-        of a tree) in request order. Raises InvalidRequest when a sequence fails its checks."""
-        plan = self.update_states(request)
-        if plan.rejected:
-            raise InvalidRequest("; ".join(plan.rejected.values()))
-        return self.execute(plan)[:plan.num_sample_rows]
-
     def update_states(self, request: StepRequest) -> StepPlan:
         """Apply the request to the sequence states and return what to run (worker/planning.py).
 
