@@ -13,18 +13,23 @@ Layers, outermost first:
 - servicer.py + convert.py: the Scheduler gRPC service; requests are validated
   here (generate.validate_request), stats converted.
 - engine.py: the async step loop (schedule -> draft -> worker step ->
-  postprocess -> deliver); request_stream.py: per-request event streams.
+  postprocess -> deliver; with async scheduling a pipelined variant, chosen once);
+  worker_link.py: connecting to the worker, the idle health check, the record of a
+  lost worker; request_stream.py: per-request event streams.
 - worker_client.py, drafter_client.py: gRPC clients to the worker and the
   drafter replicas (protobuf converted here).
-- speculator.py: one batched Draft call per step; usable trees are fitted into
-  the step (drafting.py), failures only make the step plain. It owns the drafter-side state
-  (sync points, segments, ended ids to release, acceptance stats).
-- scheduler.py, step_requests.py, admission.py, faults.py, drafting.py, block_manager.py,
-  sequence.py, outputs.py, stopping.py, spec_policy.py, spec_gate.py: pure logic, no I/O
-  (scheduler.py also handles failed steps: preempt, retry at a smaller batch, end the
-  culprit with FINISH_REASON_ERROR, as faults.py decides; step_requests.py builds the
-  StepRequests it sends and records what is at the worker; admission.py refuses what its
-  queue cannot take; spec_policy chooses the node budget from measured step times and
-  acceptance; spec_gate lets each segment kind draft only where that measured faster end
-  to end).
+- speculator.py: chooses, for the scheduler, whom the drafter is asked about, and
+  makes one batched Draft call per step; failures only make the step plain. It owns
+  the drafter-side state (sync points, segments, ended ids to release, acceptance stats).
+- scheduler.py, step_plan.py, step_requests.py, decode_steps.py, drafting.py, admission.py,
+  faults.py, block_manager.py, sequence.py, outputs.py, stopping.py, spec_policy.py,
+  spec_gate.py: pure logic, no I/O. scheduler.py makes every decision about what runs
+  next and returns it as a StepPlan (step_plan.py): the sequences, whom to draft for,
+  the trees that fit (drafting.py), how many decode steps (decode_steps.py), whether the
+  next step goes ahead of the one in flight. It also handles failed steps: preempt, retry
+  at a smaller batch, end the culprit with FINISH_REASON_ERROR, as faults.py decides;
+  step_requests.py builds the StepRequests it sends and records what is at the worker;
+  admission.py refuses what its queue cannot take; spec_policy chooses the node budget
+  from measured step times and acceptance; spec_gate lets each segment kind draft only
+  where that measured faster end to end.
 """

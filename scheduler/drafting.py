@@ -1,51 +1,65 @@
 """Where speculation meets the batch: which of a step's sequences may carry a candidate tree, how many draft
 tokens still fit, and the trees pruned to fit before the step goes to the worker.
 
-In: a StepRequest from Scheduler.schedule() and the drafter's trees by request id. Out: the same request, its
-decode work turned into tree verification (ScheduledSequence.draft) and the trees' KV blocks allocated.
+In: a StepRequest the Scheduler built, its running sequences, and the drafter's trees by request id. Out: the
+same request, its decode work turned into tree verification (ScheduledSequence.draft) and the trees' KV blocks
+allocated. DraftChooser is what the Scheduler asks which sequences to draft for (the Speculator).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Protocol
 
 from protos.segserve.v1.step import ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence
+from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.spec_gate import GateDecision
+from scheduler.step_plan import DraftChoice
 
 
-def draft_candidates(scheduler: Scheduler, request: StepRequest) -> list[Sequence]:
-    """The step's decode sequences: their only uncomputed token is the last sampled one."""
-    return [seq for work in request.sequences if (seq := _decoding(scheduler, work)) is not None]
+class DraftChooser(Protocol):
+    """Decides, for the Scheduler, which of a step's decode sequences the drafter is asked about (the Speculator,
+    by its speculation policy). Pure logic: the drafter is asked later, by the engine's draft stage."""
+
+    def choose(self, candidates: list[Sequence], num_scheduled_tokens: int, room: int) -> DraftChoice:
+        """The drafting for a step schedule() built; candidates: its decode sequences; room: draft tokens that fit."""
+
+    def plan_ahead(self, candidates: list[Sequence], num_base_tokens: int, room: int) -> bool:
+        """Whether the step after the one in flight (whose decode sequences are `candidates`) may be built before
+        that one answers: it drafts nothing then."""
+
+    def take_planned(self) -> GateDecision | None:
+        """The gate's decision for the step plan_ahead() allowed, once the Scheduler has built it."""
 
 
-def _decoding(scheduler: Scheduler, work: ScheduledSequence) -> Sequence | None:
-    """The running sequence of `work` where it is a decode step (it samples its one uncomputed token), else None."""
-    seq = scheduler.in_flight(work.seq_id)
-    return seq if seq is not None and seq.num_uncomputed_tokens == 1 and work.sample_indices else None
+def decoding(seq: Sequence | None, work: ScheduledSequence) -> Sequence | None:
+    """`seq` where `work` is a decode step of it (it samples its one uncomputed token) and it is still running
+    (not ended or preempted since the step was built, e.g. cancelled while the drafter was asked), else None."""
+    if seq is None or seq.status is not SequenceStatus.RUNNING:
+        return None
+    return seq if seq.num_uncomputed_tokens == 1 and work.sample_indices else None
 
 
-def draft_room(scheduler: Scheduler, request: StepRequest) -> int:
-    """Draft tokens that still fit in the step's token budget."""
-    return scheduler.max_num_batched_tokens - request.num_scheduled_tokens
+def draft_candidates(request: StepRequest, in_flight: Mapping[str, Sequence]) -> list[Sequence]:
+    """The step's decode sequences; in_flight: the sequences of the step by id."""
+    return [seq for work in request.sequences if (seq := decoding(in_flight.get(work.seq_id), work)) is not None]
 
 
-def attach_drafts(scheduler: Scheduler, request: StepRequest, trees: Mapping[str, CandidateTree]) -> None:
-    """Turn decode work into tree verification, within the step's token budget and free KV blocks.
+def attach_drafts(request: StepRequest, trees: Mapping[str, CandidateTree], in_flight: Mapping[str, Sequence],
+                  room: int, max_len: int, block_manager: BlockManager) -> None:
+    """Turn decode work into tree verification, within `room` draft tokens and the free KV blocks.
 
     Trees shrink (or drop) to fit: the budget left after schedule(), the stop conditions (no node past
     max_tokens or the context), and the free blocks (drafts never preempt anything).
     """
-    room = draft_room(scheduler, request)
-    block_manager = scheduler.block_manager
     for index, work in enumerate(request.sequences):
         tree = trees.get(work.seq_id)
-        if tree is None or (seq := _decoding(scheduler, work)) is None:
+        if tree is None or (seq := decoding(in_flight.get(work.seq_id), work)) is None:
             continue
-        tree = fit_tree(tree, seq, room, scheduler.max_len, block_manager)
+        tree = fit_tree(tree, seq, room, max_len, block_manager)
         if not tree:
             continue
         block_manager.allocate(seq, 1 + len(tree))  # appends: the entries before work.block_table_start stay

@@ -29,11 +29,12 @@ from itertools import zip_longest
 from protos.segserve.v1.generate import GenerateError, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, EngineNotReady, EngineStats, Worker
+from scheduler.engine import Engine, EngineNotReady, EngineStats
 from scheduler.request_stream import RequestStream
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SegmentStats
 from scheduler.speculator import Drafter
+from scheduler.worker_link import Worker
 from common.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
 
 logger = logging.getLogger(__name__)
@@ -190,9 +191,7 @@ class EngineGroup:
     async def _remove_engine(self, address: str) -> None:
         engine = self.engines.pop(address)
         if engine.scheduler is not None:
-            items = [(seq, engine._streams.pop(seq.request_id)) for seq in engine.scheduler.evict_all()
-                     if seq.request_id in engine._streams]
-            self._on_lost(engine, items, "it left the worker addresses")
+            self._on_lost(engine, engine.evict_all(), "it left the worker addresses")
         await engine.stop()
         close = getattr(engine.worker, "close", None)
         if close is not None:

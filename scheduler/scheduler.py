@@ -1,12 +1,18 @@
 """Continuous batching as pure logic: which tokens of which sequences run each step.
 
-No model, no network, no asyncio: schedule() returns the step's StepRequest,
+No model, no network, no asyncio: schedule() returns the step's StepPlan
+(step_plan.py), finish_plan() completes it once the drafter has answered,
 postprocess() takes the worker's StepResult and returns events for the
 requests' streams. One code path serves prompt chunks and decode tokens alike
 (vLLM v1 style): each step computes up to `num_uncomputed_tokens` of every
-running sequence, within max_num_batched_tokens and max_num_seqs. Speculation
-plugs in between schedule() and the worker (scheduler/drafting.py turns decode
-work into candidate trees within the leftover budget).
+running sequence, within max_num_batched_tokens and max_num_seqs.
+
+Every decision about what runs next is made here: which sequences, which of
+them the drafter is asked about (its `drafting` chooser, the Speculator, decides
+by the speculation policy), the trees that fit (drafting.py turns decode work
+into candidate trees within the leftover budget), how many decode steps a plain
+decode step takes (decode_steps.py), and, with async scheduling, whether the
+next step can be built before the one in flight answers (schedule_ahead()).
 
 Prefix caching (block_manager.py): a sequence being admitted takes the
 longest cached prefix of full blocks of its tokens and starts computing past
@@ -24,43 +30,45 @@ max_failed_steps steps in a row, ends with FinishReason.ERROR (faults.py
 decides a failed step's outcome and a lost worker's hand-over; this class applies them).
 
 Beside it: admission.py decides which requests add() queues (RequestRejected, QueueFull); step_requests.py
-builds the StepRequests that schedule() and schedule_ahead() return and keeps the record of what is at the
-worker (StepLedger: the step in flight, the step ahead, the releases).
+builds the StepRequests of the plans that schedule() and schedule_ahead() return and keeps the record of what is
+at the worker (StepLedger: the step in flight, the step ahead, the releases).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from protos.segserve.v1.generate import FinishReason
 from protos.segserve.v1.step import CONTINUATION_REFUSED, ScheduledSequence, StepRequest
 from protos.segserve.v1.step_result import SequenceOutput, StepResult, output_problem
+from protos.segserve.v1.tree import CandidateTree
 from scheduler.admission import QueueFull, RequestRejected, check_admission, check_not_live, num_waiting_tokens
 from scheduler.block_manager import BlockManager
+from scheduler.decode_steps import DecodeStepBudget, add_decode_steps
+from scheduler.drafting import DraftChooser, attach_drafts, draft_candidates
 from scheduler.faults import (
     lowered_seqs_cap, raised_seqs_cap, reset_for_another_worker, resume_index, sort_out_failed_step,
 )
 from scheduler.outputs import RequestEvent, completion, token_chunk
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.step_plan import StepPlan
 from scheduler.step_requests import StepLedger, build_step, build_step_ahead
 from scheduler.stopping import append_tokens
 
 __all__ = ["QueueFull", "RequestRejected", "Scheduler"]  # add()'s errors, defined in admission.py
 
-_DECODE_STEP_WEIGHT = 0.25
-"""Weight of the last plain decode step's compute time in the moving average that bounds the decode steps of one
-request (Scheduler.decode_steps_now): a batch that grows or shrinks moves it within a few steps."""
-
 
 class Scheduler:
     """Owns the waiting queue (FIFO), the running list and the KV-block allocation.
 
-    Call order per step: schedule() -> (worker) -> postprocess(), or fail_step()
-    / discard() when the step failed. add() and abort() may be called at any
-    time. `on_end(request_id)` is called for every request that leaves
-    (finished, failed or aborted), e.g. so that the speculator can tell the drafter.
+    Call order per step: schedule() -> (drafter) -> finish_plan() -> (worker) ->
+    postprocess(), or fail_step() / discard() when the step failed; with async
+    scheduling, schedule_ahead() while the step runs. add() and abort() may be
+    called at any time. `on_end(request_id)` is called for every request that
+    leaves (finished, failed or aborted), e.g. so that the speculator can tell the
+    drafter. `drafting` chooses whom the drafter is asked about (None: nobody).
     """
 
     def __init__(
@@ -81,6 +89,7 @@ class Scheduler:
         decode_steps_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[str], None] | None = None,
+        drafting: DraftChooser | None = None,
     ):
         self.block_manager = BlockManager(num_kv_blocks, block_size, is_prefix_caching)
         # Longest sequence (prompt + output) that can exist; reaching it ends generation.
@@ -96,14 +105,11 @@ class Scheduler:
         self.is_block_table_delta = is_block_table_delta
         """Steps send each sequence only the block-table entries its worker lacks (Sequence.num_blocks_sent), for a
         worker with WorkerInfo.block_table_deltas; otherwise whole tables."""
-        self.num_decode_steps = num_decode_steps
-        """The most decode steps one plain decode step may take (scheduler/decode_steps.py); 1 = off."""
-        self.decode_steps_s = decode_steps_s
-        """How long those steps may take together, by the worker's last compute times (0 = no bound)."""
-        self._decode_step_s: float | None = None
-        """Moving average of the worker's compute time per step of plain decode steps (StepResult.compute_us)."""
+        self.decode_steps = DecodeStepBudget(num_decode_steps, decode_steps_s)
+        """How many decode steps a plain decode step may take now (multi-step decoding)."""
         self.clock = clock
         self._on_end = on_end
+        self._drafting = drafting
         self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         # In admission order: the last one is the first to be preempted.
@@ -159,8 +165,9 @@ class Scheduler:
         self._end(seq, SequenceStatus.ABORTED)
         return True
 
-    def schedule(self) -> StepRequest:
-        """Choose this step's work: running sequences first, then waiting ones in arrival order."""
+    def schedule(self) -> StepPlan:
+        """Choose this step's work: running sequences first, then waiting ones in arrival order; and whom the
+        drafter is asked about (finish_plan() takes its trees). An empty plan when nothing is runnable."""
         budget = self.max_num_batched_tokens
         limit = self.num_seqs_limit
         chosen: list[tuple[Sequence, int]] = []
@@ -189,42 +196,52 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, num_new))
             budget -= num_new
-        return self._build_request(chosen)
+        return self._plan(chosen)
 
-    def schedule_ahead(self, request: StepRequest) -> StepRequest | None:
-        """Async scheduling: the step after `request` (in flight, not yet postprocessed), or None.
+    def finish_plan(self, plan: StepPlan, trees: Mapping[str, CandidateTree]) -> StepRequest:
+        """Complete the plan schedule() made, once the drafter has answered about it (`trees` by request id, {}
+        when it was not asked): the trees that fit turn their decode work into verification; a step in which no
+        kind was let draft may take several decode steps, while nobody waits (decode_steps.py). Returns the
+        step's request, final."""
+        request, in_flight = plan.request, self._steps.in_flight
+        if trees:
+            attach_drafts(request, trees, in_flight, self._draft_room(request), self.max_len, self.block_manager)
+        num_steps = self.decode_steps.num_steps
+        # not where the drafter was asked for trees: one that found none this step may find one the next, which
+        # several decode steps in one request would skip
+        if num_steps > 1 and not plan.is_drafting and not self.waiting:
+            seqs = [self._running_in_flight(work.seq_id) for work in request.sequences]
+            add_decode_steps(request, seqs, num_steps, self.max_len, self.block_manager)
+        return request
 
-        Only in the steady decode state, where the next step's input is nothing but the tokens `request`
-        samples: nobody waits, `request` holds every running sequence, each plain and sampled at its
-        sequence's end, the last step succeeded, and the next KV slots are free without preempting anyone
-        (step_requests.build_step_ahead() builds it). Then postprocess() `request`'s result, then this step's;
-        a failed `request` drops it (fail_step, discard).
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """Async scheduling: the step after `plan`'s (in flight, not yet postprocessed), final, or None.
+
+        Only in the steady decode state, where the next step's input is nothing but the tokens the step in
+        flight samples: nobody waits, it holds every running sequence, each plain and sampled at its sequence's
+        end, the last step succeeded, the next KV slots are free without preempting anyone
+        (step_requests.build_step_ahead() builds it), and the drafting chooser lets it go ahead (it keeps
+        drafting off for every kind in it: a tree needs the tokens of the step before it). Then postprocess()
+        the step in flight's result, then this step's; a failed step in flight drops it (fail_step, discard).
         """
+        request = plan.request
+        num_base_tokens = len(request.sequences)  # a step ahead computes one token per sequence
+        if self._drafting is not None and not self._drafting.plan_ahead(
+                draft_candidates(request, self._steps.in_flight), num_base_tokens,
+                self.max_num_batched_tokens - num_base_tokens):
+            return None
         if (self.waiting or self._steps.ahead is not None or len(request.sequences) != len(self.running)
                 or self._num_ok_steps == 0):  # not right after a failed step, nor before the first success
             return None
         ahead = build_step_ahead(request, self._steps.in_flight, self.block_manager, max_len=self.max_len,
-                                 num_decode_steps=self.decode_steps_now(),
+                                 num_decode_steps=self.decode_steps.num_steps,
                                  is_block_table_delta=self.is_block_table_delta)
         if ahead is None:
             return None
         self.num_steps += 1
-        return self._steps.send_ahead(ahead)
-
-    def decode_steps_now(self) -> int:
-        """The decode steps a plain decode step may take now: num_decode_steps, or as many of them as fit
-        decode_steps_s at the worker's recent time per step (1 until that is measured)."""
-        if self.num_decode_steps <= 1 or self.decode_steps_s <= 0:
-            return self.num_decode_steps
-        if self._decode_step_s is None:
-            return 1
-        return max(1, min(self.num_decode_steps, int(self.decode_steps_s / self._decode_step_s)))
-
-    def in_flight(self, seq_id: str) -> Sequence | None:
-        """The sequence that `seq_id` names in the step in flight (None: not in it, or no longer running: ended or
-        preempted since, e.g. cancelled while the drafter was asked about the step, so it gets no more blocks)."""
-        seq = self._steps.in_flight.get(seq_id)
-        return seq if seq is not None and seq.status is SequenceStatus.RUNNING else None
+        self._steps.record_ahead(ahead)
+        decision = self._drafting.take_planned() if self._drafting is not None else None
+        return StepPlan(ahead, list(self._steps.ahead_seqs.values()), decision=decision, is_ahead=True)
 
     def postprocess(self, request: StepRequest, result: StepResult) -> list[RequestEvent]:
         """Account the step's computed tokens, append sampled ones, apply stop conditions.
@@ -238,10 +255,7 @@ class Scheduler:
             problem = output_problem(work, outputs.get(work.seq_id), request.num_steps)
             if problem is not None:
                 return self.fail_step(request, f"the worker's answer does not fit the step: {problem}")
-        if result.compute_us and request.num_scheduled_tokens == len(request.sequences):  # plain decode steps
-            step_s = result.compute_us / 1e6 / request.num_steps
-            last = self._decode_step_s
-            self._decode_step_s = step_s if last is None else last + _DECODE_STEP_WEIGHT * (step_s - last)
+        self.decode_steps.observe(request, result)
         now = self.clock()
         in_flight = self._steps.take_in_flight()
         events: list[RequestEvent] = []
@@ -381,9 +395,26 @@ class Scheduler:
         if self._on_end is not None:
             self._on_end(seq.request_id)
 
-    def _build_request(self, chosen: list[tuple[Sequence, int]]) -> StepRequest:
+    def _plan(self, chosen: list[tuple[Sequence, int]]) -> StepPlan:
+        """The plan of the step that computes `chosen`, with the drafting chooser's choice for it."""
         if not chosen:
-            return StepRequest()  # finished ids wait for the next step that runs
-        request = build_step(chosen, self.clock(), self.is_block_table_delta)
+            return StepPlan(StepRequest())  # finished ids wait for the next step that runs
+        seqs = [seq for seq, _ in chosen]
+        request = self._steps.record(build_step(chosen, self.clock(), self.is_block_table_delta), seqs)
         self.num_steps += 1
-        return self._steps.send(request, (seq for seq, _ in chosen))
+        plan = StepPlan(request, seqs)
+        if self._drafting is not None:
+            plan.queries, plan.is_drafting, plan.decision = self._drafting.choose(
+                draft_candidates(request, self._steps.in_flight), request.num_scheduled_tokens,
+                self._draft_room(request))
+        return plan
+
+    def _draft_room(self, request: StepRequest) -> int:
+        """Draft tokens that still fit in the step's token budget."""
+        return self.max_num_batched_tokens - request.num_scheduled_tokens
+
+    def _running_in_flight(self, seq_id: str) -> Sequence | None:
+        """The sequence that `seq_id` names in the step in flight (None: not in it, or no longer running: ended or
+        preempted since, e.g. cancelled while the drafter was asked about the step, so it gets no more blocks)."""
+        seq = self._steps.in_flight.get(seq_id)
+        return seq if seq is not None and seq.status is SequenceStatus.RUNNING else None

@@ -1,14 +1,15 @@
-"""Speculation for one step: ask the drafter for trees and attach those that are usable.
+"""Speculation for one step: choose whom the drafter is asked about, ask it, and return the usable trees.
 
-In: the Scheduler and the StepRequest that schedule() just made. Out: the same
-request with candidate trees on the decode sequences the policy chose, within
-the step's budget. The speculator owns all drafter-side state: each request's
-sync point (tokens the drafter holds), its segment, the final updates of ended
-requests, and the acceptance stats. The scheduler tells it when a request ends
-(`forget`, its on_end callback); it reads the running sequences and never changes
-the scheduler's fields. It
-drops garbage trees and never raises: any failure means this step runs without
-speculation.
+Two halves. For the Scheduler (its DraftChooser, pure logic): choose() decides, by the
+policy, which decode sequences of the step schedule() just built the drafter is asked
+about and for how many nodes; plan_ahead() / take_planned() decide whether the next step
+may go ahead of the one in flight. For the engine's draft stage: draft(plan) asks the
+drafter and returns the usable trees by request id, which Scheduler.finish_plan() fits
+into the step. The speculator owns all drafter-side state: each request's sync point
+(tokens the drafter holds), its segment, the final updates of ended requests, and the
+acceptance stats. The scheduler tells it when a request ends (`forget`, its on_end
+callback); it reads the step's sequences and never changes them. It drops garbage trees
+and never raises: any failure means this step runs without speculation.
 
 The drafter learns from every request, drafting or not: steps that draft
 nothing (the gate is off, or no policy: learning only, `--no-speculation`) send
@@ -19,7 +20,7 @@ are batched and sent by a background task, one call at a time, never awaited
 by a step.
 
 With async scheduling the next step may go ahead of the step in flight only
-where the gate keeps drafting off for every kind in it (`plan_next`); anywhere
+where the gate keeps drafting off for every kind in it (`plan_ahead`); anywhere
 else it waits for the tokens its trees would start from.
 
 A request's segment kind is what the drafter reports; until its first query it
@@ -44,11 +45,10 @@ from protos.segserve.v1.step import StepRequest
 from protos.segserve.v1.step_result import StepResult, output_problem
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.drafter_client import DraftQuery, DraftReply
-from scheduler.drafting import attach_drafts, draft_candidates, draft_room
-from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence as Seq
 from scheduler.spec_gate import GateDecision
 from scheduler.spec_policy import AcceptanceStats, SpecPolicy
+from scheduler.step_plan import NO_DRAFTS, DraftChoice, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,8 @@ class Speculator:
         """Final updates of ended requests, for the background call."""
         self._sending: asyncio.Task | None = None
         self._planned: GateDecision | None = None
-        """The gate's decision for the next step, made by plan_next() before the step in flight answered (it keeps
+        """The gate's decision for the next step, made by plan_ahead() before the step in flight answered (it keeps
         drafting off for every kind)."""
-        self.asked_for_trees = False
-        """Whether the last propose() asked the drafter for trees (some kind of the step was let draft), whether or
-        not any came: a step that did may find one at the next, so it takes no more decode steps than one
-        (scheduler/decode_steps.py)."""
 
     @property
     def is_drafting(self) -> bool:
@@ -135,47 +131,56 @@ class Speculator:
             del self._finals[0]
             self.num_finals_dropped += 1
 
-    async def propose(self, scheduler: Scheduler, request: StepRequest) -> GateDecision | None:
-        """Attach candidate trees to the request's decode sequences (or nothing, on any failure). Returns the
-        gate's decision for the step, for observe_cycle() (None: the gate was not asked)."""
+    def choose(self, candidates: list[Seq], num_scheduled_tokens: int, room: int) -> DraftChoice:
+        """Whom the drafter is asked about in a step schedule() built (candidates: its decode sequences), for how
+        many nodes each, and the gate's decision (DraftChooser.choose). On any failure: nobody."""
         planned, self._planned = self._planned, None
-        self.asked_for_trees = False
         try:
-            return await self._propose(scheduler, request, planned)
+            return self._choose(candidates, num_scheduled_tokens, room, planned)
         except Exception:  # a bug here must cost speed, never a request
-            self.num_errors += 1
-            if self.num_errors % _LOG_EVERY == 1:
-                logger.exception("speculation failed; the step runs without it (%d failures)", self.num_errors)
-            return None
-        finally:
-            self._send_finals()  # after this step's own call, so that the drafter answers that one first
+            self._count_error()
+            return NO_DRAFTS
 
-    def plan_next(self, scheduler: Scheduler, request: StepRequest) -> bool:
-        """Async scheduling: whether the step after `request` may be built and sent now, before `request` has
-        answered. Only where the gate keeps drafting off for every kind in it (and explores none): the policy
-        then decides that step now (take_planned() gives its gate decision). Elsewhere the policy decides it
-        after `request`'s result, in propose(), as without steps ahead: a tree needs the tokens `request`
-        samples, and the budgets should see what `request` measured."""
+    def plan_ahead(self, candidates: list[Seq], num_base_tokens: int, room: int) -> bool:
+        """Async scheduling: whether the step after the one in flight (candidates: its decode sequences) may be
+        built and sent now, before that one has answered. Only where the gate keeps drafting off for every kind in
+        it (and explores none): the policy then decides that step now (take_planned() gives its gate decision).
+        Elsewhere the policy decides it after the result, in choose(), as without steps ahead: a tree needs the
+        tokens the step in flight samples, and the budgets should see what it measured."""
         self._planned = None
         if self.policy is None:
             return True
-        candidates = draft_candidates(scheduler, request)
         groups = self._groups(candidates)
         if not candidates or not self.policy.keeps_off(groups) or self._to_classify(candidates, groups):
             return False
-        num_base_tokens = len(request.sequences)  # a step ahead computes one token per sequence
-        self.policy.choose(groups, num_base_tokens, scheduler.max_num_batched_tokens - num_base_tokens)  # all 0
+        self.policy.choose(groups, num_base_tokens, room)  # all 0
         self._planned = self.policy.last_gate_decision
         return True
 
     def take_planned(self) -> GateDecision | None:
-        """The gate's decision for the step that plan_next() chose and the engine has sent ahead."""
+        """The gate's decision for the step that plan_ahead() allowed and the scheduler has built."""
         planned, self._planned = self._planned, None
         return planned
 
-    async def flush_ended(self) -> None:
-        """Start sending the final updates now, without waiting (the engine calls this before it idles: a
-        planned next step will not come)."""
+    async def draft(self, plan: StepPlan) -> dict[str, CandidateTree]:
+        """Ask the drafter about the plan's queries (choose()); the usable trees by request id. On any failure,
+        none, and the step's cycle is not its gate decision's (plan.decision = None)."""
+        seqs = self._seqs
+        for seq in plan.seqs:  # every request runs a step built by schedule() before any step ahead
+            if seq.request_id not in seqs:
+                seqs[seq.request_id] = seq
+        try:
+            return await self._draft(plan.queries) if plan.queries else {}
+        except Exception:  # a bug here must cost speed, never a request
+            plan.decision = None
+            self._count_error()
+            return {}
+        finally:
+            self._send_finals()  # after this step's own call, so that the drafter answers that one first
+
+    def on_idle(self) -> None:
+        """The engine has no work: a planned next step will not come, and the final updates go now, without
+        waiting for another step."""
         self._planned = None
         self._send_finals()
 
@@ -219,33 +224,32 @@ class Speculator:
                                    len(output.token_ids) - 1)
 
     def observe_cycle(self, decision: GateDecision | None, num_generated_tokens: int, seconds: float) -> None:
-        """A step, end to end, the tokens it generated and the gate's decision for it (from propose() or
-        take_planned()): for the gate."""
+        """A step, end to end, the tokens it generated and the gate's decision for it (StepPlan.decision, from
+        choose() or take_planned()): for the gate."""
         if self.policy is not None:
             self.policy.observe_cycle(decision, num_generated_tokens, seconds)
 
-    async def _propose(self, scheduler: Scheduler, request: StepRequest, planned: GateDecision | None
-                       ) -> GateDecision | None:
-        seqs = self._seqs
-        for seq in scheduler.running:  # every request runs a step built by schedule() before any step ahead
-            if seq.request_id not in seqs:
-                seqs[seq.request_id] = seq
-        candidates = draft_candidates(scheduler, request)
+    def _choose(self, candidates: list[Seq], num_scheduled_tokens: int, room: int, planned: GateDecision | None
+                ) -> DraftChoice:
         if self.policy is None or not candidates:
-            return None
+            return NO_DRAFTS
         groups = self._groups(candidates)
         if planned is None:
-            budgets = self.policy.choose(groups, request.num_scheduled_tokens, draft_room(scheduler, request))
+            budgets = self.policy.choose(groups, num_scheduled_tokens, room)
             decision = self.policy.last_gate_decision
-        else:  # decided by plan_next(), which the step ahead it allowed did not follow (schedule_ahead() refused)
+        else:  # decided by plan_ahead(), which the step ahead it allowed did not follow (the scheduler refused it)
             budgets, decision = {segment: 0 for segment in groups}, planned
-        self.asked_for_trees = any(budgets.values())
-        if not self.asked_for_trees:
+        is_drafting = any(budgets.values())
+        if not is_drafting:
             candidates = self._to_classify(candidates, groups)
-            if not candidates:
-                return decision  # the drafter catches up on their tokens at the next call, or the final update
+            if not candidates:  # the drafter catches up on their tokens at the next call, or the final update
+                return DraftChoice((), False, decision)
             self._num_steps_since_classify = 0
-        queries = [self._query(seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates]
+        queries = tuple((seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates)
+        return DraftChoice(queries, is_drafting, decision)
+
+    async def _draft(self, chosen: tuple[tuple[Seq, int], ...]) -> dict[str, CandidateTree]:
+        queries = [self._query(seq, max_nodes) for seq, max_nodes in chosen]
         self._num_classified.update((query.request_id, query.num_tokens) for query in queries)
         if self._finals:  # a reused id's old final update must not reach the drafter after its new first query
             queried = {query.request_id for query in queries}
@@ -253,8 +257,12 @@ class Speculator:
         start = self.clock()
         replies = await self.drafter.draft(queries, [])
         self.policy.observe_draft_call(self.clock() - start)
-        attach_drafts(scheduler, request, self._accept_replies(candidates, queries, replies))
-        return decision
+        return self._accept_replies([seq for seq, _ in chosen], queries, replies)
+
+    def _count_error(self) -> None:
+        self.num_errors += 1
+        if self.num_errors % _LOG_EVERY == 1:
+            logger.exception("speculation failed; the step runs without it (%d failures)", self.num_errors)
 
     def _to_classify(self, candidates: list[Seq], groups: Counter) -> list[Seq]:
         """The candidates whose kind may have changed since the drafter was last asked about them (never asked, or

@@ -118,14 +118,15 @@ class StepLedger:
         self.releases: list[str] = []
         """Ended sequences the worker knows: the next step built tells it to forget them (finished_seq_ids)."""
 
-    def send(self, request: StepRequest, seqs: Iterable[Sequence]) -> StepRequest:
-        """`request`, the work of `seqs`, is the step in flight now; it carries the releases."""
+    def record(self, request: StepRequest, seqs: Iterable[Sequence]) -> StepRequest:
+        """`request`, the work of `seqs`, is the step in flight now (the engine sends it next); it carries the
+        releases."""
         self.in_flight.update((seq.request_id, seq) for seq in seqs)
         request.finished_seq_ids, self.releases = self.releases, []
         self.current_step = request
         return request
 
-    def send_ahead(self, ahead: StepRequest) -> StepRequest:
+    def record_ahead(self, ahead: StepRequest) -> StepRequest:
         """`ahead`, the work of sequences in flight, follows the step in flight; it carries the releases."""
         ahead.finished_seq_ids, self.releases = self.releases, []
         self.ahead, self.ahead_seqs = ahead, {work.seq_id: self.in_flight[work.seq_id] for work in ahead.sequences}

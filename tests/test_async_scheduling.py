@@ -30,14 +30,15 @@ def run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 100
     runs the step in flight, run the steps on the worker in the order they were built. fail_at: worker step
     number -> the status its step fails with. Returns ({request_id: (tokens, reason)}, steps run ahead)."""
     results, num_ahead, num_steps = {}, 0, 0
-    request = None
+    plan = None
     for _ in range(max_steps):
-        if request is None:
+        if plan is None:
             if not scheduler.has_work:
                 assert worker.problems == []
                 return results, num_ahead
-            request = scheduler.schedule()
-        ahead = scheduler.schedule_ahead(request)
+            plan = scheduler.schedule()
+        ahead = scheduler.schedule_ahead(plan)
+        request = plan.request
         num_steps += 1
         if fail_at and num_steps in fail_at:
             worker.step_failures.append(fail_at[num_steps])
@@ -46,15 +47,15 @@ def run_pipelined(scheduler: Scheduler, worker: FakeWorker, max_steps: int = 100
         except InjectedFailure as exc:
             events = scheduler.fail_step(request, str(exc))
         collect_events(events, results)
-        if ahead is not None and scheduler.current_step is not ahead:  # dropped: the worker still runs it
+        if ahead is not None and scheduler.current_step is not ahead.request:  # dropped: the worker still runs it
             num_steps += 1
             try:
-                worker.step_sync(ahead)
+                worker.step_sync(ahead.request)
             except InjectedFailure:
                 pass
             ahead = None
         num_ahead += ahead is not None
-        request = ahead
+        plan = ahead
     raise AssertionError("scheduler did not finish")
 
 
@@ -86,7 +87,7 @@ def test_no_step_ahead_while_requests_wait_before_a_step_succeeded_or_short_of_b
     scheduler.add(make_seq("a", [1, 2], max_tokens=8))
     first = scheduler.schedule()
     assert scheduler.schedule_ahead(first) is None  # no step has succeeded yet
-    scheduler.postprocess(first, worker.step_sync(first))
+    scheduler.postprocess(first.request, worker.step_sync(first.request))
     second = scheduler.schedule()
     scheduler.add(make_seq("b", [3], max_tokens=8))  # waits: max_num_seqs is 1
     assert scheduler.schedule_ahead(second) is None
@@ -95,20 +96,18 @@ def test_no_step_ahead_while_requests_wait_before_a_step_succeeded_or_short_of_b
 
     tight, worker = make_scheduler(num_kv_blocks=1, block_size=4), make_worker()
     tight.add(make_seq("a", [1, 2, 3], max_tokens=8))  # its 4th token needs a block the pool does not have
-    request = tight.schedule()
+    request = tight.schedule().request
     tight.postprocess(request, worker.step_sync(request))
-    request = tight.schedule()
-    assert tight.schedule_ahead(request) is None
+    assert tight.schedule_ahead(tight.schedule()) is None
 
 
 def test_a_sequence_reaching_max_tokens_is_left_out_of_the_step_ahead():
     scheduler, worker = make_scheduler(), make_worker()
     scheduler.add(make_seq("short", [1], max_tokens=2))
     scheduler.add(make_seq("long", [50], max_tokens=6))
-    request = scheduler.schedule()
+    request = scheduler.schedule().request
     scheduler.postprocess(request, worker.step_sync(request))  # first tokens; "short" needs one more
-    request = scheduler.schedule()
-    ahead = scheduler.schedule_ahead(request)
+    ahead = scheduler.schedule_ahead(scheduler.schedule()).request
     assert [work.seq_id for work in ahead.sequences] == ["long"]
     assert all(work.is_continuation and work.token_ids == (0,) for work in ahead.sequences)
 
@@ -130,10 +129,10 @@ def test_a_continuation_the_worker_refuses_is_recomputed_not_failed():
     scheduler, worker = make_scheduler(), make_worker()
     scheduler.add(make_seq("a", [1, 2], max_tokens=6))
     results: dict = {}
-    request = scheduler.schedule()
+    request = scheduler.schedule().request
     collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
-    request = scheduler.schedule()
-    ahead = scheduler.schedule_ahead(request)
+    plan = scheduler.schedule()
+    request, ahead = plan.request, scheduler.schedule_ahead(plan).request
     refused = worker.step_sync(ahead)  # out of order: the worker has not run `request` yet
     assert refused.outputs[0].error.endswith(CONTINUATION_REFUSED)
     collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
@@ -147,17 +146,18 @@ def test_a_refused_continuation_with_a_step_ahead_of_it_skips_that_step_too():
     scheduler, worker = make_scheduler(), make_worker()
     scheduler.add(make_seq("a", [1, 2], max_tokens=8))
     results: dict = {}
-    request = scheduler.schedule()
+    request = scheduler.schedule().request
     collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
-    request = scheduler.schedule()
-    first_ahead = scheduler.schedule_ahead(request)
-    refused = worker.step_sync(first_ahead)  # it overtook `request` on its way to the worker
+    plan = scheduler.schedule()
+    request, first_ahead = plan.request, scheduler.schedule_ahead(plan)
+    refused = worker.step_sync(first_ahead.request)  # it overtook `request` on its way to the worker
     collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
     second_ahead = scheduler.schedule_ahead(first_ahead)  # built while first_ahead runs, as the engine does
     assert second_ahead is not None
-    collect_events(scheduler.postprocess(first_ahead, refused), results)  # "a" is preempted for recomputation
-    assert scheduler.current_step is second_ahead and scheduler.num_preemptions == 1
-    collect_events(scheduler.postprocess(second_ahead, worker.step_sync(second_ahead)), results)  # skipped
+    collect_events(scheduler.postprocess(first_ahead.request, refused), results)  # "a" is preempted: recomputed
+    second = second_ahead.request
+    assert scheduler.current_step is second and scheduler.num_preemptions == 1
+    collect_events(scheduler.postprocess(second, worker.step_sync(second)), results)  # skipped
     run_to_completion(scheduler, worker, results)
     assert results["a"] == (expected_output([1, 2], 8), FinishReason.LENGTH)
     assert scheduler.block_manager.num_used_blocks == 0

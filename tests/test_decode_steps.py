@@ -21,9 +21,8 @@ from protos.segserve.v1.step import MAX_DECODE_STEPS, NewSequence, ScheduledSequ
 from protos.segserve.v1.step_result import SequenceOutput, output_problem
 from protos.segserve.v1.tree import CandidateTree
 from scheduler.config import SchedulerConfig
-from scheduler.decode_steps import add_decode_steps
-from scheduler.drafting import attach_drafts
 from scheduler.scheduler import Scheduler
+from scheduler.step_plan import DraftChoice
 from tests.e2e_helpers import scheduler_stats, tiny_stack
 from tests.fakes import FakeWorker, InjectedFailure, increment
 from tests.test_e2e import PROMPTS
@@ -40,28 +39,34 @@ def multi_worker(max_decode_steps: int = MAX_DECODE_STEPS) -> FakeWorker:
 
 def run_engine_like(scheduler: Scheduler, worker: FakeWorker, is_ahead: bool = True, max_steps: int = 1000
                     ) -> tuple[dict, list[int]]:
-    """Drive the scheduler as the engine does: schedule(), add_decode_steps(), and with is_ahead the step ahead
-    built before the worker runs the one in flight. Returns ({request_id: (tokens, reason)}, each request's
-    num_steps in the order run)."""
-    results, num_steps, request = {}, [], None
+    """Drive the scheduler as the engine does: schedule(), finish_plan() (no drafter: no trees), and with
+    is_ahead the step ahead built before the worker runs the one in flight. Returns ({request_id: (tokens,
+    reason)}, each request's num_steps in the order run)."""
+    results, num_steps, plan = {}, [], None
     for _ in range(max_steps):
-        if request is None:
+        if plan is None:
             if not scheduler.has_work:
                 assert worker.problems == []
                 return results, num_steps
-            request = scheduler.schedule()
-            add_decode_steps(scheduler, request)
-        ahead = scheduler.schedule_ahead(request) if is_ahead else None
+            plan = scheduler.schedule()
+            scheduler.finish_plan(plan, {})
+        ahead = scheduler.schedule_ahead(plan) if is_ahead else None
+        request = plan.request
         num_steps.append(request.num_steps)
         try:
             events = scheduler.postprocess(request, worker.step_sync(request))
         except InjectedFailure as exc:
             events = scheduler.fail_step(request, str(exc))
         collect_events(events, results)
-        if ahead is not None and scheduler.current_step is not ahead:  # dropped
+        if ahead is not None and scheduler.current_step is not ahead.request:  # dropped
             ahead = None
-        request = ahead
+        plan = ahead
     raise AssertionError("scheduler did not finish")
+
+
+def finished(scheduler: Scheduler) -> StepRequest:
+    """The next step's request as the engine sends it without a drafter: schedule(), then finish_plan()."""
+    return scheduler.finish_plan(scheduler.schedule(), {})
 
 
 def timed(worker: FakeWorker, decode_step_us: list[int]) -> FakeWorker:
@@ -98,20 +103,20 @@ def test_a_requests_decode_steps_fit_decode_steps_s_at_the_workers_time_per_step
 
 
 def test_a_sequence_cancelled_while_its_step_is_drafted_gets_no_more_blocks():
-    """The engine adds decode steps and trees after the drafter's call, and a cancellation can land during it:
-    the ended sequence must not take blocks again (its table is empty once freed, so it would take them all)."""
+    """The scheduler adds decode steps and trees after the drafter's call (finish_plan), and a cancellation can
+    land during it: the ended sequence must not take blocks again (its table is empty once freed, so it would take
+    them all)."""
     scheduler, worker = make_scheduler(num_decode_steps=8), multi_worker()
 
     def decode_step_with_one_cancelled(is_tree: bool) -> None:
         for rid, prompt in {"a": [1, 2, 3, 4, 5, 6], "b": [7, 8]}.items():
             scheduler.add(make_seq(rid, prompt, max_tokens=40))
-        request = scheduler.schedule()  # the prefills
+        request = scheduler.schedule().request  # the prefills
         scheduler.postprocess(request, worker.step_sync(request))
-        request = scheduler.schedule()  # decode
+        plan = scheduler.schedule()  # decode
         scheduler.abort("a")  # as the router's cancellation while the drafter answers
-        if is_tree:
-            attach_drafts(scheduler, request, {"a": CandidateTree((9, 10), (-1, 0))})
-        assert add_decode_steps(scheduler, request) == 1  # a step with an ended sequence stays one step
+        request = scheduler.finish_plan(plan, {"a": CandidateTree((9, 10), (-1, 0))} if is_tree else {})
+        assert request.num_steps == 1 and request.num_draft_tokens == 0  # an ended sequence: one plain step
         scheduler.postprocess(request, worker.step_sync(request))
         scheduler.abort("b")
         assert scheduler.block_manager.num_used_blocks == 0 and worker.problems == []
@@ -161,36 +166,68 @@ def test_a_stop_inside_the_steps_cuts_the_tokens_there(is_ahead):
 def test_one_step_per_request_while_anyone_waits_a_tree_runs_or_blocks_are_short():
     scheduler, worker = make_scheduler(num_decode_steps=4, max_num_seqs=1), multi_worker()
     scheduler.add(make_seq("a", [1, 2], max_tokens=12))
-    first = scheduler.schedule()
-    assert add_decode_steps(scheduler, first) == 1  # a prefill
+    first = finished(scheduler)
+    assert first.num_steps == 1  # a prefill
     scheduler.postprocess(first, worker.step_sync(first))
     second = scheduler.schedule()
     scheduler.add(make_seq("b", [3], max_tokens=8))  # waits: max_num_seqs is 1
-    assert add_decode_steps(scheduler, second) == 1
+    assert scheduler.finish_plan(second, {}).num_steps == 1
     scheduler.abort("b")
-    assert add_decode_steps(scheduler, second) == 4 and second.num_steps == 4
-    assert len(second.sequences[0].block_table) + second.sequences[0].block_table_start == 2  # 6 positions
+    scheduler.postprocess(second.request, worker.step_sync(second.request))
+    third = finished(scheduler)
+    assert third.num_steps == 4
+    assert len(third.sequences[0].block_table) + third.sequences[0].block_table_start == 2  # 7 positions
 
     tight, worker = make_scheduler(num_decode_steps=4, num_kv_blocks=4, block_size=4), multi_worker()
     for rid, first in (("a", 1), ("b", 11)):  # 2 blocks each; positions 6..9 need a third, and none is free
         tight.add(make_seq(rid, list(range(first, first + 6)), max_tokens=8))
-    request = tight.schedule()
+    request = tight.schedule().request
     tight.postprocess(request, worker.step_sync(request))
-    request = tight.schedule()
-    assert add_decode_steps(tight, request) == 2  # positions 6 and 7: the slots their blocks have
+    request = finished(tight)
+    assert request.num_steps == 2  # positions 6 and 7: the slots their blocks have
     assert [work.block_table for work in request.sequences] == [(), ()]
     results, _ = run_engine_like(tight, worker)
     assert tight.block_manager.num_used_blocks == 0
 
 
+class _AsksForTrees:
+    """A drafting chooser (scheduler/drafting.py) that lets every decode sequence draft, or none."""
+
+    def __init__(self, is_drafting: bool):
+        self.is_drafting = is_drafting
+
+    def choose(self, candidates, num_scheduled_tokens, room):
+        queries = tuple((seq, 4 if self.is_drafting else 0) for seq in candidates)
+        return DraftChoice(queries, self.is_drafting and bool(queries), None)
+
+    def plan_ahead(self, candidates, num_base_tokens, room):
+        return not self.is_drafting
+
+    def take_planned(self):
+        return None
+
+
+@pytest.mark.parametrize("is_drafting", [False, True], ids=["kept-off", "let-draft"])
+def test_a_step_the_drafter_is_asked_trees_for_takes_one_decode_step_though_none_comes(is_drafting):
+    scheduler, worker = make_scheduler(num_decode_steps=4, drafting=_AsksForTrees(is_drafting)), multi_worker()
+    scheduler.add(make_seq("a", [1, 2], max_tokens=12))
+    request = scheduler.schedule().request
+    scheduler.postprocess(request, worker.step_sync(request))
+    plan = scheduler.schedule()
+    assert [(seq.request_id, budget) for seq, budget in plan.queries] == [("a", 4 if is_drafting else 0)]
+    assert scheduler.finish_plan(plan, {}).num_steps == (1 if is_drafting else 4)  # the drafter found no tree
+    assert (scheduler.schedule_ahead(plan) is None) is is_drafting  # a tree needs the tokens of the step before
+
+
 def test_the_steps_ahead_of_a_request_of_several_start_after_all_of_its_tokens():
     scheduler, worker = make_scheduler(num_decode_steps=3), multi_worker()
     scheduler.add(make_seq("a", [10], max_tokens=20))
-    request = scheduler.schedule()
+    request = scheduler.schedule().request
     scheduler.postprocess(request, worker.step_sync(request))  # prefill: 1 token, 11
-    request = scheduler.schedule()
-    assert add_decode_steps(scheduler, request) == 3
-    ahead = scheduler.schedule_ahead(request)
+    plan = scheduler.schedule()
+    request = scheduler.finish_plan(plan, {})
+    assert request.num_steps == 3
+    ahead = scheduler.schedule_ahead(plan).request
     assert ahead.num_steps == 3
     (work,) = ahead.sequences
     assert work.is_continuation and work.num_computed_tokens == 1 + 3  # the prompt, then the 3 steps' inputs

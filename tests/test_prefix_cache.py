@@ -53,7 +53,7 @@ def run(scheduler: Scheduler, worker: FakeWorker, seqs: list[Sequence], results:
     for _ in range(1000):
         if not scheduler.has_work:
             break
-        request = scheduler.schedule()
+        request = scheduler.schedule().request
         try:
             events = scheduler.postprocess(request, worker.step_sync(request))
         except InjectedFailure as exc:
@@ -195,7 +195,7 @@ def test_n_choices_of_one_prompt_share_its_blocks():
     for i in range(3):
         scheduler.add(make_seq(f"c{i}", prompt, max_tokens=4))
     results: dict = {}
-    collect_events(scheduler.postprocess(request := scheduler.schedule(), worker.step_sync(request)), results)
+    collect_events(scheduler.postprocess(request := scheduler.schedule().request, worker.step_sync(request)), results)
     tables = [scheduler.requests[f"c{i}"].block_table for i in range(3)]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # computed in one step, then deduplicated
     assert len({t[2] for t in tables}) == 3  # each choice writes its own tail
@@ -284,7 +284,7 @@ def test_aborts_release_shared_blocks():
     results = run(scheduler, worker, [make_seq("warm", prompt)])
     scheduler.add(make_seq("a", prompt, max_tokens=20))
     scheduler.add(make_seq("b", prompt, max_tokens=20))
-    request = scheduler.schedule()
+    request = scheduler.schedule().request
     collect_events(scheduler.postprocess(request, worker.step_sync(request)), results)
     assert scheduler.block_manager.num_used_blocks == 5 + 2
     assert scheduler.abort("a") and scheduler.abort("b")
@@ -309,7 +309,7 @@ async def test_speculation_with_cached_prefixes_stays_lossless(num_right):
     """Tree steps write draft KV past num_computed_tokens and trim: none of it may ever be cached."""
     drafter = FakeDrafter(RULE, VOCAB, num_right)
     speculator = make_speculator(drafter)
-    scheduler = make_scheduler(on_end=speculator.forget)
+    scheduler = make_scheduler(on_end=speculator.forget, drafting=speculator)
     worker = make_worker(scheduler)
     prompts = {"a": [5, 6, 7, 8, 9], "b": [5, 6, 7, 8, 9, 10, 11], "c": [5, 6, 7, 8, 9] + expected([5, 6, 7, 8, 9], 20)}
     results: dict = {}
@@ -335,13 +335,13 @@ def test_a_sequence_moved_from_a_lost_worker_may_start_past_a_prefix_that_covers
     lost_worker = make_worker(lost)
     lost.add(make_seq("moved", prompt, max_tokens=8))
     for _ in range(4):  # prefill, then 3 decode steps: 4 tokens out
-        lost.postprocess(request := lost.schedule(), lost_worker.step_sync(request))
+        lost.postprocess(request := lost.schedule().request, lost_worker.step_sync(request))
     (seq,) = lost.evict_all()
     assert seq.num_computed_tokens == 0 and len(seq.output_token_ids) == 4 and not lost.has_work
     other.resume(seq)
     results: dict = {}
     while other.has_work:
-        request = other.schedule()
+        request = other.schedule().request
         collect_events(other.postprocess(request, other_worker.step_sync(request)), results)
     assert other_worker.problems == []
     work = next(work for r in other_worker.requests if any(w.seq_id == "moved" for w in r.sequences)

@@ -14,7 +14,6 @@ from protos.segserve.v1.sampling import InvalidParameter, SamplingParams, Stoppi
 from protos.segserve.v1.step import StepRequest
 from protos.segserve.v1.step_result import SequenceOutput, StepResult
 from protos.segserve.v1.tree import CandidateTree
-from scheduler.drafting import attach_drafts
 from scheduler.outputs import RequestEvent
 from scheduler.scheduler import RequestRejected, Scheduler
 from scheduler.sequence import Sequence
@@ -60,7 +59,7 @@ def collect_events(events: list[RequestEvent], results: dict) -> None:
 def run_step(scheduler: Scheduler, worker: FakeWorker, results: dict) -> StepRequest:
     """One schedule -> step -> postprocess (fail_step when the worker fails the step); accumulates
     {request_id: (tokens, finish reason)} in results."""
-    request = scheduler.schedule()
+    request = scheduler.schedule().request
     assert request.num_scheduled_tokens <= scheduler.max_num_batched_tokens
     assert len(request.sequences) <= scheduler.max_num_seqs
     try:
@@ -105,7 +104,7 @@ def test_long_prompt_is_prefilled_in_chunks_and_sampled_only_at_its_end():
     worker = make_worker()
     chunks = []
     while scheduler.has_work:
-        request = scheduler.schedule()
+        request = scheduler.schedule().request
         (work,) = request.sequences
         chunks.append((work.num_computed_tokens, len(work.token_ids), work.sample_indices))
         scheduler.postprocess(request, worker.step_sync(request))
@@ -215,18 +214,18 @@ def test_abort_frees_blocks_at_once_and_releases_the_id_on_the_next_step():
     worker = make_worker()
     scheduler.add(make_seq("a", [1] * 9, max_tokens=10))
     scheduler.add(make_seq("b", [2] * 3, max_tokens=10))
-    output = scheduler.schedule()
+    output = scheduler.schedule().request
     scheduler.postprocess(output, worker.step_sync(output))
     used = scheduler.block_manager.num_used_blocks
     scheduler.add(make_seq("never-run", [3], max_tokens=1))
     assert scheduler.abort("a") and scheduler.abort("never-run")
     assert scheduler.block_manager.num_used_blocks == used - 3
     assert not scheduler.abort("a")
-    output = scheduler.schedule()
+    output = scheduler.schedule().request
     assert output.finished_seq_ids == ["a"]  # "never-run" was never sent to the worker
     assert [s.seq_id for s in output.sequences] == ["b"]
     scheduler.postprocess(output, worker.step_sync(output))
-    assert scheduler.schedule().finished_seq_ids == []
+    assert scheduler.schedule().request.finished_seq_ids == []
 
 
 def test_abort_while_its_step_runs_is_skipped_by_postprocess():
@@ -234,7 +233,7 @@ def test_abort_while_its_step_runs_is_skipped_by_postprocess():
     worker = make_worker()
     scheduler.add(make_seq("a", [1, 2], max_tokens=10))
     scheduler.add(make_seq("b", [5, 6], max_tokens=1))
-    output = scheduler.schedule()
+    output = scheduler.schedule().request
     sampled = worker.step_sync(output)
     scheduler.abort("a")
     results = scheduler.postprocess(output, sampled)
@@ -245,10 +244,9 @@ def test_abort_while_its_step_runs_is_skipped_by_postprocess():
 def test_several_sampled_tokens_per_step_stop_at_the_first_stop_condition():
     scheduler = make_scheduler()
     scheduler.add(make_seq("spec", [1, 2], max_tokens=10, stop_token_ids=(7,)))
-    request = scheduler.schedule()
+    request = scheduler.schedule().request
     scheduler.postprocess(request, StepResult([SequenceOutput("spec", (3,), (0.5,))]))
-    request = scheduler.schedule()
-    attach_drafts(scheduler, request, {"spec": CandidateTree((4, 7), (-1, 0))})
+    request = scheduler.finish_plan(scheduler.schedule(), {"spec": CandidateTree((4, 7), (-1, 0))})
     result = StepResult([SequenceOutput("spec", (4, 7, 8), (0.1, 0.2, 0.3))])  # both drafts + the target's own
     chunk, complete = (item.event for item in scheduler.postprocess(request, result))
     assert (chunk.token_ids, chunk.scores) == ((4, 7), (0.1, 0.2))
@@ -259,11 +257,11 @@ def test_several_sampled_tokens_per_step_stop_at_the_first_stop_condition():
 def test_failed_step_is_discarded_and_its_requests_can_be_aborted():
     scheduler = make_scheduler()
     scheduler.add(make_seq("a", [1], max_tokens=3))
-    output = scheduler.schedule()
+    output = scheduler.schedule().request
     assert scheduler.discard(output) == ["a"]
     scheduler.abort("a")
     assert scheduler.block_manager.num_used_blocks == 0
-    assert scheduler.schedule().sequences == []
+    assert scheduler.schedule().request.sequences == []
 
 
 def test_metrics_follow_the_request_timeline():
@@ -275,7 +273,7 @@ def test_metrics_follow_the_request_timeline():
     finals = {}
     while scheduler.has_work:
         now[0] += 0.5
-        output = scheduler.schedule()
+        output = scheduler.schedule().request
         now[0] += 0.5
         for item in scheduler.postprocess(output, worker.step_sync(output)):
             if isinstance(item.event, GenerateComplete):
@@ -326,7 +324,7 @@ def test_an_error_output_ends_that_request_alone_after_its_streamed_tokens():
     add_all(scheduler, PROMPTS)
     events: list[RequestEvent] = []
     while scheduler.has_work:
-        request = scheduler.schedule()
+        request = scheduler.schedule().request
         events += scheduler.postprocess(request, worker.step_sync(request))
     results: dict = {}
     collect_events(events, results)
@@ -467,7 +465,7 @@ def test_prompt_logprobs_stream_once_per_prompt_token_even_after_a_recomputation
     for step in range(20):
         if not scheduler.has_work:
             break
-        request = scheduler.schedule()
+        request = scheduler.schedule().request
         if step == 2:  # the prompt is recomputed from 0 after this failure
             events += scheduler.fail_step(request, "injected")
             continue

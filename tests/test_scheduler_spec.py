@@ -36,6 +36,7 @@ def reference(prompt: list[int], max_tokens: int, max_len: int = 10**9) -> list[
 def make_scheduler(speculator: Speculator | None = None, **overrides) -> Scheduler:
     args = dict(num_kv_blocks=64, block_size=4, max_model_len=512, eos_token_ids=[EOS], max_num_seqs=8,
                 max_num_batched_tokens=64, on_end=speculator.forget if speculator is not None else None,
+                drafting=speculator,
                 is_block_table_delta=True)  # as for the real worker (and the fake, which offers them)
     args.update(overrides)
     return Scheduler(**args)
@@ -75,11 +76,15 @@ async def run_all(scheduler: Scheduler, speculator: Speculator | None, prompts: 
     return results, worker
 
 
+async def planned(scheduler: Scheduler, speculator: Speculator | None) -> StepRequest:
+    """schedule -> draft -> finish_plan, as the engine does: the step's request, final."""
+    plan = scheduler.schedule()
+    return scheduler.finish_plan(plan, await speculator.draft(plan) if speculator is not None else {})
+
+
 async def step(scheduler: Scheduler, speculator: Speculator | None, worker: FakeWorker, results: dict) -> None:
     """schedule -> draft -> worker -> postprocess, as the engine does."""
-    request = scheduler.schedule()
-    if speculator is not None:
-        await speculator.propose(scheduler, request)
+    request = await planned(scheduler, speculator)
     assert request.num_scheduled_tokens <= scheduler.max_num_batched_tokens
     result = worker.step_sync(request)
     if speculator is not None:
@@ -121,8 +126,7 @@ async def test_token_chunks_say_which_tokens_were_drafts_of_which_tree_and_segme
     scheduler.add(Sequence("a", [5, 6, 7], stopping=StoppingCriteria(30)))
     chunks = []
     while scheduler.has_work:
-        request = scheduler.schedule()
-        await speculator.propose(scheduler, request)
+        request = await planned(scheduler, speculator)
         result = worker.step_sync(request)
         speculator.observe_step(request, result, 0.01)
         chunks += [e.event for e in scheduler.postprocess(request, result) if not e.is_terminal]
@@ -277,8 +281,7 @@ async def test_a_failed_step_with_trees_is_retried_and_stays_lossless():
     for index in range(200):
         if not scheduler.has_work:
             break
-        request = scheduler.schedule()
-        await speculator.propose(scheduler, request)
+        request = await planned(scheduler, speculator)
         if index in (3, 4, 9):
             assert index != 3 or request.num_draft_tokens > 0
             collect_events(scheduler.fail_step(request, "injected"), results)

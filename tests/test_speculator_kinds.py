@@ -13,7 +13,7 @@ from scheduler.speculator import CLASSIFY_INTERVAL, Speculator
 from tests.fake_drafter import FakeDrafter
 from tests.fakes import FakeWorker
 from tests.test_scheduler import collect_events
-from tests.test_scheduler_spec import EOS, PROMPTS, RULE, VOCAB, make_scheduler, reference, run_all, step
+from tests.test_scheduler_spec import EOS, PROMPTS, RULE, VOCAB, make_scheduler, planned, reference, run_all, step
 
 
 class RecordingDrafter(FakeDrafter):
@@ -50,9 +50,10 @@ async def test_a_new_request_learns_its_kind_at_its_first_decode_step_where_that
     scheduler.add(Sequence("a", prompt, stopping=StoppingCriteria(20)))
     results: dict = {}
     await step(scheduler, speculator, worker, results)  # the prefill
-    first_decode = scheduler.schedule()
-    assert not speculator.plan_next(scheduler, first_decode)  # "" alone keeps off, but its kind is not known yet
-    await speculator.propose(scheduler, first_decode)
+    room = scheduler.max_num_batched_tokens - 1
+    # "" alone keeps off, but its kind is not known yet: the step may not go ahead of the prefill
+    assert not speculator.plan_ahead([scheduler.requests["a"]], 1, room)
+    first_decode = await planned(scheduler, speculator)
     collect_events(scheduler.postprocess(first_decode, worker.step_sync(first_decode)), results)
     while scheduler.has_work:
         await step(scheduler, speculator, worker, results)
@@ -108,7 +109,8 @@ async def test_no_query_for_a_new_request_where_no_kind_may_draft():
     scheduler.add(Sequence("a", PROMPTS["a"], stopping=StoppingCriteria(20)))
     results: dict = {}
     await step(scheduler, speculator, worker, results)
-    assert speculator.plan_next(scheduler, scheduler.schedule())  # every step may go ahead
+    # every step may go ahead
+    assert speculator.plan_ahead([scheduler.requests["a"]], 1, scheduler.max_num_batched_tokens - 1)
     while scheduler.has_work:
         await step(scheduler, speculator, worker, results)
     assert results["a"][0] == reference(PROMPTS["a"], 20)

@@ -4,9 +4,9 @@ Per batch size: the real Scheduler (scheduler/scheduler.py) and a real ModelRunn
 (worker/model_runner.py) on one model; N sequences are added and prefilled (not
 timed), a few decode steps warm up, then --repeats rounds of --steps decode steps
 are timed. Each step is split into
-  schedule  Scheduler.schedule()
-  draft     with --draft: the drafter's state update and planner, in-process, and
-            attach_drafts() (scheduler/drafting.py)
+  schedule  Scheduler.schedule(), and finish_plan(): the trees fitted into the step
+            (scheduler/drafting.py), or its decode steps (scheduler/decode_steps.py)
+  draft     with --draft: the drafter's state update and planner, in-process
   wire      the step's protobuf round trip, both ways, as the stack makes it between
             the scheduler and the worker (StepRequest to_pb, serialize, parse, from_pb;
             the same for StepResult), without the gRPC transport; the runner gets the
@@ -115,11 +115,12 @@ class InProcessDrafter:
         self.max_nodes = max_nodes
         self._num_sent: dict[str, int] = {}
 
-    def propose(self, scheduler, request) -> None:
-        from scheduler.drafting import attach_drafts, draft_candidates
+    def propose(self, plan) -> dict:
+        """A tree for each decode sequence of the plan (scheduler/step_plan.py), by request id."""
+        from scheduler.drafting import draft_candidates
 
         trees = {}
-        for seq in draft_candidates(scheduler, request):
+        for seq in draft_candidates(plan.request, {seq.request_id: seq for seq in plan.seqs}):
             known = self._num_sent.get(seq.request_id, 0)
             state = self.states.update(seq.request_id, seq.token_ids[known:], seq.num_tokens, seq.num_prompt_tokens)
             if state is None:  # out of step: resync with every token
@@ -128,7 +129,7 @@ class InProcessDrafter:
             tree, _ = self.planner.draft(state, self.max_nodes)
             if tree:
                 trees[seq.request_id] = tree
-        attach_drafts(scheduler, request, trees)
+        return trees
 
 
 def _make_runner(config: EngineBenchConfig, model_dir: Path):
@@ -159,16 +160,15 @@ def _decode_step(scheduler, runner, drafter: InProcessDrafter | None) -> tuple[d
     from protos.segserve.v1.generate import stream_events_from_pb, stream_events_to_pb
     from protos.segserve.v1.step import StepRequest
     from protos.segserve.v1.step_result import StepResult
-    from scheduler.decode_steps import add_decode_steps
 
     t0 = time.perf_counter()
-    request = scheduler.schedule()
+    plan = scheduler.schedule()
     t1 = time.perf_counter()
-    t2 = t1  # no drafter: the draft part is 0
+    t2, trees = t1, {}  # no drafter: the draft part is 0
     if drafter is not None:
-        drafter.propose(scheduler, request)
+        trees = drafter.propose(plan)
         t2 = time.perf_counter()
-    add_decode_steps(scheduler, request)  # scheduling, after the drafts: steps with a tree take one
+    request = scheduler.finish_plan(plan, trees)  # scheduling, after the drafts: steps with a tree take one
     t2b = time.perf_counter()
     received = StepRequest.from_pb(worker_pb2.StepRequest.FromString(request.to_pb(packed=True).SerializeToString()))
     t3 = time.perf_counter()
@@ -228,7 +228,7 @@ def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: 
         prompt = [rng.randrange(3, info.vocab_size) for _ in range(config.prompt_len)]
         scheduler.add(Sequence(seq_id, prompt, sampling, stopping))
     while scheduler.waiting or any(seq.num_uncomputed_tokens > 1 for seq in scheduler.running):  # prefill
-        request = scheduler.schedule()
+        request = scheduler.schedule().request
         scheduler.postprocess(request, StepResult(runner.step(request)))
     drafter = InProcessDrafter(config.max_draft_nodes) if config.is_draft else None
     rounds = []
