@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grimp
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("protos", "common", "router", "scheduler", "worker", "drafter", "segserve")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
@@ -63,3 +65,63 @@ def test_the_public_client_imports_nothing_heavy(tmp_path):
     result = lint_imports(root)
     assert result.returncode != 0
     assert "segserve.client.misplaced -> torch" in result.stdout
+
+
+def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for start in sorted(graph.modules):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.find_modules_directly_imported_by(start))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            module, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph.find_modules_directly_imported_by(successor)))))
+                    break
+                if successor in on_stack:
+                    low[module] = min(low[module], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[module])
+                if low[module] == index[module]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == module:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=False, cache_dir=None)
+    assert import_cycles(graph) == []
+
+
+def test_a_cycle_through_a_type_checking_import_is_found(tmp_path, monkeypatch):
+    package = tmp_path / "loop"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from loop import b\n")
+    (package / "b.py").write_text("from loop import c\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from loop.a import x\n")
+    (package / "d.py").write_text("from loop import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("loop", exclude_type_checking_imports=False, cache_dir=None)
+    assert import_cycles(graph) == [["loop.a", "loop.b", "loop.c"]]
