@@ -4,7 +4,7 @@ An eager forward of a small model spends most of its time dispatching ops from P
 Inductor fuses the norms, rotary embeddings and element-wise ops into a few generated kernels and, with
 freezing, treats the weights as constants (the packed oneDNN linears stay oneDNN calls on the packed
 weights, the small unpacked ones torch's BLAS calls, as the eager worker makes them: `_COMPILE_CONFIG`).
-The tiny Gemma3 of the tests, one row, one thread: 1.94 ms per forward against 2.80 eager (README,
+The tiny Gemma3 of the tests, one row, one thread: 1.94 ms per forward against 2.80 eager (docs/engine.md,
 "Compiled decoder"). The paged attention stays eager, as one opaque custom op per layer
 (`segserve::paged_attention`): it reads the step's AttentionBatch, which is no tensor and changes every step,
 from `_current`, where `CompiledDecoder` puts it before each forward.
@@ -19,8 +19,8 @@ Numerics: a compiled forward differs from the eager one in the last bits (fused 
 order), so a worker runs every step compiled, prefill and trees included. On the CPU rows stay independent: a
 row's logits are bit-identical whatever bucket it is computed in and whatever else is in the batch
 (tests/test_compiled.py), which greedy speculation relies on. On an H100 they were not: a row padded among
-others differed in the last bits from the row alone, with the linears in fixed row blocks too (README, "On an
-H100"), so a compiled GPU worker's greedy speculation is not known to be lossless.
+others differed in the last bits from the row alone, with the linears in fixed row blocks too (docs/engine.md,
+"Batch invariance"), so a compiled GPU worker's greedy speculation is not known to be lossless.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Eager, each of their norms, casts, rotary steps, activations and residual additi
 launched one at a time, and replayed one at a time by a CUDA graph (worker/decode_graphs.py). Inductor fuses the
 element-wise work around each linear into one generated kernel, as HF's compiled `generate` does for its whole
 forward: traced on an H100, a compiled layer of gemma-3-270m ran 6 generated kernels and its 7 linears besides
-its attention (README, "Compiled layers"). The paged attention stays eager between the regions: its shapes (the key
+its attention (docs/engine.md, "Compiled layers"). The paged attention stays eager between the regions: its shapes (the key
 lengths) change every step.
 
 One compile serves every layer and every step:

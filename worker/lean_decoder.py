@@ -4,7 +4,7 @@ transformers' forward wraps the model, each layer and each attention call in dec
 (deprecated-argument checks, output capturing, config defaults, the gradient-checkpointing layer) and builds the
 causal masks, which the paged attention never reads, on every call. An eager forward of a small model spends much
 of its time there: the tests' tiny Gemma3 at one token, one thread, took 1.07-1.18 ms per forward against
-1.28-1.41 through transformers' forward (README, "A lean decoder").
+1.28-1.41 through transformers' forward (docs/engine.md, "Lean decoder").
 
 A lean decoder calls the model's own modules (embeddings, norms, linears, MLPs, rotary embeddings) on the same
 tensors in the same order as transformers' forward of that class (with a layer's queries and keys through one
@@ -16,7 +16,7 @@ unnoticed. Other architectures and the compiled decoder (worker/compiled.py) kee
 A lean decoder calls each module's forward method, looked up once per layer (LayerCalls), rather than the module:
 nn.Module.__call__ checks for hooks on every call, and each attribute reaches a submodule through
 nn.Module.__getattr__. That is about 60 module calls per forward of the tiny Gemma3; without that machinery its
-one-token steps took 13-21% less time (README, "A lean decoder"). The worker registers no hooks on the model's
+one-token steps took 13-21% less time (docs/engine.md, "Lean decoder"). The worker registers no hooks on the model's
 modules.
 """
 
