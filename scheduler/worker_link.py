@@ -1,7 +1,7 @@
 """An engine's hold on its worker: connecting, watching it while idle, and what is left when it is lost.
 
-In: a Worker (WorkerClient, or tests/fakes.py's FakeWorker). Out: its WorkerInfo once it answers (connect() retries
-until then), the Scheduler and Speculator sized for it (new_scheduler, new_speculator), WorkerLost from
+In: a Worker (WorkerClient, or tests/support/fakes.py's FakeWorker). Out: its WorkerInfo once it answers (connect()
+retries until then), the Scheduler and Speculator sized for it (new_scheduler, new_speculator), WorkerLost from
 wait_for_work() when an idle engine finds it gone, and the record of a loss (lost(), stale_ids: the sequences
 handed over, which the worker releases once it is back, as its state for them is stale).
 """
@@ -27,7 +27,7 @@ _CONNECT_RETRY_S = 0.5
 
 
 class Worker(Protocol):
-    """What the engine needs from a worker (WorkerClient, or tests/fakes.py's FakeWorker).
+    """What the engine needs from a worker (WorkerClient, or tests/support/fakes.py's FakeWorker).
 
     step() raises WorkerError when the step failed as a whole.
     """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.devices import TEST_DEVICE
-from tests.tiny_models import build_tiny_gemma3, build_tiny_llama, build_tiny_llama_kin
+from tests.support.devices import TEST_DEVICE
+from tests.support.tiny_models import build_tiny_gemma3, build_tiny_llama, build_tiny_llama_kin
 
 
 @pytest.fixture(scope="session")

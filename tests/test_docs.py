@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.e2e_helpers import tiny_stack
+from tests.support.e2e_helpers import tiny_stack
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

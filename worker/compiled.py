@@ -18,7 +18,7 @@ downstream reads them (the logits are taken at real rows only).
 Numerics: a compiled forward differs from the eager one in the last bits (fused reductions round in another
 order), so a worker runs every step compiled, prefill and trees included. On the CPU rows stay independent: a
 row's logits are bit-identical whatever bucket it is computed in and whatever else is in the batch
-(tests/test_compiled.py), which greedy speculation relies on. On an H100 they were not: a row padded among
+(tests/worker/test_compiled.py), which greedy speculation relies on. On an H100 they were not: a row padded among
 others differed in the last bits from the row alone, with the linears in fixed row blocks too (docs/engine.md,
 "Batch invariance"), so a compiled GPU worker's greedy speculation is not known to be lossless.
 """

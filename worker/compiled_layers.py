@@ -7,8 +7,8 @@ Eager, each of their norms, casts, rotary steps, activations and residual additi
 launched one at a time, and replayed one at a time by a CUDA graph (worker/decode_graphs.py). Inductor fuses the
 element-wise work around each linear into one generated kernel, as HF's compiled `generate` does for its whole
 forward: traced on an H100, a compiled layer of gemma-3-270m ran 6 generated kernels and its 7 linears besides
-its attention (docs/engine.md, "Compiled layers"). The paged attention stays eager between the regions: its shapes (the key
-lengths) change every step.
+its attention (docs/engine.md, "Compiled layers"). The paged attention stays eager between the regions: its shapes
+(the key lengths) change every step.
 
 One compile serves every layer and every step:
 - a region takes a layer's LayerCalls, and dynamo lifts the modules' weights to inputs (inlined nn.Modules), so
@@ -22,7 +22,7 @@ layers runs every step with them: prefills, decode steps, trees, eager or from g
 depend on the other rows, for lossless greedy speculation: the generated kernels compute each row on its own, with
 one configuration for every count (one kernel per region op, tuned once), and the linears keep their row policies
 (worker/row_blocks.py): a linear with a policy other than rows-as-they-come runs as an opaque op
-(segserve::row_block_linear), exactly as in an eager step. tests/test_compiled_layers.py checks a row's logits
+(segserve::row_block_linear), exactly as in an eager step. tests/worker/test_compiled_layers.py checks a row's logits
 alone against among others on the test device.
 
 Calls. A compiled call checks only the guards that tell its compiled codes apart

@@ -24,9 +24,9 @@ and leave their logits in one buffer outside it. The block tables' device tensor
 
 Numerics: a graph replays the eager forward's kernels on the padded batch, and the linears give each row the same
 result whatever the batch (worker/row_blocks.py), so a row's logits are those of the eager step.
-tests/test_decode_graphs.py checks that on the CPU, where there is nothing to capture: there the padded static steps
-run eagerly (is_capture False), each with the host-side decisions of the first step of its key, as a replay of that
-step's graph would. That covers everything but the capture and the replay themselves.
+tests/worker/test_decode_graphs.py checks that on the CPU, where there is nothing to capture: there the padded
+static steps run eagerly (is_capture False), each with the host-side decisions of the first step of its key, as a
+replay of that step's graph would. That covers everything but the capture and the replay themselves.
 """
 
 from __future__ import annotations

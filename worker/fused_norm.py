@@ -6,14 +6,14 @@ multiplications); gemma-3-270m calls one 109 times per forward (six per layer, a
 build has one; no GPU measured it here). Measured on the 2-core CPU, fp32, one thread, hidden size 64: a call
 took 10-15 us against 19-35 us for transformers' module, from one row to 256; the tiny model's whole forward at
 one token took 1.44-1.64 ms against 1.53-1.79 ms, in five of six runs of alternated pairs
-(tests/test_fused_norm.py checks the outputs, not the speed).
+(tests/worker/test_fused_norm.py checks the outputs, not the speed).
 
 Only classes whose formula is known are replaced, each by the same formula:
 - Gemma's (GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm): normalize in float32, multiply by (1 + weight) in
   float32, cast back. (1 + weight) is computed once, here: the worker never changes weights once loaded.
 - Llama's (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, Phi3RMSNorm): normalize in float32,
   cast back, multiply by the weight.
-On the CPU the outputs are bit-identical to transformers' (tests/test_fused_norm.py). Each row is normalized on
+On the CPU the outputs are bit-identical to transformers' (tests/worker/test_fused_norm.py). Each row is normalized on
 its own, so a row's output does not depend on the rest of the batch (batch invariance, which greedy speculation
 relies on, is tested on the test device).
 """
@@ -57,7 +57,7 @@ class StackedRMSNorm(nn.Module):
 
     For a layer's query and key norms: x is [..., H1 + H2 + ..., D], the first H1 heads normed by the first norm,
     and so on. The rows are normalized together without a weight, then each head's row is multiplied by its own
-    norm's weight, which is what F.rms_norm with a weight computes on the CPU (tests/test_fused_norm.py checks it
+    norm's weight, which is what F.rms_norm with a weight computes on the CPU (tests/worker/test_fused_norm.py checks it
     bit for bit against each norm on its own heads; a CUDA build's one-kernel F.rms_norm may round otherwise). One
     call in place of one per norm, and the rows stay independent."""
 

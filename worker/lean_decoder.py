@@ -9,7 +9,7 @@ of its time there: the tests' tiny Gemma3 at one token, one thread, took 1.07-1.
 A lean decoder calls the model's own modules (embeddings, norms, linears, MLPs, rotary embeddings) on the same
 tensors in the same order as transformers' forward of that class (with a layer's queries and keys through one
 rotary embedding and one norm: LeanDecoder), and the worker's paged attention as that class's attention calls it,
-so its logits are bit-identical on the CPU (tests/test_lean_decoder.py compares them on prefills, decodes
+so its logits are bit-identical on the CPU (tests/worker/test_lean_decoder.py compares them on prefills, decodes
 and trees). A transformers release that changes one of these forwards fails that test rather than going
 unnoticed. Other architectures and the compiled decoder (worker/compiled.py) keep transformers' forward.
 

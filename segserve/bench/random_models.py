@@ -28,7 +28,7 @@ TINY_GEMMA3 = dict(
     initializer_range=0.3,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )
-"""The tests' tiny Gemma3 (tests/tiny_models.py builds it beside its tokenizer): a sliding window of 8 that
+"""The tests' tiny Gemma3 (tests/support/tiny_models.py builds it beside its tokenizer): a sliding window of 8 that
 tests cross; ids 0-2 are the tokenizer's pad, bos and eos."""
 
 

@@ -1,0 +1,1 @@
+"""What the tests share: fakes of the services, tiny models, stacks, certificates, helpers."""
