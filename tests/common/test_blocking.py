@@ -1,5 +1,6 @@
 """common/blocking.py: a blocking call runs on the event loop when the last one says it is short, else in a
-thread (the worker's steps and the drafter's batches; the worker's servicer is tested in test_worker_server)."""
+thread (the worker's steps and the drafter's batches; the worker's servicer is tested in
+tests/worker/test_server.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 /status carries the drafting state and the gate's state per segment kind, the gate's decision and each drafter
 replica; /metrics the gate's state per segment kind.
 
-Through real HTTP against test_router_ops.py's router (API keys on) and its fake scheduler.
+Through real HTTP against tests/router/test_ops.py's router (API keys on) and its fake scheduler.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_status_is_open_and_reports_the_scheduler(router_url):
     assert response.status_code == 200
     body = response.json()
     assert body["components"]["router"] == "ok" and body["components"]["scheduler"] == "ready"
-    # test_router_ops.STATS, as the scheduler sent them
+    # test_ops.STATS, as the scheduler sent them
     assert body["requests"] == {"running": 3, "waiting": 2, "preemptions": 1}
     assert body["kv_cache"] == {"used_blocks": 16, "total_blocks": 64, "usage": 0.25}
     assert body["prefix_cache"] == {"queries": 900, "hits": 640, "hit_rate": 640 / 900}
