@@ -53,11 +53,14 @@ def attach_drafts(request: StepRequest, trees: Mapping[str, CandidateTree], in_f
     """Turn decode work into tree verification, within `room` draft tokens and the free KV blocks.
 
     Trees shrink (or drop) to fit: the budget left after schedule(), the stop conditions (no node past
-    max_tokens or the context), and the free blocks (drafts never preempt anything).
+    max_tokens or the context), and the free blocks (drafts never preempt anything). A sequence with a
+    structured output gets none.
     """
     for index, work in enumerate(request.sequences):
         tree = trees.get(work.seq_id)
         if tree is None or (seq := decoding(in_flight.get(work.seq_id), work)) is None:
+            continue
+        if seq.sampling.structured_output is not None:  # never drafted for (the Speculator); a worker refuses it
             continue
         tree = fit_tree(tree, seq, room, max_len, block_manager)
         if not tree:

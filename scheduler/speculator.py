@@ -239,14 +239,16 @@ class Speculator:
             decision = self.policy.last_gate_decision
         else:  # decided by plan_ahead(), which the step ahead it allowed did not follow (the scheduler refused it)
             budgets, decision = {segment: 0 for segment in groups}, planned
-        is_drafting = any(budgets.values())
-        if not is_drafting:
-            candidates = self._to_classify(candidates, groups)
-            if not candidates:  # the drafter catches up on their tokens at the next call, or the final update
-                return DraftChoice((), False, decision)
-            self._num_steps_since_classify = 0
-        queries = tuple((seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates)
-        return DraftChoice(queries, is_drafting, decision)
+        # a structured output gets no tree (its grammar would have to prune it): it is only learned from
+        queries = tuple((seq, 0 if seq.sampling.structured_output is not None
+                         else budgets[self._segments.get(seq.request_id, "")]) for seq in candidates)
+        if any(num_nodes for _, num_nodes in queries):
+            return DraftChoice(queries, True, decision)
+        candidates = self._to_classify(candidates, groups)
+        if not candidates:  # the drafter catches up on their tokens at the next call, or the final update
+            return DraftChoice((), False, decision)
+        self._num_steps_since_classify = 0
+        return DraftChoice(tuple((seq, 0) for seq in candidates), False, decision)
 
     async def _draft(self, chosen: tuple[tuple[Seq, int], ...]) -> dict[str, CandidateTree]:
         queries = [self._query(seq, max_nodes) for seq, max_nodes in chosen]

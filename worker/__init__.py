@@ -24,6 +24,7 @@ Modules:
   faults           non-finite logits and sampler failures, isolated to their sequence.
   verify           sampling level by level with the tree acceptance walk; KV compaction moves.
   sampler          batched logits processing (logit bias, penalties) and sampling.
+  grammar          structured outputs: xgrammar matchers per sequence, the token masks of their rows.
   warpers          temperature, top_k, top_p, typical_p.
   watermark        green-list watermarking and its detector.
   prompt_logprobs  prompt tokens' log-probabilities under the raw model, across prefill chunks.

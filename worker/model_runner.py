@@ -46,6 +46,7 @@ from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.lean_decoder import LEAN_DECODERS, lean_decoder
 from worker.fused_norm import fuse_rms_norms
+from worker.grammar import GrammarEngine, constrainer
 from worker.packed_linear import choose_row_policies, pack_linears
 from worker.row_blocks import RowPolicy, block_linears, fixed_policy
 from worker.planning import SequenceState, StepPlan, plan_step
@@ -125,6 +126,8 @@ class ModelRunner:
             block_table_deltas=True,  # plan_step resolves them (BlockTables.resolve)
             max_decode_steps=MAX_DECODE_STEPS,
         )
+        self.grammars = GrammarEngine(path, self._info.vocab_size, self._info.eos_token_ids)
+        """Structured outputs' grammars (worker/grammar.py); it loads the tokenizer at the first one."""
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
         self.graphs = DecodeGraphs(self._lean, self.kv_cache, self.block_tables, num_blocks * config.block_size,
                                    is_capture=self.device.type == "cuda") if is_graphs else None
@@ -224,7 +227,7 @@ class ModelRunner:
 
         Nothing changes when the request as a whole is invalid (InvalidRequest)."""
         try:
-            self._states, plan = plan_step(request, self._states, self.limits, self.block_tables)
+            self._states, plan = plan_step(request, self._states, self.limits, self.block_tables, self.grammars.start)
         except InvalidRequest:
             self.block_tables.retain(self._states)  # rows staged for sequences the step would have added
             raise
@@ -283,7 +286,8 @@ class ModelRunner:
         works = plan.works
         # failed: work index -> why it failed (non-finite logits at any of its rows or keys and values at any of
         # its tokens, a sampler error)
-        sampled, failed = sample_works(works, logits, self.sample_rows, plan.non_finite_tokens)
+        constrain = constrainer(works, plan.constrained, self._states) if plan.constrained else None
+        sampled, failed = sample_works(works, logits, self.sample_rows, plan.non_finite_tokens, constrain)
         overflowed = {block for i, why in failed.items() if why in NON_FINITE for block in works[i].block_table}
         if overflowed:  # before the scheduler can give these blocks to anyone else (it frees them on the error)
             self.kv_cache.clear_non_finite(to_device(torch.tensor(sorted(overflowed)), self.device))

@@ -6,23 +6,27 @@ with the reason) and the new states. A sequence that fails its checks is left ou
 untouched; a step malformed as a whole raises InvalidRequest and changes nothing.
 
 Per-sequence state: the sampling parameters, the number of prompt tokens, a random generator,
-and the token history, which after every step is `history[:num_computed_tokens] + token_ids`
-(so a recompute after preemption simply overwrites it).
+the token history, which after every step is `history[:num_computed_tokens] + token_ids`
+(so a recompute after preemption simply overwrites it), and for a structured output its grammar's
+matcher (worker/grammar.py), made when the sequence arrives; one whose grammar does not compile is
+kept with the reason, which every work of it is then refused with.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.sampling import SamplingParams, StructuredOutput
 from protos.segserve.v1.step import CONTINUATION_REFUSED, ScheduledSequence, StepRequest
 from worker.attention_plan import StepLayout, step_layout
 from worker.block_tables import BlockTables
+from worker.grammar import GrammarError, GrammarState
 from worker.prompt_logprobs import PromptLogprobState, PromptPlan, plan
 from worker.sampler import SampleRow, make_generator
-from worker.validation import InvalidRequest, StepLimits, has_overlapping_slots, sequence_problem
+from worker.validation import InvalidRequest, StepLimits, constrained_problem, has_overlapping_slots, sequence_problem
 from worker.work import Work, expand
 
 
@@ -43,6 +47,10 @@ class SequenceState:
     plain_row: SampleRow | None = None
     """The sequence's SampleRow without history, made once, for parameters that read none (no penalty,
     no watermark)."""
+    grammar: GrammarState | None = None
+    """A structured output's matcher (worker/grammar.py); None = unconstrained."""
+    refusal: str | None = None
+    """Why every work of the sequence is refused (a structured_output its grammar engine did not compile)."""
 
 
 @dataclass
@@ -61,19 +69,26 @@ class StepPlan:
     non_finite_tokens: torch.Tensor | None = None
     """[T] bool on the device, set by the forward (ModelRunner.execute): the new tokens whose keys or values
     were not finite."""
+    constrained: list[int] = field(default_factory=list)
+    """Indices of the works that sample one row under a grammar (at their last token), in order."""
 
     @property
     def num_sample_rows(self) -> int:
         return sum(len(work.sample_indices) for work in self.works)
 
 
-def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: StepLimits, tables: BlockTables
-              ) -> tuple[dict[str, SequenceState], StepPlan]:
+GrammarStarter = Callable[[StructuredOutput], GrammarState]
+"""A new sequence's matcher for its structured output (GrammarEngine.start); raises GrammarError."""
+
+
+def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: StepLimits, tables: BlockTables,
+              start_grammar: GrammarStarter | None = None) -> tuple[dict[str, SequenceState], StepPlan]:
     """Forget finished sequences, register new ones, check every sequence, then record the tokens
     of those that run. Returns the new states (`states` itself is not modified) and the plan.
 
     `tables` takes the block tables of the sequences that pass their checks, whether or not the
-    step as a whole is then refused (the caller drops the rows of sequences it does not keep)."""
+    step as a whole is then refused (the caller drops the rows of sequences it does not keep).
+    `start_grammar` makes the matchers of new sequences with a structured output (None: they are refused)."""
     states = dict(states)
     for seq_id in request.finished_seq_ids:
         states.pop(seq_id, None)
@@ -89,6 +104,8 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
                                            make_generator(new.sampling.seed, tables.device),
                                            list(new.prompt_token_ids),
                                            prompt=prompt)
+        if new.sampling.structured_output is not None:
+            _start_grammar(new.seq_id, states[new.seq_id], new.sampling.structured_output, start_grammar)
     seq_ids = [seq.seq_id for seq in request.sequences]
     if len(set(seq_ids)) != len(seq_ids):
         twice = next(s for s in seq_ids if seq_ids.count(s) > 1)
@@ -104,6 +121,8 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
         if seq.is_continuation and problem is None:
             seq, problem = _continued(seq, state)
         problem = problem or sequence_problem(seq, None if state is None else len(state.history), limits)
+        if problem is None and (state.grammar is not None or state.refusal is not None):
+            problem = state.refusal or constrained_problem(seq)
         if problem is None:
             problem = tables.stage(seq, -(-seq.num_tokens // limits.block_size))
             problem = None if problem is None else f"sequence {seq.seq_id!r}: {problem}"
@@ -115,6 +134,8 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
     for seq in runnable:
         state = states[seq.seq_id]
         prompt_plan = None if state.prompt is None else plan(seq, state.num_prompt_tokens, state.prompt)
+        if state.grammar is not None and seq.sample_indices:
+            step_plan.constrained.append(len(step_plan.works))
         step_plan.works.append(expand(seq, () if prompt_plan is None else prompt_plan.offsets))
         step_plan.prompt_plans.append(prompt_plan)
     if runnable:
@@ -128,6 +149,17 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
         state.history.extend(seq.token_ids)
         state.last_sampled = None  # until this step samples
     return states, step_plan
+
+
+def _start_grammar(seq_id: str, state: SequenceState, structured: StructuredOutput,
+                   start_grammar: GrammarStarter | None) -> None:
+    """Give a new sequence its matcher, or the reason its works are refused."""
+    try:
+        if start_grammar is None:
+            raise GrammarError("this worker has no grammar engine for structured_output")
+        state.grammar = start_grammar(structured)
+    except GrammarError as exc:
+        state.refusal = f"sequence {seq_id!r}: {exc}"
 
 
 def _continued(seq: ScheduledSequence, state: SequenceState | None) -> tuple[ScheduledSequence, str | None]:

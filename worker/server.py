@@ -24,6 +24,7 @@ import torch
 
 from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.segserve.v1.info import Health
+from protos.segserve.v1.sampling import InvalidParameter
 from protos.segserve.v1.step import MalformedStep, StepRequest
 from protos.segserve.v1.step_result import StepResult
 from common.blocking import CallCost, run_blocking
@@ -144,7 +145,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             runner = self._ready_runner()
             try:
                 step = StepRequest.from_pb(request)
-            except MalformedStep as exc:
+            except (MalformedStep, InvalidParameter) as exc:  # e.g. a structured_output of an unknown kind
                 raise InvalidRequest(str(exc)) from exc
             await self.order.after(step.follows_step_id)
             async with self._step_lock:

@@ -2,8 +2,10 @@
 
 Two kinds of failure:
 - `sequence_problem` names what is wrong with ONE scheduled sequence (unknown id, short block
-  table, token out of the vocabulary, a malformed tree...); the runner leaves that sequence out
-  of the forward and answers it with an error output, and the rest of the batch runs.
+  table, token out of the vocabulary, a malformed tree...), and `constrained_problem` what a
+  sequence with a structured output cannot run (a tree); the runner leaves that sequence out of
+  the forward and answers it with an error output, and the rest of the batch runs. A structured
+  output whose grammar does not compile fails the same way (worker/planning.py).
 - `InvalidRequest` is a step malformed as a whole (a sequence scheduled twice, two sequences
   writing one KV slot: `has_overlapping_slots`); the gRPC server maps it to INVALID_ARGUMENT.
 """
@@ -64,6 +66,17 @@ def _problem(seq: ScheduledSequence, num_known_tokens: int | None, limits: StepL
     if len(seq.block_table) < needed_blocks:
         return f"block_table has {len(seq.block_table)} blocks, {num_tokens} tokens need {needed_blocks}"
     return None  # block ids are checked as they enter the block tables (worker/block_tables.py)
+
+
+def constrained_problem(seq: ScheduledSequence) -> str | None:
+    """Why a sequence with a structured output cannot run `seq` (None when it can): its grammar masks one row, at
+    the end of its tokens, and it gets no candidate tree (the scheduler drafts none for it)."""
+    if seq.draft is not None:
+        return f"sequence {seq.seq_id!r}: a sequence with a structured_output takes no candidate tree"
+    if seq.sample_indices not in ((), (len(seq.token_ids) - 1,)):
+        return (f"sequence {seq.seq_id!r}: a sequence with a structured_output samples only at its last token "
+                f"(got sample_indices {list(seq.sample_indices)} for {len(seq.token_ids)} tokens)")
+    return None
 
 
 def _tree_problem(seq: ScheduledSequence, limits: StepLimits) -> str | None:

@@ -14,8 +14,10 @@ walk stops. Every node of every tree, and every plain row, is sampled in ONE sam
 with the uniform of its depth (worker/draws.py), so the walk only follows tokens already chosen,
 and a seeded sequence still consumes one uniform per output token, as plain decoding does. The
 chosen tokens, their scores, the top log-probabilities and the non-finite check come to the host
-in one transfer: the step's only wait for the device. A sampler failure fails only the sequence
-whose rows raised (worker/faults.py), and so do non-finite logits at any of its rows.
+in one transfer: the step's only wait for the device. Before the sampler call, the rows of
+sequences with a structured output get their grammar's mask (worker/grammar.py: forbidden tokens
+at -inf). A sampler failure fails only the sequence whose rows raised (worker/faults.py), and so
+do non-finite logits at any of its rows.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def kv_moves(accepted_nodes: Sequence[int], depths: Sequence[int]) -> list[tuple
 
 RowMaker = Callable[[Work], list[SampleRow]]
 """Builds the SampleRows of a work's sample indices, in order (each with its own prefix where it is read)."""
+Constrainer = Callable[[torch.Tensor, list[int]], dict[int, str]]
+"""Masks, in place, the rows of logits [N, V] that grammars constrain, given each work's first sample row; returns
+work index -> why it failed (its output broke its grammar)."""
 
 
 @dataclass(slots=True)  # one per sampled sequence per step
@@ -106,13 +111,16 @@ def step_paths(work: Work) -> list[tuple[int, ...]]:
 
 
 def sample_works(works: Sequence[Work], logits: torch.Tensor, make_rows: RowMaker,
-                 non_finite_tokens: torch.Tensor | None = None) -> tuple[dict[int, Sampled], dict[int, str]]:
+                 non_finite_tokens: torch.Tensor | None = None, constrain: Constrainer | None = None
+                 ) -> tuple[dict[int, Sampled], dict[int, str]]:
     """Sample every row of every work in one sampler call, then walk the trees over the chosen tokens.
 
     logits: [N + R, V]: N rows, one per sample index in work order (a tree has one per node), then R
     rows kept for prompt log-probabilities, in work order; all N + R are checked for non-finite values.
     non_finite_tokens: [T] bool, per new token of the step in work order, whether its keys or values were
     not finite (the forward's check); fetched in the same transfer, and fails the works they belong to.
+    constrain: masks the rows of structured outputs (worker/grammar.py), after the non-finite check and before
+    sampling; None when no work has one.
     Returns (work index -> what it sampled, for the works that sampled and did not fail; work index ->
     why it failed). Seeded generators are left where one draw per emitted token leaves them.
     """
@@ -126,12 +134,13 @@ def sample_works(works: Sequence[Work], logits: torch.Tensor, make_rows: RowMake
     plans = [DrawPlan(first_rows[i], rows[first_rows[i]].generator, _draw_positions(works[i])) for i in drawing]
     uniform, seeded = draw_uniforms(plans, num_rows, logits.device)
     groups = [(first_rows[i], first_rows[i] + len(works[i].sample_indices)) for i in sampling]
-    parts, failed_groups = sample_isolated(logits[:num_rows], rows, uniform, groups) if rows else ([], {})
-    checks = non_finite_mask(logits)
+    checks = non_finite_mask(logits)  # of the model's logits: before a grammar sets tokens to -inf
     if non_finite_tokens is not None:
         checks = torch.cat([checks, non_finite_tokens])
+    failed = constrain(logits[:num_rows], first_rows) if constrain is not None else {}
+    parts, failed_groups = sample_isolated(logits[:num_rows], rows, uniform, groups) if rows else ([], {})
     is_bad, chosen = _fetch(checks, parts, num_rows)
-    failed = {sampling[g]: message for g, message in failed_groups.items()}
+    failed |= {sampling[g]: message for g, message in failed_groups.items()}
     if is_bad.any():
         owners = [i for i, w in enumerate(works) for _ in w.sample_indices]
         owners += [i for i, w in enumerate(works) for _ in w.prompt_offsets]

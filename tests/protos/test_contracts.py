@@ -35,6 +35,8 @@ from protos.segserve.v1.sampling import (
     InvalidParameter,
     SamplingParams,
     StoppingCriteria,
+    StructuredKind,
+    StructuredOutput,
     validate,
 )
 from protos.segserve.v1.step import (
@@ -72,7 +74,8 @@ sampling_params = st.builds(
     SamplingParams, do_sample=st.booleans(), temperature=doubles, top_k=uint32, top_p=doubles, typical_p=doubles,
     repetition_penalty=doubles, frequency_penalty=doubles, presence_penalty=doubles, seed=st.none() | uint64,
     num_top_logprobs=uint32, num_prompt_logprobs=st.none() | uint32, watermark=st.booleans(),
-    logit_bias=st.dictionaries(uint32, doubles, max_size=4))
+    logit_bias=st.dictionaries(uint32, doubles, max_size=4),
+    structured_output=st.none() | st.builds(StructuredOutput, st.sampled_from(StructuredKind), st.text()))
 stopping = st.builds(StoppingCriteria, max_tokens=uint32, stop_token_ids=token_ids, ignore_eos=st.booleans())
 top_logprobs = st.integers(0, 4).flatmap(lambda n: st.builds(
     TopLogprobs, st.lists(uint32, min_size=n, max_size=n), st.lists(float32s, min_size=n, max_size=n)))
@@ -90,6 +93,33 @@ def wire(message):
 @given(sampling_params)
 def test_sampling_params_round_trip(params):
     assert SamplingParams.from_pb(wire(params.to_pb())) == params
+
+
+@pytest.mark.parametrize("kind, spec", [
+    (StructuredKind.JSON_OBJECT, "{}"), (StructuredKind.REGEX, ""), (StructuredKind.GRAMMAR, ""),
+    (StructuredKind.JSON_SCHEMA, "not json"), (StructuredKind.JSON_SCHEMA, "[1]"), (StructuredKind.CHOICE, "[]"),
+    (StructuredKind.CHOICE, '["a", ""]'), (StructuredKind.CHOICE, '{"a": 1}'), (None, "x"),
+])
+def test_validate_refuses_a_malformed_structured_output(kind, spec):
+    with pytest.raises(InvalidParameter) as caught:
+        validate(SamplingParams(structured_output=StructuredOutput(kind, spec)))
+    assert caught.value.field == "structured_output"
+
+
+@pytest.mark.parametrize("kind, spec", [
+    (StructuredKind.JSON_OBJECT, ""), (StructuredKind.REGEX, "[a-z]+"), (StructuredKind.GRAMMAR, 'root ::= "a"'),
+    (StructuredKind.JSON_SCHEMA, '{"type": "object"}'), (StructuredKind.JSON_SCHEMA, "true"),
+    (StructuredKind.CHOICE, '["yes", "no"]'),
+])
+def test_validate_accepts_a_well_formed_structured_output(kind, spec):
+    validate(SamplingParams(structured_output=StructuredOutput(kind, spec)))
+
+
+def test_an_unknown_structured_kind_is_refused_on_arrival():
+    pb = common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(kind=0, spec="x"))
+    with pytest.raises(InvalidParameter) as caught:
+        SamplingParams.from_pb(wire(pb))
+    assert caught.value.field == "structured_output"
 
 
 @given(stopping)

@@ -179,7 +179,11 @@ def _decode_in_process(runner: ModelRunner, prompt: list[int], num_new: int) -> 
     worker_pb2.StepRequest(new_sequences=[_new("s", 2)], packed_sequences=worker_pb2.PackedSequences(
         seq_ids=["s"], num_computed_tokens=[0], num_token_ids=[2], token_ids=[1], num_blocks=[1], block_tables=[0],
         num_sample_indices=[0])),
-], ids=["shared-kv-slot", "scheduled-twice", "packed-columns-disagree"])
+    worker_pb2.StepRequest(new_sequences=[worker_pb2.NewSequence(
+        seq_id="s", num_prompt_tokens=2, sampling=common_pb2.SamplingParams(
+            structured_output=common_pb2.StructuredOutput(kind=common_pb2.StructuredOutput.KIND_UNSPECIFIED)))],
+        sequences=[worker_pb2.ScheduledSequence(seq_id="s", token_ids=[1, 2], block_table=[0])]),
+], ids=["shared-kv-slot", "scheduled-twice", "packed-columns-disagree", "unknown-structured-kind"])
 async def test_malformed_steps_are_invalid_argument(served, runner, request_pb):
     servicer, stub = served
     servicer.attach(runner)

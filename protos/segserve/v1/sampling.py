@@ -13,6 +13,8 @@ and 1e39 are refused before they can reach a batch. Torch-free.
 
 from __future__ import annotations
 
+import enum
+import json
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -31,6 +33,8 @@ MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
 """OpenAI's range for frequency and presence penalties: [-2, 2]."""
 MAX_STOP_TOKEN_IDS = 64
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+"""Longest schema, regex, choice list or grammar a request may carry, in characters."""
 
 
 class InvalidParameter(ValueError):
@@ -40,6 +44,40 @@ class InvalidParameter(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class StructuredKind(enum.Enum):
+    """What a StructuredOutput's spec is (common.proto's StructuredOutput.Kind)."""
+
+    JSON_SCHEMA = common_pb2.StructuredOutput.KIND_JSON_SCHEMA
+    JSON_OBJECT = common_pb2.StructuredOutput.KIND_JSON_OBJECT
+    REGEX = common_pb2.StructuredOutput.KIND_REGEX
+    CHOICE = common_pb2.StructuredOutput.KIND_CHOICE
+    GRAMMAR = common_pb2.StructuredOutput.KIND_GRAMMAR
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must match. The contract checks its shape only (validate()); whether the schema,
+    regex or grammar compiles is the grammar engine's to say, at the API edge."""
+
+    kind: StructuredKind
+    """What `spec` is."""
+    spec: str = ""
+    """JSON_SCHEMA: the schema as JSON text; JSON_OBJECT: empty; REGEX: the expression; CHOICE: a JSON list of
+    strings; GRAMMAR: EBNF (GBNF) whose root rule is `root`."""
+
+    def to_pb(self) -> common_pb2.StructuredOutput:
+        return common_pb2.StructuredOutput(kind=self.kind.value, spec=self.spec)
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.StructuredOutput) -> StructuredOutput:
+        """Convert as sent; an unknown kind raises InvalidParameter."""
+        try:
+            kind = StructuredKind(pb.kind)
+        except ValueError:
+            raise InvalidParameter("structured_output", f"unknown kind {pb.kind}") from None
+        return cls(kind, pb.spec)
 
 
 @dataclass(frozen=True)
@@ -72,6 +110,8 @@ class SamplingParams:
     """Bias sampling toward a green list (worker/watermark.py)."""
     logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
     """Token id -> bias added to its raw logit before any other processing, in [-100, 100]."""
+    structured_output: StructuredOutput | None = None
+    """A grammar the output must match (structured outputs); None = unconstrained."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # a private copy
@@ -90,6 +130,8 @@ class SamplingParams:
             pb.seed = self.seed
         if self.num_prompt_logprobs is not None:
             pb.num_prompt_logprobs = self.num_prompt_logprobs
+        if self.structured_output is not None:
+            pb.structured_output.CopyFrom(self.structured_output.to_pb())
         return pb
 
     @classmethod
@@ -101,7 +143,9 @@ class SamplingParams:
             frequency_penalty=pb.frequency_penalty, presence_penalty=pb.presence_penalty,
             seed=pb.seed if pb.HasField("seed") else None, num_top_logprobs=pb.num_top_logprobs,
             num_prompt_logprobs=pb.num_prompt_logprobs if pb.HasField("num_prompt_logprobs") else None,
-            watermark=pb.watermark, logit_bias=dict(pb.logit_bias))
+            watermark=pb.watermark, logit_bias=dict(pb.logit_bias),
+            structured_output=StructuredOutput.from_pb(pb.structured_output)
+            if pb.HasField("structured_output") else None)
 
 
 @dataclass(frozen=True)
@@ -201,6 +245,8 @@ def validate(sampling: SamplingParams, stopping: StoppingCriteria | None = None,
     if vocab_size is not None and sampling.top_k >= vocab_size:
         raise InvalidParameter("top_k", f"must be below the vocabulary size {vocab_size} (got {sampling.top_k})")
     _check_logit_bias(sampling.logit_bias, vocab_size)
+    if sampling.structured_output is not None:
+        _check_structured_output(sampling.structured_output)
     if stopping is not None:
         _check_number("max_tokens", stopping.max_tokens, is_integer=True)
         _check_bool("ignore_eos", stopping.ignore_eos)
@@ -239,3 +285,31 @@ def _check_logit_bias(logit_bias: Mapping[int, float], vocab_size: int | None) -
             _check_number("logit_bias", bias, is_integer=False)
         except InvalidParameter as exc:
             raise InvalidParameter("logit_bias", f"token {token_id}: {exc.message}") from None
+
+
+def _check_structured_output(structured: object) -> None:
+    """The shape of a StructuredOutput: a known kind, a spec of the right form and size."""
+    name = "structured_output"
+    if not isinstance(structured, StructuredOutput) or not isinstance(structured.kind, StructuredKind):
+        raise InvalidParameter(name, "must name one of json_schema, json_object, regex, choice, grammar")
+    spec = structured.spec
+    if not isinstance(spec, str):
+        raise InvalidParameter(name, "its spec must be a string")
+    if len(spec) > MAX_STRUCTURED_SPEC_CHARS:
+        raise InvalidParameter(name, f"its spec is longer than {MAX_STRUCTURED_SPEC_CHARS} characters")
+    if structured.kind is StructuredKind.JSON_OBJECT:
+        if spec:
+            raise InvalidParameter(name, "json_object takes no spec")
+        return
+    if not spec:
+        raise InvalidParameter(name, f"{structured.kind.name.lower()} needs a spec")
+    if structured.kind in (StructuredKind.JSON_SCHEMA, StructuredKind.CHOICE):
+        try:
+            value = json.loads(spec)
+        except ValueError as exc:
+            raise InvalidParameter(name, f"its spec is not JSON: {exc}") from None
+        if structured.kind is StructuredKind.JSON_SCHEMA and not isinstance(value, (dict, bool)):
+            raise InvalidParameter(name, "a JSON schema must be an object or a boolean")
+        if structured.kind is StructuredKind.CHOICE and (
+                not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value)):
+            raise InvalidParameter(name, "choice must be a non-empty list of non-empty strings")

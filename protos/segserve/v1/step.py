@@ -45,7 +45,8 @@ class NewSequence:
     seq_id: str
     sampling: SamplingParams
     num_prompt_tokens: int
-    """Penalties that look at "the output" start here."""
+    """Penalties that look at "the output" start here, and so does the output a structured output's grammar
+    matches (a moved sequence's prompt_token_ids carry its output after them)."""
     prompt_token_ids: tuple[int, ...] = ()
     """The sequence's tokens so far (empty = not sent): the prompt, followed by the output already generated
     when the sequence moved here from a lost worker. The worker's token history starts from them, so a first
