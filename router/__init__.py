@@ -17,6 +17,8 @@ Modules, from the wire inwards:
   /health, /ready, /metrics routes (APIRouters); grpc_api.py + grpc_convert.py: the public gRPC API.
 - protocol.py: OpenAI request bodies (pydantic, types only) and their mapping onto the
   contract (protos/segserve/v1: SamplingParams, StoppingCriteria, GenerateRequest).
+- structured.py: structured outputs (response_format, vLLM's structured_outputs / guided_*) onto the contract's
+  StructuredOutput, and the edge's bounded, cached check that the schema, regex or grammar compiles (xgrammar).
 - prompts.py: prompt / chat template to token ids, and the output budget (max_tokens) every edge computes once.
 - admission.py: the contract's validate_request on every request, and the context check, as a 400 naming the
   field.

@@ -5,7 +5,8 @@ of a completion's prompts) is tokenized (prompts.py), which fixes the output
 budget (prompts.output_budget); each of the n choices (per prompt) becomes a
 contract GenerateRequest that admission.py validates with the contract's
 validator and against the context left (a 400 naming the field in OpenAI's
-words, before the scheduler sees anything); serving.py runs the jobs (one per
+words, before the scheduler sees anything), and a structured output's grammar
+must compile (structured.check_compiles); serving.py runs the jobs (one per
 choice, merged by choices.py; stop strings cut by stop.py) and a renderer
 (responses.py) shapes the answer, SSE when `stream`.
 """
@@ -28,6 +29,7 @@ from router.responses import ChatRenderer, CompletionRenderer, EchoPrompt
 from router.serving import job_events, respond_events
 from router.state import RouterState, StateDep
 from router.stop import stop_at_strings
+from router.structured import check_compiles
 
 # OpenAPI: a 200 is either a JSON body or, with `stream`, SSE events.
 STREAM_OR_JSON = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {
@@ -45,6 +47,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     request_ids = generation_ids(response_id, len(prompts) * num_choices)
     jobs = [job for number, ids in enumerate(prompt_ids)
             for job in choice_jobs(state, body, ids, request_ids[number * num_choices:][:num_choices])]
+    await check_structured_output(body)
     echoes = None
     if body.echo:  # the ids were validated with the jobs: decoding them is safe
         echoes = [EchoPrompt(prompt if isinstance(prompt, str) else state.tokenizer.decode(ids), tuple(ids),
@@ -61,6 +64,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages())
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = choice_jobs(state, body, prompt_ids, generation_ids(response_id, body.num_choices))
+    await check_structured_output(body)
     renderer = ChatRenderer(response_id, int(time.time()), state.served_name, state.token_texts,
                             body.num_top_logprobs is not None, len(jobs))
     return await serve(state, request, body, jobs, renderer)
@@ -103,6 +107,14 @@ def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int]
                       timeout_s=state.config.request_timeout_s or None, include_speculation=body.include_speculation)
         for request in requests
     ]
+
+
+async def check_structured_output(body: SamplingRequest) -> None:
+    """A 400 naming the body field unless the request's structured output (if any) compiles; after
+    choice_jobs, so the contract's cheaper shape checks answer first."""
+    if body.structured_request is not None:
+        param, structured = body.structured_request
+        await check_compiles(structured, param)
 
 
 async def serve(state: RouterState, request: Request, body: SamplingRequest, jobs: list[GenerationJob],

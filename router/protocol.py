@@ -18,23 +18,40 @@ off (vLLM's); logit_bias keys are token ids written as strings; `logprobs` /
 `top_logprobs` become num_top_logprobs and, with `echo`, num_prompt_logprobs.
 top_k, typical_p, repetition_penalty and ignore_eos are extensions, as in vLLM.
 Stop strings are applied by the router (stop.py), the n choices are n scheduler
-requests (choices.py). What segserve does not do is refused, not ignored: a
-`response_format` other than text (no constrained decoding), and `tools` unless
-`tool_choice` is "none" or a `tool_choice` that demands a call (no tool-call
-parsing).
+requests (choices.py). A structured output (`response_format` json_object /
+json_schema, vLLM's `structured_outputs` or `guided_*`; one of them per request)
+becomes the contract's `structured_output` of every choice (structured.py, which
+also checks at the edge that it compiles). What segserve does not do is refused,
+not ignored: a `structural_tag`, and `tools` unless `tool_choice` is "none" or a
+`tool_choice` that demands a call (no tool-call parsing).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from functools import cached_property
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from protos.segserve.v1.generate import GenerateRequest
-from protos.segserve.v1.sampling import MAX_LOGIT_BIAS_ENTRIES, SEED_LIMIT, SamplingParams, StoppingCriteria
+from protos.segserve.v1.sampling import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    SEED_LIMIT,
+    SamplingParams,
+    StoppingCriteria,
+    StructuredOutput,
+)
 from router.admission import bounds
 from router.choices import MAX_CHOICES, MAX_GENERATIONS
+from router.structured import (
+    STRUCTURED_FIELDS,
+    ResponseFormat,
+    StructuredOutputsParams,
+    guided_structure,
+    is_requested,
+    schema_object,
+)
 
 # Temperatures below this are greedy decoding (as in vLLM).
 GREEDY_TEMPERATURE = 1e-5
@@ -57,20 +74,6 @@ class StreamOptions(BaseModel):
     """segserve's extension: every chunk gets a `segserve` object saying how each token came about (accepted
     draft or the model's own), in which segment kind, and the size and depth of each step's candidate tree
     (router/speculation.py)."""
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _free_text_only(cls, type: str) -> str:
-        if type != "text":
-            raise ValueError(f"type {type!r} is not supported: segserve does not constrain its output to JSON or "
-                             "a schema, so only 'text' is accepted")
-        return type
 
 
 def _bounded(field: str, **changes: float | None):
@@ -124,7 +127,14 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     response_format: ResponseFormat | None = None
-    """Free text only: a request for JSON or a schema is refused rather than answered unconstrained."""
+    """`text` (the default), `json_object` or `json_schema`: the output is constrained to match."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """vLLM's extension: one of `json` (a schema), `regex`, `choice`, `grammar`, `json_object`."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older spelling of structured_outputs.json (and so on for the three below)."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -136,6 +146,20 @@ class SamplingRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stop
 
+    @field_validator("guided_json", mode="before")
+    @classmethod
+    def _guided_schema(cls, schema: object) -> object:
+        return None if schema is None else schema_object(schema)
+
+    @field_validator(*STRUCTURED_FIELDS[1:])
+    @classmethod
+    def _one_structured_output(cls, value: object, info: ValidationInfo) -> object:
+        earlier = [name for name in STRUCTURED_FIELDS if is_requested(info.data.get(name))]  # fields before this one
+        if value is not None and earlier:
+            raise ValueError(f"give one structured output per request, not both `{earlier[0]}` and "
+                             f"`{info.field_name}`")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -143,6 +167,18 @@ class SamplingRequest(BaseModel):
             if not _TOKEN_ID_KEY.fullmatch(key):
                 raise ValueError(f"keys must be token ids written as decimal strings (got {key[:40]!r})")
         return logit_bias
+
+    @cached_property
+    def structured_request(self) -> tuple[str, StructuredOutput] | None:
+        """(the body field that asked for it, the contract's structured output); None = unconstrained."""
+        if self.response_format is not None and (structured := self.response_format.to_structured()):
+            return "response_format", structured
+        if self.structured_outputs is not None:
+            return "structured_outputs", self.structured_outputs.to_structured()
+        for name in STRUCTURED_FIELDS[2:]:
+            if (value := getattr(self, name)) is not None:
+                return name, guided_structure(name, value)
+        return None
 
     @property
     def num_choices(self) -> int:
@@ -178,7 +214,8 @@ class SamplingRequest(BaseModel):
     def api_names(self) -> dict[str, str]:
         """The contract's field names -> this body's (admission.check_request)."""
         max_param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        return {"max_tokens": max_param, "prompt_token_ids": "prompt"}
+        structured_param = self.structured_request[0] if self.structured_request else "response_format"
+        return {"max_tokens": max_param, "prompt_token_ids": "prompt", "structured_output": structured_param}
 
     def to_sampling(self, choice_index: int = 0) -> SamplingParams:
         """The contract's sampling for choice `choice_index`: its seed is `seed` + the index, so each
@@ -200,6 +237,7 @@ class SamplingRequest(BaseModel):
             num_top_logprobs=0 if num_top is None else 1 if num_top == 0 else num_top,
             num_prompt_logprobs=self.num_prompt_logprobs,
             logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
+            structured_output=self.structured_request[1] if self.structured_request else None,
         )
 
     def to_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,

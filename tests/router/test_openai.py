@@ -281,7 +281,7 @@ def test_the_values_clients_send_by_default_are_accepted(router_url):
     ({"seed": 2**64}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"),
     ({"suffix": "x"}, "suffix"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_unsupported_or_bad_values_get_400_naming_the_field(router_url, body, param):
     response = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "prompt": "x", **body})
@@ -295,9 +295,8 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"typ
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
-     "'json_schema' is not supported"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "'structural_tag' is not supported yet"),
+    ({"structured_outputs": {"structural_tag": {"format": {}}}}, "structured_outputs", "not supported yet"),
     ({"tools": TOOLS}, "tools", "tool calling is not supported"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tools", "tool calling is not supported"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice",
