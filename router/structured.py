@@ -23,13 +23,13 @@ import concurrent.futures
 import functools
 import hashlib
 import json
-import re
 import time
 from collections import OrderedDict
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common.grammar import JSON_SCHEMA_OPTIONS, ROOT_RULE, engine_message
 from protos.segserve.v1.sampling import StructuredKind, StructuredOutput
 from router.errors import RETRY_AFTER_S, SERVER_ERROR, APIError, bad_request
 
@@ -197,7 +197,6 @@ def is_requested(value: object) -> bool:
 
 # The edge's compile check. Verdicts: None (compiles) or the engine's reason.
 _COMPILED_KINDS = (StructuredKind.JSON_SCHEMA, StructuredKind.REGEX, StructuredKind.GRAMMAR)
-_ENGINE_PREFIX = re.compile(r"^\[[0-9:.]+\]\s*\S+:\d+:\s*")  # xgrammar's "[08:17:05] /project/cpp/x.cc:83: "
 _executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
 _verdicts: OrderedDict[str, tuple[concurrent.futures.Future, float]] = OrderedDict()
 """Spec digest -> (the compile's future, when it was submitted); touched by the event loop only."""
@@ -215,14 +214,13 @@ def _compile_error(kind: StructuredKind, spec: str) -> str | None:
     grammar = _xgrammar().Grammar
     try:
         if kind is StructuredKind.JSON_SCHEMA:
-            grammar.from_json_schema(spec, any_whitespace=False)  # as the worker compiles it
+            grammar.from_json_schema(spec, **JSON_SCHEMA_OPTIONS)  # as the worker compiles it
         elif kind is StructuredKind.REGEX:
             grammar.from_regex(spec)
         else:
-            grammar.from_ebnf(spec)
+            grammar.from_ebnf(spec, root_rule_name=ROOT_RULE)
     except Exception as exc:  # xgrammar raises RuntimeError (C++) and others; every one is the input's fault
-        lines = [line for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
-        return _ENGINE_PREFIX.sub("", lines[0])[:MAX_ENGINE_MESSAGE_CHARS]
+        return engine_message(exc)[:MAX_ENGINE_MESSAGE_CHARS]
     return None
 
 

@@ -8,7 +8,8 @@ allowed tokens and a sampling row never draws a forbidden one).
 - `GrammarEngine`, one per model: xgrammar's TokenizerInfo from the model directory's tokenizer (its vocabulary as
   wide as the logits, its stop tokens the model's EOS ids) and a GrammarCompiler whose cache, keyed by the grammar's
   text (hence by (kind, spec)), is bounded in bytes. Both are built at the first constrained sequence, so a worker
-  that never sees one never loads its tokenizer.
+  that never sees one never loads its tokenizer. How each kind becomes a grammar (JSON options, the choice EBNF)
+  is common/grammar.py's, which the router's compile check follows too.
 - `GrammarState`, one per constrained sequence (on its worker/planning.py SequenceState): an xgrammar
   GrammarMatcher whose state is a function of the sequence's output. Before each row is masked, `sync` brings it to
   exactly the tokens the history holds after the prompt: it accepts the new ones, and after a recompute that
@@ -26,7 +27,6 @@ allowed tokens and a sampling row never draws a forbidden one).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 import xgrammar as xgr
 
+from common.grammar import JSON_OBJECT_SCHEMA, JSON_SCHEMA_OPTIONS, ROOT_RULE, choice_grammar, engine_message
 from protos.segserve.v1.sampling import StructuredKind, StructuredOutput
 from worker.upload import to_device
 from worker.verify import Constrainer
@@ -43,8 +44,6 @@ __all__ = ["GRAMMAR_CACHE_BYTES", "GrammarEngine", "GrammarError", "GrammarState
 
 GRAMMAR_CACHE_BYTES = 256 << 20
 """The most memory the compiled grammars cached for reuse take (xgrammar's cache evicts beyond it)."""
-_JSON_OBJECT_SCHEMA = '{"type": "object"}'
-_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+: ")  # "[08:19:28] /project/cpp/regex_converter.cc:83: "
 
 
 class ConstrainedState(Protocol):
@@ -129,29 +128,22 @@ class GrammarEngine:
         spec = structured.spec
         try:
             if structured.kind is StructuredKind.JSON_SCHEMA:
-                # no free whitespace: one-line JSON, so a model that favours blanks cannot spin in them forever
-                return compiler.compile_json_schema(spec, any_whitespace=False)
-            if structured.kind is StructuredKind.JSON_OBJECT:  # any object: additional properties allowed
-                return compiler.compile_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
+                return compiler.compile_json_schema(spec, **JSON_SCHEMA_OPTIONS)
+            if structured.kind is StructuredKind.JSON_OBJECT:
+                return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, **JSON_SCHEMA_OPTIONS, strict_mode=False)
             if structured.kind is StructuredKind.REGEX:
                 return compiler.compile_regex(spec)
             if structured.kind is StructuredKind.CHOICE:
                 return compiler.compile_grammar(choice_grammar(json.loads(spec)))
-            return compiler.compile_grammar(spec, root_rule_name="root")
+            return compiler.compile_grammar(spec, root_rule_name=ROOT_RULE)
         except Exception as exc:  # xgrammar raises RuntimeError (and a few ValueErrors) for what it cannot compile
-            message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
-            raise GrammarError(f"structured_output ({structured.kind.name.lower()}) does not compile: {message}"
-                               ) from None
+            raise GrammarError(f"structured_output ({structured.kind.name.lower()}) does not compile: "
+                               f"{engine_message(exc)}") from None
 
     def start(self, structured: StructuredOutput) -> GrammarState:
         """A new sequence's matcher at the start of its output. Raises GrammarError."""
         compiled = self.compile(structured)
         return GrammarState(compiled, self._stop_token_ids)
-
-
-def choice_grammar(choices: Sequence[str]) -> str:
-    """EBNF whose root matches exactly one of `choices` (JSON string escapes are EBNF's too)."""
-    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def constrainer(works: Sequence[Work], constrained: Sequence[int], states: Mapping[str, ConstrainedState]

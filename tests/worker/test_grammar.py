@@ -14,11 +14,12 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 from xgrammar.contrib.hf import LogitsProcessor
 
+from common.grammar import choice_grammar
 from protos.segserve.v1.sampling import SamplingParams, StructuredKind, StructuredOutput
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
 from tests.worker.test_model_runner import make_runner, stock_attention
-from worker.grammar import GrammarEngine, GrammarError, GrammarState, choice_grammar, mask_rows
+from worker.grammar import GrammarEngine, GrammarError, GrammarState, mask_rows
 
 EOS = 2  # the tiny models' tokenizer: <pad>, <bos>, <eos>
 BLOCKS_PER_JOB = 40  # 160 tokens at block size 4

@@ -1,0 +1,33 @@
+"""How a structured output becomes a grammar: the choices the router's compile check and the worker's compiler
+must make alike, so that what the edge accepts is what the worker enforces.
+
+In: a StructuredOutput's spec, or the error xgrammar raised for one. Out: the options a JSON schema is compiled
+with, the schema of "any JSON object", the EBNF of a choice list, and the engine's message without its source
+location. Imports no grammar engine: the router builds grammars without a tokenizer, the worker compiles them
+against its model's, each through its own xgrammar entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+JSON_SCHEMA_OPTIONS = {"any_whitespace": False}
+"""No free whitespace: one-line JSON, so a model that favours blanks cannot spin in them forever."""
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+"""Any JSON object (additional properties allowed: compile it with strict_mode=False); not a top-level array."""
+ROOT_RULE = "root"
+"""The rule a structured output's EBNF grammar starts from."""
+_ENGINE_PREFIX = re.compile(r"^\[[0-9:.]+\]\s*\S+:\d+:\s*")  # xgrammar's "[08:17:05] /project/cpp/x.cc:83: "
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF whose root matches exactly one of `choices` (JSON string escapes are EBNF's too)."""
+    return f"{ROOT_RULE} ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def engine_message(exc: BaseException) -> str:
+    """The first line of the grammar engine's error, without the source location it starts with."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    return _ENGINE_PREFIX.sub("", lines[0])
