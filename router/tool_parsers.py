@@ -1,0 +1,718 @@
+"""Tool calls in a model's text: the `--tool-call-parser` formats, read whole or as the text streams.
+
+In: the raw text of one choice, whole (`parse`) or in pieces as it is generated (`feed` each, then `finish`).
+Out: its content text and its OpenAI tool calls. The formats, under the names vLLM gives its parsers of them:
+
+- hermes (Qwen2.5, Hermes): `<tool_call>{"name": "f", "arguments": {...}}</tool_call>` blocks; the text around
+  them is content.
+- llama3_json: the whole output is call objects `{"name": "f", "parameters": {...}}`, optionally after
+  `<|python_tag|>`, separated by `;`. An output that does not start with `{` (after whitespace and the tag) is
+  content.
+- mistral: `[TOOL_CALLS]` and a JSON array of call objects; the text before it is content.
+- pythonic: the whole output is a Python list of calls with literal keyword arguments,
+  `[get_weather(city="Paris"), ping()]`; anything else is content.
+
+A call object needs a non-empty string "name"; its "arguments" ("parameters" is the same key) must be an object,
+and are "{}" when absent; its keys may come in any order and other keys are ignored. A call's `arguments` is
+always the text of a JSON object: the model's own text for the JSON formats, `json.dumps` of the keywords for
+pythonic.
+
+Failures: text that does not read as a call is content, never an exception (malformed JSON, a call without a
+name, a marker with no call after it). The one exception is streaming's: a call whose name has been sent stays a
+call. If its text then breaks off (the output was cut short) or stops being JSON, its arguments are closed at the
+last point where they were a complete prefix (`{"city": "Par` becomes `{"city": "Par"}`) and the rest of that
+call is dropped (hermes: through `</tool_call>`; mistral and llama3_json: the rest of the output).
+
+Streaming: `feed(piece)` returns the content that became final and the call deltas completed; `finish()` returns
+what was held back. Held back is only what may still be part of a call: a tail that may begin a marker (`<tool_`),
+the start of an output that may be a call list (llama3_json, pythonic), a call object until its name is known
+and its arguments have begun, and, inside the arguments, a piece that is not yet a complete prefix (a key, a
+number's sign, half of `true`, an escape). A call's first delta carries its id and name; its arguments then
+stream as they arrive. Pythonic calls come whole at `finish()`: only the end of the output makes it a list.
+Content that is only whitespace (`not text.strip()`) is none: `parse` gives None, and streaming sends content
+only once some non-whitespace has come.
+
+`parse(text)` is `feed(text)` and `finish()` on a fresh parser: for any split of a text into pieces, the streamed
+content joins to `parse(text).content or ""` and the deltas, joined per index, give its calls, same text.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+    """The text of a JSON object."""
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One entry of OpenAI's streamed `delta.tool_calls`."""
+
+    index: int
+    """The call's position among this choice's calls."""
+    id: str | None = None
+    """Set on the call's first delta only, as is `name`."""
+    name: str | None = None
+    arguments: str = ""
+    """A fragment; a call's fragments join to its `arguments`."""
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    """None when there is no content text, or only whitespace."""
+    tool_calls: tuple[ToolCall, ...]
+
+
+# JSON, read a character at a time.
+
+_JSON_WHITESPACE = " \t\n\r"
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_NUMBER_START = re.compile(r"-?(?:(?:0|[1-9][0-9]*)(?:\.(?:[0-9]+(?:[eE][+-]?[0-9]*)?)?|[eE][+-]?[0-9]*)?)?")
+"""What can still grow into a number."""
+_LITERAL_RESTS = {"t": "rue", "f": "alse", "n": "ull"}
+_ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+class _JsonValue:
+    """One JSON value read a character at a time, its grammar checked as it goes.
+
+    `safe_len` is the length of the longest prefix read so far that becomes a complete value once `safe_closer`
+    (a closing quote and brackets) is appended: `{"a": [1, "x` + `"]}`. A prefix that ends inside a key, a
+    literal or an escape, or after a ':' or ',', never is.
+    """
+
+    def __init__(self) -> None:
+        self.num_read = 0
+        self.safe_len = 0
+        self.safe_closer = ""
+        self.is_done = False
+        self.is_failed = False
+        self._open: list[str] = []  # the closing brackets of the open containers, innermost last
+        self._closers = ""  # _open reversed, joined
+        self._expect = "value"  # or: value_or_end, key, key_or_end, colon, comma_or_end, string, number, literal
+        self._is_key = False  # the string being read is an object's key
+        self._escape = 0  # 1: after a backslash; 2 to 5: in \uXXXX, that many hex digits + 2 read
+        self._number = ""
+        self._literal = ""  # what `true`, `false` or `null` still needs
+
+    def feed(self, ch: str) -> bool:
+        """Read `ch`; False when it is no part of the value: wrong, or after its end (a number ends before it)."""
+        if self.is_done or self.is_failed or not self._step(ch):
+            return False
+        self.num_read += 1
+        closer = self._closer()
+        if closer is not None:
+            self.safe_len, self.safe_closer = self.num_read, closer
+        return True
+
+    def _step(self, ch: str) -> bool:
+        expect = self._expect
+        if expect == "string":
+            return self._read_string(ch)
+        if expect == "literal":
+            if ch != self._literal[0]:
+                return self._fail()
+            self._literal = self._literal[1:]
+            if not self._literal:
+                self._end_value()
+            return True
+        if expect == "number":
+            if _NUMBER_START.fullmatch(self._number + ch):
+                self._number += ch
+                return True
+            if not _NUMBER.fullmatch(self._number):
+                return self._fail()
+            self._end_value()
+            if self.is_done:
+                return False
+            expect = self._expect  # `ch` comes after the number
+        if ch in _JSON_WHITESPACE:
+            return True
+        if expect in ("value", "value_or_end"):
+            return self._close() if ch == "]" and expect == "value_or_end" else self._start_value(ch)
+        if expect in ("key", "key_or_end"):
+            if ch == "}" and expect == "key_or_end":
+                return self._close()
+            self._expect, self._is_key = "string", True
+            return ch == '"' or self._fail()
+        if expect == "colon":
+            self._expect = "value"
+            return ch == ":" or self._fail()
+        if ch == ",":  # expect == "comma_or_end"
+            self._expect = "key" if self._open[-1] == "}" else "value"
+            return True
+        return self._close() if ch == self._open[-1] else self._fail()
+
+    def _start_value(self, ch: str) -> bool:
+        if ch in ("{", "["):
+            self._open.append("}" if ch == "{" else "]")
+            self._closers = self._open[-1] + self._closers
+            self._expect = "key_or_end" if ch == "{" else "value_or_end"
+        elif ch == '"':
+            self._expect, self._is_key = "string", False
+        elif ch in "-0123456789":
+            self._expect, self._number = "number", ch
+        elif ch in _LITERAL_RESTS:
+            self._expect, self._literal = "literal", _LITERAL_RESTS[ch]
+        else:
+            return self._fail()
+        return True
+
+    def _read_string(self, ch: str) -> bool:
+        if self._escape == 1:
+            if ch == "u":
+                self._escape = 2
+            elif ch in '"\\/bfnrt':
+                self._escape = 0
+            else:
+                return self._fail()
+        elif self._escape:
+            if ch not in string.hexdigits:
+                return self._fail()
+            self._escape = 0 if self._escape == 5 else self._escape + 1
+        elif ch == "\\":
+            self._escape = 1
+        elif ch == '"':
+            if self._is_key:
+                self._expect = "colon"
+            else:
+                self._end_value()
+        elif ch < " ":
+            return self._fail()
+        return True
+
+    def _close(self) -> bool:
+        self._open.pop()
+        self._closers = self._closers[1:]
+        self._end_value()
+        return True
+
+    def _end_value(self) -> None:
+        self._expect = "comma_or_end" if self._open else "done"
+        self.is_done = not self._open
+
+    def _fail(self) -> bool:
+        self.is_failed = True
+        return False
+
+    def _closer(self) -> str | None:
+        """What completes the value read so far, or None when nothing appended can."""
+        expect = self._expect
+        if expect == "string":
+            return None if self._is_key or self._escape else '"' + self._closers
+        if expect in ("key_or_end", "value_or_end", "comma_or_end", "done"):
+            return self._closers
+        if expect == "number" and _NUMBER.fullmatch(self._number):
+            return self._closers
+        return None
+
+
+class _CallReader:
+    """One call object, `{"name": "f", "arguments": {...}}`, read as its text arrives.
+
+    The call is committed, a call whatever follows, once its name is read and its arguments have begun (or, when
+    they come first, once the name follows them; or at the closing brace when there are none). Before that, a
+    failure means the text was no call.
+    """
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.is_committed = False
+        self.is_done = False
+        self.is_failed = False
+        self._expect = "{"  # or: key, key_or_end, ":", value, comma_or_end
+        self._key: str | None = None  # the key of the value being read
+        self._part: _JsonValue | None = None  # the key or value being read
+        self._part_chars: list[str] = []
+        self._arguments: _JsonValue | None = None
+        self._unsent: list[str] = []  # the arguments' characters read and not yet taken
+        self._num_sent = 0
+        self._is_sent = False
+
+    def feed(self, text: str) -> int:
+        """Read `text` up to the end of the object or a failure; return how many characters were read."""
+        for i, ch in enumerate(text):
+            if self.is_done or self.is_failed:
+                return i
+            if not self._read(ch):
+                self.is_failed = True
+                return i
+        return len(text)
+
+    def end(self) -> None:
+        """The text has ended."""
+        self.is_failed = not self.is_done
+
+    def take_arguments(self) -> str:
+        """The arguments text final since the last take; once the call has ended, all of it, closed."""
+        if not self.is_committed or self._is_sent:
+            return ""
+        arguments = self._arguments
+        if arguments is None:  # committed at the closing brace, without arguments
+            self._is_sent = True
+            return "{}"
+        size = arguments.safe_len - self._num_sent
+        fragment = "".join(self._unsent[:size])
+        del self._unsent[:size]
+        self._num_sent += size
+        if arguments.is_done or self.is_failed:
+            self._is_sent = True
+            if not arguments.is_done:
+                fragment += arguments.safe_closer
+        return fragment
+
+    def _read(self, ch: str) -> bool:
+        part = self._part
+        if part is not None:
+            if part.feed(ch):
+                (self._unsent if part is self._arguments else self._part_chars).append(ch)
+                return self._end_part() if part.is_done else True
+            if part.is_failed or not self._end_part():
+                return False
+            # A number ended before `ch`, which is read below.
+        if ch in _JSON_WHITESPACE:
+            return True
+        expect = self._expect
+        if expect == "{":
+            self._expect = "key_or_end"
+            return ch == "{"
+        if expect in ("key", "key_or_end") and ch == '"':
+            return self._start_part(ch, is_key=True)
+        if expect == "value":
+            return self._start_part(ch, is_key=False)
+        if expect == ":" and ch == ":":
+            self._expect = "value"
+            return True
+        if expect == "comma_or_end" and ch == ",":
+            self._expect = "key"
+            return True
+        if expect in ("key_or_end", "comma_or_end") and ch == "}" and self.name is not None:
+            self.is_committed = self.is_done = True
+            return True
+        return False
+
+    def _start_part(self, ch: str, is_key: bool) -> bool:
+        part = self._part = _JsonValue()
+        self._expect = ":" if is_key else "comma_or_end"
+        if not is_key and self._key in _ARGUMENT_KEYS and self._arguments is None:
+            if ch != "{":
+                return False
+            self._arguments = part
+            self.is_committed = self.name is not None
+        return self._read(ch)
+
+    def _end_part(self) -> bool:
+        """A key or value has been read; False when it makes the object no call."""
+        text = "".join(self._part_chars)
+        self._part, self._part_chars = None, []
+        if self._expect == ":":
+            self._key = json.loads(text)
+        elif self._key == "name" and self.name is None:
+            try:
+                name = json.loads(text)
+            except ValueError:  # a number too long to convert
+                return False
+            if not isinstance(name, str) or not name:
+                return False
+            self.name = name
+            self.is_committed = self._arguments is not None
+        return True
+
+
+# The parsers.
+
+
+class ToolParser:
+    """Reads one choice's text: `parse` it whole, or `feed` it piece by piece and then `finish`. Not thread safe.
+
+    A format is a few states, each a method that reads from `_buffer` (the text not yet decided) and returns
+    whether it made progress; `is_final` says no more text will come, so that nothing may wait.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self._state: Callable[[bool], bool] = self._read_plain
+        self._buffer = ""
+        self._pending: list[str] = []  # the text since a call may have begun, given back if it was none
+        self._reader: _CallReader | None = None
+        self._call_index: int | None = None  # the index of the reader's call, once it has started
+        self._num_calls = 0
+        self._content: list[str] = []
+        self._deltas: list[ToolCallDelta] = []
+        self._has_content = False
+        self._held_space = ""  # the content so far, while it is only whitespace
+
+    def parse(self, text: str) -> ParsedOutput:
+        parser = type(self)()
+        content, deltas = parser.feed(text)
+        more_content, more_deltas = parser.finish()
+        return _assemble(content + more_content, deltas + more_deltas)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Streaming: the content text that became final with this piece and the tool-call deltas it completes."""
+        self._buffer += text
+        while self._buffer and self._state(False):
+            pass
+        return self._take()
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """End of output: flush what is held back."""
+        while self._state(True):
+            pass
+        self._held_space = ""
+        return self._take()
+
+    @staticmethod
+    def _new_id() -> str:
+        return "call_" + secrets.token_hex(12)
+
+    # What the states call.
+
+    def _emit_content(self, text: str) -> None:
+        if self._has_content:
+            self._content.append(text)
+        elif text.strip():
+            self._has_content = True
+            self._content.append(self._held_space + text)
+            self._held_space = ""
+        else:
+            self._held_space += text
+
+    def _start_call(self, name: str) -> int:
+        index = self._num_calls
+        self._num_calls += 1
+        self._deltas.append(ToolCallDelta(index, self._new_id(), name))
+        return index
+
+    def _add_arguments(self, index: int, fragment: str) -> None:
+        if not fragment:
+            return
+        if self._deltas and self._deltas[-1].index == index:
+            self._deltas[-1] = dataclasses.replace(self._deltas[-1], arguments=self._deltas[-1].arguments + fragment)
+        else:
+            self._deltas.append(ToolCallDelta(index, arguments=fragment))
+
+    def _take(self) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "".join(self._content), self._deltas
+        self._content, self._deltas = [], []
+        return content, deltas
+
+    def _content_until(self, marker: str, is_final: bool) -> bool:
+        """Send the buffer as content up to `marker`, holding back a tail that may begin it. True when found:
+        the marker is then read, and the pending text of a call that may begin."""
+        start = self._buffer.find(marker)
+        if start < 0:
+            end = len(self._buffer) - (0 if is_final else _marker_start_len(self._buffer, marker))
+            self._emit_content(self._buffer[:end])
+            self._buffer = self._buffer[end:]
+            return False
+        self._emit_content(self._buffer[:start])
+        self._buffer = self._buffer[start + len(marker):]
+        self._pending = [marker]
+        return True
+
+    def _read_call(self, is_final: bool) -> str:
+        """Read the call object at the head of the buffer. Returns "reading" (the buffer is all read), "done",
+        "broken" (it failed after its name was sent) or "no call" (the pending text is back in the buffer)."""
+        reader = self._reader
+        num_read = reader.feed(self._buffer)
+        self._pending.append(self._buffer[:num_read])
+        self._buffer = self._buffer[num_read:]
+        if is_final and not (reader.is_done or reader.is_failed):
+            reader.end()
+        if not reader.is_committed:
+            if not reader.is_failed:
+                return "reading"
+            self._give_back()
+            return "no call"
+        self._pending = []
+        if self._call_index is None:
+            self._call_index = self._start_call(reader.name)
+        self._add_arguments(self._call_index, reader.take_arguments())
+        if not (reader.is_done or reader.is_failed):
+            return "reading"
+        self._reader = self._call_index = None
+        return "done" if reader.is_done else "broken"
+
+    def _give_back(self) -> None:
+        self._buffer = "".join(self._pending) + self._buffer
+        self._pending = []
+
+    # States every format uses.
+
+    def _read_plain(self, is_final: bool) -> bool:
+        """Everything from here on is content."""
+        self._emit_content(self._buffer)
+        self._buffer = ""
+        return False
+
+    def _drop_rest(self, is_final: bool) -> bool:
+        self._buffer = ""
+        return False
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks amid content."""
+
+    name = "hermes"
+    _OPEN = "<tool_call>"
+    _CLOSE = "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = self._read_content
+
+    def _read_content(self, is_final: bool) -> bool:
+        if not self._content_until(self._OPEN, is_final):
+            return False
+        self._reader, self._state = _CallReader(), self._read_block
+        return True
+
+    def _read_block(self, is_final: bool) -> bool:
+        outcome = self._read_call(is_final)
+        if outcome == "reading":
+            return False
+        if outcome == "no call":  # the marker was text: read on after it
+            self._emit_content(self._OPEN)
+            self._buffer = self._buffer[len(self._OPEN):]
+        self._state = {"done": self._read_block_end, "broken": self._skip_block}.get(outcome, self._read_content)
+        return True
+
+    def _read_block_end(self, is_final: bool) -> bool:
+        """After the call object: whitespace and `</tool_call>` end the block; anything else is content again."""
+        rest = self._buffer.lstrip()
+        if rest.startswith(self._CLOSE):
+            self._buffer = rest[len(self._CLOSE):]
+        elif self._CLOSE.startswith(rest) and not is_final:
+            return False
+        self._state = self._read_content
+        return True
+
+    def _skip_block(self, is_final: bool) -> bool:
+        """After a broken call: its text is dropped through `</tool_call>`."""
+        end = self._buffer.find(self._CLOSE)
+        if end < 0:
+            keep = 0 if is_final else _marker_start_len(self._buffer, self._CLOSE)
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return False
+        self._buffer = self._buffer[end + len(self._CLOSE):]
+        self._state = self._read_content
+        return True
+
+
+class Llama3JsonParser(ToolParser):
+    """Call objects, `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, separated by `;`."""
+
+    name = "llama3_json"
+    _TAG = "<|python_tag|>"
+    _SEPARATOR = re.compile(r"\s*(?:;\s*)?")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = self._read_start
+
+    def _read_start(self, is_final: bool) -> bool:
+        """The output is calls when it starts with `{`, after whitespace and the optional tag."""
+        head = self._buffer.lstrip()
+        if head.startswith(self._TAG):
+            head = head[len(self._TAG):].lstrip()
+        elif self._TAG.startswith(head) and not is_final:
+            return False
+        if not head and not is_final:
+            return False
+        if head.startswith("{"):
+            self._pending = [self._buffer[:len(self._buffer) - len(head)]]
+            self._buffer = head
+            self._reader, self._state = _CallReader(), self._read_object
+        else:
+            self._state = self._read_plain
+        return True
+
+    def _read_object(self, is_final: bool) -> bool:
+        outcome = self._read_call(is_final)
+        if outcome == "reading":
+            return False
+        self._state = {"done": self._read_separator, "broken": self._drop_rest}.get(outcome, self._read_plain)
+        return True
+
+    def _read_separator(self, is_final: bool) -> bool:
+        """Between calls: whitespace and a `;`, dropped when `{` follows or the output ends; other text is content."""
+        end = self._SEPARATOR.match(self._buffer).end()
+        if end == len(self._buffer):
+            if is_final:
+                self._buffer = ""
+            return False
+        if self._buffer[end] == "{":
+            self._buffer = self._buffer[end:]
+            self._reader, self._state = _CallReader(), self._read_object
+        else:
+            self._state = self._read_plain
+        return True
+
+
+class MistralParser(ToolParser):
+    """`[TOOL_CALLS]` and a JSON array of call objects; call ids are 9 letters and digits."""
+
+    name = "mistral"
+    _MARKER = "[TOOL_CALLS]"
+    _ID_CHARS = string.ascii_letters + string.digits
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = self._read_content
+        self._is_first_call = True  # of the array: failing, it makes the marker text
+
+    @staticmethod
+    def _new_id() -> str:
+        return "".join(secrets.choice(MistralParser._ID_CHARS) for _ in range(9))
+
+    def _read_content(self, is_final: bool) -> bool:
+        if not self._content_until(self._MARKER, is_final):
+            return False
+        self._state = self._read_array_start
+        return True
+
+    def _read_array_start(self, is_final: bool) -> bool:
+        rest = self._buffer.lstrip(_JSON_WHITESPACE)
+        if not rest and not is_final:
+            return False
+        if rest.startswith("["):
+            self._pending.append(self._buffer[:len(self._buffer) - len(rest) + 1])
+            self._buffer = rest[1:]
+            self._reader, self._state, self._is_first_call = _CallReader(), self._read_element, True
+        else:
+            self._give_back()
+            self._marker_was_text()
+        return True
+
+    def _read_element(self, is_final: bool) -> bool:
+        outcome = self._read_call(is_final)
+        if outcome == "reading":
+            return False
+        if outcome == "no call" and self._is_first_call:
+            self._marker_was_text()
+        else:
+            self._state = {"done": self._read_after_element, "broken": self._drop_rest}.get(
+                outcome, self._read_content)
+        self._is_first_call = False
+        return True
+
+    def _read_after_element(self, is_final: bool) -> bool:
+        """After a call: `,` and the next, or `]` and content again; other text is content."""
+        rest = self._buffer.lstrip(_JSON_WHITESPACE)
+        if not rest and not is_final:
+            return False
+        if rest.startswith(","):
+            self._buffer = rest[1:]
+            self._reader, self._state = _CallReader(), self._read_element
+        else:
+            self._buffer = rest[1:] if rest.startswith("]") else self._buffer
+            self._state = self._read_content
+        return True
+
+    def _marker_was_text(self) -> None:
+        self._emit_content(self._MARKER)
+        self._buffer = self._buffer[len(self._MARKER):]
+        self._state = self._read_content
+
+
+class PythonicParser(ToolParser):
+    """The whole output a Python list of calls with literal keyword arguments: `[f(a=1), g()]`."""
+
+    name = "pythonic"
+    _START = re.compile(r"\s*\[\s*[^\W\d]\w*\s*\(")
+    _MAY_START = re.compile(r"\s*(?:\[\s*(?:[^\W\d]\w*\s*)?)?")
+    """What can still grow into `_START`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = self._read_start
+        self._held: list[str] = []
+
+    def _read_start(self, is_final: bool) -> bool:
+        if self._START.match(self._buffer):
+            self._state = self._read_list
+        elif self._MAY_START.fullmatch(self._buffer) and not is_final:
+            return False
+        else:
+            self._state = self._read_plain
+        return True
+
+    def _read_list(self, is_final: bool) -> bool:
+        """Held to the end, which alone says whether the output is a list of calls."""
+        self._held.append(self._buffer)
+        self._buffer = ""
+        if not is_final:
+            return False
+        text = "".join(self._held)
+        calls = _pythonic_calls(text)
+        if calls is None:
+            self._emit_content(text)
+        for name, arguments in calls or ():
+            self._add_arguments(self._start_call(name), arguments)
+        return False
+
+
+def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) of each call when `text` is a list of calls with literal keyword arguments."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for call in tree.elts:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)) or call.args:
+                return None
+            names = [keyword.arg for keyword in call.keywords]
+            if None in names or len(set(names)) < len(names):  # **kwargs, or a keyword given twice
+                return None
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+            calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+        return calls
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+
+
+def _marker_start_len(text: str, marker: str) -> int:
+    """The length of the longest tail of `text` that is a proper beginning of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+def _assemble(content: str, deltas: list[ToolCallDelta]) -> ParsedOutput:
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        if delta.id is not None:
+            calls[delta.index] = [delta.id, delta.name, delta.arguments]
+        else:
+            calls[delta.index][2] += delta.arguments
+    return ParsedOutput(content if content.strip() else None, tuple(ToolCall(*call) for call in calls.values()))
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+
+
+def tool_parser(name: str) -> ToolParser:
+    """A fresh parser for one choice; ValueError for an unknown name."""
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(PARSERS)}") from None
