@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.tls import TlsFiles, internal_tls
+from router.tool_parsers import PARSERS
 
 
 @dataclass
@@ -80,8 +81,13 @@ class RouterConfig:
     """Leave segment markers out of the text users see. These are the markers of a model fine-tuned to emit them
     (`segserve finetune`; the tokenizer's config lists them). They stay tokens: counted in usage, returned as token
     ids and logprobs, and used by the drafter to find segments."""
+    tool_call_parser: str = ""
+    """How a chat choice's text is read as tool calls under tool_choice "auto": hermes, llama3_json, mistral or
+    pythonic, the format the model was trained to call tools in. Empty = "auto" is refused (400)."""
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)} (got {self.tool_call_parser!r})")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in 0..65535")
         if not 0 <= self.grpc_port < 65536:

@@ -22,6 +22,7 @@ from fastapi.responses import Response
 
 from router.admission import check_request
 from router.choices import merge_choices
+from router.errors import bad_request
 from router.generation import GenerationJob
 from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -30,6 +31,7 @@ from router.serving import job_events, respond_events
 from router.state import RouterState, StateDep
 from router.stop import stop_at_strings
 from router.structured import check_compiles
+from router.tools import CallReader, call_reader, known_parsers, template_tools
 
 # OpenAPI: a 200 is either a JSON body or, with `stream`, SSE events.
 STREAM_OR_JSON = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {
@@ -61,12 +63,20 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
 @router.post("/v1/chat/completions", responses=STREAM_OR_JSON)
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     state.check_model(body.model)
-    prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages())
+    mode, parser = body.tool_mode, state.config.tool_call_parser
+    if mode == "auto" and not parser:
+        raise bad_request(f'tool_choice "auto" needs the server started with --tool-call-parser ({known_parsers()}) '
+                          f'to read the calls; send tool_choice "required", a named function or "none"', "tool_choice")
+    prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages(), template_tools(body.tools))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = choice_jobs(state, body, prompt_ids, generation_ids(response_id, body.num_choices))
     await check_structured_output(body)
+    readers = None
+    if mode != "none":
+        def readers() -> CallReader:
+            return call_reader(mode, body.tool_choice, parser, body.is_parallel_tool_calls)
     renderer = ChatRenderer(response_id, int(time.time()), state.served_name, state.token_texts,
-                            body.num_top_logprobs is not None, len(jobs))
+                            body.num_top_logprobs is not None, len(jobs), call_reader=readers)
     return await serve(state, request, body, jobs, renderer)
 
 

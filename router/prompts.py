@@ -27,11 +27,12 @@ def completion_prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The templated messages' ids; `tools` (OpenAI's function definitions) are the template's `tools`."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
     ids = list(tokenizer(text, add_special_tokens=False).input_ids)

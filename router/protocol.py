@@ -21,9 +21,9 @@ Stop strings are applied by the router (stop.py), the n choices are n scheduler
 requests (choices.py). A structured output (`response_format` json_object /
 json_schema, vLLM's `structured_outputs` or `guided_*`; one of them per request)
 becomes the contract's `structured_output` of every choice (structured.py, which
-also checks at the edge that it compiles). What segserve does not do is refused,
-not ignored: a `structural_tag`, and `tools` unless `tool_choice` is "none" or a
-`tool_choice` that demands a call (no tool-call parsing).
+also checks at the edge that it compiles), as does a `tool_choice` that forces a
+call (tools.py). What segserve does not do is refused, not ignored: a
+`structural_tag`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ from router.structured import (
     guided_structure,
     is_requested,
     schema_object,
+)
+from router.tools import (
+    CallIn,
+    Tool,
+    ToolChoice,
+    check_tools,
+    forced_output,
+    template_calls,
+    tool_mode,
 )
 
 # Temperatures below this are greedy decoding (as in vLLM).
@@ -171,6 +180,10 @@ class SamplingRequest(BaseModel):
     @cached_property
     def structured_request(self) -> tuple[str, StructuredOutput] | None:
         """(the body field that asked for it, the contract's structured output); None = unconstrained."""
+        return self.asked_structure()
+
+    def asked_structure(self) -> tuple[str, StructuredOutput] | None:
+        """structured_request, uncached."""
         if self.response_format is not None and (structured := self.response_format.to_structured()):
             return "response_format", structured
         if self.structured_outputs is not None:
@@ -344,14 +357,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[CallIn] | None = None
+    """An assistant turn's calls, sent back on the next turn."""
+    tool_call_id: str | None = None
+    """A tool turn's answer: the call it answers."""
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
-
-
-_TOOLS_REFUSED = 'segserve does not parse tool calls from the output. Send tool_choice "none" to have tools ignored'
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -360,23 +374,12 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = _bounded("num_top_logprobs")
-    tool_choice: str | dict | None = None
-    tools: list[dict] | None = None
-    """Accepted only with tool_choice "none": segserve neither shows tools to the model nor parses tool calls."""
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_required_tool_call(cls, tool_choice: str | dict | None) -> str | dict | None:
-        if tool_choice == "required" or isinstance(tool_choice, dict):
-            raise ValueError(f"tool calling is not supported: {_TOOLS_REFUSED}")
-        return tool_choice
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tool_calls(cls, tools: list[dict] | None, info: ValidationInfo) -> list[dict] | None:
-        if tools and info.data.get("tool_choice", "none") != "none":
-            raise ValueError(f"tool calling is not supported: {_TOOLS_REFUSED}")
-        return tools
+    tools: list[Tool] | None = None
+    """Functions the model may call; they go to the chat template (tools.py)."""
+    tool_choice: ToolChoice | None = None
+    """none, auto (the default with tools; needs the server's --tool-call-parser), required, or a named function."""
+    parallel_tool_calls: bool | None = None
+    """Whether a choice may make several calls (default true)."""
 
     @field_validator("top_logprobs")
     @classmethod
@@ -384,6 +387,29 @@ class ChatCompletionRequest(SamplingRequest):
         if top_logprobs and not info.data.get("logprobs"):
             raise ValueError("`top_logprobs` requires `logprobs` to be true")
         return top_logprobs
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_met(cls, tool_choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        check_tools(info.data.get("tools"), tool_choice)
+        structured = [name for name in STRUCTURED_FIELDS if is_requested(info.data.get(name))]
+        if structured and tool_mode(info.data.get("tools"), tool_choice) in ("required", "named"):
+            raise ValueError(f"give one structured output per request: `{structured[0]}` and a tool_choice that "
+                             f"forces a call both constrain the output")
+        return tool_choice
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (tools.tool_mode)."""
+        return tool_mode(self.tools, self.tool_choice)
+
+    @property
+    def is_parallel_tool_calls(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    def asked_structure(self) -> tuple[str, StructuredOutput] | None:
+        forced = forced_output(self.tools or [], self.tool_choice, self.is_parallel_tool_calls)
+        return ("tool_choice", forced) if forced is not None else super().asked_structure()
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -395,10 +421,21 @@ class ChatCompletionRequest(SamplingRequest):
     def api_names(self) -> dict[str, str]:
         return {**super().api_names, "prompt_token_ids": "messages", "num_top_logprobs": "top_logprobs"}
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict]:
         return template_messages(self.messages)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as chat templates expect them: role and plain-string content."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as chat templates expect them: role and plain-string content, and an assistant turn's calls and
+    a tool turn's call id where they are given."""
+    out = []
+    for message in messages:
+        entry: dict = {"role": message.role, "content": message.text()}
+        if message.tool_calls:
+            entry["tool_calls"] = template_calls(message.tool_calls)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name is not None and message.role == "tool":
+            entry["name"] = message.name
+        out.append(entry)
+    return out

@@ -33,6 +33,7 @@ from protos.segserve.v1.step_result import PromptLogprobs
 from router.detokenizer import TokenTexts
 from router.generation import Delta, TokenLogprob
 from router.generation import Usage as UsageCounts
+from router.tools import CallReader, ToolCallDeltaOut, ToolCallOut
 
 # JSON has no -inf; clients get a very small number instead (as vLLM does).
 _MIN_LOGPROB = -9999.0
@@ -103,7 +104,9 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    """None when the choice is only tool calls."""
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -125,6 +128,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -315,12 +319,25 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
-    """/v1/chat/completions."""
+    """/v1/chat/completions. With `call_reader` (a request with tools), each choice's text is read by its own
+    reader (tools.py) into content and tool calls."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, call_reader: Callable[[], CallReader] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._text_chunk = TextTemplate(
             lambda index, text: self._chunk([ChatStreamChoice(index=index, delta=ChatDelta(content=text))]))
+        self._call_reader = call_reader
+        self._readers: dict[int, CallReader] = {}
+        self._calling: set[int] = set()  # choices that made a tool call
+
+    def _reader(self, index: int) -> CallReader:
+        if index not in self._readers:
+            self._readers[index] = self._call_reader()
+        return self._readers[index]
+
+    def _finish_reason(self, index: int, finish_reason: str | None) -> str | None:
+        """A choice that called a tool and ended on its own finishes with `tool_calls`."""
+        return "tool_calls" if finish_reason == "stop" and index in self._calling else finish_reason
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:
         if not self.want_logprobs:
@@ -343,6 +360,8 @@ class ChatRenderer(_Renderer):
 
     def chunk(self, delta: Delta) -> ChatCompletionChunk | str | None:
         """The stream's chunk for `delta` (as JSON text when it is only text), None when it has nothing to send."""
+        if self._call_reader is not None:
+            return self._call_chunk(delta)
         if delta.text and delta.finish_reason is None and not self.want_logprobs:
             return self._text_chunk.fill(delta.index, delta.text)  # the common case, without a model per token
         if not self._has_content(delta):
@@ -352,14 +371,39 @@ class ChatRenderer(_Renderer):
                                   finish_reason=delta.finish_reason)
         return self._chunk([choice])
 
+    def _call_chunk(self, delta: Delta) -> ChatCompletionChunk | None:
+        """The chunk of a choice whose text its reader turns into content and tool-call deltas."""
+        reader = self._reader(delta.index)
+        content, calls = reader.feed(delta.text)
+        if delta.finish_reason is not None:
+            more_content, more_calls = reader.finish()
+            content, calls = content + more_content, calls + more_calls
+        if calls:
+            self._calling.add(delta.index)
+        if not (content or calls or delta.finish_reason or (self.want_logprobs and delta.logprobs)):
+            return None
+        out = ChatDelta(content=content or None, tool_calls=[ToolCallDeltaOut.of(call) for call in calls] or None)
+        choice = ChatStreamChoice(index=delta.index, delta=out, logprobs=self._logprobs(delta.logprobs),
+                                  finish_reason=self._finish_reason(delta.index, delta.finish_reason))
+        return self._chunk([choice])
+
     def usage_chunk(self, usage: UsageCounts) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
+    def _message(self, index: int, text: str) -> ChatMessageOut:
+        if self._call_reader is None:
+            return ChatMessageOut(content=text)
+        parsed = self._reader(index).parse(text)
+        if parsed.tool_calls:
+            self._calling.add(index)
+        return ChatMessageOut(content=parsed.content,
+                              tool_calls=[ToolCallOut.of(call) for call in parsed.tool_calls] or None)
+
     def response(self, deltas: list[Delta]) -> ChatCompletionResponse:
         choices = [
-            ChatChoice(index=ds[0].index, message=ChatMessageOut(content="".join(d.text for d in ds)),
+            ChatChoice(index=ds[0].index, message=self._message(ds[0].index, "".join(d.text for d in ds)),
                        logprobs=self._logprobs([lp for d in ds for lp in d.logprobs]),
-                       finish_reason=_finish_reason(ds))
+                       finish_reason=self._finish_reason(ds[0].index, _finish_reason(ds)))
             for ds in by_choice(deltas)
         ]
         last = deltas[-1]

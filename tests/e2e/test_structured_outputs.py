@@ -11,6 +11,7 @@ import json
 import re
 from typing import Literal
 
+import jsonschema
 import pydantic
 import pytest
 from openai import BadRequestError, OpenAI
@@ -103,3 +104,71 @@ def test_an_uncompilable_schema_is_a_400_naming_the_field(client, model):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}})
     assert refused.value.body["param"] == "response_format"
     assert "does not compile" in refused.value.body["message"]
+
+
+# Tool calls: forced by tool_choice, so the random model's calls always parse and match the tool's schema.
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": CITY_SCHEMA}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+SCHEMAS = {"get_weather": CITY_SCHEMA, "get_time": TIME["function"]["parameters"]}
+CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "get_time"}}}
+
+
+def _streamed_calls(stream) -> tuple[list[dict], str | None, str]:
+    """The calls a stream's delta.tool_calls build (by index), its finish_reason and its content."""
+    calls: dict[int, dict] = {}
+    finish_reason, content = None, ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish_reason = choice.finish_reason or finish_reason
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                if delta.id is not None:
+                    assert call["id"] is None, "a call's id comes once, on its first delta"
+                    call["id"], call["name"] = delta.id, delta.function.name
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[index] for index in sorted(calls)], finish_reason, content
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_parse_and_match_their_tools_schema(client, model, choice, stream):
+    params = dict(model=model, messages=USER, max_tokens=MAX_TOKENS, temperature=1, seed=11, tools=[WEATHER, TIME],
+                  tool_choice=CHOICES[choice], parallel_tool_calls=False)
+    if stream:
+        calls, finish_reason, content = _streamed_calls(client.chat.completions.create(stream=True, **params))
+    else:
+        completion = client.chat.completions.create(**params)
+        message, finish_reason, content = completion.choices[0].message, completion.choices[0].finish_reason, ""
+        assert message.content is None
+        calls = [{"id": call.id, "name": call.function.name, "arguments": call.function.arguments}
+                 for call in message.tool_calls]
+    assert finish_reason == "tool_calls" and content == "", (calls, content)
+    assert len(calls) == 1 and calls[0]["id"].startswith("call_")
+    if choice == "named":
+        assert calls[0]["name"] == "get_time"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
+
+
+def test_a_second_turn_takes_the_tools_answer(client, model):
+    first = client.chat.completions.create(model=model, messages=USER, max_tokens=MAX_TOKENS, temperature=0,
+                                           tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    history = [*USER, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21})}]
+    second = client.chat.completions.create(
+        model=model, messages=history, max_tokens=MAX_TOKENS, temperature=0, tools=[WEATHER], tool_choice="none",
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}})
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.tool_calls is None
+    City.model_validate_json(second.choices[0].message.content, strict=True)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its answer are in the prompt
+
+
+def test_auto_without_a_parser_is_a_400_naming_tool_choice(client, model):
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=USER, max_tokens=8, tools=[WEATHER])
+    assert refused.value.body["param"] == "tool_choice" and "--tool-call-parser" in refused.value.body["message"]

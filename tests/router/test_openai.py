@@ -297,12 +297,9 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"typ
 @pytest.mark.parametrize("body, param, words", [
     ({"response_format": {"type": "structural_tag"}}, "response_format", "'structural_tag' is not supported yet"),
     ({"structured_outputs": {"structural_tag": {"format": {}}}}, "structured_outputs", "not supported yet"),
-    ({"tools": TOOLS}, "tools", "tool calling is not supported"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tools", "tool calling is not supported"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice",
-     "tool calling is not supported"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "tool calling is not supported"),
-    ({"tool_choice": "required"}, "tool_choice", "tool calling is not supported"),
+    ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" needs the server started with --tool-call-parser'),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
+    ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
 ])  # fmt: skip
 def test_chat_refuses_what_it_would_otherwise_ignore(router_url, scheduler, body, param, words):
     fake, _ = scheduler
@@ -314,7 +311,7 @@ def test_chat_refuses_what_it_would_otherwise_ignore(router_url, scheduler, body
     assert len(fake.requests) == num_sent
 
 
-def test_tools_with_tool_choice_none_are_ignored(router_url):
+def test_tools_with_tool_choice_none_leave_the_output_text(router_url):
     body = {"model": MODEL, "messages": USER, "max_tokens": 3, "tools": TOOLS, "tool_choice": "none"}
     response = httpx.post(f"{router_url}/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
