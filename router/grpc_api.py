@@ -6,7 +6,9 @@ pipeline and the same `RouterState` (tokenizer and chat template, admission,
 stop strings, n choices, incremental detokenization, scheduler pool, metrics
 labelled protocol="grpc", data reflow): grpc_convert.py turns the messages into
 jobs and Deltas back into messages; this module owns the servicer, the error
-mapping and the server.
+mapping and the server. A structured output's grammar must compile before the
+request is queued (structured.check_compiles, as /v1: bounded, cached, after the
+contract's cheaper checks).
 
 Every method goes through `_rpc` (the one place exceptions become statuses):
 the API key first (the metadata `authorization: Bearer <key>`, router
@@ -44,7 +46,16 @@ from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import RETRY_AFTER_S, APIError
 from router.generation import GenerationJob, generate_deltas
-from router.grpc_convert import Prompt, Renderer, StepSizes, choice_jobs, prompt_of, reflow_body, stop_strings
+from router.grpc_convert import (
+    Prompt,
+    Renderer,
+    StepSizes,
+    choice_jobs,
+    prompt_of,
+    reflow_body,
+    stop_strings,
+    structured_output,
+)
 from router.guard import is_authorized
 from router.metrics import ProtocolMetrics, RequestTracker
 from router.tenants import InvalidTenant, current_tenant, tenant_for
@@ -53,6 +64,7 @@ from router.reflow.gateway import client_id, record_deltas, state_for_status
 from router.reflow.recorder import RequestRecording
 from router.state import RouterState
 from router.stop import stop_at_strings
+from router.structured import check_compiles
 from common.health import Serving, add_health_and_reflection
 from common.tls import EXCLUSIVE_PORT, add_port
 
@@ -151,13 +163,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @_rpc
     async def Generate(self, request: pb.GenerationRequest, context) -> pb.GenerationResponse:
-        run = self._start(request, context)
+        run = await self._start(request, context)
         async with contextlib.aclosing(run.deltas(context)) as deltas:
             return run.renderer.response([delta async for delta in deltas])
 
     @_rpc
     async def GenerateStream(self, request: pb.GenerationRequest, context) -> AsyncIterator[pb.GenerationStreamResponse]:
-        run = self._start(request, context)
+        run = await self._start(request, context)
         async with contextlib.aclosing(run.deltas(context)) as deltas:
             async for delta in deltas:
                 event = run.renderer.event(delta)
@@ -184,7 +196,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             id=self.state.served_name, created=self.state.created, owned_by="segserve",
             max_model_len=info.max_model_len, vocab_size=info.vocab_size)])
 
-    def _start(self, request: pb.GenerationRequest, context) -> GenerationRun:
+    async def _start(self, request: pb.GenerationRequest, context) -> GenerationRun:
         """Record, validate and prepare one generation (not started yet); an APIError when refused."""
         arrived_s = time.monotonic()
         metadata = _metadata(context)
@@ -194,7 +206,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.state.check_model(request.model or None)
             prompt = prompt_of(self.state, request.prompt, request.messages)
             stops = stop_strings(request.parameters)
-            jobs = choice_jobs(self.state, request, prompt, f"grpc-{uuid.uuid4().hex}", self._timeout_s(context))
+            structured = structured_output(request.parameters)
+            jobs = choice_jobs(self.state, request, prompt, f"grpc-{uuid.uuid4().hex}", self._timeout_s(context),
+                               structured)
+            if structured is not None:
+                param, output = structured
+                await check_compiles(output, param)
         except APIError as exc:
             if recording is not None:
                 recording.finish(state_for_status(exc.status), error=exc.message)

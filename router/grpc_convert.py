@@ -8,6 +8,13 @@ refusal is a 400 `APIError` whose `param` is the gRPC field path, e.g.
 generation.py (after stop strings and the merge of n choices) as stream events
 or as the one Generate answer.
 
+A structured output (`parameters.structured_output`, one kind of its oneof)
+becomes the contract's `StructuredOutput` of every choice, as /v1's
+`structured_outputs` does (router/structured.py's schema_object and
+compact_json); errors name the kind's path, e.g.
+`parameters.structured_output.json_schema`. Whether its grammar compiles is
+grpc_api.py's check (structured.check_compiles), after the contract's.
+
 Sampling, as one contract for both HTTP APIs' callers: `do_sample` samples;
 so does a temperature other than 0, or a top_k, top_p or typical_p that is not
 off (SPEC: given sampling parameters make do_sample true); a temperature in
@@ -31,7 +38,7 @@ from google.protobuf.json_format import MessageToDict
 
 from protos.segserve.v1 import generation_pb2 as pb
 from protos.segserve.v1.generate import FinishReason, GenerateEvent, GenerateRequest, TokenChunk
-from protos.segserve.v1.sampling import RANGES, SamplingParams, StoppingCriteria
+from protos.segserve.v1.sampling import RANGES, SamplingParams, StoppingCriteria, StructuredKind, StructuredOutput
 from protos.segserve.v1.step_result import PromptLogprobs
 from router.admission import check_request
 from router.choices import MAX_CHOICES
@@ -42,6 +49,7 @@ from router.protocol import MAX_STOP_STRINGS, choice_seed, sampling_temperature
 from router.responses import by_choice
 from router.scheduler_streams import StreamObserver
 from router.state import RouterState
+from router.structured import compact_json, schema_object
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # The contract's field names -> GenerationRequest's field paths (admission.check_request).
@@ -51,6 +59,9 @@ FIELD_PATHS = {
     "num_prompt_logprobs": "parameters.prompt_logprobs",
     "request_id": "request_id",
 }
+STRUCTURED_KINDS = {"json_schema": StructuredKind.JSON_SCHEMA, "json_object": StructuredKind.JSON_OBJECT,
+                    "regex": StructuredKind.REGEX, "choice": StructuredKind.CHOICE, "grammar": StructuredKind.GRAMMAR}
+"""GenerationStructuredOutput's alternatives -> the contract's kinds."""
 _FINISH = {
     FinishReason.EOS_TOKEN: pb.GENERATION_FINISH_REASON_EOS_TOKEN,
     FinishReason.STOP_TOKEN: pb.GENERATION_FINISH_REASON_STOP,
@@ -91,8 +102,39 @@ def prompt_of(state: RouterState, text: str, messages, text_field: str = "prompt
         raise bad_request(exc.message.replace("the prompt", f"`{text_field}`"), text_field) from None
 
 
-def to_sampling(params: pb.GenerationParameters, choice_index: int) -> SamplingParams:
-    """The contract's sampling for choice `choice_index` (rules in the module docstring); unchecked."""
+def structured_output(params: pb.GenerationParameters) -> tuple[str, StructuredOutput] | None:
+    """(the field path that asked for it, the contract's structured output); None = free text. A kind left
+    unset, a false json_object or a json_schema that is not a JSON object is a 400 naming the field; the rest
+    of the shape (an empty regex or choice list, the size) is the contract's to refuse."""
+    if not params.HasField("structured_output"):
+        return None
+    message = params.structured_output
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        param = "parameters.structured_output"
+        raise bad_request(f"Invalid request: `{param}` must set one of {', '.join(STRUCTURED_KINDS)}", param)
+    param = f"parameters.structured_output.{kind}"
+    if kind == "json_schema":
+        try:
+            spec = compact_json(schema_object(message.json_schema))
+        except ValueError as exc:
+            raise bad_request(f"Invalid request: `{param}` {exc}", param) from None
+    elif kind == "json_object":
+        if not message.json_object:
+            raise bad_request(f"Invalid request: `{param}` must be true (for free text, leave "
+                              "`parameters.structured_output` out)", param)
+        spec = ""
+    elif kind == "choice":
+        spec = compact_json(list(message.choice.choices))
+    else:
+        spec = getattr(message, kind)
+    return param, StructuredOutput(STRUCTURED_KINDS[kind], spec)
+
+
+def to_sampling(params: pb.GenerationParameters, choice_index: int,
+                structured: StructuredOutput | None = None) -> SamplingParams:
+    """The contract's sampling for choice `choice_index` (rules in the module docstring), constrained to
+    `structured` (structured_output's); unchecked."""
     is_sampled = params.do_sample or params.top_k > 0 or any(
         params.HasField(name) and getattr(params, name) != 1.0 for name in ("top_p", "typical_p"))
     temperature = 1.0
@@ -109,7 +151,7 @@ def to_sampling(params: pb.GenerationParameters, choice_index: int) -> SamplingP
         # The chosen token's own logprob comes from the top list (a greedy score is a logit): ask for one.
         num_top_logprobs=0 if num_top is None else max(1, num_top),
         num_prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
-        watermark=params.watermark, logit_bias=dict(params.logit_bias))
+        watermark=params.watermark, logit_bias=dict(params.logit_bias), structured_output=structured)
 
 
 def stop_strings(params: pb.GenerationParameters) -> list[str]:
@@ -121,8 +163,10 @@ def stop_strings(params: pb.GenerationParameters) -> list[str]:
 
 
 def choice_jobs(state: RouterState, request: pb.GenerationRequest, prompt: Prompt, scheduler_id: str,
-                timeout_s: float | None) -> list[GenerationJob]:
-    """One validated job per choice, each with the output budget /v1 would give it (prompts.output_budget)."""
+                timeout_s: float | None, structured: tuple[str, StructuredOutput] | None = None
+                ) -> list[GenerationJob]:
+    """One validated job per choice, each with the output budget /v1 would give it (prompts.output_budget) and
+    `structured` (structured_output's, its field path named in errors)."""
     params = request.parameters
     num_choices = params.n or 1
     if num_choices > MAX_CHOICES:
@@ -133,8 +177,10 @@ def choice_jobs(state: RouterState, request: pb.GenerationRequest, prompt: Promp
     stopping = StoppingCriteria(max_tokens=max_tokens, stop_token_ids=tuple(params.stop_token_ids),
                                 ignore_eos=params.ignore_eos)
     requests = [GenerateRequest(scheduler_id if num_choices == 1 else f"{scheduler_id}-{index}", prompt.token_ids,
-                                to_sampling(params, index), stopping) for index in range(num_choices)]
-    names = {**FIELD_PATHS, "prompt_token_ids": prompt.field}
+                                to_sampling(params, index, structured[1] if structured else None), stopping)
+                for index in range(num_choices)]
+    names = {**FIELD_PATHS, "prompt_token_ids": prompt.field,
+             "structured_output": structured[0] if structured else "parameters.structured_output"}
     for generate_request in requests:
         check_request(generate_request, state.model_info, names)
     num_top = params.logprobs if params.HasField("logprobs") else None

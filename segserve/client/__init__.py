@@ -12,7 +12,10 @@ In: prompts or chats and sampling parameters; out: small frozen dataclasses (`Ge
         print(result.text, result.finish_reason, result.usage.completion_tokens)
         for event in client.stream("Once upon a time", max_tokens=64):
             print(event.text, end="", flush=True)
+        answer = client.generate("Is water wet?", choice=["yes", "no"])   # or json_schema=, regex=, grammar=
 
+- Structured outputs: one of the keywords `json_schema` (a dict, its JSON text or a pydantic model class),
+  `json_object=True`, `regex`, `choice` (a list of strings) or `grammar` (EBNF) constrains every choice.
 - API key: sent as the metadata `authorization: Bearer <key>`.
 - TLS: `ca_file` (the server's CA; `tls=True` alone trusts the system's roots) and, for mutual TLS,
   `cert_file`/`key_file`.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,6 +18,8 @@ DEFAULT_TARGET = "localhost:8001"
 
 ChatMessages = Iterable[Mapping[str, str] | pb.ChatMessage]
 """A chat: messages as {"role": ..., "content": ..., "name": ...} (name optional), as OpenAI's API takes them."""
+STRUCTURED_KINDS = tuple(pb.GenerationStructuredOutput.DESCRIPTOR.fields_by_name)
+"""The keywords of a structured output, one per call: json_schema, json_object, regex, choice, grammar."""
 
 
 class ClientBase:
@@ -88,21 +91,68 @@ def chat_messages(messages: ChatMessages | None) -> list[pb.ChatMessage]:
 
 def generation_parameters(parameters: dict) -> pb.GenerationParameters:
     """GenerationParameters from keyword arguments named as its fields (max_tokens=64, temperature=0, stop=[...],
-    logit_bias={id: bias}, ...). An unknown name is a TypeError (a bug in the caller); a value the field cannot
-    hold (a negative max_tokens, a string for a number) is INVALID_ARGUMENT naming `parameters.<name>`, as the
-    server names the values it refuses."""
+    logit_bias={id: bias}, ...), and at most one structured-output keyword (json_schema=..., regex=...: see
+    structured_output). An unknown name is a TypeError (a bug in the caller); a value the field cannot hold (a
+    negative max_tokens, a string for a number) is INVALID_ARGUMENT naming `parameters.<name>`, as the server
+    names the values it refuses."""
     known = pb.GenerationParameters.DESCRIPTOR.fields_by_name
     message = pb.GenerationParameters()
     for name, value in parameters.items():
+        if name in STRUCTURED_KINDS:
+            continue
         if name not in known:
-            raise TypeError(f"unknown generation parameter {name!r} (GenerationParameters has: {', '.join(known)})")
+            raise TypeError(f"unknown generation parameter {name!r} (GenerationParameters has: {', '.join(known)}; "
+                            f"a structured output: {', '.join(STRUCTURED_KINDS)})")
         if value is None:  # absent: the server's default
             continue
         try:
             message.MergeFrom(pb.GenerationParameters(**{name: value}))
         except (TypeError, ValueError) as exc:
             raise _invalid(f"parameters.{name}", exc) from None
+    structured = structured_output({name: parameters[name] for name in STRUCTURED_KINDS if name in parameters})
+    if structured is not None:
+        if message.HasField("structured_output"):
+            raise _invalid("parameters.structured_output", ValueError(
+                f"is given twice: as structured_output and as {structured.WhichOneof('kind')}"))
+        message.structured_output.CopyFrom(structured)
     return message
+
+
+def structured_output(kinds: Mapping[str, object]) -> pb.GenerationStructuredOutput | None:
+    """The structured output of the keywords json_schema (a dict, its JSON text, or a pydantic model class),
+    json_object (True), regex, choice (a list of strings) and grammar (EBNF, root rule `root`); None when none
+    is given (None and json_object=False are not). More than one, or a value of the wrong type, is
+    INVALID_ARGUMENT naming the field; whether the spec compiles is the server's to say."""
+    given = {name: value for name, value in kinds.items() if value is not None and value is not False}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise _invalid("parameters.structured_output", ValueError(
+            f"takes one of {', '.join(STRUCTURED_KINDS)} (got {', '.join(given)})"))
+    ((kind, value),) = given.items()
+    try:
+        if kind == "json_schema":
+            return pb.GenerationStructuredOutput(json_schema=schema_text(value))
+        if kind == "choice":
+            if isinstance(value, str):
+                raise TypeError("takes a list of strings, not one string")
+            return pb.GenerationStructuredOutput(choice=pb.GenerationStructuredOutput.Choices(choices=value))
+        return pb.GenerationStructuredOutput(**{kind: value})
+    except (TypeError, ValueError) as exc:
+        raise _invalid(f"parameters.structured_output.{kind}", exc) from None
+
+
+def schema_text(schema: object) -> str:
+    """A JSON schema as JSON text, from its text, a mapping, or a pydantic model class (its model_json_schema(),
+    called without importing pydantic)."""
+    if isinstance(schema, str):
+        return schema
+    if callable(getattr(schema, "model_json_schema", None)):
+        schema = schema.model_json_schema()
+    if not isinstance(schema, Mapping):
+        raise TypeError(f"must be a JSON schema: a dict, its JSON text or a pydantic model class "
+                        f"(got {type(schema).__name__})")
+    return json.dumps(schema, ensure_ascii=False)
 
 
 def _invalid(field: str, exc: Exception) -> SegserveError:

@@ -41,7 +41,9 @@ class Client(ClientBase):
                  **parameters) -> GenerationResult:
         """Generate for a prompt (or a chat, `messages`) and return the finished result. `parameters` are
         GenerationParameters' fields: max_tokens, temperature (0 = greedy), top_k, top_p, stop, n, logprobs,
-        details, ignore_eos, seed, ... (protos/segserve/v1/generation.proto)."""
+        details, ignore_eos, seed, ... (protos/segserve/v1/generation.proto), and at most one structured output:
+        json_schema (a dict, its JSON text or a pydantic model class), json_object=True, regex, choice (a list
+        of strings) or grammar (EBNF whose root rule is `root`)."""
         request = generation_request(prompt, messages, model, request_id, session_id, parameters)
         return GenerationResult.from_pb(self._unary(self._stub.Generate, request, timeout_s))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import threading
 import time
@@ -96,6 +97,35 @@ def test_parameters_are_the_protos_fields_and_bad_values_name_theirs():
         generation_parameters({"temperature": "hot"})
     with pytest.raises(TypeError, match="max_new_tokens"):
         generation_parameters({"max_new_tokens": 8})
+
+
+def test_a_structured_output_is_one_keyword_and_bad_ones_name_their_field():
+    class Answer:  # a pydantic model class, as the client sees one: it has model_json_schema()
+        @classmethod
+        def model_json_schema(cls) -> dict:
+            return {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    for value in (schema, json.dumps(schema), Answer):
+        sent = generation_parameters({"json_schema": value, "max_tokens": 8}).structured_output.json_schema
+        assert json.loads(sent) == schema
+    assert list(generation_parameters({"choice": ("yes", "no")}).structured_output.choice.choices) == ["yes", "no"]
+    assert generation_parameters({"regex": "a+", "grammar": None, "json_object": False}).structured_output.regex \
+        == "a+"  # None and False are "not this one"
+    assert generation_parameters({"json_object": True}).structured_output.WhichOneof("kind") == "json_object"
+    assert not generation_parameters({"max_tokens": 8}).HasField("structured_output")
+    for parameters, field in [
+        ({"regex": "a", "choice": ["a"]}, "parameters.structured_output"),
+        ({"regex": "a", "structured_output": {"grammar": 'root ::= "a"'}}, "parameters.structured_output"),
+        ({"choice": "yes"}, "parameters.structured_output.choice"),
+        ({"choice": [1, 2]}, "parameters.structured_output.choice"),
+        ({"json_schema": 42}, "parameters.structured_output.json_schema"),
+        ({"json_schema": {"default": object()}}, "parameters.structured_output.json_schema"),
+        ({"grammar": 3}, "parameters.structured_output.grammar"),
+    ]:
+        with pytest.raises(SegserveError) as caught:
+            generation_parameters(parameters)
+        assert (caught.value.code, caught.value.field, caught.value.num_attempts) == ("INVALID_ARGUMENT", field, 0)
 
 
 def test_finish_reasons_are_short_names():

@@ -31,7 +31,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class GenerationParameters(_message.Message):
-    __slots__ = ("max_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "logprobs", "prompt_logprobs", "logit_bias", "watermark", "details")
+    __slots__ = ("max_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "logprobs", "prompt_logprobs", "logit_bias", "watermark", "details", "structured_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class GenerationParameters(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     do_sample: bool
     temperature: float
@@ -77,7 +78,27 @@ class GenerationParameters(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     watermark: bool
     details: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., watermark: _Optional[bool] = ..., details: _Optional[bool] = ...) -> None: ...
+    structured_output: GenerationStructuredOutput
+    def __init__(self, max_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., watermark: _Optional[bool] = ..., details: _Optional[bool] = ..., structured_output: _Optional[_Union[GenerationStructuredOutput, _Mapping]] = ...) -> None: ...
+
+class GenerationStructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    class Choices(_message.Message):
+        __slots__ = ("choices",)
+        CHOICES_FIELD_NUMBER: _ClassVar[int]
+        choices: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: GenerationStructuredOutput.Choices
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[GenerationStructuredOutput.Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerationRequest(_message.Message):
     __slots__ = ("model", "prompt", "messages", "parameters", "request_id", "session_id")
