@@ -2,9 +2,9 @@
 must make alike, so that what the edge accepts is what the worker enforces.
 
 In: a StructuredOutput's spec, or the error xgrammar raised for one. Out: the options a JSON schema is compiled
-with, the schema of "any JSON object", the EBNF of a choice list, and the engine's message without its source
-location. Imports no grammar engine: the router builds grammars without a tokenizer, the worker compiles them
-against its model's, each through its own xgrammar entry point.
+with, the schema of "any JSON object", the EBNF of a choice list, a structural tag in the engine's form, and the
+engine's message without its source location. Imports no grammar engine: the router builds grammars without a
+tokenizer, the worker compiles them against its model's, each through its own xgrammar entry point.
 """
 
 from __future__ import annotations
@@ -25,6 +25,31 @@ _ENGINE_PREFIX = re.compile(r"^\[[0-9:.]+\]\s*\S+:\d+:\s*")  # xgrammar's "[08:1
 def choice_grammar(choices: Sequence[str]) -> str:
     """EBNF whose root matches exactly one of `choices` (JSON string escapes are EBNF's too)."""
     return f"{ROOT_RULE} ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def structural_tag(value: dict) -> dict:
+    """A structural tag in the grammar engine's form, {"type": "structural_tag", "format": {...}}, from that form
+    or from the older one OpenAI-style APIs take: {"structures": [{"begin", "schema", "end"}], "triggers": [...]},
+    free text until a trigger, then one of the structures whose begin it starts (each structure's content
+    matching its JSON schema). ValueError says what is missing; whether the format compiles is the engine's to
+    say."""
+    if "format" in value:
+        if not isinstance(value["format"], dict):
+            raise ValueError("`format` must be an object")
+        return {"type": "structural_tag", "format": value["format"]}
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise ValueError("needs `format`, or non-empty `structures` and `triggers` lists")
+    tags = []
+    for index, structure in enumerate(structures):
+        if not (isinstance(structure, dict) and isinstance(structure.get("begin"), str)
+                and isinstance(structure.get("end"), str) and isinstance(structure.get("schema"), (dict, bool))):
+            raise ValueError(f"structures[{index}] needs `begin` and `end` strings and a `schema` object")
+        tags.append({"type": "tag", "begin": structure["begin"], "end": structure["end"],
+                     "content": {"type": "json_schema", "json_schema": structure["schema"]}})
+    if not all(isinstance(trigger, str) and trigger for trigger in triggers):
+        raise ValueError("`triggers` must be non-empty strings")
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
 def engine_message(exc: BaseException) -> str:

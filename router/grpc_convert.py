@@ -49,7 +49,7 @@ from router.protocol import MAX_STOP_STRINGS, choice_seed, sampling_temperature
 from router.responses import by_choice
 from router.scheduler_streams import StreamObserver
 from router.state import RouterState
-from router.structured import compact_json, schema_object
+from router.structured import compact_json, schema_object, tag_object
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # The contract's field names -> GenerationRequest's field paths (admission.check_request).
@@ -60,7 +60,8 @@ FIELD_PATHS = {
     "request_id": "request_id",
 }
 STRUCTURED_KINDS = {"json_schema": StructuredKind.JSON_SCHEMA, "json_object": StructuredKind.JSON_OBJECT,
-                    "regex": StructuredKind.REGEX, "choice": StructuredKind.CHOICE, "grammar": StructuredKind.GRAMMAR}
+                    "regex": StructuredKind.REGEX, "choice": StructuredKind.CHOICE, "grammar": StructuredKind.GRAMMAR,
+                    "structural_tag": StructuredKind.STRUCTURAL_TAG}
 """GenerationStructuredOutput's alternatives -> the contract's kinds."""
 _FINISH = {
     FinishReason.EOS_TOKEN: pb.GENERATION_FINISH_REASON_EOS_TOKEN,
@@ -114,9 +115,9 @@ def structured_output(params: pb.GenerationParameters) -> tuple[str, StructuredO
         param = "parameters.structured_output"
         raise bad_request(f"Invalid request: `{param}` must set one of {', '.join(STRUCTURED_KINDS)}", param)
     param = f"parameters.structured_output.{kind}"
-    if kind == "json_schema":
+    if kind in ("json_schema", "structural_tag"):
         try:
-            spec = compact_json(schema_object(message.json_schema))
+            spec = compact_json((schema_object if kind == "json_schema" else tag_object)(getattr(message, kind)))
         except ValueError as exc:
             raise bad_request(f"Invalid request: `{param}` {exc}", param) from None
     elif kind == "json_object":

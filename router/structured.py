@@ -1,9 +1,11 @@
 """Structured outputs at the API edge: the body fields that ask for them, mapped onto the contract, and the
 check that their grammar compiles before anything reaches the scheduler.
 
-In: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs` (`json`, `regex`,
-`choice`, `grammar`, `json_object`) and vLLM's older top-level `guided_json`, `guided_regex`,
-`guided_choice`, `guided_grammar`. Out: one contract `StructuredOutput` (protos/segserve/v1/sampling.py),
+In: OpenAI's `response_format` (`json_object`, `json_schema`, and vLLM's `structural_tag`), vLLM's
+`structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag`) and vLLM's older
+top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. A structural tag is free text with
+constrained parts (a trigger such as `<function=` starts a tag whose content follows a schema), in xgrammar's
+form or the older `structures` + `triggers` one (common/grammar.py maps it). Out: one contract `StructuredOutput` (protos/segserve/v1/sampling.py),
 which every choice of the request carries, or a 400 naming the body field.
 
 Three checks, cheapest first: the body models refuse wrong types, a schema that is not a JSON object and a
@@ -29,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from common.grammar import JSON_SCHEMA_OPTIONS, ROOT_RULE, engine_message
+from common.grammar import JSON_SCHEMA_OPTIONS, ROOT_RULE, engine_message, structural_tag
 from protos.segserve.v1.sampling import StructuredKind, StructuredOutput
 from router.errors import RETRY_AFTER_S, SERVER_ERROR, APIError, bad_request
 
@@ -43,18 +45,24 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 """vLLM's older top-level names, each one kind of structured output."""
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
 """The body fields that ask for a structured output; a request may use one."""
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
-def schema_object(value: object) -> dict:
-    """A JSON schema given as an object or as its JSON text, as an object; ValueError says why not."""
+def json_object(value: object, what: str = "an object") -> dict:
+    """An object given as itself or as its JSON text; ValueError says why not."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except (ValueError, RecursionError) as exc:
             raise ValueError(f"is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"must be a JSON schema: an object (got {type(value).__name__})")
+        raise ValueError(f"must be {what} (got {type(value).__name__})")
+    return value
+
+
+def schema_object(value: object) -> dict:
+    """A JSON schema given as an object or as its JSON text, as an object; ValueError says why not."""
+    value = json_object(value, "a JSON schema: an object")
     if _depth(value) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
     return value
@@ -70,6 +78,15 @@ def _depth(value: object) -> int:
             if depth <= MAX_SCHEMA_DEPTH:
                 pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
+
+
+def tag_object(value: object) -> dict:
+    """A structural tag given as an object or as its JSON text, in the engine's form (common.grammar's
+    structural_tag); ValueError says why not."""
+    tag = structural_tag(json_object(value, "a structural tag: an object"))
+    if _depth(tag) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
+    return tag
 
 
 def compact_json(value: object) -> str:
@@ -101,14 +118,14 @@ class ResponseFormat(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    model_config = ConfigDict(extra="allow", strict=True)  # a structural tag's fields sit beside `type`
+
     type: str
     json_schema: JsonSchemaFormat | None = None
 
     @field_validator("type")
     @classmethod
     def _known_type(cls, type: str) -> str:
-        if type == "structural_tag":
-            raise ValueError("type 'structural_tag' is not supported yet")
         if type not in RESPONSE_FORMAT_TYPES:
             raise ValueError(f"type {type!r} is not supported (accepted: {', '.join(RESPONSE_FORMAT_TYPES)})")
         return type
@@ -117,6 +134,8 @@ class ResponseFormat(BaseModel):
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError('type \'json_schema\' needs `json_schema`: {"name": ..., "schema": {...}}')
+        if self.type == "structural_tag":
+            tag_object(self.model_extra)  # ValueError says what it lacks
         return self
 
     def to_structured(self) -> StructuredOutput | None:
@@ -125,6 +144,8 @@ class ResponseFormat(BaseModel):
             return StructuredOutput(StructuredKind.JSON_OBJECT)
         if self.type == "json_schema":
             return StructuredOutput(StructuredKind.JSON_SCHEMA, compact_json(self.json_schema.schema_))
+        if self.type == "structural_tag":
+            return StructuredOutput(StructuredKind.STRUCTURAL_TAG, compact_json(tag_object(self.model_extra)))
         return None
 
 
@@ -140,32 +161,31 @@ class StructuredOutputsParams(BaseModel):
     grammar: str | None = None
     """EBNF (GBNF) whose root rule is `root`."""
     json_object: bool | None = None
-    structural_tag: Any = None
-    """Refused: not supported yet."""
+    structural_tag: dict[str, Any] | str | None = None
+    """A structural tag, as an object or as JSON text: {"type": "structural_tag", "format": {...}}, or
+    {"structures": [{"begin", "schema", "end"}], "triggers": [...]}."""
 
     @field_validator("json_", mode="before")
     @classmethod
     def _schema(cls, schema: object) -> dict | None:
         return None if schema is None else schema_object(schema)
 
-    @field_validator("structural_tag")
+    @field_validator("structural_tag", mode="before")
     @classmethod
-    def _not_yet(cls, tag: Any) -> None:
-        if tag is not None:
-            raise ValueError("is not supported yet")
-        return tag
+    def _tag(cls, tag: object) -> dict | None:
+        return None if tag is None else tag_object(tag)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputsParams:
         given = [name for name, value in self._specs().items() if value is not None and value is not False]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got "
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object, structural_tag (got "
                              f"{', '.join(given) or 'none'})")
         return self
 
     def _specs(self) -> dict[str, object]:
         return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                "json_object": self.json_object}
+                "json_object": self.json_object, "structural_tag": self.structural_tag}
 
     def to_structured(self) -> StructuredOutput:
         if self.json_ is not None:
@@ -176,6 +196,8 @@ class StructuredOutputsParams(BaseModel):
             return StructuredOutput(StructuredKind.CHOICE, compact_json(self.choice))
         if self.grammar is not None:
             return StructuredOutput(StructuredKind.GRAMMAR, self.grammar)
+        if self.structural_tag is not None:
+            return StructuredOutput(StructuredKind.STRUCTURAL_TAG, compact_json(self.structural_tag))
         return StructuredOutput(StructuredKind.JSON_OBJECT)
 
 
@@ -196,7 +218,8 @@ def is_requested(value: object) -> bool:
 
 
 # The edge's compile check. Verdicts: None (compiles) or the engine's reason.
-_COMPILED_KINDS = (StructuredKind.JSON_SCHEMA, StructuredKind.REGEX, StructuredKind.GRAMMAR)
+_COMPILED_KINDS = (StructuredKind.JSON_SCHEMA, StructuredKind.REGEX, StructuredKind.GRAMMAR,
+                   StructuredKind.STRUCTURAL_TAG)
 _executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-check")
 _verdicts: OrderedDict[str, tuple[concurrent.futures.Future, float]] = OrderedDict()
 """Spec digest -> (the compile's future, when it was submitted); touched by the event loop only."""
@@ -217,6 +240,8 @@ def _compile_error(kind: StructuredKind, spec: str) -> str | None:
             grammar.from_json_schema(spec, **JSON_SCHEMA_OPTIONS)  # as the worker compiles it
         elif kind is StructuredKind.REGEX:
             grammar.from_regex(spec)
+        elif kind is StructuredKind.STRUCTURAL_TAG:
+            grammar.from_structural_tag(spec)
         else:
             grammar.from_ebnf(spec, root_rule_name=ROOT_RULE)
     except Exception as exc:  # xgrammar raises RuntimeError (C++) and others; every one is the input's fault

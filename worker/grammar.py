@@ -135,6 +135,8 @@ class GrammarEngine:
                 return compiler.compile_regex(spec)
             if structured.kind is StructuredKind.CHOICE:
                 return compiler.compile_grammar(choice_grammar(json.loads(spec)))
+            if structured.kind is StructuredKind.STRUCTURAL_TAG:
+                return compiler.compile_structural_tag(spec)
             return compiler.compile_grammar(spec, root_rule_name=ROOT_RULE)
         except Exception as exc:  # xgrammar raises RuntimeError (and a few ValueErrors) for what it cannot compile
             raise GrammarError(f"structured_output ({structured.kind.name.lower()}) does not compile: "

@@ -120,9 +120,10 @@ def generation_parameters(parameters: dict) -> pb.GenerationParameters:
 
 def structured_output(kinds: Mapping[str, object]) -> pb.GenerationStructuredOutput | None:
     """The structured output of the keywords json_schema (a dict, its JSON text, or a pydantic model class),
-    json_object (True), regex, choice (a list of strings) and grammar (EBNF, root rule `root`); None when none
-    is given (None and json_object=False are not). More than one, or a value of the wrong type, is
-    INVALID_ARGUMENT naming the field; whether the spec compiles is the server's to say."""
+    json_object (True), regex, choice (a list of strings), grammar (EBNF, root rule `root`) and structural_tag
+    (a dict or its JSON text); None when none is given (None and json_object=False are not). More than one, or a
+    value of the wrong type, is INVALID_ARGUMENT naming the field; whether the spec compiles is the server's to
+    say."""
     given = {name: value for name, value in kinds.items() if value is not None and value is not False}
     if not given:
         return None
@@ -133,6 +134,8 @@ def structured_output(kinds: Mapping[str, object]) -> pb.GenerationStructuredOut
     try:
         if kind == "json_schema":
             return pb.GenerationStructuredOutput(json_schema=schema_text(value))
+        if kind == "structural_tag" and not isinstance(value, str):
+            return pb.GenerationStructuredOutput(structural_tag=json.dumps(value))
         if kind == "choice":
             if isinstance(value, str):
                 raise TypeError("takes a list of strings, not one string")

@@ -172,3 +172,14 @@ def test_auto_without_a_parser_is_a_400_naming_tool_choice(client, model):
     with pytest.raises(BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=USER, max_tokens=8, tools=[WEATHER])
     assert refused.value.body["param"] == "tool_choice" and "--tool-call-parser" in refused.value.body["message"]
+
+
+def test_a_structural_tag_constrains_its_part(client, model):
+    # a regex part: a JSON schema's part would allow free whitespace, which a random model can spin in
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<city>", "end": "</city>", "content": {
+        "type": "regex", "pattern": "(Paris|Rome|Tokyo), (yes|no)"}}}
+    completion = client.chat.completions.create(model=model, messages=USER, max_tokens=MAX_TOKENS, temperature=1,
+                                                seed=5, response_format=tag, n=2)
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop", choice
+        assert re.fullmatch("<city>(Paris|Rome|Tokyo), (yes|no)</city>", choice.message.content), choice

@@ -50,6 +50,12 @@ def _structured(**kind) -> pb.GenerationParameters:
      ("parameters.structured_output.choice", StructuredOutput(StructuredKind.CHOICE, '["東京","Paris"]'))),
     ({"grammar": 'root ::= "a" | "b"'},
      ("parameters.structured_output.grammar", StructuredOutput(StructuredKind.GRAMMAR, 'root ::= "a" | "b"'))),
+    ({"structural_tag": json.dumps({"structures": [{"begin": "<c>", "schema": SCHEMA, "end": "</c>"}],
+                                    "triggers": ["<c>"]})},
+     ("parameters.structured_output.structural_tag", StructuredOutput(StructuredKind.STRUCTURAL_TAG, json.dumps(
+         {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<c>"], "tags": [
+             {"type": "tag", "begin": "<c>", "end": "</c>", "content": {"type": "json_schema", "json_schema": SCHEMA}}
+         ]}}, separators=(",", ":"))))),
 ])  # fmt: skip
 def test_each_kind_becomes_the_contracts_structured_output(kind, expected):
     assert structured_output(_structured(**kind)) == expected
@@ -64,6 +70,7 @@ def test_no_structured_output_is_free_text():
     ({"json_object": False}, "parameters.structured_output.json_object", "must be true"),
     ({"json_schema": "{"}, "parameters.structured_output.json_schema", "is not valid JSON"),
     ({"json_schema": "[1]"}, "parameters.structured_output.json_schema", "an object (got list)"),
+    ({"structural_tag": '{"triggers": []}'}, "parameters.structured_output.structural_tag", "needs `format`"),
 ])  # fmt: skip
 def test_a_malformed_structured_output_is_refused_at_conversion(kind, param, words):
     with pytest.raises(APIError) as refused:
@@ -148,6 +155,8 @@ def _deep_schema(depth: int) -> str:
     ({"choice": Choices(choices=["ok", ""])}, "parameters.structured_output.choice", "non-empty strings"),
     ({"grammar": 'start ::= "a"'}, "parameters.structured_output.grammar", "does not compile"),
     ({"grammar": "root ::= ("}, "parameters.structured_output.grammar", "does not compile"),
+    ({"structural_tag": '{"type": "structural_tag", "format": {"type": "bogus"}}'},
+     "parameters.structured_output.structural_tag", "does not compile"),
 ])  # fmt: skip
 @pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
 def test_what_cannot_be_enforced_is_invalid_argument_naming_the_field(stub, scheduler, rpc, kind, param, words):

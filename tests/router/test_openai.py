@@ -295,8 +295,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"typ
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"response_format": {"type": "structural_tag"}}, "response_format", "'structural_tag' is not supported yet"),
-    ({"structured_outputs": {"structural_tag": {"format": {}}}}, "structured_outputs", "not supported yet"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "needs `format`"),
     ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" needs the server started with --tool-call-parser'),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
     ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),

@@ -28,6 +28,12 @@ USER = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
           "required": ["city"]}
 COMPACT_SCHEMA = json.dumps(SCHEMA, separators=(",", ":"))
+LEGACY_TAG = {"structures": [{"begin": "<city>", "schema": SCHEMA, "end": "</city>"}], "triggers": ["<city>"]}
+"""vLLM's older structural tag: free text until a trigger, then a structure whose content matches its schema."""
+TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<city>"], "tags": [
+    {"type": "tag", "begin": "<city>", "end": "</city>", "content": {"type": "json_schema", "json_schema": SCHEMA}}]}}
+"""The same in the grammar engine's form."""
+COMPACT_TAG = json.dumps(TAG, separators=(",", ":"))
 ROUTES = {"chat": ("/v1/chat/completions", {"messages": USER}), "completions": ("/v1/completions", {"prompt": "x"})}
 
 
@@ -65,6 +71,12 @@ def _sent_structured_outputs(fake, num_before: int) -> list[StructuredOutput | N
     ({"guided_regex": "a|b"}, StructuredOutput(StructuredKind.REGEX, "a|b")),
     ({"guided_choice": ["東京", "Paris"]}, StructuredOutput(StructuredKind.CHOICE, '["東京","Paris"]')),
     ({"guided_grammar": 'root ::= "x"+'}, StructuredOutput(StructuredKind.GRAMMAR, 'root ::= "x"+')),
+    ({"response_format": {"type": "structural_tag", **LEGACY_TAG}}, StructuredOutput(StructuredKind.STRUCTURAL_TAG,
+                                                                                    COMPACT_TAG)),
+    ({"response_format": {"type": "structural_tag", "format": TAG["format"]}},
+     StructuredOutput(StructuredKind.STRUCTURAL_TAG, COMPACT_TAG)),
+    ({"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+     StructuredOutput(StructuredKind.STRUCTURAL_TAG, COMPACT_TAG)),
     ({"response_format": {"type": "text"}}, None),
     ({}, None),
 ])  # fmt: skip
@@ -138,7 +150,11 @@ def _json_schema(schema: object) -> dict:
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs `json_schema`"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
     ({"response_format": {"type": "xml"}}, "response_format", "'xml' is not supported"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported yet"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "needs `format`, or non-empty"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "end": "</f>"}],
+                          "triggers": ["<f"]}}, "response_format", "structures[0] needs"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "bogus"}}}, "response_format",
+     "does not compile: Invalid structural tag error: Format type not recognized: bogus"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "is not valid JSON"),
     ({"structured_outputs": {"json": "[1]"}}, "structured_outputs", "an object (got list)"),
     ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "does not compile: Regex parsing error"),
@@ -148,7 +164,9 @@ def _json_schema(schema: object) -> dict:
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
     ({"structured_outputs": {}}, "structured_outputs", "exactly one of"),
-    ({"structured_outputs": {"structural_tag": {"format": {}}}}, "structured_outputs", "not supported yet"),
+    ({"structured_outputs": {"structural_tag": {"format": {}}}}, "structured_outputs", "does not compile"),
+    ({"structured_outputs": {"structural_tag": "{oops"}}, "structured_outputs", "is not valid JSON"),
+    ({"structured_outputs": {"structural_tag": {"format": 3}}}, "structured_outputs", "`format` must be an object"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
      "not both `response_format` and `structured_outputs`"),
     ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice", "not both"),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/segserve/v1/common.proto\x12\x0bsegserve.v1\"\x84\x04\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10num_top_logprobs\x18\n \x01(\r\x12\x11\n\twatermark\x18\x0b \x01(\x08\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.segserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13num_prompt_logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12=\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1d.segserve.v1.StructuredOutputH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x16\n\x14_num_prompt_logprobsB\x14\n\x12_structured_output\"\xcf\x01\n\x10StructuredOutput\x12\x30\n\x04kind\x18\x01 \x01(\x0e\x32\".segserve.v1.StructuredOutput.Kind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"{\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x01\x12\x14\n\x10KIND_JSON_OBJECT\x10\x02\x12\x0e\n\nKIND_REGEX\x10\x03\x12\x0f\n\x0bKIND_CHOICE\x10\x04\x12\x10\n\x0cKIND_GRAMMAR\x10\x05\"R\n\x10StoppingCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"a\n\x0ePromptLogprobs\x12\r\n\x05start\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.segserve.v1.TopLogprobs\"3\n\rCandidateTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"\x13\n\x11WorkerInfoRequest\"\x8d\x02\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cpacked_steps\x18\t \x01(\x08\x12\x1a\n\x12\x62lock_table_deltas\x18\n \x01(\x08\x12\x18\n\x10max_decode_steps\x18\x0b \x01(\r\x12\x13\n\x0bstep_stream\x18\x0c \x01(\x08\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/segserve/v1/common.proto\x12\x0bsegserve.v1\"\x84\x04\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10num_top_logprobs\x18\n \x01(\r\x12\x11\n\twatermark\x18\x0b \x01(\x08\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.segserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13num_prompt_logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12=\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1d.segserve.v1.StructuredOutputH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x16\n\x14_num_prompt_logprobsB\x14\n\x12_structured_output\"\xe9\x01\n\x10StructuredOutput\x12\x30\n\x04kind\x18\x01 \x01(\x0e\x32\".segserve.v1.StructuredOutput.Kind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\x94\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x01\x12\x14\n\x10KIND_JSON_OBJECT\x10\x02\x12\x0e\n\nKIND_REGEX\x10\x03\x12\x0f\n\x0bKIND_CHOICE\x10\x04\x12\x10\n\x0cKIND_GRAMMAR\x10\x05\x12\x17\n\x13KIND_STRUCTURAL_TAG\x10\x06\"R\n\x10StoppingCriteria\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"a\n\x0ePromptLogprobs\x12\r\n\x05start\x18\x01 \x01(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.segserve.v1.TopLogprobs\"3\n\rCandidateTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"\x13\n\x11WorkerInfoRequest\"\x8d\x02\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cpacked_steps\x18\t \x01(\x08\x12\x1a\n\x12\x62lock_table_deltas\x18\n \x01(\x08\x12\x18\n\x10max_decode_steps\x18\x0b \x01(\r\x12\x13\n\x0bstep_stream\x18\x0c \x01(\x08\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=462
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=510
   _globals['_STRUCTUREDOUTPUT']._serialized_start=568
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=775
-  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_start=652
-  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_end=775
-  _globals['_STOPPINGCRITERIA']._serialized_start=777
-  _globals['_STOPPINGCRITERIA']._serialized_end=859
-  _globals['_TOPLOGPROBS']._serialized_start=861
-  _globals['_TOPLOGPROBS']._serialized_end=911
-  _globals['_PROMPTLOGPROBS']._serialized_start=913
-  _globals['_PROMPTLOGPROBS']._serialized_end=1010
-  _globals['_CANDIDATETREE']._serialized_start=1012
-  _globals['_CANDIDATETREE']._serialized_end=1063
-  _globals['_WORKERINFOREQUEST']._serialized_start=1065
-  _globals['_WORKERINFOREQUEST']._serialized_end=1084
-  _globals['_WORKERINFO']._serialized_start=1087
-  _globals['_WORKERINFO']._serialized_end=1356
-  _globals['_HEALTHREQUEST']._serialized_start=1358
-  _globals['_HEALTHREQUEST']._serialized_end=1373
-  _globals['_HEALTHRESPONSE']._serialized_start=1375
-  _globals['_HEALTHRESPONSE']._serialized_end=1422
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=801
+  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_start=653
+  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_end=801
+  _globals['_STOPPINGCRITERIA']._serialized_start=803
+  _globals['_STOPPINGCRITERIA']._serialized_end=885
+  _globals['_TOPLOGPROBS']._serialized_start=887
+  _globals['_TOPLOGPROBS']._serialized_end=937
+  _globals['_PROMPTLOGPROBS']._serialized_start=939
+  _globals['_PROMPTLOGPROBS']._serialized_end=1036
+  _globals['_CANDIDATETREE']._serialized_start=1038
+  _globals['_CANDIDATETREE']._serialized_end=1089
+  _globals['_WORKERINFOREQUEST']._serialized_start=1091
+  _globals['_WORKERINFOREQUEST']._serialized_end=1110
+  _globals['_WORKERINFO']._serialized_start=1113
+  _globals['_WORKERINFO']._serialized_end=1382
+  _globals['_HEALTHREQUEST']._serialized_start=1384
+  _globals['_HEALTHREQUEST']._serialized_end=1399
+  _globals['_HEALTHRESPONSE']._serialized_start=1401
+  _globals['_HEALTHRESPONSE']._serialized_end=1448
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,7 @@ class StructuredKind(enum.Enum):
     REGEX = common_pb2.StructuredOutput.KIND_REGEX
     CHOICE = common_pb2.StructuredOutput.KIND_CHOICE
     GRAMMAR = common_pb2.StructuredOutput.KIND_GRAMMAR
+    STRUCTURAL_TAG = common_pb2.StructuredOutput.KIND_STRUCTURAL_TAG
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class StructuredOutput:
     """What `spec` is."""
     spec: str = ""
     """JSON_SCHEMA: the schema as JSON text; JSON_OBJECT: empty; REGEX: the expression; CHOICE: a JSON list of
-    strings; GRAMMAR: EBNF (GBNF) whose root rule is `root`."""
+    strings; GRAMMAR: EBNF (GBNF) whose root rule is `root`; STRUCTURAL_TAG: a structural tag's JSON object
+    (common/grammar.py)."""
 
     def to_pb(self) -> common_pb2.StructuredOutput:
         return common_pb2.StructuredOutput(kind=self.kind.value, spec=self.spec)
@@ -291,7 +293,8 @@ def _check_structured_output(structured: object) -> None:
     """The shape of a StructuredOutput: a known kind, a spec of the right form and size."""
     name = "structured_output"
     if not isinstance(structured, StructuredOutput) or not isinstance(structured.kind, StructuredKind):
-        raise InvalidParameter(name, "must name one of json_schema, json_object, regex, choice, grammar")
+        raise InvalidParameter(name, "must name one of json_schema, json_object, regex, choice, grammar, "
+                                     "structural_tag")
     spec = structured.spec
     if not isinstance(spec, str):
         raise InvalidParameter(name, "its spec must be a string")
@@ -303,7 +306,7 @@ def _check_structured_output(structured: object) -> None:
         return
     if not spec:
         raise InvalidParameter(name, f"{structured.kind.name.lower()} needs a spec")
-    if structured.kind in (StructuredKind.JSON_SCHEMA, StructuredKind.CHOICE):
+    if structured.kind in (StructuredKind.JSON_SCHEMA, StructuredKind.CHOICE, StructuredKind.STRUCTURAL_TAG):
         try:
             value = json.loads(spec)
         except ValueError as exc:
@@ -313,3 +316,7 @@ def _check_structured_output(structured: object) -> None:
         if structured.kind is StructuredKind.CHOICE and (
                 not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value)):
             raise InvalidParameter(name, "choice must be a non-empty list of non-empty strings")
+        if structured.kind is StructuredKind.STRUCTURAL_TAG and not (
+                isinstance(value, dict) and value.get("type") == "structural_tag" and "format" in value):
+            raise InvalidParameter(name, 'a structural tag must be an object {"type": "structural_tag", "format": '
+                                         '{...}}')
