@@ -252,7 +252,7 @@ class Engine:
             logger.exception("worker step failed")
             return self._on_failed_step(request, WorkerError(f"step failed: {type(exc).__name__}: {exc}"))
         if self.speculator is not None:
-            self.speculator.observe_step(request, result, None if plan.is_ahead else seconds)
+            self.speculator.observe_step(request, result, None if plan.is_ahead else seconds, plan.forced_seq_ids)
         return self.scheduler.postprocess(request, result)
 
     def _finish_cycle(self, plan: StepPlan, events: list[RequestEvent], start: float) -> float:

@@ -10,9 +10,11 @@ running sequence, within max_num_batched_tokens and max_num_seqs.
 Every decision about what runs next is made here: which sequences, which of
 them the drafter is asked about (its `drafting` chooser, the Speculator, decides
 by the speculation policy), the trees that fit (drafting.py turns decode work
-into candidate trees within the leftover budget), how many decode steps a plain
-decode step takes (decode_steps.py), and, with async scheduling, whether the
-next step can be built before the one in flight answers (schedule_ahead()).
+into candidate trees within the leftover budget, a structured output's tree
+starting with the span its grammar forces, which the worker returned with its
+last tokens), how many decode steps a plain decode step takes (decode_steps.py),
+and, with async scheduling, whether the next step can be built before the one in
+flight answers (schedule_ahead()).
 
 Prefix caching (block_manager.py): a sequence being admitted takes the
 longest cached prefix of full blocks of its tokens and starts computing past
@@ -47,7 +49,7 @@ from protos.segserve.v1.tree import CandidateTree
 from scheduler.admission import QueueFull, RequestRejected, check_admission, check_not_live, num_waiting_tokens
 from scheduler.block_manager import BlockManager
 from scheduler.decode_steps import DecodeStepBudget, add_decode_steps
-from scheduler.drafting import DraftChooser, attach_drafts, draft_candidates
+from scheduler.drafting import DraftChooser, attach_drafts, draft_candidates, with_forced_spans
 from scheduler.faults import (
     lowered_seqs_cap, raised_seqs_cap, reset_for_another_worker, resume_index, sort_out_failed_step,
 )
@@ -90,6 +92,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         on_end: Callable[[str], None] | None = None,
         drafting: DraftChooser | None = None,
+        is_drafting_forced_spans: bool = False,
     ):
         self.block_manager = BlockManager(num_kv_blocks, block_size, is_prefix_caching)
         # Longest sequence (prompt + output) that can exist; reaching it ends generation.
@@ -110,6 +113,11 @@ class Scheduler:
         self.clock = clock
         self._on_end = on_end
         self._drafting = drafting
+        self.is_drafting_forced_spans = is_drafting_forced_spans
+        """Structured outputs draft the spans their grammar forces (speculation is on): the worker returns them,
+        and each becomes the first chain of its sequence's next tree (drafting.with_forced_spans)."""
+        self._forced: dict[str, Sequence] = {}
+        """The sequences whose last answer carried a forced span, by id, until the next step is final."""
         self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         # In admission order: the last one is the first to be preempted.
@@ -204,14 +212,19 @@ class Scheduler:
         kind was let draft may take several decode steps, while nobody waits (decode_steps.py). Returns the
         step's request, final."""
         request, in_flight = plan.request, self._steps.in_flight
+        if self._forced:  # a span not drafted now is stale at the next answer
+            trees, plan.forced_seq_ids = with_forced_spans(trees, self._forced, plan.queries)
+            self._forced = {}
         if trees:
             attach_drafts(request, trees, in_flight, self._draft_room(request), self.max_len, self.block_manager)
         num_steps = self.decode_steps.num_steps
         # not where the drafter was asked for trees: one that found none this step may find one the next, which
-        # several decode steps in one request would skip
+        # several decode steps in one request would skip (and so would a structured output's next forced span)
         if num_steps > 1 and not plan.is_drafting and not self.waiting:
             seqs = [self._running_in_flight(work.seq_id) for work in request.sequences]
-            add_decode_steps(request, seqs, num_steps, self.max_len, self.block_manager)
+            if not (self.is_drafting_forced_spans and any(
+                    seq is not None and seq.sampling.structured_output is not None for seq in seqs)):
+                add_decode_steps(request, seqs, num_steps, self.max_len, self.block_manager)
         return request
 
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
@@ -349,6 +362,9 @@ class Scheduler:
             return []
         num_kept, reason = (append_tokens(seq, output.token_ids, now, self.eos_token_ids, self.max_len)
                             if work.is_sampled else (0, None))
+        if output.forced_token_ids and reason is None and self.is_drafting_forced_spans:
+            seq.forced_span, seq.forced_span_at = output.forced_token_ids, seq.num_output_tokens
+            self._forced[seq.request_id] = seq
         self.block_manager.commit(seq)  # after the append: accepted drafts' blocks are full of known tokens
         chunk = token_chunk(seq, output, num_kept, work.draft)
         events = [] if chunk is None else [RequestEvent(seq.request_id, chunk)]
@@ -390,6 +406,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status, seq.finish_reason, seq.error_message = status, reason, error_message
         del self.requests[seq.request_id]
+        self._forced.pop(seq.request_id, None)  # its id may come back as another request's
         if seq.is_known_to_worker:
             self._steps.releases.append(seq.request_id)
         if self._on_end is not None:
@@ -400,7 +417,8 @@ class Scheduler:
         if not chosen:
             return StepPlan(StepRequest())  # finished ids wait for the next step that runs
         seqs = [seq for seq, _ in chosen]
-        request = self._steps.record(build_step(chosen, self.clock(), self.is_block_table_delta), seqs)
+        request = self._steps.record(build_step(chosen, self.clock(), self.is_block_table_delta,
+                                                self.is_drafting_forced_spans), seqs)
         self.num_steps += 1
         plan = StepPlan(request, seqs)
         if self._drafting is not None:

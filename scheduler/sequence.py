@@ -78,6 +78,12 @@ class Sequence:
     """The segment kind the drafter last placed this request in ("" = not known); the speculator sets it."""
     tenant: str = ""
     """Whose request (GenerateRequest.tenant); the drafter learns its segments only for this tenant."""
+    forced_span: tuple[int, ...] = ()
+    """A structured output under speculation: the tokens its grammar forces after its output as the worker last
+    found them (SequenceOutput.forced_token_ids), a draft that costs no drafter call."""
+    forced_span_at: int = -1
+    """num_output_tokens when forced_span came: it is drafted only at exactly that length (a step built before
+    that answer, e.g. ahead of it, leaves it stale)."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -20,8 +20,14 @@ are batched and sent by a background task, one call at a time, never awaited
 by a step.
 
 With async scheduling the next step may go ahead of the step in flight only
-where the gate keeps drafting off for every kind in it (`plan_ahead`); anywhere
-else it waits for the tokens its trees would start from.
+where the gate keeps drafting off for every kind in it (`plan_ahead`) and no
+sequence in it has a structured output (its grammar's forced span, a free draft
+the scheduler adds to its tree, comes with the step's answer); anywhere else it
+waits for the tokens its trees would start from.
+
+A sequence with a structured output is drafted for like any other (the worker
+cuts its tree to what its grammar allows); the trees that start with a forced
+span are left out of the acceptance stats, which measure the drafter.
 
 A request's segment kind is what the drafter reports; until its first query it
 is "", a kind of its own at the gate. Where the gate keeps every kind of a step
@@ -38,7 +44,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Protocol
 
 from protos.segserve.v1.step import StepRequest
@@ -144,12 +150,15 @@ class Speculator:
     def plan_ahead(self, candidates: list[Seq], num_base_tokens: int, room: int) -> bool:
         """Async scheduling: whether the step after the one in flight (candidates: its decode sequences) may be
         built and sent now, before that one has answered. Only where the gate keeps drafting off for every kind in
-        it (and explores none): the policy then decides that step now (take_planned() gives its gate decision).
-        Elsewhere the policy decides it after the result, in choose(), as without steps ahead: a tree needs the
-        tokens the step in flight samples, and the budgets should see what it measured."""
+        it (and explores none) and none of them has a structured output (whose forced span, a draft even with
+        drafting off, comes with the answer): the policy then decides that step now (take_planned() gives its
+        gate decision). Elsewhere the policy decides it after the result, in choose(), as without steps ahead: a
+        tree needs the tokens the step in flight samples, and the budgets should see what it measured."""
         self._planned = None
         if self.policy is None:
             return True
+        if any(seq.sampling.structured_output is not None for seq in candidates):
+            return False
         groups = self._groups(candidates)
         if not candidates or not self.policy.keeps_off(groups) or self._to_classify(candidates, groups):
             return False
@@ -203,11 +212,13 @@ class Speculator:
             except Exception:
                 self.num_errors += 1
 
-    def observe_step(self, request: StepRequest, result: StepResult, seconds: float | None) -> None:
+    def observe_step(self, request: StepRequest, result: StepResult, seconds: float | None,
+                     forced_seq_ids: Container[str] = ()) -> None:
         """A worker step that succeeded: its time for the cost model, its verified trees for the stats.
 
         seconds: the step's round trip, or None for a step sent ahead, which waited at the worker for the step
-        before it (SpecPolicy.observe_step prices it from its compute time, StepResult.compute_us)."""
+        before it (SpecPolicy.observe_step prices it from its compute time, StepResult.compute_us).
+        forced_seq_ids: the sequences whose tree starts with a forced span (StepPlan.forced_seq_ids), not counted."""
         if self.policy is None:
             return
         self._num_steps_since_classify += 1
@@ -218,7 +229,8 @@ class Speculator:
         outputs = {output.seq_id: output for output in result.outputs}
         for work in request.sequences:
             output = outputs.get(work.seq_id)
-            if work.draft is None or output is None or output.error or output_problem(work, output):
+            if (work.draft is None or output is None or output.error or work.seq_id in forced_seq_ids
+                    or output_problem(work, output)):
                 continue
             self.acceptance.record(self._segments.get(work.seq_id, ""), work.draft.max_depth, len(work.draft),
                                    len(output.token_ids) - 1)
@@ -239,16 +251,14 @@ class Speculator:
             decision = self.policy.last_gate_decision
         else:  # decided by plan_ahead(), which the step ahead it allowed did not follow (the scheduler refused it)
             budgets, decision = {segment: 0 for segment in groups}, planned
-        # a structured output gets no tree (its grammar would have to prune it): it is only learned from
-        queries = tuple((seq, 0 if seq.sampling.structured_output is not None
-                         else budgets[self._segments.get(seq.request_id, "")]) for seq in candidates)
-        if any(num_nodes for _, num_nodes in queries):
-            return DraftChoice(queries, True, decision)
-        candidates = self._to_classify(candidates, groups)
-        if not candidates:  # the drafter catches up on their tokens at the next call, or the final update
-            return DraftChoice((), False, decision)
-        self._num_steps_since_classify = 0
-        return DraftChoice(tuple((seq, 0) for seq in candidates), False, decision)
+        is_drafting = any(budgets.values())
+        if not is_drafting:
+            candidates = self._to_classify(candidates, groups)
+            if not candidates:  # the drafter catches up on their tokens at the next call, or the final update
+                return DraftChoice((), False, decision)
+            self._num_steps_since_classify = 0
+        queries = tuple((seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates)
+        return DraftChoice(queries, is_drafting, decision)
 
     async def _draft(self, chosen: tuple[tuple[Seq, int], ...]) -> dict[str, CandidateTree]:
         queries = [self._query(seq, max_nodes) for seq, max_nodes in chosen]

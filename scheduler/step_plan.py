@@ -50,3 +50,6 @@ class StepPlan:
     is_ahead: bool = False
     """Built by schedule_ahead(): sent before the step it follows answered, it waits at the worker for that one,
     so its round trip is not its cost."""
+    forced_seq_ids: frozenset[str] = frozenset()
+    """The sequences whose tree starts with their grammar's forced span (finish_plan): their acceptance is not the
+    drafter's, so the speculation stats leave them out."""

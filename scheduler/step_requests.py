@@ -26,10 +26,12 @@ def table_to_send(seq: Sequence, is_block_table_delta: bool) -> tuple[int, tuple
     return table_start, tuple(seq.block_table[table_start:])
 
 
-def build_step(chosen: list[tuple[Sequence, int]], now: float, is_block_table_delta: bool) -> StepRequest:
+def build_step(chosen: list[tuple[Sequence, int]], now: float, is_block_table_delta: bool,
+               is_drafting_forced_spans: bool = False) -> StepRequest:
     """The work of computing the next num_new tokens of each chosen sequence (its KV slots allocated), sampled
     where they reach its end. Marks each sequence known to the worker, and records its first scheduling (at
-    `now`) and the largest batch it ran in."""
+    `now`) and the largest batch it ran in. With is_drafting_forced_spans, a structured output is announced for
+    forced spans (NewSequence.is_drafting_forced_spans)."""
     request = StepRequest()
     batch_size = len(chosen)
     for seq, num_new in chosen:
@@ -44,8 +46,9 @@ def build_step(chosen: list[tuple[Sequence, int]], now: float, is_block_table_de
         if not seq.is_known_to_worker:
             # every token so far: a sequence moved from a lost worker may start past a cached prefix that
             # covers some of its output too
-            request.new_sequences.append(NewSequence(seq.request_id, seq.sampling, seq.num_prompt_tokens,
-                                                     tuple(seq.token_ids)))
+            request.new_sequences.append(NewSequence(
+                seq.request_id, seq.sampling, seq.num_prompt_tokens, tuple(seq.token_ids),
+                is_drafting_forced_spans and seq.sampling.structured_output is not None))
             seq.is_known_to_worker = True
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now

@@ -100,7 +100,8 @@ class WorkerLink:
             is_block_table_delta=info.block_table_deltas,
             num_decode_steps=min(config.num_decode_steps, info.max_decode_steps),
             decode_steps_s=config.decode_steps_ms / 1000,
-            on_end=speculator.forget if speculator is not None else None, drafting=speculator)
+            on_end=speculator.forget if speculator is not None else None, drafting=speculator,
+            is_drafting_forced_spans=config.is_grammar_drafts and speculator is not None and speculator.is_drafting)
         scheduler.release_later(self.stale_ids)
         self.stale_ids = []
         logger.info("connected to worker %s: %s, %d KV blocks of %d tokens; max_num_seqs %d (%s)",

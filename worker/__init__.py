@@ -8,7 +8,8 @@ contract modules protos/segserve/v1/step.py, step_result.py and info.py):
 Out:
   - StepResult: per sequence, one sampled token (+ score, optional top log-probabilities) per
     sample index (for a verified tree: the accepted drafts + the target's own token), optional
-    prompt log-probabilities, or an `error` when that sequence alone failed; the compute time.
+    prompt log-probabilities, or an `error` when that sequence alone failed; for a structured output
+    the scheduler drafts forced spans of, the tokens its grammar forces next; the compute time.
   - WorkerInfo: KV-cache blocks and block size, context limit, vocabulary, EOS ids.
   - Health: ready once a real warm-up forward has run.
 
@@ -24,7 +25,8 @@ Modules:
   faults           non-finite logits and sampler failures, isolated to their sequence.
   verify           sampling level by level with the tree acceptance walk; KV compaction moves.
   sampler          batched logits processing (logit bias, penalties) and sampling.
-  grammar          structured outputs: xgrammar matchers per sequence, the token masks of their rows.
+  grammar          structured outputs: xgrammar matchers per sequence, their trees pruned, their forced spans.
+  grammar_masks    the token masks of a step's constrained rows (every node of a tree), in one bitmask.
   warpers          temperature, top_k, top_p, typical_p.
   watermark        green-list watermarking and its detector.
   prompt_logprobs  prompt tokens' log-probabilities under the raw model, across prefill chunks.

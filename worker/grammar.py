@@ -1,9 +1,10 @@
-"""Structured outputs: constrained decoding with xgrammar.
+"""Structured outputs: constrained decoding with xgrammar, speculative trees included.
 
-In: a sequence's StructuredOutput (protos/segserve/v1/sampling.py), its generated tokens, and the logits rows it
-samples from. Out: those rows with every token its grammar forbids at -inf, before any processing (worker/sampler.py:
-logit bias, penalties, warpers and the watermark all keep -inf at -inf, so a greedy row takes the argmax over the
-allowed tokens and a sampling row never draws a forbidden one).
+In: a sequence's StructuredOutput (protos/segserve/v1/sampling.py), its generated tokens, its candidate tree if it
+has one, and the logits rows it samples from. Out: the tree cut to what the grammar allows, those rows with every
+token its grammar forbids at -inf, before any processing (worker/sampler.py: logit bias, penalties, warpers and the
+watermark all keep -inf at -inf, so a greedy row takes the argmax over the allowed tokens and a sampling row never
+draws a forbidden one), and the span the grammar forces next, as a free draft for the scheduler.
 
 - `GrammarEngine`, one per model: xgrammar's TokenizerInfo from the model directory's tokenizer (its vocabulary as
   wide as the logits, its stop tokens the model's EOS ids) and a GrammarCompiler whose cache, keyed by the grammar's
@@ -11,15 +12,20 @@ allowed tokens and a sampling row never draws a forbidden one).
   that never sees one never loads its tokenizer. How each kind becomes a grammar (JSON options, the choice EBNF)
   is common/grammar.py's, which the router's compile check follows too.
 - `GrammarState`, one per constrained sequence (on its worker/planning.py SequenceState): an xgrammar
-  GrammarMatcher whose state is a function of the sequence's output. Before each row is masked, `sync` brings it to
-  exactly the tokens the history holds after the prompt: it accepts the new ones, and after a recompute that
-  rewrote them (or on a sequence moved here from another worker, whose NewSequence carries its output after
-  num_prompt_tokens) it starts over and replays them. So the matcher advances only by tokens the scheduler kept,
-  and a multi-step or async continuation, whose sampled token enters the history before its next row, needs
-  nothing more.
-- `constrainer` syncs a step's constrained sequences and masks their rows (`mask_rows`: one host bitmask, one copy
-  to the device, one masked write) for sample_works (worker/verify.py); a step without one does none of this. A
-  sequence whose history holds a token its grammar refuses fails alone, with the reason.
+  GrammarMatcher whose state is a function of the sequence's output. `sync` brings it to exactly the output tokens
+  it is given: it accepts the new ones, and after a recompute that rewrote them (or on a sequence moved here from
+  another worker, whose NewSequence carries its output after num_prompt_tokens) it starts over and replays them. So
+  the matcher advances only by tokens the scheduler kept (or, for a forced span, the tokens just sampled), and a
+  multi-step or async continuation, whose sampled token enters the history before its next row, needs nothing more.
+- Trees (worker/verify.py verifies them): `walk` goes depth first from the root, accepting each node's token and
+  rolling it back after the node's subtree, so it stands at every node in the state after that node's path.
+  `prune` (planning, before the forward) keeps the nodes the grammar allows there, whose subtrees are then dropped
+  with them; after the forward every kept node's row gets the mask of that state (worker/grammar_masks.py), so
+  each node is verified against exactly the constrained distribution plain decoding would sample from there.
+- worker/grammar_masks.py turns a step's matchers into masked logits rows (the `constrainer` of sample_works).
+- `GrammarEngine.forced_tokens`: the jump-forward string (what the grammar allows as the only continuation: a key,
+  punctuation, a const, the rest of an enum) tokenized by the model's tokenizer, at most MAX_FORCED_TOKENS. A
+  tokenization the model would not choose is only a rejected draft, so the output stays the model's.
 - Where the grammar may end, the stop tokens (the model's EOS ids) are allowed; where nothing else may follow, only
   they are, so the sequence ends as on any EOS. After one was accepted (ignore_eos) only they stay allowed.
 """
@@ -27,31 +33,25 @@ allowed tokens and a sampling row never draws a forbidden one).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import xgrammar as xgr
 
 from common.grammar import JSON_OBJECT_SCHEMA, JSON_SCHEMA_OPTIONS, ROOT_RULE, choice_grammar, engine_message
 from protos.segserve.v1.sampling import StructuredKind, StructuredOutput
-from worker.upload import to_device
-from worker.verify import Constrainer
-from worker.work import Work
+from protos.segserve.v1.step_result import MAX_FORCED_TOKENS
+from protos.segserve.v1.tree import ROOT, CandidateTree
+from worker.work import tree_nodes
 
-__all__ = ["GRAMMAR_CACHE_BYTES", "GrammarEngine", "GrammarError", "GrammarState", "constrainer", "mask_rows"]
+__all__ = ["GRAMMAR_CACHE_BYTES", "MAX_FORCED_CHARS", "GrammarEngine", "GrammarError", "GrammarState"]
 
 GRAMMAR_CACHE_BYTES = 256 << 20
 """The most memory the compiled grammars cached for reuse take (xgrammar's cache evicts beyond it)."""
-
-
-class ConstrainedState(Protocol):
-    """What `constrainer` reads of a sequence's state (worker/planning.py's SequenceState, which imports this)."""
-
-    grammar: GrammarState | None
-    history: list[int]
-    num_prompt_tokens: int
+MAX_FORCED_CHARS = 32 * MAX_FORCED_TOKENS
+"""The most characters of a jump-forward string tokenized for a forced span (a long const costs no more)."""
+_ENTER, _LEAVE = 0, 1  # GrammarState.walk's two kinds of move
 
 
 class GrammarError(ValueError):
@@ -64,19 +64,20 @@ class GrammarState:
     __slots__ = ("matcher", "tokens", "_stop_token_ids")
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int]):
+        # rollback is unlimited (xgrammar's default, max_rollback_tokens=-1): a tree walk rolls back its depth
         self.matcher = xgr.GrammarMatcher(compiled)
         self.tokens: list[int] = []
         """The output tokens the matcher has seen, in order (those after its termination it only records)."""
         self._stop_token_ids = list(stop_token_ids)
 
-    def sync(self, history: list[int], start: int) -> str | None:
-        """Bring the matcher to exactly history[start:] (start: the prompt's length, so that is the sequence's
-        output); why it cannot (a token its grammar refuses), or None."""
+    def sync(self, output: list[int]) -> str | None:
+        """Bring the matcher to exactly `output`, the sequence's output tokens; why it cannot (a token its grammar
+        refuses), or None."""
         num_seen = len(self.tokens)
-        if history[start:start + num_seen] != self.tokens:  # shorter, or rewritten by a recompute: replay
+        if output[:num_seen] != self.tokens:  # shorter, or rewritten by a recompute: replay
             self.matcher.reset()
             self.tokens = []
-        for token_id in history[start + len(self.tokens):]:
+        for token_id in output[len(self.tokens):]:
             if not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
                 return f"output token {token_id} at position {len(self.tokens)} does not match its structured_output"
             self.tokens.append(token_id)
@@ -92,6 +93,59 @@ class GrammarState:
         for token_id in self._stop_token_ids:
             bitmask[row, token_id // 32] |= _bit(token_id % 32)
 
+    def walk(self, token_ids: Sequence[int], parents: Sequence[int],
+             visit: Callable[[int], None] | None = None) -> list[bool]:
+        """Depth first over a tree whose node 0 is the root, the matcher's current state (synced through it); node
+        i > 0 carries token_ids[i] after its parent parents[i] < i. Per node, whether the grammar allows its path;
+        visit(node) is called at every allowed node with the matcher after the node's path (the root first). A node
+        the grammar forbids is not entered, so its subtree is not either. The matcher ends where it started."""
+        children: list[list[int]] = [[] for _ in token_ids]
+        for node in range(1, len(token_ids)):
+            children[parents[node]].append(node)
+        allowed = [False] * len(token_ids)
+        allowed[0] = True
+        if visit is not None:
+            visit(0)
+        moves = [(_ENTER, child) for child in reversed(children[0])]  # a stack: first children first
+        while moves:
+            kind, value = moves.pop()
+            if kind == _LEAVE:  # value: the steps the node's token took
+                if value:
+                    self.matcher.rollback(value)
+                continue
+            num_steps = self._advance(token_ids[value])
+            if num_steps < 0:
+                continue
+            allowed[value] = True
+            if visit is not None:
+                visit(value)
+            moves.append((_LEAVE, num_steps))
+            moves.extend((_ENTER, child) for child in reversed(children[value]))
+        return allowed
+
+    def prune(self, root: int, tree: CandidateTree) -> CandidateTree:
+        """`tree`, drafted after `root` (the matcher stands after it), without the nodes the grammar forbids after
+        their path and their subtrees (the same tree when it forbids none)."""
+        parents, _ = tree_nodes(tree)
+        allowed = self.walk((root,) + tree.token_ids, parents)
+        if all(allowed):
+            return tree
+        new_index: dict[int, int] = {}
+        token_ids, kept_parents = [], []
+        for index, (token_id, parent) in enumerate(zip(tree.token_ids, tree.parents)):
+            if allowed[index + 1]:  # its parent is kept too (walk enters no child of a forbidden node)
+                new_index[index] = len(token_ids)
+                token_ids.append(token_id)
+                kept_parents.append(ROOT if parent == ROOT else new_index[parent])
+        return CandidateTree(tuple(token_ids), tuple(kept_parents))
+
+    def _advance(self, token_id: int) -> int:
+        """Accept token_id: the matcher steps it took (0: a stop token after termination, which only stop tokens
+        may follow), or -1 when the grammar refuses it."""
+        if self.matcher.is_terminated():
+            return 0 if token_id in self._stop_token_ids else -1
+        return 1 if self.matcher.accept_token(token_id) else -1
+
 
 class GrammarEngine:
     """Compiles a model's structured outputs, each distinct one once while the cache holds it."""
@@ -104,6 +158,8 @@ class GrammarEngine:
         self._stop_token_ids = list(stop_token_ids)
         self._cache_limit_bytes = cache_limit_bytes
         self._compiler: xgr.GrammarCompiler | None = None
+        self._tokenizer = None
+        """The model's transformers tokenizer, loaded with the compiler (forced spans are split with it)."""
 
     @property
     def compiler(self) -> xgr.GrammarCompiler:
@@ -120,6 +176,7 @@ class GrammarEngine:
                                    ) from None
             self._stop_token_ids = list(info.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=self._cache_limit_bytes)
+            self._tokenizer = tokenizer
         return self._compiler
 
     def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
@@ -147,44 +204,18 @@ class GrammarEngine:
         compiled = self.compile(structured)
         return GrammarState(compiled, self._stop_token_ids)
 
-
-def constrainer(works: Sequence[Work], constrained: Sequence[int], states: Mapping[str, ConstrainedState]
-                ) -> Constrainer:
-    """What masks a step's constrained rows for worker/verify.py's sample_works: each of `constrained` (indices
-    into works, each sampling one row, its first) after its matcher caught up with the sequence's output. A work
-    whose output broke its grammar fails with the reason and its row is left as it is."""
-    def constrain(logits: torch.Tensor, first_rows: list[int]) -> dict[int, str]:
-        failed, rows, grammars = {}, [], []
-        for i in constrained:
-            state = states[works[i].seq_id]
-            problem = state.grammar.sync(state.history, state.num_prompt_tokens)
-            if problem is None:
-                rows.append(first_rows[i])
-                grammars.append(state.grammar)
-            else:
-                failed[i] = problem
-        if rows:
-            mask_rows(logits, rows, grammars)
-        return failed
-    return constrain
-
-
-def mask_rows(logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> None:
-    """Set every token that states[j] forbids at logits row rows[j] to -inf, in place. logits: [N, V]; rows: distinct.
-
-    One host bitmask [B, ceil(V / 32)] filled by the matchers, one copy to the device, and one masked write of the
-    B rows; the other rows are not touched.
-    """
-    vocab_size = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)  # [B, W] int32, host
-    for j, state in enumerate(states):
-        state.fill(bitmask, j)
-    device = logits.device
-    words = to_device(bitmask, device)  # [B, W]
-    shifts = torch.arange(32, dtype=torch.int32, device=device)  # [32]
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab_size]  # [B, V]
-    index = to_device(torch.tensor(list(rows), dtype=torch.long), device)  # [B]
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+    def forced_tokens(self, state: GrammarState) -> tuple[int, ...]:
+        """The tokens `state`'s grammar forces next: its jump-forward string (of a matcher `start` made, so the
+        tokenizer is loaded) as the model's tokenizer splits it, at most MAX_FORCED_TOKENS and cut before any id
+        past the logits; () where the grammar leaves a choice or has ended."""
+        if state.matcher.is_terminated():
+            return ()
+        text = state.matcher.find_jump_forward_string()
+        if not text:
+            return ()
+        token_ids = self._tokenizer.encode(text[:MAX_FORCED_CHARS], add_special_tokens=False)[:MAX_FORCED_TOKENS]
+        end = next((i for i, token_id in enumerate(token_ids) if token_id >= self.vocab_size), len(token_ids))
+        return tuple(token_ids[:end])
 
 
 def _bit(position: int) -> int:

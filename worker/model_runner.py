@@ -46,7 +46,8 @@ from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.lean_decoder import LEAN_DECODERS, lean_decoder
 from worker.fused_norm import fuse_rms_norms
-from worker.grammar import GrammarEngine, constrainer
+from worker.grammar import GrammarEngine
+from worker.grammar_masks import GrammarMasks, constrainer
 from worker.packed_linear import choose_row_policies, pack_linears
 from worker.row_blocks import RowPolicy, block_linears, fixed_policy
 from worker.planning import SequenceState, StepPlan, plan_step
@@ -128,6 +129,8 @@ class ModelRunner:
         )
         self.grammars = GrammarEngine(path, self._info.vocab_size, self._info.eos_token_ids)
         """Structured outputs' grammars (worker/grammar.py); it loads the tokenizer at the first one."""
+        self.grammar_masks = GrammarMasks(self._info.vocab_size, self.device)
+        """The host bitmask constrained rows are masked with (worker/grammar_masks.py), reused by every step."""
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
         self.graphs = DecodeGraphs(self._lean, self.kv_cache, self.block_tables, num_blocks * config.block_size,
                                    is_capture=self.device.type == "cuda") if is_graphs else None
@@ -286,8 +289,10 @@ class ModelRunner:
         works = plan.works
         # failed: work index -> why it failed (non-finite logits at any of its rows or keys and values at any of
         # its tokens, a sampler error)
-        constrain = constrainer(works, plan.constrained, self._states) if plan.constrained else None
+        constrain = (constrainer(works, plan.constrained, self._states, self.grammar_masks) if plan.constrained
+                     else None)
         sampled, failed = sample_works(works, logits, self.sample_rows, plan.non_finite_tokens, constrain)
+        forcing = self._forcing(plan) if plan.constrained else ()
         overflowed = {block for i, why in failed.items() if why in NON_FINITE for block in works[i].block_table}
         if overflowed:  # before the scheduler can give these blocks to anyone else (it frees them on the error)
             self.kv_cache.clear_non_finite(to_device(torch.tensor(sorted(overflowed)), self.device))
@@ -310,18 +315,33 @@ class ModelRunner:
                 if out.accepted_nodes is not None or work.sample_indices[-1] == len(work.token_ids) - 1:
                     state.last_sampled = out.token_ids[-1]  # what a continuation computes
             if out is not None or i in prompt:
-                outputs.append(self._output(seq_id, state, out, prompt.get(i)))
+                forced = self._forced_span(state) if i in forcing and out is not None else ()
+                outputs.append(self._output(seq_id, state, out, prompt.get(i), forced))
         return outputs
 
+    def _forcing(self, plan: StepPlan) -> set[int]:
+        """The constrained works whose outputs carry a forced span (NewSequence.is_drafting_forced_spans)."""
+        return {i for i in plan.constrained if self._states[plan.works[i].seq_id].is_drafting_forced_spans}
+
+    def _forced_span(self, state: SequenceState) -> tuple[int, ...]:
+        """The tokens the sequence's grammar forces after what it just sampled (its matcher advances by those
+        tokens, which the next step's history holds); () where it leaves a choice."""
+        if state.last_sampled is None:  # it sampled before its end (a prefill chunk's prompt rows): no output yet
+            return ()
+        output = state.history[state.num_prompt_tokens:]
+        output.append(state.last_sampled)
+        return () if state.grammar.sync(output) is not None else self.grammars.forced_tokens(state.grammar)
+
     @staticmethod
-    def _output(seq_id: str, state: SequenceState, sampled: Sampled | None, prompt: PromptLogprobs | None
-                ) -> SequenceOutput:
+    def _output(seq_id: str, state: SequenceState, sampled: Sampled | None, prompt: PromptLogprobs | None,
+                forced: tuple[int, ...] = ()) -> SequenceOutput:
         if sampled is None:
             return SequenceOutput(seq_id, prompt_logprobs=prompt)
         tops = ()
         if state.params.num_top_logprobs > 0:
             tops = tuple(TopLogprobs(*top) for top in sampled.top_logprobs)
-        return SequenceOutput(seq_id, tuple(sampled.token_ids), tuple(sampled.scores), tops, prompt)
+        return SequenceOutput(seq_id, tuple(sampled.token_ids), tuple(sampled.scores), tops, prompt,
+                              forced_token_ids=forced)
 
     def _prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor, failed: dict[int, str]
                          ) -> dict[int, PromptLogprobs]:

@@ -9,11 +9,16 @@ Per-sequence state: the sampling parameters, the number of prompt tokens, a rand
 the token history, which after every step is `history[:num_computed_tokens] + token_ids`
 (so a recompute after preemption simply overwrites it), and for a structured output its grammar's
 matcher (worker/grammar.py), made when the sequence arrives; one whose grammar does not compile is
-kept with the reason, which every work of it is then refused with.
+kept with the reason, which every work of it is then refused with. A structured output's candidate
+tree is cut here, before the forward, to the nodes its grammar allows (GrammarState.prune): the
+nodes it drops take no row of the forward, and the KV slots the scheduler gave them are simply not
+written (its answer's accepted path is a path of the tree it sent, which trims them as any rejected
+node's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +56,8 @@ class SequenceState:
     """A structured output's matcher (worker/grammar.py); None = unconstrained."""
     refusal: str | None = None
     """Why every work of the sequence is refused (a structured_output its grammar engine did not compile)."""
+    is_drafting_forced_spans: bool = False
+    """Its outputs carry the span its grammar forces next (NewSequence.is_drafting_forced_spans)."""
 
 
 @dataclass
@@ -70,7 +77,8 @@ class StepPlan:
     """[T] bool on the device, set by the forward (ModelRunner.execute): the new tokens whose keys or values
     were not finite."""
     constrained: list[int] = field(default_factory=list)
-    """Indices of the works that sample one row under a grammar (at their last token), in order."""
+    """Indices of the works that sample under a grammar, in order: one row at their last token, or every node of
+    their tree (already cut to what the grammar allows)."""
 
     @property
     def num_sample_rows(self) -> int:
@@ -103,7 +111,7 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
         states[new.seq_id] = SequenceState(new.sampling, new.num_prompt_tokens,
                                            make_generator(new.sampling.seed, tables.device),
                                            list(new.prompt_token_ids),
-                                           prompt=prompt)
+                                           prompt=prompt, is_drafting_forced_spans=new.is_drafting_forced_spans)
         if new.sampling.structured_output is not None:
             _start_grammar(new.seq_id, states[new.seq_id], new.sampling.structured_output, start_grammar)
     seq_ids = [seq.seq_id for seq in request.sequences]
@@ -126,6 +134,8 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
         if problem is None:
             problem = tables.stage(seq, -(-seq.num_tokens // limits.block_size))
             problem = None if problem is None else f"sequence {seq.seq_id!r}: {problem}"
+        if problem is None and seq.draft is not None and state.grammar is not None:
+            seq, problem = _pruned(seq, state)
         if problem is None:
             runnable.append(seq)
         else:
@@ -134,7 +144,7 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
     for seq in runnable:
         state = states[seq.seq_id]
         prompt_plan = None if state.prompt is None else plan(seq, state.num_prompt_tokens, state.prompt)
-        if state.grammar is not None and seq.sample_indices:
+        if state.grammar is not None and seq.is_sampled:  # at its last token, or every node of its tree
             step_plan.constrained.append(len(step_plan.works))
         step_plan.works.append(expand(seq, () if prompt_plan is None else prompt_plan.offsets))
         step_plan.prompt_plans.append(prompt_plan)
@@ -160,6 +170,20 @@ def _start_grammar(seq_id: str, state: SequenceState, structured: StructuredOutp
         state.grammar = start_grammar(structured)
     except GrammarError as exc:
         state.refusal = f"sequence {seq_id!r}: {exc}"
+
+
+def _pruned(seq: ScheduledSequence, state: SequenceState) -> tuple[ScheduledSequence, str | None]:
+    """A tree step of a constrained sequence with its tree cut to the nodes its grammar allows after the output and
+    the root (GrammarState.prune; the matcher is left after the root), or why its output breaks its grammar."""
+    root, num_computed, start = seq.token_ids[0], seq.num_computed_tokens, state.num_prompt_tokens
+    output = state.history[start:num_computed] + [root] if num_computed >= start else []
+    problem = state.grammar.sync(output)
+    if problem is not None:
+        return seq, f"sequence {seq.seq_id!r}: {problem}"
+    tree = state.grammar.prune(root, seq.draft)
+    if not tree:  # nothing left to verify: the root's row alone, as a plain step samples it
+        return dataclasses.replace(seq, sample_indices=(0,), draft=None), None
+    return (seq if tree is seq.draft else dataclasses.replace(seq, draft=tree)), None
 
 
 def _continued(seq: ScheduledSequence, state: SequenceState | None) -> tuple[ScheduledSequence, str | None]:

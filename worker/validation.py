@@ -3,7 +3,7 @@
 Two kinds of failure:
 - `sequence_problem` names what is wrong with ONE scheduled sequence (unknown id, short block
   table, token out of the vocabulary, a malformed tree...), and `constrained_problem` what a
-  sequence with a structured output cannot run (a tree); the runner leaves that sequence out of
+  sequence with a structured output cannot run; the runner leaves that sequence out of
   the forward and answers it with an error output, and the rest of the batch runs. A structured
   output whose grammar does not compile fails the same way (worker/planning.py).
 - `InvalidRequest` is a step malformed as a whole (a sequence scheduled twice, two sequences
@@ -69,11 +69,10 @@ def _problem(seq: ScheduledSequence, num_known_tokens: int | None, limits: StepL
 
 
 def constrained_problem(seq: ScheduledSequence) -> str | None:
-    """Why a sequence with a structured output cannot run `seq` (None when it can): its grammar masks one row, at
-    the end of its tokens, and it gets no candidate tree (the scheduler drafts none for it)."""
-    if seq.draft is not None:
-        return f"sequence {seq.seq_id!r}: a sequence with a structured_output takes no candidate tree"
-    if seq.sample_indices not in ((), (len(seq.token_ids) - 1,)):
+    """Why a sequence with a structured output cannot run `seq` (None when it can): its grammar follows its output,
+    so a plain step samples one row, at the end of its tokens (a tree step samples every node of its tree, each
+    under the grammar's state after the node's path)."""
+    if seq.draft is None and seq.sample_indices not in ((), (len(seq.token_ids) - 1,)):
         return (f"sequence {seq.seq_id!r}: a sequence with a structured_output samples only at its last token "
                 f"(got sample_indices {list(seq.sample_indices)} for {len(seq.token_ids)} tokens)")
     return None

@@ -210,7 +210,7 @@ def test_candidate_tree_round_trip(tree):
 @settings(max_examples=50)
 @given(st.lists(st.builds(ScheduledSequence, st.text(), token_ids, uint32, token_ids, token_ids,
                           st.none() | trees().filter(len), st.booleans(), uint32), max_size=3),
-       st.lists(st.builds(NewSequence, st.text(), sampling_params, uint32, token_ids), max_size=3),
+       st.lists(st.builds(NewSequence, st.text(), sampling_params, uint32, token_ids, st.booleans()), max_size=3),
        st.lists(st.text(), max_size=3))
 def test_step_request_round_trip(sequences, new_sequences, finished):
     request = StepRequest(sequences, new_sequences, finished)
@@ -276,7 +276,8 @@ def test_a_step_with_sequences_both_packed_and_one_message_each_is_malformed():
 
 
 @given(st.lists(st.builds(SequenceOutput, st.text(), token_ids, st.lists(float32s, max_size=8),
-                          st.lists(top_logprobs, max_size=3), st.none() | prompt_logprobs, st.text()), max_size=3),
+                          st.lists(top_logprobs, max_size=3), st.none() | prompt_logprobs, st.text(), token_ids),
+                max_size=3),
        uint64)
 def test_step_result_round_trip(outputs, compute_us):
     result = StepResult(outputs, compute_us)
@@ -290,10 +291,17 @@ def test_step_result_round_trip(outputs, compute_us):
 def test_packed_outputs_carry_plain_outputs_as_columns_and_the_rest_one_message_each():
     plain = [SequenceOutput("a", (1, 2), (-0.5, -1.0)), SequenceOutput("b", (3,), (-2.0,))]
     rich = [SequenceOutput("c", (4,), (-0.25,), (TopLogprobs((4, 5), (-0.25, -1.5)),)),
-            SequenceOutput("d", error="non-finite logits")]
+            SequenceOutput("d", error="non-finite logits"), SequenceOutput("e", (6,), (-0.5,), forced_token_ids=(7, 8))]
     pb = wire(StepResult([plain[0], *rich, plain[1]], 7).to_pb(packed=True))
-    assert list(pb.packed_outputs.seq_ids) == ["a", "b"] and [o.seq_id for o in pb.outputs] == ["c", "d"]
+    assert list(pb.packed_outputs.seq_ids) == ["a", "b"] and [o.seq_id for o in pb.outputs] == ["c", "d", "e"]
     assert StepResult.from_pb(pb) == StepResult([*rich, *plain], 7)
+
+
+def test_joined_decode_steps_carry_the_forced_span_after_the_last():
+    first = SequenceOutput("a", (1,), (-0.5,), forced_token_ids=(9,))
+    joined = first.followed_by(SequenceOutput("a", (2,), (-0.25,), forced_token_ids=(3, 4)))
+    assert joined.token_ids == (1, 2) and joined.forced_token_ids == (3, 4)
+    assert first.followed_by(SequenceOutput("a", (2,), (-0.25,))).forced_token_ids == ()
 
 
 def test_packed_outputs_whose_scores_do_not_match_their_tokens_are_malformed():

@@ -19,7 +19,8 @@ from protos.segserve.v1.sampling import SamplingParams, StructuredKind, Structur
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
 from tests.worker.test_model_runner import make_runner, stock_attention
-from worker.grammar import GrammarEngine, GrammarError, GrammarState, mask_rows
+from worker.grammar import GrammarEngine, GrammarError, GrammarState
+from worker.grammar_masks import GrammarMasks
 
 EOS = 2  # the tiny models' tokenizer: <pad>, <bos>, <eos>
 BLOCKS_PER_JOB = 40  # 160 tokens at block size 4
@@ -205,43 +206,41 @@ def test_a_spec_that_does_not_compile_fails_its_sequence_alone(runner, prompt):
     assert jobs[1].output == alone
 
 
-def test_a_tree_for_a_constrained_sequence_is_refused(runner, prompt):
-    job = Job("tree", prompt, constrained(CHOICE), 0, max_new=1)
-    assert step_jobs(runner, [job]) == {}
-    work = job.work()
-    tree = ScheduledSequence(work.seq_id, work.token_ids, work.num_computed_tokens, work.block_table,
-                             draft=CandidateTree([5, 6], [-1, 0]))
-    (out,) = runner.step(StepRequest([tree]))
-    finish(runner, [job])
-    assert "structured_output takes no candidate tree" in out.error
-
-
 def test_after_its_stop_token_the_matcher_allows_only_stop_tokens(runner, tokenizer):
     engine: GrammarEngine = runner.grammars
     state = engine.start(CHOICE)
-    history = tokenizer.encode("yes") + [EOS, EOS]
-    assert state.sync(history, 0) is None and state.matcher.is_terminated()
-    bitmask = xgr.allocate_token_bitmask(1, engine.vocab_size)
+    output = tokenizer.encode("yes") + [EOS, EOS]
+    assert state.sync(output) is None and state.matcher.is_terminated()
+    masks = GrammarMasks(engine.vocab_size, torch.device("cpu"))
+    bitmask = masks.rows(1)
     state.fill(bitmask, 0)
     logits = torch.zeros(1, engine.vocab_size)
-    mask_rows(logits, [0], [state])
+    masks.apply(logits, [0], bitmask)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [EOS]
-    assert engine.start(CHOICE).sync(tokenizer.encode("nope"), 0) is not None  # a token the grammar refuses
+    assert engine.start(CHOICE).sync(tokenizer.encode("nope")) is not None  # a token the grammar refuses
 
 
-def test_mask_rows_matches_xgrammars_kernel_and_leaves_other_rows(runner, tokenizer):
+def test_masks_match_xgrammars_kernel_and_leave_other_rows(runner, tokenizer):
     engine: GrammarEngine = runner.grammars
-    states: list[GrammarState] = [engine.start(REGEX), engine.start(JSON_SCHEMA)]
-    states[1].sync(tokenizer.encode('{"name": "A'), 0)
-    logits = torch.randn(4, engine.vocab_size)
+    states: list[GrammarState] = [engine.start(REGEX), engine.start(JSON_SCHEMA), engine.start(CHOICE)]
+    states[1].sync(tokenizer.encode('{"name": "A'))
+    rows = [4, 1, 2]  # a run of two rows and one alone
+    logits = torch.randn(5, engine.vocab_size)
     expected = logits.clone()
-    bitmask = xgr.allocate_token_bitmask(4, engine.vocab_size)  # xgrammar's: bitmask row i masks logits row i
-    for row, state in zip([3, 1], states):
+    bitmask = xgr.allocate_token_bitmask(5, engine.vocab_size)  # xgrammar's: bitmask row i masks logits row i
+    for row, state in zip(rows, states):
         state.fill(bitmask, row)
-    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=[3, 1])
-    mask_rows(logits, [3, 1], states)
-    assert torch.equal(logits, expected)
-    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    masks = GrammarMasks(engine.vocab_size, torch.device("cpu"))
+    masks.rows(1)  # a smaller buffer first: rows() grows it
+    ours = masks.rows(3)
+    for j, state in enumerate(states):
+        state.fill(ours, j)
+    by_index = logits.clone()
+    masks.apply(logits, rows, ours)  # the CPU's way
+    masks.apply_by_index(by_index, rows, ours)  # a GPU's way
+    assert torch.equal(logits, expected) and torch.equal(by_index, expected)
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[3]).all()
 
 
 def test_choice_grammar_escapes_every_choice(runner, tokenizer):
@@ -251,7 +250,7 @@ def test_choice_grammar_escapes_every_choice(runner, tokenizer):
     structured = StructuredOutput(StructuredKind.CHOICE, json.dumps(choices))
     for choice in choices:
         state = engine.start(structured)
-        assert state.sync(tokenizer.encode(choice) + [EOS], 0) is None and state.matcher.is_terminated()
+        assert state.sync(tokenizer.encode(choice) + [EOS]) is None and state.matcher.is_terminated()
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path):
@@ -264,5 +263,7 @@ def test_steps_without_constrained_rows_do_no_grammar_work(runner, prompt, monke
         raise AssertionError("grammar work in an unconstrained step")
 
     monkeypatch.setattr("worker.model_runner.constrainer", refuse)
-    monkeypatch.setattr("worker.grammar.mask_rows", refuse)
+    monkeypatch.setattr("worker.grammar_masks.GrammarMasks.apply", refuse)
+    monkeypatch.setattr("worker.grammar.GrammarState.walk", refuse)
+    monkeypatch.setattr("worker.grammar.GrammarEngine.forced_tokens", refuse)
     assert len(decode(runner, prompt, SamplingParams(do_sample=True, seed=1), max_new=5)) == 5

@@ -51,17 +51,22 @@ class NewSequence:
     """The sequence's tokens so far (empty = not sent): the prompt, followed by the output already generated
     when the sequence moved here from a lost worker. The worker's token history starts from them, so a first
     step may start at num_computed_tokens = a cached prefix's length (prefix caching)."""
+    is_drafting_forced_spans: bool = False
+    """A structured output under speculation: the worker answers each step that samples the sequence with the
+    span its grammar forces next (SequenceOutput.forced_token_ids), which the scheduler drafts."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
 
     def to_pb(self) -> worker_pb2.NewSequence:
         return worker_pb2.NewSequence(seq_id=self.seq_id, sampling=self.sampling.to_pb(),
-                                      num_prompt_tokens=self.num_prompt_tokens, prompt_token_ids=self.prompt_token_ids)
+                                      num_prompt_tokens=self.num_prompt_tokens, prompt_token_ids=self.prompt_token_ids,
+                                      is_drafting_forced_spans=self.is_drafting_forced_spans)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.NewSequence) -> NewSequence:
-        return cls(pb.seq_id, SamplingParams.from_pb(pb.sampling), pb.num_prompt_tokens, tuple(pb.prompt_token_ids))
+        return cls(pb.seq_id, SamplingParams.from_pb(pb.sampling), pb.num_prompt_tokens, tuple(pb.prompt_token_ids),
+                   pb.is_drafting_forced_spans)
 
 
 MAX_DECODE_STEPS = 64
@@ -88,7 +93,8 @@ class ScheduledSequence:
     """Indices into token_ids whose next token is sampled; empty for a prefill chunk short of the end
     and for a tree step."""
     draft: CandidateTree | None = None
-    """A candidate tree to verify after token_ids (then exactly one token, the root)."""
+    """A candidate tree to verify after token_ids (then exactly one token, the root). A sequence with a structured
+    output has the nodes its grammar forbids dropped by the worker before the forward."""
     is_continuation: bool = False
     """Async scheduling: token_ids is one placeholder for the token the worker sampled for this sequence in its
     previous step, which the worker puts in its place (worker.proto)."""

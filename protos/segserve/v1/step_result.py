@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from protos.segserve.v1 import common_pb2, worker_pb2
 from protos.segserve.v1.step import ScheduledSequence, runs, as_tuple
 
+MAX_FORCED_TOKENS = 16
+"""The most tokens of a forced span a worker returns (SequenceOutput.forced_token_ids)."""
+
 
 @dataclass(frozen=True)
 class TopLogprobs:
@@ -75,17 +78,22 @@ class SequenceOutput:
     prompt_logprobs: PromptLogprobs | None = None
     error: str = ""
     """Why this sequence failed (non-finite logits, a sampler failure, an invalid tree); no tokens then."""
+    forced_token_ids: tuple[int, ...] = ()
+    """A sequence announced with NewSequence.is_drafting_forced_spans: the tokens its grammar forces right after
+    token_ids (at most MAX_FORCED_TOKENS; empty where the grammar leaves a choice). A draft, never output."""
 
     def __post_init__(self) -> None:  # as ScheduledSequence's
         self.token_ids = as_tuple(self.token_ids)
         self.scores = as_tuple(self.scores)
         self.top_logprobs = as_tuple(self.top_logprobs)
+        self.forced_token_ids = as_tuple(self.forced_token_ids)
 
     def followed_by(self, then: SequenceOutput) -> SequenceOutput:
         """This output and `then`, of the next decode step of the same sequence, as one (multi-step decoding):
-        their tokens, scores and top log-probabilities in order."""
+        their tokens, scores and top log-probabilities in order, and the forced span after the last of them."""
         return SequenceOutput(self.seq_id, self.token_ids + then.token_ids, self.scores + then.scores,
-                              self.top_logprobs + then.top_logprobs, self.prompt_logprobs)
+                              self.top_logprobs + then.top_logprobs, self.prompt_logprobs,
+                              forced_token_ids=then.forced_token_ids)
 
     def to_pb(self) -> worker_pb2.SequenceOutput:
         # one per sequence per step: fields at their defaults are left out, not passed (each argument costs)
@@ -96,13 +104,16 @@ class SequenceOutput:
             pb.prompt_logprobs.CopyFrom(self.prompt_logprobs.to_pb())
         if self.error:
             pb.error = self.error
+        if self.forced_token_ids:
+            pb.forced_token_ids.extend(self.forced_token_ids)
         return pb
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.SequenceOutput) -> SequenceOutput:
         prompt = PromptLogprobs.from_pb(pb.prompt_logprobs) if pb.HasField("prompt_logprobs") else None
         top = tuple(TopLogprobs.from_pb(t) for t in pb.top_logprobs) if pb.top_logprobs else ()
-        return cls(pb.seq_id, pb.token_ids[:], pb.scores[:], top, prompt, pb.error)  # lists: see ScheduledSequence
+        # lists: see ScheduledSequence
+        return cls(pb.seq_id, pb.token_ids[:], pb.scores[:], top, prompt, pb.error, pb.forced_token_ids[:])
 
 
 @dataclass
@@ -120,7 +131,7 @@ class StepResult:
             return worker_pb2.StepResponse(outputs=[o.to_pb() for o in self.outputs], compute_us=self.compute_us)
         seq_ids, num_token_ids, token_ids, scores, others = [], [], [], [], []
         for output in self.outputs:
-            if (output.top_logprobs or output.prompt_logprobs is not None or output.error
+            if (output.top_logprobs or output.prompt_logprobs is not None or output.error or output.forced_token_ids
                     or len(output.scores) != len(output.token_ids)):
                 others.append(output.to_pb())
                 continue

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "sampling", "num_prompt_tokens", "prompt_token_ids")
+    __slots__ = ("seq_id", "sampling", "num_prompt_tokens", "prompt_token_ids", "is_drafting_forced_spans")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAFTING_FORCED_SPANS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     sampling: _common_pb2.SamplingParams
     num_prompt_tokens: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    is_drafting_forced_spans: bool
+    def __init__(self, seq_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., is_drafting_forced_spans: _Optional[bool] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "num_computed_tokens", "block_table", "sample_indices", "draft", "is_continuation", "block_table_start")
@@ -86,20 +88,22 @@ class PackedSequences(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., num_sample_indices: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., continuations: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[_common_pb2.CandidateTree, _Mapping]]] = ..., block_table_starts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "scores", "top_logprobs", "prompt_logprobs", "error")
+    __slots__ = ("seq_id", "token_ids", "scores", "top_logprobs", "prompt_logprobs", "error", "forced_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     prompt_logprobs: _common_pb2.PromptLogprobs
     error: str
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    forced_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ..., error: _Optional[str] = ..., forced_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("outputs", "compute_us", "packed_outputs")
