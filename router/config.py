@@ -82,8 +82,9 @@ class RouterConfig:
     (`segserve finetune`; the tokenizer's config lists them). They stay tokens: counted in usage, returned as token
     ids and logprobs, and used by the drafter to find segments."""
     tool_call_parser: str = ""
-    """How a chat choice's text is read as tool calls under tool_choice "auto": hermes, llama3_json, mistral or
-    pythonic, the format the model was trained to call tools in. Empty = "auto" is refused (400)."""
+    """The format tool calls are read in: hermes, llama3_json, mistral or pythonic. Under tool_choice "auto", a
+    chat choice's text is read as tool calls in the format the model was trained on. Empty = "auto" is refused
+    (400)."""
 
     def __post_init__(self) -> None:
         if self.tool_call_parser and self.tool_call_parser not in PARSERS:

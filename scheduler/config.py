@@ -66,8 +66,9 @@ class SchedulerConfig:
     is_spec_adaptive: bool = True
     """Choose the node budget per step from measured step times and acceptance (False = always the max)."""
     is_grammar_drafts: bool = True
-    """Draft the span a structured output's grammar forces next (keys, punctuation, the rest of an enum) at no
-    drafter cost, with speculation on (False: constrained requests get the drafter's trees only)."""
+    """Draft the spans a grammar forces for free. With speculation on, the span a structured output's grammar
+    forces next (keys, punctuation, the rest of an enum) is drafted at no drafter cost; off, constrained requests
+    get the drafter's trees only."""
     spec_probe_interval: int = 64
     """Steps between probes of a speculation setting the policy has turned off (its stats go stale)."""
     drafter_retry_s: float = 1.0
