@@ -29,6 +29,9 @@ class DrafterConfig:
     snapshot.json) are loaded at start and saved every snapshot_interval_s and at shutdown."""
     max_requests: int = 4096
     """Most requests tracked at once; the least recently queried is dropped (it resyncs later)."""
+    max_corpus_keys: int = 256
+    """Most corpus keys (DraftQuery.corpus_key: structured outputs' schemas) with a corpus of their own per tenant;
+    the least recently used key's corpus is dropped whole past it (drafter/keyed.py)."""
     history_max_key: int = 8
     """Longest suffix of a request's tokens matched against its own history."""
     history_min_key: int = 2
@@ -66,8 +69,8 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in 0..65535")
-        if self.max_requests <= 0:
-            raise ValueError("max_requests must be > 0")
+        if self.max_requests <= 0 or self.max_corpus_keys <= 0:
+            raise ValueError("max_requests and max_corpus_keys must be > 0")
         if not 1 <= self.history_min_key <= self.history_max_key:
             raise ValueError("history keys need 1 <= history_min_key <= history_max_key")
         if not 0 < self.history_max_bytes <= self.history_total_bytes:

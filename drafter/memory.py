@@ -17,7 +17,9 @@ publish (`poll`). Out: the planner's corpora, which hold both, and periodic snap
 Tenants: a record carries the tenant whose request closed the segment, and every replica learns it
 into that tenant's corpus (drafter/planner.py), so replicas stay scoped as the one that learned it.
 A snapshot writes the shared corpora as `<segment>.corpus.npz` and each tenant's under
-`tenants/<hex of the tenant id>/`; `restore` loads both.
+`tenants/<hex of the tenant id>/`; `restore` loads both. Corpus keys' corpora (drafter/keyed.py) go to
+`keys/<hex of the key>.corpus.npz`, a tenant's under its own directory (`tenants/<hex>/keys/`), and
+their records carry the key.
 
 Learning itself goes through the planner: with a background learner (drafter/learner.py) a segment
 is queued there, and `catch_up` and `snapshot` wait until the queue is applied (a snapshot must not
@@ -38,14 +40,16 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from drafter.corpus import LookupCorpus
+from drafter.keyed import KeyedCorpora, Scope
 from drafter.planner import DraftPlanner
-from drafter.segments import SegmentsConfig
+from drafter.segments import CorpusLimits, SegmentsConfig
 from drafter.segment_log import Cursor, LearnedSegment, SegmentLog
 
 logger = logging.getLogger(__name__)
 MANIFEST = "snapshot.json"
 CORPUS_SUFFIX = ".corpus.npz"
 TENANTS_DIR = "tenants"
+KEYS_DIR = "keys"
 MAX_UNPUBLISHED = 10_000
 
 
@@ -77,13 +81,14 @@ class SharedMemory:
         self.num_applied = 0
         """Records of other replicas applied so far."""
 
-    def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "") -> None:
-        """A segment closed here: into the tenant's local corpus now, and onto the log for the others."""
+    def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "", corpus_key: str = "") -> None:
+        """A segment closed here (a keyed request's output, with its key): into the tenant's local corpus now, and
+        onto the log for the others."""
         if self.redact is not None:
             token_ids = self.redact(token_ids)
-        self.planner.learn(segment, token_ids, tenant)
+        self.planner.learn(segment, token_ids, tenant, corpus_key)
         if self.log is not None:
-            self._unpublished.append(LearnedSegment(self.origin, segment, tuple(token_ids), tenant))
+            self._unpublished.append(LearnedSegment(self.origin, segment, tuple(token_ids), tenant, corpus_key))
             self._publish()
 
     def poll(self, max_records: int = 1000) -> int:
@@ -94,7 +99,7 @@ class SharedMemory:
         records, self.cursor = self.log.read(self.cursor, max_records)
         for record in records:
             if record.origin != self.origin:
-                self.planner.learn(record.segment, record.token_ids, record.tenant)
+                self.planner.learn(record.segment, record.token_ids, record.tenant, record.corpus_key)
                 self.num_applied += 1
         return len(records)
 
@@ -114,6 +119,7 @@ class SharedMemory:
         with self.planner.reading():
             save_corpora(self.planner.corpora, self.snapshot_dir)
             save_tenant_corpora(self.planner.tenant_corpora, self.snapshot_dir)
+            save_keyed_corpora(self.planner.keyed, self.snapshot_dir)
         manifest = {"log": self.log_name, "cursor": self.cursor, "origin": self.origin, "saved_at": time.time(),
                     "segments": sorted(self.planner.corpora)}
         path = self.snapshot_dir / MANIFEST
@@ -183,6 +189,51 @@ def load_tenant_corpora(segments: SegmentsConfig, directory: str | Path | None
             if saved.is_file():
                 corpora[(tenant, kind.name)] = LookupCorpus.load(saved, kind.corpus)
     return corpora
+
+
+def keys_dir(directory: str | Path, tenant: str) -> Path:
+    """Where a tenant's keyed corpora are saved ("" = the shared ones)."""
+    return (tenant_dir(directory, tenant) if tenant else Path(directory)) / KEYS_DIR
+
+
+def save_keyed_corpora(keyed: KeyedCorpora, directory: str | Path) -> None:
+    """Write each (tenant, key) corpus as <hex of the key>.corpus.npz under keys_dir, atomically; remove the ones no
+    longer held."""
+    kept = set()
+    for (tenant, key), corpus in keyed.items():
+        path = corpus_path(keys_dir(directory, tenant), key.encode().hex())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic(path, corpus.save)
+        kept.add(path)
+    for folder in _keyed_dirs(directory).values():
+        for path in folder.glob(f"*{CORPUS_SUFFIX}"):
+            if path not in kept:  # dropped for a bound since the last snapshot
+                path.unlink(missing_ok=True)
+
+
+def load_keyed_corpora(limits: CorpusLimits, directory: str | Path | None) -> dict[Scope, LookupCorpus]:
+    """The keyed corpora saved under `directory`, with the schema kind's current limits."""
+    corpora = {}
+    for tenant, folder in _keyed_dirs(directory).items() if directory else ():
+        for path in sorted(folder.glob(f"*{CORPUS_SUFFIX}")):
+            try:
+                key = bytes.fromhex(path.name[: -len(CORPUS_SUFFIX)]).decode()
+            except ValueError:
+                continue  # not one of ours
+            corpora[(tenant, key)] = LookupCorpus.load(path, limits)
+    return corpora
+
+
+def _keyed_dirs(directory: str | Path) -> dict[str, Path]:
+    """Tenant -> its keys directory, for those that exist."""
+    found = {"": keys_dir(directory, "")}
+    root = Path(directory) / TENANTS_DIR
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        try:
+            found[bytes.fromhex(path.name).decode()] = path / KEYS_DIR
+        except ValueError:
+            continue
+    return {tenant: path for tenant, path in found.items() if path.is_dir()}
 
 
 def restore(directory: str | Path | None, segments: SegmentsConfig, log_name: str

@@ -13,6 +13,9 @@ Each is bounded by it like any corpus, and when together they pass it, the corpo
 tenants that learned least recently are dropped whole until they fit again (the one learning
 now is kept); the shared corpus has the budget of its own. So a kind holds at most about twice
 its budget, however many tenants there are.
+A request with a corpus key (a structured output) is in the `schema` kind for its whole output:
+its sources are the key's corpora, scoped and bounded the same way (`keyed`, drafter/keyed.py), and
+its own history.
 Each source's scores are normalized to sum to 1 before merging, so a corpus's raw
 frequencies and a draft model's probabilities weigh the same.
 """
@@ -24,6 +27,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Mapping, Sequence
 
 from drafter.corpus import LookupCorpus
+from drafter.keyed import KEY_START, KeyedCorpora, Scope, output_context
 from drafter.learner import Learner
 from drafter.segments import SegmentKind, SegmentsConfig
 from drafter.state import RequestState
@@ -42,6 +46,8 @@ class DraftPlanner:
         draft_models: Mapping[str, ContinuationSource] | None = None,
         learner: Learner | None = None,
         tenant_corpora: Mapping[tuple[str, str], LookupCorpus] | None = None,
+        max_corpus_keys: int = 256,
+        keyed_corpora: Mapping[Scope, LookupCorpus] | None = None,
     ):
         self.segments = segments
         self.corpora = dict(corpora or {})
@@ -53,22 +59,31 @@ class DraftPlanner:
         other than "" only."""
         self.num_tenant_corpora_dropped = 0
         """Tenant corpora dropped to keep their kind within its budget."""
+        self.keyed = KeyedCorpora(segments.schema.corpus, max_corpus_keys, keyed_corpora)
+        """(tenant, corpus key) -> what that tenant's requests with the key learned ("" = shared)."""
         self.draft_models = dict(draft_models or {})
         self.learner = learner
         """Learns in the background (drafter/learner.py); None = learn() adds at once, on the caller's thread."""
 
-    def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "") -> None:
-        """Online learning: a closed segment's tokens join the tenant's corpus of its kind (queued, with a learner)."""
+    def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "", corpus_key: str = "") -> None:
+        """Online learning: a closed segment's tokens join the tenant's corpus of its kind (queued, with a learner);
+        with a corpus key, a keyed request's output joins the tenant's corpus of that key."""
+        if corpus_key:
+            self._add(self.keyed.for_learning(tenant, corpus_key), (KEY_START, *token_ids))
+            return
         corpus = self.corpus_for(segment, tenant, is_created=True)
         if corpus is None:
             return
+        self._add(corpus, token_ids)
+        if tenant:
+            self.tenant_corpora.move_to_end((tenant, segment))
+            self._bound_tenants(segment)
+
+    def _add(self, corpus: LookupCorpus, token_ids: Sequence[int]) -> None:
         if self.learner is None:
             corpus.add(token_ids)
         else:
             self.learner.submit(corpus, token_ids)
-        if tenant:
-            self.tenant_corpora.move_to_end((tenant, segment))
-            self._bound_tenants(segment)
 
     def corpus_for(self, segment: str, tenant: str = "", is_created: bool = False) -> LookupCorpus | None:
         """The corpus a tenant learns into (the shared one for ""); None for an unknown kind, or a tenant's
@@ -98,6 +113,9 @@ class DraftPlanner:
         for segment, corpus in [*self.corpora.items(), *tenant_corpora]:
             entries[segment] += corpus.num_entries
             num_bytes[segment] += corpus.num_bytes
+        if len(self.keyed):
+            name = self.segments.schema.name
+            entries[name], num_bytes[name] = self.keyed.sizes()
         return entries, num_bytes
 
     def reading(self) -> AbstractContextManager:
@@ -116,20 +134,25 @@ class DraftPlanner:
 
     def draft(self, state: RequestState, max_nodes: int) -> tuple[CandidateTree, str]:
         """The tree for one request within min(max_nodes, the segment's budget)."""
-        kind = self.segments.kind(state.segment)
+        kind = self.segments.schema if state.corpus_key else self.segments.kind(state.segment)
         budget = min(max_nodes, kind.max_nodes)
         if budget <= 0:
             return CandidateTree(), kind.name
         continuations: list[Continuation] = []
-        for source in self._sources(kind, state):
-            continuations.extend(_normalized(_propose(source, state, kind)))
+        for source, context in self._sources(kind, state):
+            continuations.extend(_normalized(_propose(source, state, context, kind)))
         return build(kind.algorithm, continuations, budget, kind.max_depth), kind.name
 
-    def _sources(self, kind: SegmentKind, state: RequestState) -> list[ContinuationSource]:
+    def _sources(self, kind: SegmentKind, state: RequestState) -> list[tuple[ContinuationSource, Sequence[int]]]:
+        """Each source with the context it is asked about (the request's tokens; a keyed corpus, its output's)."""
+        if state.corpus_key:
+            context = output_context(state.tokens, state.num_prompt_tokens, kind.corpus.max_key)
+            keyed = [(corpus, context) for corpus in self.keyed.lookup(state.tenant, state.corpus_key)]
+            return [*keyed, (state.history, state.tokens)]
         draft_model = self.draft_models.get(kind.name)
         is_replace = kind.draft_model is not None and kind.draft_model.mode == "replace"
         if draft_model is not None and is_replace:
-            return [draft_model]
+            return [(draft_model, state.tokens)]
         sources: list[ContinuationSource] = [self.corpora[kind.name]]
         tenant_corpus = self.corpus_for(kind.name, state.tenant)
         if tenant_corpus is not None and tenant_corpus is not self.corpora[kind.name]:
@@ -137,13 +160,14 @@ class DraftPlanner:
         sources.append(state.history)
         if draft_model is not None:
             sources.append(draft_model)
-        return sources
+        return [(source, state.tokens) for source in sources]
 
 
-def _propose(source: ContinuationSource, state: RequestState, kind: SegmentKind) -> list[Continuation]:
+def _propose(source: ContinuationSource, state: RequestState, context: Sequence[int],
+             kind: SegmentKind) -> list[Continuation]:
     if isinstance(source, RequestAwareSource):  # keeps e.g. a draft model's KV cache per request
-        return source.propose_for(state.request_id, state.tokens, kind.max_depth, kind.max_candidates)
-    return source.propose(state.tokens, kind.max_depth, kind.max_candidates)
+        return source.propose_for(state.request_id, context, kind.max_depth, kind.max_candidates)
+    return source.propose(context, kind.max_depth, kind.max_candidates)
 
 
 def _normalized(continuations: list[Continuation]) -> list[Continuation]:

@@ -1,8 +1,9 @@
 """The shared log of learned segments: every drafter replica appends what it learns and reads what the others did.
 
-A record is one closed segment: its kind, its tokens, and the origin (the process that learned
-it). A cursor says how far a reader has read; it is plain JSON data, so a snapshot can keep it and
-a restarted replica replays the log from there.
+A record is one closed segment: its kind, its tokens, the origin (the process that learned
+it), its tenant and, for a keyed request's output, its corpus key. A cursor says how far a
+reader has read; it is plain JSON data, so a snapshot can keep it and a restarted replica
+replays the log from there.
 
 Two backends with one interface:
 - `RedisSegmentLog`: a Redis Stream (XADD / XRANGE), trimmed to about `max_len` records; the
@@ -36,6 +37,8 @@ class LearnedSegment:
     token_ids: tuple[int, ...]
     tenant: str = ""
     """Whose request closed it: a replica learns it into that tenant's corpus ("" = the shared one)."""
+    corpus_key: str = ""
+    """A keyed request's output (segment "schema"): learned into this key's corpus (drafter/keyed.py)."""
 
 
 class SegmentLog(Protocol):
@@ -58,7 +61,7 @@ def _tokens_from(data: bytes) -> tuple[int, ...]:
 
 class RedisSegmentLog:
     """A Redis Stream of records: fields o (origin), s (segment), t (int32 little-endian tokens), n (tenant, when
-    not the default)."""
+    not the default), k (corpus key, when set)."""
 
     def __init__(self, url: str, stream: str = "segserve:drafter:segments", max_len: int = 100_000):
         import redis
@@ -71,13 +74,15 @@ class RedisSegmentLog:
         fields = {"o": record.origin, "s": record.segment, "t": _tokens_bytes(record.token_ids)}
         if record.tenant:
             fields["n"] = record.tenant
+        if record.corpus_key:
+            fields["k"] = record.corpus_key
         self._client.xadd(self.stream, fields, maxlen=self.max_len, approximate=True)
 
     def read(self, cursor: Cursor, max_records: int) -> tuple[list[LearnedSegment], Cursor]:
         start = "-" if cursor is None else f"({cursor}"  # exclusive of the last id read
         entries = self._client.xrange(self.stream, min=start, max="+", count=max_records)
-        records = [LearnedSegment(f[b"o"].decode(), f[b"s"].decode(), _tokens_from(f[b"t"]), f.get(b"n", b"").decode())
-                   for _, f in entries]
+        records = [LearnedSegment(f[b"o"].decode(), f[b"s"].decode(), _tokens_from(f[b"t"]), f.get(b"n", b"").decode(),
+                                  f.get(b"k", b"").decode()) for _, f in entries]
         return records, (entries[-1][0].decode() if entries else cursor)
 
     def close(self) -> None:
@@ -98,7 +103,7 @@ class DirectorySegmentLog:
         self._fd: int | None = None
 
     def append(self, record: LearnedSegment) -> None:
-        text = "\n".join([record.origin, record.segment, *([record.tenant] if record.tenant else [])]).encode()
+        text = "\n".join([record.origin, record.segment, *_scope_lines(record)]).encode()
         body = text + _tokens_bytes(record.token_ids)
         if self._fd is None:
             self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -123,6 +128,14 @@ class DirectorySegmentLog:
             self._fd = None
 
 
+def _scope_lines(record: LearnedSegment) -> list[str]:
+    """The text lines after origin and segment: the tenant when set, and the corpus key (after the tenant, even
+    an empty one) when set."""
+    if record.corpus_key:
+        return [record.tenant, record.corpus_key]
+    return [record.tenant] if record.tenant else []
+
+
 def _parse_frames(data: bytes, out: list[LearnedSegment], max_records: int) -> int:
     """Append the complete frames at the start of `data` to `out` (up to max_records in all); bytes consumed."""
     position = 0
@@ -132,7 +145,7 @@ def _parse_frames(data: bytes, out: list[LearnedSegment], max_records: int) -> i
         if end > len(data):
             break  # still being written
         body = data[position + _HEADER.size:end]
-        origin, segment, *tenant = body[:text_len].decode().split("\n", 2)  # a third line: the tenant
-        out.append(LearnedSegment(origin, segment, _tokens_from(body[text_len:]), "".join(tenant)))
+        origin, segment, *scope = body[:text_len].decode().split("\n", 3)  # then the tenant, then the corpus key
+        out.append(LearnedSegment(origin, segment, _tokens_from(body[text_len:]), *scope))
         position = end
     return position

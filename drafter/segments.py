@@ -22,6 +22,9 @@ Format (see drafter/segments/default.toml)::
     # Besides `mode`, the table is the draft-model loader's spec (drafter/draft_model.py);
     # a self-speculative draft's "target" defaults to the served model.
 
+    [schema]                       # optional: requests with a corpus key (drafter/keyed.py), no markers
+    algorithm = "multi_branch_dfs" #   nor draft model; keys left out take [default]'s values
+
 A string is first looked up as one vocabulary token, else it is encoded without
 special tokens. Keys left out take the defaults of the dataclasses below.
 """
@@ -37,6 +40,7 @@ from typing import Any
 from drafter.trees import BUILDERS
 
 DEFAULT_SEGMENT = "default"
+SCHEMA_SEGMENT = "schema"
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "segments" / "default.toml"
 DRAFT_MODEL_KINDS = ("self_speculative", "model")
 DRAFT_MODES = ("replace", "combine")
@@ -106,7 +110,7 @@ class DraftModelSpec:
 
 @dataclass(frozen=True)
 class SegmentKind:
-    """One kind of generation segment; the default segment has no markers."""
+    """One kind of generation segment; the default and schema kinds have no markers."""
 
     name: str
     """Unique name, used for corpora, metrics and the DraftReply.segment field."""
@@ -135,21 +139,27 @@ class SegmentKind:
         if self.max_nodes < 0 or self.max_depth <= 0 or self.max_candidates <= 0:
             raise ValueError(f"segment {self.name!r}: max_nodes >= 0, max_depth and max_candidates > 0")
         has_markers = (bool(self.start), bool(self.end))
-        if has_markers != ((False, False) if self.name == DEFAULT_SEGMENT else (True, True)):
-            raise ValueError(f"segment {self.name!r}: every segment but the default needs start and end markers")
+        if has_markers != ((False, False) if self.name in (DEFAULT_SEGMENT, SCHEMA_SEGMENT) else (True, True)):
+            raise ValueError(f"segment {self.name!r}: every segment but the default and schema needs start and end "
+                             "markers (which those two never have)")
 
 
 @dataclass(frozen=True)
 class SegmentsConfig:
-    """The default segment plus every marked kind, in file order."""
+    """The default segment plus every marked kind, in file order, and the kind of keyed outputs."""
 
     default: SegmentKind
     kinds: tuple[SegmentKind, ...] = ()
+    schema: SegmentKind = field(default_factory=lambda: SegmentKind(SCHEMA_SEGMENT))
+    """A request with a corpus key (a structured output's schema) is one segment of this kind, its corpora one per
+    key (drafter/keyed.py); not among all_kinds: no marker opens it."""
 
     def __post_init__(self) -> None:
-        names = [self.default.name, *(k.name for k in self.kinds)]
+        names = [self.default.name, *(k.name for k in self.kinds), self.schema.name]
         if len(set(names)) != len(names):
-            raise ValueError(f"segment names must be unique: {names}")
+            raise ValueError(f"segment names must be unique (and not {SCHEMA_SEGMENT!r}): {names}")
+        if self.schema.name != SCHEMA_SEGMENT or self.schema.draft_model is not None:
+            raise ValueError(f"the schema kind is named {SCHEMA_SEGMENT!r} and takes no draft_model")
 
     @property
     def all_kinds(self) -> tuple[SegmentKind, ...]:
@@ -173,12 +183,15 @@ def load_segments(path: str | Path | None = None, tokenizer: Any = None) -> Segm
 
 def parse_segments(raw: dict, tokenizer: Any = None) -> SegmentsConfig:
     """Build a SegmentsConfig from parsed TOML; token strings need `tokenizer`."""
-    unknown = set(raw) - {"default", "segment"}
+    unknown = set(raw) - {"default", "segment", SCHEMA_SEGMENT}
     if unknown:
         raise ValueError(f"unknown top-level keys in segments config: {sorted(unknown)}")
-    default = _kind({**raw.get("default", {}), "name": DEFAULT_SEGMENT}, tokenizer)
+    default_table = raw.get("default", {})
+    default = _kind({**default_table, "name": DEFAULT_SEGMENT}, tokenizer)
     kinds = tuple(_kind(table, tokenizer) for table in raw.get("segment", []))
-    return SegmentsConfig(default=default, kinds=kinds)
+    inherited = {key: value for key, value in default_table.items() if key != "draft_model"}
+    schema = _kind({**inherited, **raw.get(SCHEMA_SEGMENT, {}), "name": SCHEMA_SEGMENT}, tokenizer)
+    return SegmentsConfig(default=default, kinds=kinds, schema=schema)
 
 
 def _kind(table: dict, tokenizer: Any) -> SegmentKind:

@@ -22,7 +22,7 @@ import grpc
 from drafter.config import DrafterConfig
 from drafter.history import HistorySource
 from drafter.learner import Learner
-from drafter.memory import SharedMemory, load_tenant_corpora, new_origin, restore
+from drafter.memory import SharedMemory, load_keyed_corpora, load_tenant_corpora, new_origin, restore
 from drafter.planner import DraftPlanner
 from drafter.redaction import SegmentRedactor
 from drafter.segment_log import DirectorySegmentLog, RedisSegmentLog, SegmentLog
@@ -70,7 +70,8 @@ def build_servicer(
     origin = new_origin(config.replica_name or socket.gethostname())
     log, log_name = open_segment_log(config, origin)
     corpora, cursor = restore(config.corpus_dir, segments, log_name)
-    planner = DraftPlanner(segments, corpora, draft_models, Learner(), load_tenant_corpora(segments, config.corpus_dir))
+    planner = DraftPlanner(segments, corpora, draft_models, Learner(), load_tenant_corpora(segments, config.corpus_dir),
+                           config.max_corpus_keys, load_keyed_corpora(segments.schema.corpus, config.corpus_dir))
     redact = SegmentRedactor(load_tokenizer(config.tokenizer)) if config.redact_corpora else None
     memory = SharedMemory(planner, log, config.corpus_dir, origin, log_name, cursor, redact)
     states = RequestStates(

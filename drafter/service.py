@@ -51,11 +51,12 @@ class Query:
     num_known_tokens: int = 0
     is_final: bool = False
     tenant: str = ""
+    corpus_key: str = ""
 
     @classmethod
     def from_pb(cls, pb: drafter_pb2.DraftQuery) -> "Query":
         return cls(pb.request_id, list(pb.new_token_ids), pb.num_tokens, pb.num_prompt_tokens, pb.max_nodes,
-                   pb.num_known_tokens, pb.is_final, pb.tenant)
+                   pb.num_known_tokens, pb.is_final, pb.tenant, pb.corpus_key)
 
     @property
     def is_update_only(self) -> bool:
@@ -116,11 +117,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return self.stats().to_pb()
 
     def stats(self) -> DrafterStats:
-        """Corpus sizes per segment kind and the tracked requests: counters, no corpus walk."""
+        """Corpus sizes per segment kind (the schema kind's once it holds a corpus or a request) and the tracked
+        requests: counters, no corpus walk."""
         requests = self.states.count_by_segment()
         entries, num_bytes = self.planner.corpus_sizes()
+        names = sorted({*self.planner.corpora, *entries, *requests})
         return DrafterStats(tuple(DrafterSegmentStats(name, entries[name], num_bytes[name], requests[name])
-                                  for name in sorted(self.planner.corpora)), len(self.states))
+                                  for name in names), len(self.states))
 
     async def sync_memory(self) -> int:
         """Apply what other replicas published (between Draft calls); returns the records read."""
@@ -146,14 +149,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _finish_one(self, query: Query) -> drafter_pb2.DraftReply:
         """A request's last tokens: learn what they close, forget the request."""
         is_learned = self.states.finish(query.request_id, query.new_token_ids, query.num_tokens,
-                                        query.num_prompt_tokens, query.num_known_tokens, query.tenant)
+                                        query.num_prompt_tokens, query.num_known_tokens, query.tenant,
+                                        query.corpus_key)
         self.planner.release(query.request_id)
         return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=not is_learned)
 
     def _draft_one(self, query: Query) -> drafter_pb2.DraftReply:
         """Update the request's state, then its tree (or needs_resync with no tree)."""
         state = self.states.update(query.request_id, query.new_token_ids, query.num_tokens, query.num_prompt_tokens,
-                                   query.num_known_tokens, query.tenant)
+                                   query.num_known_tokens, query.tenant, query.corpus_key)
         if state is None:
             return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=True)
         tree, segment = self.planner.draft(state, query.max_nodes)

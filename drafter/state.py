@@ -10,7 +10,9 @@ drafter already received (num_known_tokens), so a resync never learns twice
 and a request first seen at its end is still learned. A final update learns
 and drops the state; one for a request never seen indexes no history.
 Each state keeps its request's tenant, and the sink gets it with every closed
-segment.
+segment. A state with a corpus key (drafter/keyed.py) tracks no markers: its whole
+output is one segment of the schema kind, which goes to the sink (with the key)
+when the request's final update comes.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from drafter.history import HistorySource
-from drafter.segments import SegmentsConfig
+from drafter.keyed import kept_key
+from drafter.segments import SCHEMA_SEGMENT, SegmentsConfig
 from drafter.tracker import SegmentTracker
 
-SegmentSink = Callable[[str, Sequence[int], str], None]
-"""sink(segment kind, tokens, tenant) of every closed segment ("" = the default tenant)."""
+SegmentSink = Callable[..., None]
+"""sink(segment kind, tokens, tenant) of every closed segment ("" = the default tenant); a keyed request's output
+comes as sink("schema", output, tenant, corpus_key=key)."""
 
 
 @dataclass
@@ -37,6 +41,9 @@ class RequestState:
     history: HistorySource
     tenant: str = ""
     """Whose request: its segments are learned for this tenant, its trees drawn from this tenant's corpora."""
+    corpus_key: str = ""
+    """Non-empty: the whole output is one segment of the schema kind, drafted from and learned into this key's
+    corpora (drafter/keyed.py); markers in it open nothing."""
 
     @property
     def tokens(self) -> list[int]:
@@ -45,11 +52,13 @@ class RequestState:
 
     @property
     def segment(self) -> str:
-        return self.tracker.current
+        return SCHEMA_SEGMENT if self.corpus_key else self.tracker.current
 
     def extend(self, token_ids: Sequence[int], num_known_tokens: int = 0) -> list[tuple[str, list[int]]]:
         """Append tokens; returns (segment name, tokens) of generated segments they closed past num_known_tokens."""
         self.history.extend(token_ids)
+        if self.corpus_key:
+            return []  # its one segment closes with the request (RequestStates.finish)
         learned = []
         for closed in self.tracker.append(token_ids):
             if closed.end > max(self.num_prompt_tokens, num_known_tokens):  # its end token was generated, and new
@@ -92,7 +101,7 @@ class RequestStates:
 
     def update(
         self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int,
-        num_known_tokens: int = 0, tenant: str = "",
+        num_known_tokens: int = 0, tenant: str = "", corpus_key: str = "",
     ) -> RequestState | None:
         """Apply one query's update; None = state lost or inconsistent (the caller answers needs_resync).
 
@@ -112,22 +121,25 @@ class RequestStates:
         self.drop(request_id)
         if len(new_token_ids) != num_tokens or num_tokens == 0:
             return None
-        return self._create(request_id, new_token_ids, num_prompt_tokens, num_known_tokens, tenant)
+        return self._create(request_id, new_token_ids, num_prompt_tokens, num_known_tokens, tenant, corpus_key)
 
     def finish(self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int,
-               num_known_tokens: int = 0, tenant: str = "") -> bool:
-        """A request's final update: learn the segments it closes, then drop its state. False = the tokens
-        neither extend the state nor are the whole sequence (nothing learned; the caller answers needs_resync)."""
+               num_known_tokens: int = 0, tenant: str = "", corpus_key: str = "") -> bool:
+        """A request's final update: learn the segments it closes (a keyed request: its whole output), then drop
+        its state. False = the tokens neither extend the state nor are the whole sequence (nothing learned; the
+        caller answers needs_resync)."""
         state = self._states.get(request_id)
         self.drop(request_id)
         if state is not None and len(state.tokens) + len(new_token_ids) == num_tokens:
             self._learn(state, state.extend(new_token_ids))
+            self._learn_output(state)
             return True
         if len(new_token_ids) != num_tokens or num_tokens == 0:
             return False
         # Only the segments matter now: no history index is built for a state dropped at once.
-        state = self._new_state(request_id, num_prompt_tokens, HistorySource(is_indexed=False), tenant)
+        state = self._new_state(request_id, num_prompt_tokens, HistorySource(is_indexed=False), tenant, corpus_key)
         self._learn(state, state.extend(new_token_ids, num_known_tokens))
+        self._learn_output(state)
         return True
 
     def drop(self, request_id: str) -> None:
@@ -146,13 +158,20 @@ class RequestStates:
         for name, tokens in closed:
             self._on_segment_closed(name, tokens, state.tenant)
 
+    def _learn_output(self, state: RequestState) -> None:
+        """A keyed request ended: its output, the schema kind's one segment, goes to the sink with the key."""
+        output = state.tokens[state.num_prompt_tokens:]
+        if state.corpus_key and output:
+            self._on_segment_closed(SCHEMA_SEGMENT, output, state.tenant, corpus_key=state.corpus_key)
+
     def _new_state(self, request_id: str, num_prompt_tokens: int, history: HistorySource,
-                   tenant: str = "") -> RequestState:
-        return RequestState(request_id, num_prompt_tokens, SegmentTracker(self._segments.kinds), history, tenant)
+                   tenant: str = "", corpus_key: str = "") -> RequestState:
+        return RequestState(request_id, num_prompt_tokens, SegmentTracker(self._segments.kinds), history, tenant,
+                            kept_key(corpus_key))
 
     def _create(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
-                num_known_tokens: int, tenant: str = "") -> RequestState:
-        state = self._new_state(request_id, num_prompt_tokens, self._history_factory(), tenant)
+                num_known_tokens: int, tenant: str = "", corpus_key: str = "") -> RequestState:
+        state = self._new_state(request_id, num_prompt_tokens, self._history_factory(), tenant, corpus_key)
         self._learn(state, state.extend(token_ids, num_known_tokens))
         self._states[request_id] = state
         self.num_history_bytes += state.history.num_bytes

@@ -57,12 +57,15 @@ class DraftQuery:
     """The request ended with these tokens: learn, then drop its state; no tree."""
     tenant: str = ""
     """Whose request: the drafter learns its segments into this tenant's corpora."""
+    corpus_key: str = ""
+    """A structured output's corpus (corpus_key()): the whole output is one segment, learned into and drafted
+    from that key's corpus; empty = segments by markers."""
 
     def to_pb(self) -> drafter_pb2.DraftQuery:
         return drafter_pb2.DraftQuery(request_id=self.request_id, new_token_ids=self.new_token_ids,
                                       num_tokens=self.num_tokens, num_prompt_tokens=self.num_prompt_tokens,
                                       max_nodes=self.max_nodes, num_known_tokens=self.num_known_tokens,
-                                      is_final=self.is_final, tenant=self.tenant)
+                                      is_final=self.is_final, tenant=self.tenant, corpus_key=self.corpus_key)
 
     @property
     def is_update_only(self) -> bool:

@@ -41,6 +41,7 @@ decode step, and an answer that opens one soon after the fence.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -132,7 +133,8 @@ class Speculator:
         if seq is None:
             return  # never seen running (it ended while waiting): it generated nothing
         self._finals.append(DraftQuery(request_id, seq.token_ids[num_synced:], seq.num_tokens,
-                                       seq.num_prompt_tokens, 0, num_known, is_final=True, tenant=seq.tenant))
+                                       seq.num_prompt_tokens, 0, num_known, is_final=True, tenant=seq.tenant,
+                                       corpus_key=corpus_key(seq)))
         if len(self._finals) > _MAX_FINALS:
             del self._finals[0]
             self.num_finals_dropped += 1
@@ -304,7 +306,7 @@ class Speculator:
         num_synced = self._num_synced.setdefault(seq.request_id, 0)
         return DraftQuery(seq.request_id, seq.token_ids[num_synced:], seq.num_tokens, seq.num_prompt_tokens,
                           max_nodes, self._num_known.get(seq.request_id, 0) if num_synced == 0 else 0,
-                          tenant=seq.tenant)
+                          tenant=seq.tenant, corpus_key=corpus_key(seq))
 
     def _accept_replies(self, candidates: list[Seq], queries: list[DraftQuery],
                         replies: dict[str, DraftReply]) -> dict[str, CandidateTree]:
@@ -335,3 +337,12 @@ class Speculator:
             if reply.tree:
                 trees[request_id] = reply.tree
         return trees
+
+
+def corpus_key(seq: Seq) -> str:
+    """The drafter corpus of a request with a structured output: one per schema (kind and spec), so the
+    requests of one schema, or of one forced tool call, learn each other's outputs; "" for free text."""
+    structured = seq.sampling.structured_output
+    if structured is None:
+        return ""
+    return "schema:" + hashlib.sha256(f"{structured.kind.name}\n{structured.spec}".encode()).hexdigest()[:16]

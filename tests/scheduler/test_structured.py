@@ -24,7 +24,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.drafting import forced_first, with_forced_spans
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
-from scheduler.speculator import Speculator
+from scheduler.speculator import Speculator, corpus_key
 from scheduler.worker_link import WorkerLink
 from tests.scheduler.test_scheduler import collect_events
 from tests.scheduler.test_spec import (
@@ -185,3 +185,28 @@ def test_the_grammar_drafts_switch_turns_forced_spans_off():
     assert link.new_scheduler(SchedulerConfig(), info, speculator).is_drafting_forced_spans
     assert not link.new_scheduler(SchedulerConfig(is_grammar_drafts=False), info, speculator).is_drafting_forced_spans
     assert not link.new_scheduler(SchedulerConfig(), info, None).is_drafting_forced_spans
+
+
+async def test_a_constrained_sequence_names_its_schemas_corpus_in_every_query():
+    drafter = make_drafter()
+    keys: dict[str, set[str]] = {}
+    answer = drafter.draft_sync
+
+    def recording(queries, finished_ids):
+        for query in queries:
+            keys.setdefault(query.request_id, set()).add(query.corpus_key)
+        return answer(queries, finished_ids)
+
+    drafter.draft_sync = recording
+    scheduler, speculator = make_pair(drafter)
+    worker = FakeWorker(RULE, VOCAB, [EOS], num_kv_blocks=64, block_size=4)
+    other = SamplingParams(structured_output=StructuredOutput(StructuredKind.REGEX, "[a-z]*"))
+    for request_id, sampling in (("json", CONSTRAINED), ("again", CONSTRAINED), ("other", other), ("free", None)):
+        scheduler.add(Sequence(request_id, [5, 6, 7], sampling or SamplingParams(), StoppingCriteria(12)))
+    await run(scheduler, speculator, worker)
+    await speculator.wait_finals_sent()
+    assert keys["json"] == keys["again"] == {corpus_key(Sequence("x", [1], CONSTRAINED, StoppingCriteria(1)))}
+    (key,), (other_key,) = keys["json"], keys["other"]
+    assert key.startswith("schema:") and len(key) == len("schema:") + 16 and other_key not in ("", key)
+    assert keys["free"] == {""}
+    assert set(drafter.finals) == {"json", "again", "other", "free"}  # the finals were among the recorded queries

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftQuery(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "num_tokens", "num_prompt_tokens", "max_nodes", "num_known_tokens", "is_final", "tenant")
+    __slots__ = ("request_id", "new_token_ids", "num_tokens", "num_prompt_tokens", "max_nodes", "num_known_tokens", "is_final", "tenant", "corpus_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class DraftQuery(_message.Message):
     NUM_KNOWN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IS_FINAL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -25,7 +26,8 @@ class DraftQuery(_message.Message):
     num_known_tokens: int
     is_final: bool
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_nodes: _Optional[int] = ..., num_known_tokens: _Optional[int] = ..., is_final: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
+    corpus_key: str
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_nodes: _Optional[int] = ..., num_known_tokens: _Optional[int] = ..., is_final: _Optional[bool] = ..., tenant: _Optional[str] = ..., corpus_key: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("queries", "finished_request_ids")
