@@ -13,6 +13,8 @@
     segserve watermark detect      test text for segserve's green-list watermark
     segserve bench throughput      the throughput benchmark (JSON + PNG)
     segserve bench spec            speculative decoding vs generate() and prompt lookup (JSON + PNG)
+    segserve bench structured      JSON schemas and forced tool calls: grammar-aware speculation vs generate()
+                                   under xgrammar (JSON + PNG)
     segserve bench reflow          router latency with data reflow on vs off, consumer chunks/s (JSON + PNG)
     segserve bench prefix          multi-turn chat TTFT with prefix caching on vs off (JSON + PNG)
     segserve bench router          the router's own CPU time per streamed token, model-free (JSON + PNG)
@@ -200,6 +202,13 @@ def _bench_spec_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_structured_command(args: argparse.Namespace) -> int:
+    from segserve.bench.structured import run_structured
+
+    run_structured(args)
+    return 0
+
+
 def _bench_reflow_command(args: argparse.Namespace) -> int:
     from segserve.bench.reflow import run_reflow
 
@@ -330,6 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
     if add_spec_args:
         add_spec_args(spec)
     spec.set_defaults(func=_bench_spec_command)
+    structured = benches.add_parser("structured", help="JSON schemas and forced tool calls: speculation on, off and "
+                                    "without grammar drafts vs generate() under xgrammar")
+    try:
+        from segserve.bench.structured import add_structured_args
+    except ImportError:
+        add_structured_args = None
+    if add_structured_args:
+        add_structured_args(structured)
+    structured.set_defaults(func=_bench_structured_command)
     reflow_bench = benches.add_parser("reflow", help="router latency with data reflow on vs off, consumer chunks/s")
     from segserve.bench.reflow import add_reflow_args
 

@@ -28,6 +28,15 @@ Throughput modules: `loadgen` (async OpenAI-SSE load generator, loopback only), 
 (`transformers serve`, plain and batched `generate()`), `report` (statistics,
 goals, JSON, plot, table) and `throughput` (the orchestration the CLI calls).
 
+`segserve bench structured` measures grammar-aware speculation on JSON-schema
+extraction and a forced tool-call loop, against HF `generate()` under xgrammar's
+logits processor, segserve without speculation and with speculation but without the
+grammar's forced-span drafts: validity, tok/s, tokens per step, acceptance, greedy
+equality, over rounds: `structured_workloads` (schemas, records, tools),
+`structured_systems` (HF + xgrammar and segserve chat adapters), `structured_report`
+(numbers, goals, table, plot), `structured` (orchestration); out: `structured.json`,
+`structured.png`.
+
 `segserve bench reflow` measures what data reflow's recording adds to the
 router's TTFT and ITL (reflow on vs off, alternating rounds) and the consumer's
 chunks/s: `reflow` (orchestration), `paced_scheduler` (the fixture: a model-free
