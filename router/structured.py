@@ -232,20 +232,37 @@ def _xgrammar():
     return xgrammar
 
 
+@functools.cache
+def _byte_compiler():
+    """A compiler over a vocabulary of the 256 bytes and an end token: what any text of a grammar can start with."""
+    xgrammar = _xgrammar()
+    info = xgrammar.TokenizerInfo([bytes([byte]) for byte in range(256)] + [b"</s>"],
+                                  vocab_type=xgrammar.VocabType.RAW, stop_token_ids=[256])
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
 def _compile_error(kind: StructuredKind, spec: str) -> str | None:
-    """Build the grammar without a tokenizer; the engine's reason when it cannot (runs in a thread)."""
-    grammar = _xgrammar().Grammar
+    """Build the grammar without the model's tokenizer; the engine's reason when it cannot, or when the grammar
+    matches no text at all (a schema that is only a reference to itself), which no model could ever finish
+    (runs in a thread)."""
+    xgrammar = _xgrammar()
+    grammar = xgrammar.Grammar
     try:
         if kind is StructuredKind.JSON_SCHEMA:
-            grammar.from_json_schema(spec, **JSON_SCHEMA_OPTIONS)  # as the worker compiles it
+            built = grammar.from_json_schema(spec, **JSON_SCHEMA_OPTIONS)  # as the worker compiles it
         elif kind is StructuredKind.REGEX:
-            grammar.from_regex(spec)
+            built = grammar.from_regex(spec)
         elif kind is StructuredKind.STRUCTURAL_TAG:
-            grammar.from_structural_tag(spec)
+            built = grammar.from_structural_tag(spec)
         else:
-            grammar.from_ebnf(spec, root_rule_name=ROOT_RULE)
+            built = grammar.from_ebnf(spec, root_rule_name=ROOT_RULE)
+        matcher = xgrammar.GrammarMatcher(_byte_compiler().compile_grammar(built))
+        bitmask = xgrammar.allocate_token_bitmask(1, 257)
+        matcher.fill_next_token_bitmask(bitmask)
     except Exception as exc:  # xgrammar raises RuntimeError (C++) and others; every one is the input's fault
         return engine_message(exc)[:MAX_ENGINE_MESSAGE_CHARS]
+    if not bitmask.any():  # not even the end token: no text matches
+        return "it matches no output at all (its rules never reach an end)"
     return None
 
 
