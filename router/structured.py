@@ -65,7 +65,24 @@ def schema_object(value: object) -> dict:
     value = json_object(value, "a JSON schema: an object")
     if _depth(value) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
+    if _has_pattern_and_length(value):  # the engine would enforce the pattern and drop the length, silently
+        raise ValueError("gives one string both a `pattern` and a `minLength` or `maxLength`, and the grammar "
+                         "engine enforces only the pattern; put the length in the pattern (e.g. ^[a-z]{2,8}$)")
     return value
+
+
+def _has_pattern_and_length(value: object) -> bool:
+    """Whether some object in `value` has "pattern" beside "minLength" or "maxLength" (iterative; depth-checked)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("pattern"), str) and ("minLength" in item or "maxLength" in item):
+                return True
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 def _depth(value: object) -> int:
