@@ -22,6 +22,19 @@ ROOT_RULE = "root"
 _ENGINE_PREFIX = re.compile(r"^\[[0-9:.]+\]\s*\S+:\d+:\s*")  # xgrammar's "[08:17:05] /project/cpp/x.cc:83: "
 
 
+_LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
+"""The engine's (xgrammar 0.2's) rule for one character of a string with minLength or maxLength, as its EBNF
+prints it: it lets the control characters U+0000-U+001F other than CR and LF through, which JSON forbids raw."""
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+"""One character JSON allows raw in a string: no control character, quote or backslash."""
+
+
+def json_string_characters(ebnf: str) -> str:
+    """A JSON schema's grammar (the engine's EBNF of it) whose length-bounded strings allow only characters JSON
+    allows raw; the engine's own rule would let control characters into them, making the output invalid JSON."""
+    return ebnf.replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+
+
 def choice_grammar(choices: Sequence[str]) -> str:
     """EBNF whose root matches exactly one of `choices` (JSON string escapes are EBNF's too)."""
     return f"{ROOT_RULE} ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)

@@ -8,9 +8,10 @@ untouched; a step malformed as a whole raises InvalidRequest and changes nothing
 Per-sequence state: the sampling parameters, the number of prompt tokens, a random generator,
 the token history, which after every step is `history[:num_computed_tokens] + token_ids`
 (so a recompute after preemption simply overwrites it), and for a structured output its grammar's
-matcher (worker/grammar.py), made when the sequence arrives; one whose grammar does not compile is
-kept with the reason, which every work of it is then refused with. A structured output's candidate
-tree is cut here, before the forward, to the nodes its grammar allows (GrammarState.prune): the
+matcher (worker/grammar.py), whose grammar starts compiling, off the step, when the sequence
+arrives; once that compile has failed, every work of the sequence is refused with the reason (a
+work that ran while it compiled fails in its own step, where its mask needed the grammar). A
+structured output's candidate tree is cut here, before the forward, to the nodes its grammar allows (GrammarState.prune): the
 nodes it drops take no row of the forward, and the KV slots the scheduler gave them are simply not
 written (its answer's accepted path is a path of the tree it sent, which trims them as any rejected
 node's).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +81,9 @@ class StepPlan:
     constrained: list[int] = field(default_factory=list)
     """Indices of the works that sample under a grammar, in order: one row at their last token, or every node of
     their tree (already cut to what the grammar allows)."""
+    grammar_masks: Future | None = None
+    """The constrained rows' masks being filled while the forward runs (worker/grammar_masks.py's fill_masks),
+    started by ModelRunner.execute; None when no row is constrained or it has not started."""
 
     @property
     def num_sample_rows(self) -> int:
@@ -86,7 +91,8 @@ class StepPlan:
 
 
 GrammarStarter = Callable[[StructuredOutput], GrammarState]
-"""A new sequence's matcher for its structured output (GrammarEngine.start); raises GrammarError."""
+"""A new sequence's matcher for its structured output (GrammarEngine.start: its compile starts); raises
+GrammarError where it cannot have one."""
 
 
 def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: StepLimits, tables: BlockTables,
@@ -130,7 +136,7 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
             seq, problem = _continued(seq, state)
         problem = problem or sequence_problem(seq, None if state is None else len(state.history), limits)
         if problem is None and (state.grammar is not None or state.refusal is not None):
-            problem = state.refusal or constrained_problem(seq)
+            problem = state.refusal or _compile_refusal(seq.seq_id, state) or constrained_problem(seq)
         if problem is None:
             problem = tables.stage(seq, -(-seq.num_tokens // limits.block_size))
             problem = None if problem is None else f"sequence {seq.seq_id!r}: {problem}"
@@ -172,12 +178,22 @@ def _start_grammar(seq_id: str, state: SequenceState, structured: StructuredOutp
         state.refusal = f"sequence {seq_id!r}: {exc}"
 
 
+def _compile_refusal(seq_id: str, state: SequenceState) -> str | None:
+    """Why the sequence's grammar did not compile, once its compile has ended (None while it runs)."""
+    problem = state.grammar.compile_problem() if state.grammar is not None else None
+    return None if problem is None else f"sequence {seq_id!r}: {problem}"
+
+
 def _pruned(seq: ScheduledSequence, state: SequenceState) -> tuple[ScheduledSequence, str | None]:
     """A tree step of a constrained sequence with its tree cut to the nodes its grammar allows after the output and
-    the root (GrammarState.prune; the matcher is left after the root), or why its output breaks its grammar."""
+    the root (GrammarState.prune; the matcher is left after the root), or why its output breaks its grammar (or
+    its grammar did not compile: a tree waits for the compile here, before the forward)."""
     root, num_computed, start = seq.token_ids[0], seq.num_computed_tokens, state.num_prompt_tokens
     output = state.history[start:num_computed] + [root] if num_computed >= start else []
-    problem = state.grammar.sync(output)
+    try:
+        problem = state.grammar.sync(output)
+    except GrammarError as exc:
+        problem = str(exc)
     if problem is not None:
         return seq, f"sequence {seq.seq_id!r}: {problem}"
     tree = state.grammar.prune(root, seq.draft)

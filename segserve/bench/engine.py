@@ -28,6 +28,13 @@ which the runner captured a CUDA graph (once per shape, as a compile is) is left
 of its round (graphs_captured and graph_capture_s count every capture). With
 --hf-compiled, HF `generate()` with a static cache and torch.compile runs at the same
 batch sizes in the same run (segserve/bench/hf_compiled.py).
+With --json-schema, every batch size runs twice, on two sets of sequences held at once:
+plain, and with that schema as every sequence's structured output (rows keep going past
+the grammar's end: ignore_eos, where it allows only EOS); their rounds alternate (plain,
+constrained, then constrained, plain, ...), and `grammar_ms` is the constrained round's
+step minus the plain round's beside it, median and spread (with --draft the constrained
+rows' trees are pruned and masked, and start with the span the grammar forces). A model
+built on the fly (--tiny, --random-weights) gets a small byte-level BPE tokenizer for it.
 Outputs under --out: engine.json (every number, the config, the command, the machine)
 and engine.png (stacked bars per batch size); the table is printed.
 """
@@ -41,14 +48,18 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from segserve.bench import engine_report as report
 from segserve.bench.engine_config import EngineBenchConfig
 from segserve.bench.hf_compiled import bench_hf_compiled
 from segserve.bench.random_models import build_random_gemma3_270m, build_tiny_gemma3
 from common.heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
 
 PARTS = report.PARTS
 
@@ -92,6 +103,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="the worker's linears on blocks of N rows (-1 = the probe's choice, 0 = as they come)")
     parser.add_argument("--hf-compiled", dest="is_hf_compiled", action="store_true",
                         help="also time HF generate() with a static cache + torch.compile")
+    parser.add_argument("--json-schema", default=d.json_schema, metavar="FILE|JSON",
+                        help="also run every batch size with this JSON schema on every row, and report grammar_ms")
     parser.add_argument("--num-threads", type=int, default=d.num_threads)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", default=d.out, help="output directory (default: bench-results/engine)")
@@ -134,14 +147,17 @@ class InProcessDrafter:
 
 def _make_runner(config: EngineBenchConfig, model_dir: Path):
     """One ModelRunner for every batch size, its KV cache sized for the largest."""
+    from protos.segserve.v1.step_result import MAX_FORCED_TOKENS
     from worker.config import WorkerConfig
     from worker.model_runner import ModelRunner
 
     block_size = 16
-    tokens_per_step = max(1 + (config.max_draft_nodes if config.is_draft else 0), config.num_decode_steps)
+    max_nodes = max(config.max_draft_nodes, MAX_FORCED_TOKENS if config.json_schema else 0)  # a forced span's tree
+    tokens_per_step = max(1 + (max_nodes if config.is_draft else 0), config.num_decode_steps)
     num_steps = config.warmup_steps + config.steps * config.repeats + 2
-    max_tokens = config.prompt_len + num_steps * tokens_per_step + config.max_draft_nodes + 1
-    num_blocks = max(config.batch_sizes) * (-(-max_tokens // block_size) + 1) + 1
+    max_tokens = config.prompt_len + num_steps * tokens_per_step + max_nodes + 1
+    num_sets = 2 if config.json_schema else 1  # plain and constrained sequences, held at once
+    num_blocks = num_sets * max(config.batch_sizes) * (-(-max_tokens // block_size) + 1) + 1
     runner = ModelRunner(WorkerConfig(model=str(model_dir), device=config.device, dtype=config.dtype,
                                       block_size=block_size, num_kv_blocks=num_blocks,
                                       num_threads=config.num_threads, is_compiled=config.is_compiled,
@@ -205,25 +221,44 @@ def _uncaptured(steps: list[tuple[tuple[dict, int], bool]]) -> list[tuple[dict, 
     return [step for step, is_captured in steps if not is_captured] or [step for step, _ in steps]
 
 
-def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: int) -> dict:
-    """Prefill batch_size sequences, warm up, then time config.repeats rounds of config.steps decode steps."""
-    from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
-    from protos.segserve.v1.step import StepRequest
+@dataclass
+class BatchSet:
+    """One set of a batch size's sequences, prefilled, on a scheduler of its own."""
+
+    scheduler: Scheduler
+    drafter: InProcessDrafter | None
+    seq_ids: list[str]
+
+
+def start_set(config: EngineBenchConfig, runner, batch_size: int, max_tokens: int, rng: random.Random, index: int,
+              num_sets: int) -> BatchSet:
+    """batch_size sequences of random prompts (set 1 of 2: under config.json_schema) added and prefilled; the set
+    uses the index-th of num_sets equal shares of the runner's KV blocks (its scheduler holds the blocks before
+    them), so two sets held at once never share a block."""
+    from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria, StructuredKind, StructuredOutput
     from protos.segserve.v1.step_result import StepResult
     from scheduler.scheduler import Scheduler
     from scheduler.sequence import Sequence
 
     info = runner.info()
-    rng = random.Random(config.seed + batch_size)
+    share = info.num_kv_blocks // num_sets
+    is_constrained = index == 1
     scheduler = Scheduler(
-        num_kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
+        num_kv_blocks=share * (index + 1), block_size=info.block_size, max_model_len=info.max_model_len,
         eos_token_ids=info.eos_token_ids, max_num_seqs=batch_size,
         max_num_batched_tokens=max(2048, batch_size * (1 + config.max_draft_nodes)),
         max_num_waiting=batch_size, max_num_waiting_tokens=batch_size * config.prompt_len + 1,
-        is_block_table_delta=info.block_table_deltas, num_decode_steps=config.num_decode_steps)
+        is_block_table_delta=info.block_table_deltas, num_decode_steps=config.num_decode_steps,
+        is_drafting_forced_spans=is_constrained and config.is_draft)  # as the stack does with speculation on
     sampling = SamplingParams(repetition_penalty=config.repetition_penalty)
     stopping = StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)
-    seq_ids = [f"b{batch_size}-{i}" for i in range(batch_size)]
+    if index:  # the shares before this set's stay with the sets they belong to
+        scheduler.block_manager.allocate(Sequence("reserved", [0], sampling, stopping), share * index * info.block_size)
+    if is_constrained:
+        sampling = SamplingParams(repetition_penalty=config.repetition_penalty,
+                                  structured_output=StructuredOutput(StructuredKind.JSON_SCHEMA, config.schema_spec()))
+    label = "g" if is_constrained else "b"
+    seq_ids = [f"{label}{batch_size}-{i}" for i in range(batch_size)]
     for seq_id in seq_ids:
         prompt = [rng.randrange(3, info.vocab_size) for _ in range(config.prompt_len)]
         scheduler.add(Sequence(seq_id, prompt, sampling, stopping))
@@ -231,30 +266,57 @@ def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: 
         request = scheduler.schedule().request
         scheduler.postprocess(request, StepResult(runner.step(request)))
     drafter = InProcessDrafter(config.max_draft_nodes) if config.is_draft else None
-    rounds = []
+    for _ in range(config.warmup_steps):
+        _decode_step(scheduler, runner, drafter)
+    return BatchSet(scheduler, drafter, seq_ids)
+
+
+def time_round(config: EngineBenchConfig, runner, batch: BatchSet, rng: random.Random) -> dict[str, float]:
+    """One timed round of config.steps decode steps of the set: the mean ms of every part, "total" and
+    "tokens_per_step" over its timed steps, and "untimed", the mean ms of its other steps."""
+    timed_and_untimed = ([], [])  # (_decode_step's result, whether the runner captured a graph in it)
+    timed = timed_steps(rng, config.steps)
     try:
-        for _ in range(config.warmup_steps):
-            _decode_step(scheduler, runner, drafter)
-        for _ in range(config.repeats):
-            timed_and_untimed = ([], [])  # (_decode_step's result, whether the runner captured a graph in it)
-            timed = timed_steps(rng, config.steps)
-            for index in range(config.steps):
-                runner.timings = {} if index in timed else None
-                before = _num_captured(runner)
-                step = _decode_step(scheduler, runner, drafter)
-                timed_and_untimed[index not in timed].append((step, _num_captured(runner) > before))
-            steps, untimed = (_uncaptured(part) for part in timed_and_untimed)
-            if len(scheduler.running) != batch_size:
-                raise RuntimeError(f"{batch_size - len(scheduler.running)} sequences ended during the timed steps")
-            mean = {part: 1000 * statistics.fmean(p[part] for p, _ in steps) for part in (*PARTS, "total")}
-            rounds.append(mean | {"tokens_per_step": statistics.fmean(n for _, n in steps),
-                                  "untimed": 1000 * statistics.fmean(parts["total"] for parts, _ in untimed)})
+        for index in range(config.steps):
+            runner.timings = {} if index in timed else None
+            before = _num_captured(runner)
+            step = _decode_step(batch.scheduler, runner, batch.drafter)
+            timed_and_untimed[index not in timed].append((step, _num_captured(runner) > before))
     finally:
         runner.timings = None
-        for seq_id in seq_ids:
-            scheduler.abort(seq_id)
-        runner.step(StepRequest(finished_seq_ids=seq_ids))  # the runner forgets them
-    return report.summarize_batch(batch_size, rounds)
+    steps, untimed = (_uncaptured(part) for part in timed_and_untimed)
+    if len(batch.scheduler.running) != len(batch.seq_ids):
+        raise RuntimeError(f"{len(batch.seq_ids) - len(batch.scheduler.running)} sequences ended during the timed "
+                           "steps")
+    mean = {part: 1000 * statistics.fmean(p[part] for p, _ in steps) for part in (*PARTS, "total")}
+    return mean | {"tokens_per_step": statistics.fmean(n for _, n in steps),
+                   "untimed": 1000 * statistics.fmean(parts["total"] for parts, _ in untimed)}
+
+
+def bench_batch(config: EngineBenchConfig, runner, batch_size: int, max_tokens: int) -> dict:
+    """Prefill batch_size sequences, warm up, then time config.repeats rounds of config.steps decode steps; with
+    config.json_schema, a constrained set as well, its rounds alternating with the plain set's."""
+    from protos.segserve.v1.step import StepRequest
+
+    rng = random.Random(config.seed + batch_size)
+    num_sets = 2 if config.json_schema else 1
+    sets: list[BatchSet] = []
+    rounds: list[list[dict]] = [[] for _ in range(num_sets)]
+    try:
+        for index in range(num_sets):
+            sets.append(start_set(config, runner, batch_size, max_tokens, rng, index, num_sets))
+        for repeat in range(config.repeats):  # ABBA: neither set always runs first
+            for index in (range(num_sets) if repeat % 2 == 0 else reversed(range(num_sets))):
+                rounds[index].append(time_round(config, runner, sets[index], rng))
+    finally:
+        for batch in sets:
+            for seq_id in batch.seq_ids:
+                batch.scheduler.abort(seq_id)
+        runner.step(StepRequest(finished_seq_ids=[seq_id for batch in sets for seq_id in batch.seq_ids]))
+    summary = report.summarize_batch(batch_size, rounds[0])
+    if num_sets == 2:
+        summary |= report.summarize_grammar(batch_size, rounds[0], rounds[1])
+    return summary
 
 
 def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | None = None,
@@ -291,6 +353,26 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
     return results
 
 
+_TOKENIZER_TEXT = ('{"id": 12, "kind": "alpha", "owner": {"name": "Ada Lovelace", "age": 36}, "tags": ["x", "y"]}\n'
+                   '[{"key": "value", "count": 0, "ok": true, "none": null}, 3.25, -7] The quick brown fox.\n')
+
+
+def save_bench_tokenizer(model_dir: Path) -> None:
+    """A byte-level BPE tokenizer of up to 400 ids (<pad>, <bos>, <eos> first), trained on a few lines of JSON,
+    saved beside a model built on the fly (which has none) for --json-schema: the worker's grammar needs one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([_TOKENIZER_TEXT] * 4, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
+                            pad_token="<pad>").save_pretrained(model_dir)
+
+
 def run_engine(args: argparse.Namespace) -> dict:
     """The CLI entry: run the benchmark, print the table, return the results."""
     from segserve.bench.machine import machine_info
@@ -304,6 +386,8 @@ def run_engine(args: argparse.Namespace) -> dict:
             else:
                 model_dir = build_random_gemma3_270m(Path(tmp), config.seed, config.device, config.dtype)
                 label = "gemma-3-270m's shape, random weights (--random-weights)"
+            if config.json_schema:
+                save_bench_tokenizer(model_dir)
             results = run_benchmark(config, model_dir, header, label)
     else:
         from common.checkpoint import resolve_model

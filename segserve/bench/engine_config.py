@@ -3,7 +3,9 @@ baseline (hf_compiled.py)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -55,6 +57,9 @@ class EngineBenchConfig:
     weight shape, N > 0 = blocks of N rows, 0 = as they come."""
     is_hf_compiled: bool = False
     """Also time HF generate() with a static cache and torch.compile (slow to compile on a CPU)."""
+    json_schema: str = ""
+    """A JSON schema (its text, or a file holding it) on every sequence as its structured output: each batch size
+    then runs plain and constrained, round by round, and reports the difference (grammar_ms); "" = plain only."""
     num_threads: int = 0
     """torch intra-op threads; 0 = torch's default."""
     seed: int = 0
@@ -77,3 +82,21 @@ class EngineBenchConfig:
             raise ValueError(f"num_decode_steps must be in 1..{MAX_DECODE_STEPS}")
         if self.device not in ("auto", "cpu", "cuda") or self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported device {self.device!r} or dtype {self.dtype!r}")
+        if self.json_schema:
+            self.schema_spec()
+
+    def schema_spec(self) -> str:
+        """json_schema as compact JSON text (read from its file when it is not JSON text). Raises ValueError."""
+        text = self.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as exc:
+                raise ValueError(f"json_schema: neither a JSON object nor a readable file: {exc}") from None
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema must be a JSON object")
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

@@ -32,6 +32,18 @@ def summarize_batch(batch_size: int, rounds: list[dict[str, float]]) -> dict:
     }
 
 
+def summarize_grammar(batch_size: int, plain: list[dict[str, float]], constrained: list[dict[str, float]]) -> dict:
+    """With --json-schema: the constrained set's summary, and grammar_ms, the constrained round's step minus the
+    plain round's run beside it, per round pair (median, spread; every part's difference besides, under "parts")."""
+    def differences(key: str) -> list[float]:
+        return [c[key] - p[key] for p, c in zip(plain, constrained)]
+
+    grammar = _stat(differences("total"))
+    grammar["parts"] = {part: statistics.median(differences(part)) for part in PARTS}
+    grammar["untimed_ms"] = statistics.median(differences("untimed"))
+    return {"constrained": summarize_batch(batch_size, constrained), "grammar_ms": grammar}
+
+
 def summarize_hf(batch_size: int, ms_per_step: list[float]) -> dict:
     total = _stat(ms_per_step)
     return {**total, "tokens_per_s": 1000 * batch_size / total["median_ms"] if total["median_ms"] > 0 else None}
@@ -43,12 +55,16 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def markdown_table(results: dict) -> str:
     """One row per batch size: ms/step (median, spread), every part, excluding forward, tok/s, the same for the
-    untimed steps (the others of a round, their parts not timed), HF compiled."""
+    untimed steps (the others of a round, their parts not timed), HF compiled; with --json-schema, the constrained
+    step, its tokens and grammar_ms (median, spread) at the end."""
     has_hf = any(b.get("hf_compiled") for b in results["batches"])
+    has_grammar = any("grammar_ms" in b for b in results["batches"])
     head = ["batch", "ms/step (min-max)", *PARTS, "excl. forward", "tok/step", "tok/s", "untimed ms/step (min-max)",
             "untimed tok/s"]
     if has_hf:
         head += ["HF compiled ms/step", "HF tok/s"]
+    if has_grammar:
+        head += ["constrained ms/step", "constrained tok/step", "grammar ms (min-max)"]
     lines = [f"engine step on {results.get('model')} ({results.get('device')}, {results.get('dtype')}); "
              f"ms, median of {results['config']['repeats']} rounds of {results['config']['steps']} steps"
              + (f"; a step is one request of up to {num_steps} decode steps"
@@ -66,6 +82,11 @@ def markdown_table(results: dict) -> str:
         if has_hf:
             hf = b.get("hf_compiled") or {}
             cells += ["error" if "error" in hf else _fmt(hf.get("median_ms")), _fmt(hf.get("tokens_per_s"), 0)]
+        if has_grammar:
+            grammar = b.get("grammar_ms")
+            cells += ["-", "-", "-"] if grammar is None else [
+                _fmt(b["constrained"]["total"]["median_ms"]), _fmt(b["constrained"]["tokens_per_step"], 1),
+                f"{_fmt(grammar['median_ms'])} ({_fmt(grammar['min_ms'])}-{_fmt(grammar['max_ms'])})"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

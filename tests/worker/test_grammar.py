@@ -206,6 +206,29 @@ def test_a_spec_that_does_not_compile_fails_its_sequence_alone(runner, prompt):
     assert jobs[1].output == alone
 
 
+@pytest.mark.parametrize("is_sampled", [False, True])
+def test_a_grammar_that_allows_no_token_fails_its_sequence_and_draws_nothing(runner, prompt, is_sampled):
+    # the router refuses a grammar that matches no text; one that reaches the worker must not yield a token
+    alone = decode(runner, prompt, SamplingParams(), max_new=5)
+    endless = StructuredOutput(StructuredKind.GRAMMAR, "root ::= root")
+    sampling = constrained(endless, do_sample=is_sampled, seed=3) if is_sampled else constrained(endless)
+    jobs = [Job("endless", prompt, sampling, 0), Job("fine", prompt, SamplingParams(), 1, max_new=5)]
+    errors = step_jobs(runner, jobs)
+    finish(runner, jobs)
+    assert set(errors) == {"endless"} and "allows no token of this model here" in errors["endless"]
+    assert jobs[0].output == [] and jobs[1].output == alone
+
+
+def test_no_span_is_forced_from_inside_a_multi_byte_character(runner, tokenizer):
+    engine: GrammarEngine = runner.grammars
+    state = engine.start(StructuredOutput(StructuredKind.JSON_SCHEMA, '{"const": "東京"}'))
+    first_byte = tokenizer.convert_tokens_to_ids("æ")  # the byte-level token of 0xE6, 東's first byte
+    assert state.sync(tokenizer.encode('"', add_special_tokens=False) + [first_byte]) is None
+    assert engine.forced_tokens(state) == ()  # the matcher's jump-forward text would start mid-character
+    whole = engine.start(StructuredOutput(StructuredKind.JSON_SCHEMA, '{"const": "東京"}'))
+    assert whole.sync([]) is None and tokenizer.decode(engine.forced_tokens(whole)) == '"東京"'
+
+
 def test_after_its_stop_token_the_matcher_allows_only_stop_tokens(runner, tokenizer):
     engine: GrammarEngine = runner.grammars
     state = engine.start(CHOICE)
@@ -241,6 +264,11 @@ def test_masks_match_xgrammars_kernel_and_leave_other_rows(runner, tokenizer):
     masks.apply_by_index(by_index, rows, ours)  # a GPU's way
     assert torch.equal(logits, expected) and torch.equal(by_index, expected)
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[3]).all()
+    half = torch.randn(5, engine.vocab_size).bfloat16()  # numpy has no bfloat16: xgrammar's kernel writes it
+    expected = half.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    masks.apply(half, rows, ours)
+    assert torch.equal(half, expected)
 
 
 def test_choice_grammar_escapes_every_choice(runner, tokenizer):
@@ -254,8 +282,10 @@ def test_choice_grammar_escapes_every_choice(runner, tokenizer):
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path):
+    state = GrammarEngine(tmp_path, 40, [0]).start(CHOICE)  # its compile fails on the engine's pool
     with pytest.raises(GrammarError, match="tokenizer"):
-        GrammarEngine(tmp_path, 40, [0]).start(CHOICE)
+        state.sync([])
+    assert "tokenizer" in state.compile_problem()
 
 
 def test_steps_without_constrained_rows_do_no_grammar_work(runner, prompt, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -105,3 +106,66 @@ def test_half_the_steps_of_a_round_are_timed_and_not_always_the_same_ones():
     assert len({frozenset(steps) for steps in rounds}) > 1
     assert any(step % 2 for steps in rounds for step in steps)
     assert timed_steps(random.Random(0), 3) <= {0, 1, 2} and len(timed_steps(random.Random(0), 3)) == 2
+
+
+SCHEMA = {"type": "object", "required": ["id", "kind", "owner", "tags"],
+          "properties": {"id": {"type": "integer"}, "kind": {"enum": ["alpha", "beta"]},
+                         "owner": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+                         "tags": {"type": "array", "items": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("extra", [[], ["--draft"]], ids=["plain", "draft"])
+def test_engine_bench_with_a_json_schema_reports_the_grammars_cost(tmp_path, capsys, monkeypatch, extra):
+    """--json-schema: every batch size runs plain and constrained (every row masked by the schema's grammar, each
+    step), and grammar_ms is the constrained round's step minus the plain round's, per round pair."""
+    from worker import model_runner
+
+    masked_rows, num_trees, fill_masks = [], [], model_runner.fill_masks
+
+    def counting_fill(works, constrained, *args):
+        masked_rows.append(len(constrained))
+        num_trees.append(sum(works[i].is_tree for i in constrained))
+        return fill_masks(works, constrained, *args)
+
+    monkeypatch.setattr(model_runner, "fill_masks", counting_fill)
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA, indent=2))
+    out = tmp_path / "engine"
+    argv = ["bench", "engine", "--tiny", "--device", "cpu", "--batch-sizes", "1,4", "--steps", "3",
+            "--warmup-steps", "1", "--repeats", "2", "--json-schema", str(schema), "--out", str(out), *extra]
+    assert main(argv) == 0
+
+    results = json.loads((out / "engine.json").read_text())
+    assert results["config"]["json_schema"] == str(schema)
+    # rows 1 then 4 at a time, a prefill, a warm-up step and 2 rounds of 3 steps each
+    assert set(masked_rows) == {1, 4} and len(masked_rows) >= 2 * (1 + 1 + 2 * 3)
+    assert (sum(num_trees) > 0) is ("--draft" in extra)  # with --draft, trees (the forced spans at least)
+    for batch in results["batches"]:
+        plain, constrained, grammar = batch, batch["constrained"], batch["grammar_ms"]
+        assert constrained["batch_size"] == batch["batch_size"] and set(constrained["parts"]) == set(PARTS)
+        assert constrained["tokens_per_step"] >= batch["batch_size"]
+        differences = [c - p for p, c in zip(plain["total"]["rounds_ms"], constrained["total"]["rounds_ms"])]
+        assert grammar["rounds_ms"] == pytest.approx(differences) and len(differences) == 2
+        assert grammar["min_ms"] <= grammar["median_ms"] <= grammar["max_ms"]
+        assert set(grammar["parts"]) == set(PARTS)
+        forward = [c - p for p, c in zip(plain["parts"]["forward"]["rounds_ms"],
+                                         constrained["parts"]["forward"]["rounds_ms"])]
+        assert grammar["parts"]["forward"] == pytest.approx(statistics.median(forward))
+    table = capsys.readouterr().out
+    assert "| constrained ms/step | constrained tok/step | grammar ms (min-max) |" in table
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| ") and "batch" not in line]
+    assert [float(row[-2].split()[0]) for row in rows] == pytest.approx(
+        [round(b["grammar_ms"]["median_ms"], 2) for b in results["batches"]], abs=0.006)
+
+
+def test_the_json_schema_option_takes_json_text_or_a_file(tmp_path):
+    from segserve.bench.engine_config import EngineBenchConfig
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA, indent=2))
+    compact = json.dumps(SCHEMA, separators=(",", ":"))
+    assert EngineBenchConfig(json_schema=str(schema)).schema_spec() == compact
+    assert EngineBenchConfig(json_schema=json.dumps(SCHEMA, indent=1)).schema_spec() == compact
+    for bad in ("[1, 2]", "{not json", str(tmp_path / "missing.json")):
+        with pytest.raises(ValueError, match="json_schema"):
+            EngineBenchConfig(json_schema=bad)
