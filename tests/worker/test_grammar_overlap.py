@@ -14,8 +14,20 @@ import pytest
 
 from protos.segserve.v1.sampling import SamplingParams, StructuredKind, StructuredOutput
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
-from tests.worker.test_grammar import (CHOICE, CHOICES, JSON_SCHEMA, REGEX, Job, constrained, decode, finish,
-                                       step_jobs, text_of)
+from tests.worker.test_grammar import (  # noqa: F401 (fixtures)
+    CHOICE,
+    CHOICES,
+    JSON_SCHEMA,
+    REGEX,
+    Job,
+    constrained,
+    decode,
+    finish,
+    prompt,
+    step_jobs,
+    text_of,
+    tokenizer,
+)
 from tests.worker.test_grammar_trees import KEYS, chain, tree_decode
 from worker.grammar import GrammarError
 
@@ -27,18 +39,6 @@ def runner(tiny_gemma3_dir):
     from tests.worker.test_model_runner import make_runner
 
     return make_runner(tiny_gemma3_dir, num_kv_blocks=160)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gemma3_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_gemma3_dir)
-
-
-@pytest.fixture(scope="module")
-def prompt(tokenizer):
-    return tokenizer.encode('User: give me a record. Assistant: {"name": "Ada", "age": 36}')
 
 
 @pytest.fixture

@@ -16,14 +16,25 @@ import random
 import jsonschema
 import pytest
 import torch
-from transformers import AutoTokenizer
 from xgrammar.contrib.hf import LogitsProcessor
 
 from protos.segserve.v1.sampling import SamplingParams, StructuredKind, StructuredOutput
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.step_result import MAX_FORCED_TOKENS
 from protos.segserve.v1.tree import ROOT, CandidateTree
-from tests.worker.test_grammar import CHOICE, CHOICES, EOS, JSON_SCHEMA, MAX_NEW, REGEX, SCHEMA, constrained, decode
+from tests.worker.test_grammar import (  # noqa: F401 (fixtures)
+    CHOICE,
+    CHOICES,
+    EOS,
+    JSON_SCHEMA,
+    MAX_NEW,
+    REGEX,
+    SCHEMA,
+    constrained,
+    decode,
+    prompt,
+    tokenizer,
+)
 from tests.worker.test_model_runner import make_runner, stock_attention
 from tests.worker.test_verify import oracle_tree, random_tree
 from worker.grammar import GrammarEngine
@@ -43,16 +54,6 @@ GRAMMARS = {"json_schema": JSON_SCHEMA, "regex": REGEX, "choice": CHOICE, "keys"
 @pytest.fixture(scope="module")
 def runner(tiny_gemma3_dir):
     return make_runner(tiny_gemma3_dir, num_kv_blocks=2 * BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gemma3_dir):
-    return AutoTokenizer.from_pretrained(tiny_gemma3_dir)
-
-
-@pytest.fixture(scope="module")
-def prompt(tokenizer):
-    return tokenizer.encode('User: give me a record. Assistant: {"name": "Ada", "age": 36}')
 
 
 def tree_decode(runner, prompt: list[int], params: SamplingParams, propose, max_new: int = MAX_NEW,
