@@ -105,6 +105,7 @@ class FilledMasks:
     compile (neither), or its tree holds a node the grammar forbids."""
 
 
+@torch.inference_mode()  # on the grammar thread too: the reused bitmask is an inference tensor, written in place
 def fill_masks(works: Sequence[Work], constrained: Sequence[int], states: Mapping[str, ConstrainedState],
                masks: GrammarMasks) -> FilledMasks:
     """The masks of every sample row of each of `constrained` (indices into works: one row at the end of a plain

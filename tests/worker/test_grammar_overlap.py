@@ -14,6 +14,7 @@ import pytest
 
 from protos.segserve.v1.sampling import SamplingParams, StructuredKind, StructuredOutput
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+from protos.segserve.v1.tree import CandidateTree
 from tests.worker.test_grammar import (  # noqa: F401 (fixtures)
     CHOICE,
     CHOICES,
@@ -315,3 +316,22 @@ def test_is_ended_follows_the_matchers_termination_through_syncs_and_walks(runne
     assert checked[-5:] == [0, 1, 2, 3, 6]
     agrees()
     assert not state.is_ended and state.sync(yes + [EOS]) is None and state.is_ended
+
+
+def test_trees_past_the_grammars_end_are_masked_on_the_grammar_thread(runner, tokenizer, prompt, monkeypatch):
+    """Nodes after the stop token (only stop tokens are allowed there) get their rows written on the grammar
+    thread, outside the step's inference mode, into the runner's reused bitmask (made by a step's own thread)."""
+    from tests.worker.test_grammar import EOS
+    from worker import model_runner
+
+    params = constrained(CHOICE)
+    plain = decode(runner, prompt, params)
+    assert plain[-1] == EOS
+
+    def past_the_end(output, forced):  # the right rest of the output, then EOS twice more
+        return chain(plain[len(output):] + [EOS, EOS]) if len(output) < len(plain) else CandidateTree()
+
+    monkeypatch.setattr(model_runner, "OVERLAP_MIN_FORWARD_S", float("inf"))  # filled on the step's thread
+    assert tree_decode(runner, prompt, params, past_the_end)[0] == plain
+    monkeypatch.setattr(model_runner, "OVERLAP_MIN_FORWARD_S", 0.0)  # beside the forward, in the same bitmask
+    assert tree_decode(runner, prompt, params, past_the_end)[0] == plain
