@@ -260,7 +260,7 @@ def _byte_compiler():
 
 def _compile_error(kind: StructuredKind, spec: str) -> str | None:
     """Build the grammar without the model's tokenizer; the engine's reason when it cannot, or when the grammar
-    matches no text at all (a schema that is only a reference to itself), which no model could ever finish
+    matches no text at all (a grammar whose rules never reach an end), which no model could ever finish
     (runs in a thread)."""
     xgrammar = _xgrammar()
     grammar = xgrammar.Grammar
