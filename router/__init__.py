@@ -20,7 +20,8 @@ Modules, from the wire inwards:
 - structured.py: structured outputs (response_format, vLLM's structured_outputs / guided_*) onto the contract's
   StructuredOutput, and the edge's bounded, cached check that the schema, regex or grammar compiles (xgrammar).
 - tools.py: tool calling (tools into the chat template, tool_choice forced by a grammar, a choice's text read
-  as tool_calls); tool_parsers.py: the model formats a tool call is read from (--tool-call-parser).
+  as tool_calls); tool_parsers.py: the model formats a tool call is read from (--tool-call-parser), over
+  json_stream.py's JSON read a character at a time.
 - prompts.py: prompt / chat template to token ids, and the output budget (max_tokens) every edge computes once.
 - admission.py: the contract's validate_request on every request, and the context check, as a 400 naming the
   field.
