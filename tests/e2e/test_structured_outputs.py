@@ -17,6 +17,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from tests.support.e2e_helpers import start_stack
+from tests.support.tool_streams import streamed_tool_calls
 
 pytestmark = pytest.mark.e2e
 
@@ -117,30 +118,13 @@ SCHEMAS = {"get_weather": CITY_SCHEMA, "get_time": TIME["function"]["parameters"
 CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "get_time"}}}
 
 
-def _streamed_calls(stream) -> tuple[list[dict], str | None, str]:
-    """The calls a stream's delta.tool_calls build (by index), its finish_reason and its content."""
-    calls: dict[int, dict] = {}
-    finish_reason, content = None, ""
-    for chunk in stream:
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            finish_reason = choice.finish_reason or finish_reason
-            for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
-                if delta.id is not None:
-                    assert call["id"] is None, "a call's id comes once, on its first delta"
-                    call["id"], call["name"] = delta.id, delta.function.name
-                call["arguments"] += delta.function.arguments or ""
-    return [calls[index] for index in sorted(calls)], finish_reason, content
-
-
 @pytest.mark.parametrize("choice", CHOICES)
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_calls_parse_and_match_their_tools_schema(client, model, choice, stream):
     params = dict(model=model, messages=USER, max_tokens=MAX_TOKENS, temperature=1, seed=11, tools=[WEATHER, TIME],
                   tool_choice=CHOICES[choice], parallel_tool_calls=False)
     if stream:
-        calls, finish_reason, content = _streamed_calls(client.chat.completions.create(stream=True, **params))
+        content, calls, finish_reason = streamed_tool_calls(client.chat.completions.create(stream=True, **params))
     else:
         completion = client.chat.completions.create(**params)
         message, finish_reason, content = completion.choices[0].message, completion.choices[0].finish_reason, ""

@@ -20,6 +20,7 @@ from router.protocol import ChatCompletionRequest
 from router.tools import template_tools
 from tests.router.test_server import MODEL, router_url, scheduler, tokenizer  # noqa: F401
 from tests.support.router_server import free_port, serve_router
+from tests.support.tool_streams import streamed_tool_calls
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -54,20 +55,7 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def _streamed(client: openai.OpenAI, **params) -> tuple[str, list[dict], str | None]:
-    content, calls, finish_reason = "", {}, None
-    for chunk in client.chat.completions.create(model=MODEL, messages=USER, stream=True, **params):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            finish_reason = choice.finish_reason or finish_reason
-            for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
-                if delta.id is not None:
-                    assert call["id"] is None and delta.type == "function"
-                    call["id"], call["name"] = delta.id, delta.function.name
-                else:
-                    assert delta.function.name is None, "the name comes once, with the id"
-                call["arguments"] += delta.function.arguments or ""
-    return content, [calls[index] for index in sorted(calls)], finish_reason
+    return streamed_tool_calls(client.chat.completions.create(model=MODEL, messages=USER, stream=True, **params))
 
 
 def _whole(client: openai.OpenAI, **params) -> tuple[str | None, list[dict], str | None]:
