@@ -1,10 +1,10 @@
 """The request guard in front of every HTTP route: API keys, tenants and the body-size limit.
 
 In: each HTTP request's path and headers (and, without a declared length, its body). Out: the request passed on
-to the app, or answered at once: 401 on /v1, /v2 and /(de)tokenize without one of `config.api_keys`, 413 for a
-body over `config.max_request_body_bytes`, both before the body is parsed or any work starts; with
-`metrics_require_key`, /metrics and /status want a key too. It also sets the request's tenant
-(router/tenants.py: from its key, or a trusted tenant header; 400 for an invalid one), which
+to the app, or answered at once: 401 on /v1, /v2, /(de)tokenize and /tokenizer_info without one of
+`config.api_keys`, 413 for a body over `config.max_request_body_bytes`, both before the body is parsed or any
+work starts; with `metrics_require_key`, /metrics and /status want a key too. It also sets the request's
+tenant (router/tenants.py: from its key, or a trusted tenant header; 400 for an invalid one), which
 scheduler_client.py sends in the GenerateRequest. `is_authorized` is the key check the gRPC API shares.
 """
 
@@ -18,8 +18,8 @@ from router.tenants import InvalidTenant, current_tenant, matching_key, tenant_f
 
 
 class RequestGuard:
-    """ASGI middleware: API keys on /v1, /v2 and /(de)tokenize and the body-size limit, checked before any route
-    runs."""
+    """ASGI middleware: API keys on /v1, /v2, /(de)tokenize and /tokenizer_info and the body-size limit, checked
+    before any route runs."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int, tenant_header: str = "",
                  is_metrics_key_required: bool = False) -> None:
@@ -95,7 +95,7 @@ def is_authorized(authorization: bytes, api_keys: list[bytes]) -> bool:
 
 
 def _is_api_path(path: str) -> bool:
-    return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/v2", "/tokenize", "/detokenize")
+    return path.startswith(("/v1/", "/v2/")) or path in ("/v1", "/v2", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def _is_ops_path(path: str) -> bool:

@@ -26,7 +26,7 @@ from router.errors import bad_request
 from router.generation import GenerationJob
 from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from router.responses import ChatRenderer, CompletionRenderer, EchoPrompt
+from router.responses import ChatRenderer, ChoicePrompt, CompletionRenderer
 from router.serving import job_events, respond_events
 from router.state import RouterState, StateDep
 from router.stop import stop_at_strings
@@ -44,19 +44,21 @@ router = APIRouter()
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     state.check_model(body.model)
     prompts = body.prompts
-    prompt_ids = [completion_prompt_ids(state.tokenizer, prompt) for prompt in prompts]
+    prompt_ids = [completion_prompt_ids(state.tokenizer, prompt, body.add_special_tokens) for prompt in prompts]
     num_choices, response_id = body.num_choices, f"cmpl-{uuid.uuid4().hex}"
     request_ids = generation_ids(response_id, len(prompts) * num_choices)
     jobs = [job for number, ids in enumerate(prompt_ids)
             for job in choice_jobs(state, body, ids, request_ids[number * num_choices:][:num_choices])]
     await check_structured_output(body)
-    echoes = None
-    if body.echo:  # the ids were validated with the jobs: decoding them is safe
-        echoes = [EchoPrompt(prompt if isinstance(prompt, str) else state.tokenizer.decode(ids), tuple(ids),
-                             body.num_prompt_logprobs)
-                  for prompt, ids in zip(prompts, prompt_ids) for _ in range(num_choices)]
+    num_listed = None if body.stream else body.num_prompt_logprobs  # vLLM lists them in whole answers only
+    shown = None
+    if body.echo or num_listed is not None:  # the ids were validated with the jobs: decoding them is safe
+        shown = [ChoicePrompt(prompt if isinstance(prompt, str) else state.tokenizer.decode(ids), tuple(ids),
+                              bool(body.echo), body.is_echo_only, num_listed)
+                 for prompt, ids in zip(prompts, prompt_ids) for _ in range(num_choices)]
     renderer = CompletionRenderer(response_id, int(time.time()), state.served_name, state.token_texts,
-                                  body.num_top_logprobs is not None, len(jobs), echoes=echoes)
+                                  body.num_top_logprobs is not None, len(jobs), prompts=shown,
+                                  num_logprobs=body.logprobs or 0)
     return await serve(state, request, body, jobs, renderer, [index // num_choices for index in range(len(jobs))])
 
 
@@ -67,7 +69,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if mode == "auto" and not parser:
         raise bad_request(f'tool_choice "auto" needs the server started with --tool-call-parser ({known_parsers()}) '
                           f'to read the calls; send tool_choice "required", a named function or "none"', "tool_choice")
-    prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages(), template_tools(body.tools))
+    prompt_ids = chat_prompt_ids(state.tokenizer, body.template_messages(), template_tools(body.tools), body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = choice_jobs(state, body, prompt_ids, generation_ids(response_id, body.num_choices))
     await check_structured_output(body)

@@ -15,8 +15,11 @@ Mapping at the edge (and nothing else): temperature in [0, 1e-5) is greedy
 decoding (as in vLLM), while a negative or non-finite one goes on to be refused;
 negative int64 seeds wrap modulo 2**64 (choice i uses seed + i); top_k -1 is
 off (vLLM's); logit_bias keys are token ids written as strings; `logprobs` /
-`top_logprobs` become num_top_logprobs and, with `echo`, num_prompt_logprobs.
-top_k, typical_p, repetition_penalty and ignore_eos are extensions, as in vLLM.
+`top_logprobs` become num_top_logprobs and, with `echo`, num_prompt_logprobs
+(vLLM's `prompt_logprobs` sets it itself); `echo` with `max_tokens` 0 asks for one
+token, which the answer leaves out (the prompt alone, as vLLM answers it).
+top_k, typical_p, repetition_penalty, ignore_eos, add_special_tokens and the chat
+template's options (prompts.ChatTemplateOptions) are extensions, as in vLLM.
 Stop strings are applied by the router (stop.py), the n choices are n scheduler
 requests (choices.py). A structured output (`response_format` json_object /
 json_schema, vLLM's `structured_outputs` or `guided_*`; one of them per request)
@@ -44,6 +47,7 @@ from protos.segserve.v1.sampling import (
 )
 from router.admission import bounds
 from router.choices import MAX_CHOICES, MAX_GENERATIONS
+from router.prompts import ChatTemplateOptions
 from router.structured import (
     STRUCTURED_FIELDS,
     ResponseFormat,
@@ -269,7 +273,13 @@ class CompletionRequest(SamplingRequest):
         "num_top_logprobs", maximum=MAX_COMPLETION_LOGPROBS))
     """Alternatives per token, at most 5 (the legacy API's own limit; the range is the contract's)."""
     echo: bool | None = False
-    """Prepend the prompt to the text (and, with logprobs, its tokens' logprobs)."""
+    """Prepend the prompt to the text (and, with logprobs, its tokens' logprobs); with `max_tokens` 0, the
+    prompt alone."""
+    prompt_logprobs: int | None = Field(default=None, json_schema_extra=bounds("num_prompt_logprobs"))
+    """vLLM's extension: each choice's `prompt_logprobs` lists every prompt token's logprob and this many
+    alternatives (not in a stream); with `echo`, the echoed prompt's alternatives too."""
+    add_special_tokens: bool = True
+    """vLLM's extension: add the tokenizer's special tokens (BOS) to a text prompt."""
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
     """Only best_of = n (the default): ranking extra generations is not implemented."""
@@ -299,6 +309,13 @@ class CompletionRequest(SamplingRequest):
             raise ValueError(f"at most {MAX_COMPLETION_LOGPROBS} logprobs per token are allowed (got {logprobs})")
         return logprobs
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, prompt_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if prompt_logprobs and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream` is true (0 is allowed)")
+        return prompt_logprobs
+
     @field_validator("suffix")
     @classmethod
     def _unsupported(cls, value, info: ValidationInfo):
@@ -322,11 +339,23 @@ class CompletionRequest(SamplingRequest):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return self.logprobs if self.echo else None
 
     @property
+    def is_echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the answer is the prompt alone (one token is generated, then left out)."""
+        return bool(self.echo) and super().requested_max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.is_echo_only else super().requested_max_tokens
+
+    @property
     def api_names(self) -> dict[str, str]:
-        return {**super().api_names, "num_top_logprobs": "logprobs", "num_prompt_logprobs": "logprobs"}
+        prompt_param = "prompt_logprobs" if self.prompt_logprobs is not None else "logprobs"
+        return {**super().api_names, "num_top_logprobs": "logprobs", "num_prompt_logprobs": prompt_param}
 
 
 def prompt_list(prompt: object) -> list:
@@ -368,8 +397,8 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions."""
+class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
+    """POST /v1/chat/completions (the chat template's options: prompts.ChatTemplateOptions)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False

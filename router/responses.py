@@ -8,26 +8,31 @@ delta's (choices.py sums it over the choices). Logprobs come out in OpenAI's
 two shapes: the legacy completions one (tokens / token_logprobs / top_logprobs /
 text_offset) and the chat one (content: [{token, logprob, bytes, top_logprobs}]).
 
-`echo` (completions): each choice's text starts with the prompt; with logprobs,
-its logprobs start with the prompt's tokens, as OpenAI's legacy API (and
-lm-evaluation-harness's loglikelihood) has them: the first prompt token's
-token_logprobs and top_logprobs entries are null, every other prompt token has
-its own logprob under the model and a dict of its alternatives (the token itself
-included, as vLLM does); text_offset runs over the prompt tokens from 0, then
-over the generated ones from the end of the prompt text. The prompt's logprobs
-arrive in the scheduler's chunks (Delta.prompt_logprobs, possibly over several
-before the first generated token); a stream sends them with the choice's first
-chunk of text.
+Completions logprobs are vLLM's, field by field: a token's `top_logprobs` is
+the token itself first, then its alternatives (`logprobs` + 1 entries at most,
+so `logprobs: 0` gives the token alone), and `text_offset` adds up the choice's
+tokens' texts from 0 (a stream's chunks go on where the last one ended).
+`echo`: each choice's text starts with the prompt (a token-id prompt's decoded
+text, special tokens included); with logprobs, its logprobs start with the
+prompt's tokens, as OpenAI's legacy API (and lm-evaluation-harness's
+loglikelihood) has them: the first prompt token's token_logprobs and
+top_logprobs entries are null, every other prompt token has its own logprob
+under the model and its alternatives. vLLM's `prompt_logprobs` lists, in a whole
+answer's choices, each prompt token's logprob and alternatives by token id with
+their rank and text. The prompt's logprobs arrive in the scheduler's chunks
+(Delta.prompt_logprobs, possibly over several before the first generated token);
+a stream sends them with the choice's first chunk of text. Usage always carries
+`prompt_tokens_details.cached_tokens`, 0 when nothing came from the prefix cache.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SerializeAsAny
 
 from protos.segserve.v1.step_result import PromptLogprobs
 from router.detokenizer import TokenTexts
@@ -45,21 +50,21 @@ def _clean(logprob: float) -> float:
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
-    """Prompt tokens whose KV came from the prefix cache."""
+    """Prompt tokens whose KV came from the prefix cache (0 when none did)."""
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-    """Present when part of the prompt came from the prefix cache."""
+    prompt_tokens_details: PromptTokensDetails
+    """Always present, as OpenAI's: `cached_tokens` is 0 when nothing came from the prefix cache."""
 
     @classmethod
     def of(cls, counts: UsageCounts) -> Usage:
-        details = None if counts.cached_tokens is None else PromptTokensDetails(cached_tokens=counts.cached_tokens)
         return cls(prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens,
-                   total_tokens=counts.total_tokens, prompt_tokens_details=details)
+                   total_tokens=counts.total_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens or 0))
 
 
 class CompletionLogprobs(BaseModel):
@@ -71,20 +76,38 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """A streamed chunk's choice."""
+
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
+class PromptTokenLogprob(BaseModel):
+    """One token of vLLM's `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    """1 for the most likely token; None when unknown (a prompt token outside its alternatives)."""
+    decoded_token: str | None = None
+
+
+class CompletionResponseChoice(CompletionChoice):
+    """A choice of the non-streamed body."""
+
+    prompt_logprobs: list[dict[int, PromptTokenLogprob] | None] | None = None
+    """vLLM's extension: per prompt token (None for the first), its logprob and its alternatives', by token id."""
+
+
 class CompletionResponse(BaseModel):
-    """The non-streamed body and, with partial text, every streamed chunk."""
+    """The non-streamed body (CompletionResponseChoice) and, with partial text, every streamed chunk."""
 
     id: str
     object: str = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[SerializeAsAny[CompletionChoice]]
     usage: Usage | None = None
 
 
@@ -206,98 +229,126 @@ class _Renderer:
 
 
 @dataclass(frozen=True)
-class EchoPrompt:
-    """The prompt a completions request with `echo` prepends to its choices."""
+class ChoicePrompt:
+    """What a completions choice shows of its prompt (`echo`, vLLM's `prompt_logprobs`)."""
 
     text: str
     token_ids: tuple[int, ...]
-    num_logprobs: int | None
-    """Alternatives per prompt token (the request's `logprobs`); None = no logprobs."""
+    is_echoed: bool = False
+    """`echo`: the choice's text (and its logprobs) start with the prompt's."""
+    is_echo_only: bool = False
+    """`echo` with `max_tokens` 0: the prompt alone; the one token generated is left out."""
+    num_listed_logprobs: int | None = None
+    """The choice's `prompt_logprobs` list with this many alternatives per token; None = no list."""
+
+
+_Scored = tuple[int, float | None, Sequence[tuple[int, float]]]
+"""A token of a choice's logprobs: (id, logprob or None when it has none, its alternatives (id, logprob))."""
 
 
 class CompletionRenderer(_Renderer):
-    """/v1/completions."""
+    """/v1/completions. Logprobs as vLLM gives them: each token's `top_logprobs` is the token itself, then its
+    alternatives (`num_logprobs` + 1 entries at most); `text_offset` adds up the choice's tokens' texts from 0."""
 
-    def __init__(self, *args, echoes: list[EchoPrompt] | None = None, **kwargs) -> None:
-        """`echoes[i]`: the prompt choice i prepends (with `echo`), None without `echo`."""
+    def __init__(self, *args, prompts: list[ChoicePrompt] | None = None, num_logprobs: int = 0, **kwargs) -> None:
+        """`prompts[i]`: what choice i shows of its prompt (None when no choice echoes or lists it);
+        `num_logprobs`: the request's `logprobs` (alternatives per token)."""
         super().__init__(*args, **kwargs)
-        self.echoes = echoes
+        self.prompts = prompts
+        self.num_logprobs = num_logprobs
         self._text_offsets = [0] * self.num_choices  # per choice: where its next token's text starts
-        self._is_echoed = [echoes is None] * self.num_choices
+        self._is_echo_pending = [prompts is not None and prompts[i].is_echoed for i in range(self.num_choices)]
         # per choice: prompt position -> (its logprob, its alternatives), as the chunks bring them
-        self._prompt_logprobs: list[dict[int, tuple[float, dict[int, float]]]] = [{} for _ in range(self.num_choices)]
+        self._prompt_logprobs: list[dict[int, tuple[float, list[tuple[int, float]]]]] = \
+            [{} for _ in range(self.num_choices)]
         self._text_chunk = TextTemplate(lambda index, text: self._body([CompletionChoice(index=index, text=text)]))
 
     def _take_prompt_logprobs(self, delta: Delta) -> None:
         prompt: PromptLogprobs | None = delta.prompt_logprobs
-        if prompt is None or self.echoes is None:
+        if prompt is None or self.prompts is None:
             return
         for offset, logprob in enumerate(prompt.logprobs):
             top = prompt.top_logprobs[offset] if offset < len(prompt.top_logprobs) else None
-            alternatives = {} if top is None else dict(zip(top.token_ids, top.logprobs))
+            alternatives = [] if top is None else list(zip(top.token_ids, top.logprobs))
             self._prompt_logprobs[delta.index][prompt.start + offset] = (logprob, alternatives)
 
-    def _echo_once(self, index: int) -> tuple[str, CompletionLogprobs | None]:
-        """The prompt's text and logprobs for choice `index`'s first output; ("", None) afterwards."""
-        if self._is_echoed[index]:
-            return "", None
-        self._is_echoed[index] = True
-        echo, known = self.echoes[index], self._prompt_logprobs[index]
-        self._text_offsets[index] = len(echo.text)  # generated tokens' offsets follow the prompt text
-        if not self.want_logprobs:
-            return echo.text, None
-        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        offset = 0
-        for position, token_id in enumerate(echo.token_ids):
-            token = self.token_texts.get(token_id)[0]
-            entry = known.get(position) if position > 0 else None
-            out.tokens.append(token)
-            out.text_offset.append(min(offset, len(echo.text)))
-            offset += len(token)
-            if entry is None:
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-                continue
-            logprob, alternatives = entry
-            top = {self.token_texts.get(t)[0]: _clean(v) for t, v in
-                   list(alternatives.items())[:echo.num_logprobs or 0]}
-            if echo.num_logprobs:
-                top.setdefault(token, _clean(logprob))
-            out.token_logprobs.append(_clean(logprob))
-            out.top_logprobs.append(top)
-        return echo.text, out
+    def _is_echo_only(self, index: int) -> bool:
+        return self.prompts is not None and self.prompts[index].is_echo_only
 
-    def _logprobs(self, logprobs: list[TokenLogprob], index: int,
-                  prefix: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
-        if not self.want_logprobs:
-            return None
-        out = prefix or CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for lp in logprobs:
-            token = self.token_texts.get(lp.token_id)[0]
+    def _prompt_tokens(self, index: int) -> list[_Scored]:
+        """The prompt's tokens as they lead a choice's logprobs: the first (and any not reported) without one."""
+        known = self._prompt_logprobs[index]
+        return [(token_id, *known.get(position, (None, ()))) for position, token_id in
+                enumerate(self.prompts[index].token_ids)]
+
+    def _top(self, token_id: int, logprob: float, alternatives: Sequence[tuple[int, float]]) -> dict[str, float]:
+        by_id = {token_id: logprob}
+        for alternative, value in alternatives:
+            by_id.setdefault(alternative, value)
+        return {self.token_texts.get(t)[0]: _clean(v) for t, v in list(by_id.items())[:self.num_logprobs + 1]}
+
+    def _logprobs(self, tokens: list[_Scored], index: int) -> CompletionLogprobs:
+        """Choice `index`'s next tokens' logprobs, their text offsets going on from its earlier tokens'."""
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for token_id, logprob, alternatives in tokens:
+            token = self.token_texts.get(token_id)[0]
             out.tokens.append(token)
-            out.token_logprobs.append(_clean(lp.logprob))
-            out.top_logprobs.append({self.token_texts.get(t)[0]: _clean(v) for t, v in lp.top})
             out.text_offset.append(self._text_offsets[index])
             self._text_offsets[index] += len(token)
+            out.token_logprobs.append(None if logprob is None else _clean(logprob))
+            out.top_logprobs.append(None if logprob is None else self._top(token_id, logprob, alternatives))
         return out
+
+    def _listed_prompt_logprobs(self, index: int) -> list[dict[int, PromptTokenLogprob] | None] | None:
+        """vLLM's `prompt_logprobs` of a choice: None for the first token, then each token's logprob and its
+        alternatives by id, with their ranks (a token's own rank is known when it is among its alternatives)."""
+        prompt = None if self.prompts is None else self.prompts[index]
+        if prompt is None or prompt.num_listed_logprobs is None:
+            return None
+        listed: list[dict[int, PromptTokenLogprob] | None] = []
+        for token_id, logprob, alternatives in self._prompt_tokens(index):
+            if logprob is None:
+                listed.append(None)
+                continue
+            ranks = {alternative: rank for rank, (alternative, _) in enumerate(alternatives, 1)}
+            entries = {token_id: (logprob, ranks.get(token_id))}
+            for rank, (alternative, value) in enumerate(alternatives[:prompt.num_listed_logprobs], 1):
+                entries.setdefault(alternative, (value, rank))
+            listed.append({t: PromptTokenLogprob(logprob=_clean(v), rank=rank, decoded_token=self.token_texts.get(t)[0])
+                           for t, (v, rank) in entries.items()})
+        return listed
 
     def _body(self, choices: list[CompletionChoice], usage: UsageCounts | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
                                   usage=Usage.of(usage) if usage else None)
 
     def chunk(self, delta: Delta) -> CompletionResponse | str | None:
-        """The stream's chunk for `delta` (as JSON text when it is only text), None when it has nothing to send."""
-        if (delta.text and delta.finish_reason is None and not self.want_logprobs and self._is_echoed[delta.index]
-                and delta.prompt_logprobs is None):
-            return self._text_chunk.fill(delta.index, delta.text)  # the common case, without a model per token
+        """The stream's chunk for `delta` (as JSON text when it is only text), None when it has nothing to send.
+        A choice's first chunk carries the echoed prompt (its logprobs arrive in chunks of their own before)."""
+        index = delta.index
+        if (delta.text and delta.finish_reason is None and not self.want_logprobs and not self._is_echo_pending[index]
+                and delta.prompt_logprobs is None and not self._is_echo_only(index)):
+            return self._text_chunk.fill(index, delta.text)  # the common case, without a model per token
         self._take_prompt_logprobs(delta)
-        if not self._has_content(delta):
+        if not (delta.num_tokens or delta.finish_reason):
+            return None  # only prompt logprobs: they go with the choice's first text
+        text, tokens = self._choice_output(index, [delta])
+        if not (text or delta.finish_reason or (self.want_logprobs and tokens)):
             return None
-        prompt_text, prompt_logprobs = self._echo_once(delta.index)
-        choice = CompletionChoice(index=delta.index, text=prompt_text + delta.text,
-                                  logprobs=self._logprobs(delta.logprobs, delta.index, prompt_logprobs),
-                                  finish_reason=delta.finish_reason)
-        return self._body([choice])
+        logprobs = self._logprobs(tokens, index) if self.want_logprobs else None
+        return self._body([CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=delta.finish_reason)])
+
+    def _choice_output(self, index: int, deltas: list[Delta]) -> tuple[str, list[_Scored]]:
+        """The text and scored tokens `deltas` add to choice `index`: the echoed prompt's first, once."""
+        text, tokens = "", []
+        if self._is_echo_pending[index]:
+            self._is_echo_pending[index] = False
+            text, tokens = self.prompts[index].text, self._prompt_tokens(index)
+        if not self._is_echo_only(index):
+            text += "".join(d.text for d in deltas)
+            tokens += [(lp.token_id, lp.logprob, lp.top) for d in deltas for lp in d.logprobs]
+        return text, tokens
 
     def usage_chunk(self, usage: UsageCounts) -> CompletionResponse:
         return self._body([], usage)
@@ -306,16 +357,16 @@ class CompletionRenderer(_Renderer):
         choices = [self._choice(ds) for ds in by_choice(deltas)]
         return self._body(choices, deltas[-1].usage)
 
-    def _choice(self, deltas: list[Delta]) -> CompletionChoice:
+    def _choice(self, deltas: list[Delta]) -> CompletionResponseChoice:
         """One choice of the non-streamed body from all of its deltas."""
         index = deltas[0].index
         for delta in deltas:
             self._take_prompt_logprobs(delta)
-        prompt_text, prompt_logprobs = self._echo_once(index)
-        return CompletionChoice(index=index, text=prompt_text + "".join(d.text for d in deltas),
-                                logprobs=self._logprobs([lp for d in deltas for lp in d.logprobs], index,
-                                                        prompt_logprobs),
-                                finish_reason=_finish_reason(deltas))
+        text, tokens = self._choice_output(index, deltas)
+        return CompletionResponseChoice(index=index, text=text,
+                                        logprobs=self._logprobs(tokens, index) if self.want_logprobs else None,
+                                        finish_reason=_finish_reason(deltas),
+                                        prompt_logprobs=self._listed_prompt_logprobs(index))
 
 
 class ChatRenderer(_Renderer):

@@ -117,15 +117,16 @@ class CallIn(BaseModel):
 
 
 def check_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> None:
-    """ValueError unless the tool choice can be met by the tools: `required` and a named function need tools,
-    and the named one must be among them."""
+    """ValueError unless the tool choice can be met by the tools: any choice but `none` needs tools (as OpenAI
+    refuses it), and a named function must be among them."""
     if tools is not None and len(tools) > MAX_TOOLS:
         raise ValueError(f"at most {MAX_TOOLS} tools are allowed (got {len(tools)})")
     names = [tool.function.name for tool in tools or []]
     if len(set(names)) != len(names):
         raise ValueError("tool names must be unique")
-    if tool_choice == "required" and not names:
-        raise ValueError('tool_choice "required" needs `tools`')
+    if tool_choice is not None and tool_choice != "none" and not names:
+        shown = f'"{tool_choice}"' if isinstance(tool_choice, str) else "naming a function"
+        raise ValueError(f"tool_choice {shown} needs `tools`; without tools only \"none\" is allowed")
     if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
         raise ValueError(f"tool_choice names the function {tool_choice.function.name!r}, which is not in `tools`")
 

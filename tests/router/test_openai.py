@@ -235,9 +235,24 @@ def test_completion_logprobs_shape(router_url):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 4
     assert all(isinstance(top, dict) and len(top) == 2 for top in lp["top_logprobs"])
     zero = httpx.post(f"{router_url}/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
-    assert zero["token_logprobs"] == [TOP_LOGPROB] * 4 and zero["top_logprobs"] == [{}] * 4
+    # As OpenAI and vLLM answer `logprobs: 0`: the chosen token alone, with its own logprob.
+    assert zero["token_logprobs"] == [TOP_LOGPROB] * 4
+    assert zero["top_logprobs"] == [{token: TOP_LOGPROB} for token in zero["tokens"]]
     plain = httpx.post(f"{router_url}/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
     assert plain["logprobs"] is None
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "x"}),
+                                        ("/v1/chat/completions", {"messages": USER})])
+def test_usage_says_nothing_was_cached_with_a_0(router_url, path, body):
+    """OpenAI's usage always carries prompt_tokens_details; clients read cached_tokens without a null check."""
+    body = {"model": MODEL, "max_tokens": 3, **body}
+    whole = httpx.post(f"{router_url}{path}", json=body, timeout=10).json()
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    streamed = httpx.post(f"{router_url}{path}", json={**body, "stream": True, "stream_options": {
+        "include_usage": True}}, timeout=10).text.split("\n\n")
+    usages = [json.loads(e.removeprefix("data: ")).get("usage") for e in streamed if e.startswith("data: {")]
+    assert [u["prompt_tokens_details"] for u in usages if u] == [{"cached_tokens": 0}]
 
 
 async def test_chat_logprobs_shape(async_client):

@@ -159,6 +159,9 @@ def test_tool_choice_none_is_plain_text(hermes_url, scheduler):
 @pytest.mark.parametrize("body, param, words", [
     ({"tools": [WEATHER]}, "tool_choice", "--tool-call-parser"),
     ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
+    ({"tool_choice": "auto"}, "tool_choice", 'tool_choice "auto" needs `tools`'),
+    ({"tools": [], "tool_choice": "auto"}, "tool_choice", "needs `tools`"),
+    ({"tool_choice": NAMED}, "tool_choice", "needs `tools`"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not in `tools`"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", ""),
@@ -178,6 +181,12 @@ def test_tool_requests_that_cannot_be_met_are_a_400_naming_the_field(router_url,
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"].split(".")[0] == param and words in error["message"], error
+
+
+def test_tool_choice_none_needs_no_tools(router_url):
+    response = httpx.post(f"{router_url}/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": USER, "tool_choice": "none", "max_tokens": 2})
+    assert response.status_code == 200, response.text
 
 
 def test_a_second_turn_sends_the_call_and_the_tools_answer(router_url, scheduler):

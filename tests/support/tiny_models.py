@@ -24,9 +24,10 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|end|>"]
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 400):
-    """Train a byte-level BPE on a few lines of mixed text and save it as a transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(out_dir: Path, vocab_size: int = 400, is_bos_added: bool = False):
+    """Train a byte-level BPE on a few lines of mixed text and save it as a transformers tokenizer; with
+    `is_bos_added` it puts <bos> before every text it tokenizes with special tokens, as gemma's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -38,6 +39,10 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 400):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([_TRAINING_TEXT] * 4, trainer=trainer)
+    if is_bos_added:
+        bos = ("<bos>", tok.token_to_id("<bos>"))
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                           special_tokens=[bos])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
     )
@@ -45,11 +50,12 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 400):
     return fast
 
 
-def build_tiny_gemma3(out_dir: Path, seed: int = 0) -> Path:
-    """A 4-layer Gemma3 (sliding window 8 on local layers) with random weights, and its tokenizer."""
+def build_tiny_gemma3(out_dir: Path, seed: int = 0, is_bos_added: bool = False) -> Path:
+    """A 4-layer Gemma3 (sliding window 8 on local layers) with random weights, and its tokenizer (adding <bos>
+    to what it tokenizes with special tokens when `is_bos_added`)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    tokenizer = build_tokenizer(out_dir)
+    tokenizer = build_tokenizer(out_dir, is_bos_added=is_bos_added)
     config = Gemma3TextConfig(**{
         **TINY_GEMMA3, "vocab_size": len(tokenizer), "max_position_embeddings": 512,
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
