@@ -25,9 +25,18 @@ class Serving:
         self.servicer = health.aio.HealthServicer()
 
     async def set(self, is_serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        """The overall status and every named service's."""
         for name in ("", *self.service_names):
-            await self.servicer.set(name, status)
+            await self.servicer.set(name, _status(is_serving))
+
+    async def set_services(self, is_serving: bool) -> None:
+        """The named services' status alone (the overall one says the server is up; these, that it can serve)."""
+        for name in self.service_names:
+            await self.servicer.set(name, _status(is_serving))
+
+
+def _status(is_serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def add_health_and_reflection(server: grpc.aio.Server, serving: Serving) -> None:

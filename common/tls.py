@@ -161,10 +161,17 @@ UNIX_SERVER_NAME = "localhost"
 """The name a `unix:` target's certificate is checked against."""
 
 
+RECONNECT_OPTIONS: ChannelOptions = (("grpc.initial_reconnect_backoff_ms", 100),
+                                     ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
+"""Every internal channel dials a peer it lost again within a second (gRPC's default backs off to two minutes):
+a restarted service (a supervisor's or a pod's restart) is taken back into use at once."""
+
+
 def _options(address: str, options: ChannelOptions, server_name: str | None) -> list[tuple[str, int | str]]:
+    options = [*RECONNECT_OPTIONS, *options]
     if server_name is None and address.startswith(("unix:", "unix-abstract:")):
         server_name = UNIX_SERVER_NAME
-    return [*options, ("grpc.ssl_target_name_override", server_name)] if server_name else list(options)
+    return [*options, ("grpc.ssl_target_name_override", server_name)] if server_name else options
 
 
 def open_channel(address: str, tls: TlsFiles | None, options: ChannelOptions = (),
@@ -172,7 +179,7 @@ def open_channel(address: str, tls: TlsFiles | None, options: ChannelOptions = (
     """A grpc.aio channel to `address`, over TLS when `tls` is given (and enabled). `server_name`: the name the
     server's certificate must carry when it is not the address's host (a replica a DNS name resolved to)."""
     if tls is None or not tls.is_enabled:
-        return grpc.aio.insecure_channel(address, options=list(options))
+        return grpc.aio.insecure_channel(address, options=[*RECONNECT_OPTIONS, *options])
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=_options(address, options, server_name))
 
 
@@ -180,5 +187,5 @@ def open_blocking_channel(address: str, tls: TlsFiles | None, options: ChannelOp
                           server_name: str | None = None) -> grpc.Channel:
     """`open_channel` for blocking (non-asyncio) callers."""
     if tls is None or not tls.is_enabled:
-        return grpc.insecure_channel(address, options=list(options))
+        return grpc.insecure_channel(address, options=[*RECONNECT_OPTIONS, *options])
     return grpc.secure_channel(address, tls.channel_credentials(), options=_options(address, options, server_name))

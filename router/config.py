@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,10 @@ class RouterConfig:
     """Deadline of one request from arrival; past it the stream ends with an error event. 0 = none."""
     scheduler_wait_s: float = 300.0
     """Seconds start-up waits for the scheduler to answer GetInfo."""
+    scheduler_retry_s: float = 30.0
+    """Seconds a new request is retried while no scheduler can take it; 0 = fail at once. Unreachable, shutting
+    down or without a live worker, a scheduler answers `unavailable`; the request is tried again with back-off
+    (a scheduler or worker restarting takes it then), and fails with 503 / UNAVAILABLE once this is spent."""
     drain_timeout_s: float = 10.0
     """Seconds the requests under way get to finish after SIGTERM. Meanwhile /ready answers 503, the gRPC API's
     health NOT_SERVING, and new requests are refused (HTTP 503, gRPC UNAVAILABLE); a pod's
@@ -105,6 +110,8 @@ class RouterConfig:
             raise ValueError("request_timeout_s must be >= 0 (0 = no deadline)")
         if self.scheduler_wait_s <= 0:
             raise ValueError("scheduler_wait_s must be > 0")
+        if not 0 <= self.scheduler_retry_s < math.inf:
+            raise ValueError("scheduler_retry_s must be finite and >= 0")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
         keys = [*self.api_keys, *(read_api_key_file(self.api_key_file) if self.api_key_file else [])]

@@ -12,8 +12,10 @@ wait_ready, close), served by the pool.
   that is more.
 - Retries: a request that a scheduler refuses (queue full) or that never reached it (unavailable)
   before any token came back is sent to another one; a scheduler that was unavailable is left out
-  until its stats answer again. A stream already under way when its scheduler dies ends with the
-  error event, as with one scheduler.
+  until its stats answer again. When no other one is left, an unavailable request is tried again, with
+  back-off, for up to `retry_s` (a scheduler restarting, or waiting for a worker to come back, takes it
+  then). A stream already under way when its scheduler dies ends with the error event, as with one
+  scheduler.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from itertools import zip_longest
@@ -35,6 +38,8 @@ from common.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 RETRIED_CODES = ("overloaded", "unavailable")
+_RETRY_BACKOFF_S = (0.1, 1.0)
+"""The first wait before an unavailable request is tried again, and the longest (doubling in between)."""
 
 
 def parse_targets(text: str) -> list[str]:
@@ -50,8 +55,10 @@ class SchedulerPool(SchedulerApi):
     begins polling)."""
 
     def __init__(self, targets: Sequence[str], refresh_s: float = 10.0, stats_interval_s: float = 0.5,
-                 slack: int = 4, tls: TlsFiles | None = None):
+                 slack: int = 4, tls: TlsFiles | None = None, retry_s: float = 0.0):
         self.targets = list(targets)
+        self.retry_s = retry_s
+        """How long a request that every scheduler answered `unavailable` is tried again (0 = not)."""
         self.tls = tls
         self.refresh_s = refresh_s
         self.stats_interval_s = stats_interval_s
@@ -208,6 +215,8 @@ class _PoolStream:
         self._request = request
         self._timeout_s = timeout_s
         self._tried: set[str] = set()
+        self._retry_deadline = time.monotonic() + pool.retry_s
+        self._backoff_s = _RETRY_BACKOFF_S[0]
         self._is_started = False
         self._address: str | None = None
         """The scheduler of the current attempt, counted in flight there until it is closed."""
@@ -234,15 +243,27 @@ class _PoolStream:
                 return events
             error = events[0]
             pool = self._pool
-            if not (isinstance(error, GenerateError) and error.code in RETRIED_CODES
-                    and pool.pick(self._request.prompt_token_ids, exclude=self._tried) is not None):
+            if not (isinstance(error, GenerateError) and error.code in RETRIED_CODES):
                 return events
+            if pool.pick(self._request.prompt_token_ids, exclude=self._tried) is None:
+                if not (error.code == "unavailable" and await self._wait_to_retry()):
+                    return events
+                self._tried.clear()
             if error.code == "unavailable":
                 pool._live.discard(self._address)
-            logger.info("scheduler %s: %s; retrying request %s on another", self._address, error.message,
+            logger.info("scheduler %s: %s; retrying request %s", self._address, error.message,
                         self._request.request_id)
             await self._close_attempt()
             self._stream = self._next()
+
+    async def _wait_to_retry(self) -> bool:
+        """Back off before trying every scheduler again; False once retry_s is spent."""
+        wait_s = min(self._backoff_s, self._retry_deadline - time.monotonic())
+        if wait_s <= 0:
+            return False
+        await asyncio.sleep(wait_s)
+        self._backoff_s = min(_RETRY_BACKOFF_S[1], 2 * self._backoff_s)
+        return True
 
     async def _close_attempt(self) -> None:
         try:

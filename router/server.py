@@ -44,7 +44,8 @@ def load_tokenizer(model: str | None):
 async def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     """The app, once the scheduler answers GetInfo (TimeoutError after config.scheduler_wait_s)."""
     tokenizer = tokenizer if tokenizer is not None else await asyncio.to_thread(load_tokenizer, config.model)
-    client = SchedulerPool(parse_targets(config.scheduler_address), tls=internal_tls(config))
+    client = SchedulerPool(parse_targets(config.scheduler_address), tls=internal_tls(config),
+                           retry_s=config.scheduler_retry_s)
     logger.info("waiting for a scheduler at %s", config.scheduler_address)
     try:
         model_info = await client.wait_ready(config.scheduler_wait_s)

@@ -41,8 +41,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._calls: set[StreamsCall] = set()
         self._is_draining = False
         self.serving = Serving([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
-        """The standard grpc.health.v1 status: SERVING while the server is up (start_server to stop_server);
-        the Health RPC says whether a worker is ready."""
+        """The standard grpc.health.v1 status: overall ("") SERVING while the server is up (start_server to
+        stop_server: a liveness probe's); the Scheduler service's SERVING while, besides, a worker is connected
+        and the server is not draining (a readiness probe's; watch_workers keeps it). The Health RPC says more:
+        whether a connected worker is ready."""
 
     @property
     def is_draining(self) -> bool:
@@ -89,6 +91,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._calls.discard(call)
             reader.cancel()
             call.close()
+
+    async def watch_workers(self, poll_s: float = 0.2) -> None:
+        """Forever: keep the Scheduler service's health status to whether it can take requests now."""
+        is_serving = None
+        while True:
+            now = self.engine.is_connected and not self._is_draining
+            if now != is_serving:
+                await self.serving.set_services(now)
+                is_serving = now
+            await asyncio.sleep(poll_s)
 
     async def GetInfo(self, request: scheduler_pb2.SchedulerInfoRequest, context: grpc.aio.ServicerContext):
         if self.engine.info is None:
@@ -137,6 +149,7 @@ async def start_server(config: SchedulerConfig, engine: Engine | EngineGroup | N
     server.servicer = servicer
     await server.start()
     await servicer.serving.set(True)
+    server.health_watch = asyncio.create_task(servicer.watch_workers())
     logger.info("scheduler listening on %s:%d%s", config.host, port, " (mutual TLS)" if tls else "")
     return server, engine
 
@@ -145,6 +158,7 @@ async def stop_server(server: grpc.aio.Server, engine: Engine | EngineGroup, gra
                       drain_timeout_s: float = 0.0) -> None:
     """Drain, then stop: NOT_SERVING and new requests refused at once; the requests under way get
     `drain_timeout_s` to finish; then the engine stops (ending whatever is left with an error event)."""
+    server.health_watch.cancel()
     await server.serving.set(False)
     server.servicer.is_draining = True
     if not await wait_idle(engine, drain_timeout_s):

@@ -37,6 +37,7 @@ from scheduler.config import SchedulerConfig
 from segserve.finetune_cli import add_finetune_commands
 from segserve.flags import HelpFormatter, add_dataclass_args, flag, from_args
 from segserve.reflow.config import ConsumerConfig
+from segserve.supervisor import RestartPolicy
 from common.tls import INTERNAL_FIELDS
 from worker.config import WorkerConfig
 
@@ -63,6 +64,9 @@ _CONFIG_HELP = ("Each flag is a field of the config class its group names, whose
 
 def _serve_command(args: argparse.Namespace) -> int:
     from segserve.launcher import Stack, StackConfig
+    from segserve.supervisor import GaveUp, Supervisor
+
+    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
 
     config = StackConfig(
         worker=from_args(WorkerConfig, args, _SERVE_WORKER_RENAME),
@@ -76,7 +80,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         is_cpu_pinned=args.cpu_pinning,
     )
-    # Ctrl-C reaches the whole process group; the stack then stops every service.
+    # Ctrl-C reaches the whole process group; SIGTERM only this process. Either ends the supervision first (no
+    # service stopped on purpose is restarted), then the stack drains and stops every service.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with Stack(config) as stack:
         model_name = stack.config.worker.served_model_name or Path(stack.config.worker.model).name
@@ -84,10 +89,13 @@ def _serve_command(args: argparse.Namespace) -> int:
         print(f"segserve is ready: {stack.base_url}/v1 serving {model_name!r}{grpc_api}; Ctrl-C stops it",
               flush=True)
         try:
-            return stack.wait()
+            Supervisor(stack, policy, ready_timeout_s=config.startup_timeout_s).run()
         except KeyboardInterrupt:
             print("\nshutting down", flush=True)
-            return 0
+        except GaveUp as exc:
+            print(f"segserve: stopping the stack: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return 0
 
 
 def _worker_command(args: argparse.Namespace) -> int:
@@ -255,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument("--drafters", type=int, default=1, metavar="N",
                        help="drafter replicas; several share what they learn through one log (default: 1)")
     stack.add_argument("--log-dir", default=None, metavar="DIR", help="write each service's log to this directory")
+    stack.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts, metavar="N",
+                       help="restarts a service gets per --restart-window-s; its next exit stops "
+                            f"all (default: {RestartPolicy.max_restarts})")
+    stack.add_argument("--restart-window-s", type=float, default=RestartPolicy.window_s, metavar="S",
+                       help=f"the window --max-restarts counts in (default: {RestartPolicy.window_s:.0f})")
     stack.add_argument("--cpu-pinning", action=argparse.BooleanOptionalAction, default=True,
                        help="on a CPU, pin the workers to their cores, the others to the CPU kept for them "
                             "(default: on)")

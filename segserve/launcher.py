@@ -10,6 +10,7 @@ service with that service's files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -17,7 +18,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -98,6 +101,17 @@ class StackConfig:
 
 
 _ROUTER_PORT_ATTEMPTS = 3
+_TAIL_LINES = 200
+
+
+def _forward(name: str, output: IO[bytes], tail: deque[str]) -> None:
+    """Copy a service's output to this process's, each line after the service's name, keeping the last ones."""
+    prefix = f"{name} | ".encode()
+    for line in output:
+        tail.append(line.decode(errors="replace").rstrip("\n"))
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.buffer.write(prefix + line)
+            sys.stdout.buffer.flush()
 
 
 def free_port() -> int:
@@ -119,11 +133,15 @@ class Stack:
         self.processes: dict[str, subprocess.Popen] = {}
         """Service name ("worker", "drafter", "drafter-1", ...) -> its process."""
         self._logs: list[IO] = []
+        self._tails: dict[str, deque[str]] = {}
+        """Without a log_dir: each service's last lines of output, which _spawn forwards to this one's."""
         self._shared_dir: tempfile.TemporaryDirectory | None = None
         self._ray_actors: list = []
         """Worker actors, with is_ray_workers."""
         self.worker_configs: list[WorkerConfig] = []
         """Every worker's config as started (worker i is process replica_name("worker", i))."""
+        self.drafter_configs: list[DrafterConfig] = []
+        """Every drafter's config as started (drafter i is process replica_name("drafter", i))."""
         self._service_cpus: set[int] | None = None
         """With CPU pinning: the CPUs of every service but the workers (which bind their compute threads)."""
 
@@ -165,7 +183,7 @@ class Stack:
         else:
             worker_addresses = [f"{w.host}:{w.port}" for w in workers]
         worker_address = ",".join(worker_addresses)
-        drafters = self._drafter_configs(model_dir)
+        drafters = self.drafter_configs = self._drafter_configs(model_dir)
         drafter_addresses = [f"{d.host}:{d.port}" for d in drafters]
         scheduler = dataclasses.replace(cfg.scheduler, worker_address=worker_address,
                                         drafter_addresses=drafter_addresses, port=cfg.scheduler.port or free_port(),
@@ -253,14 +271,6 @@ class Stack:
         if self._ray_actors:
             self._stop_ray_workers()
 
-    def wait(self) -> int:
-        """Block until any service exits; return its exit code."""
-        while True:
-            for proc in self.processes.values():
-                if proc.poll() is not None:
-                    return proc.returncode
-            time.sleep(0.5)
-
     def _start_scheduler(self, scheduler: SchedulerConfig, deadline: float, is_port_picked: bool) -> SchedulerConfig:
         """Spawn the scheduler and wait until it serves; returns its config. A port picked here is picked again if
         the scheduler dies at start-up: Ray starts its own processes, which open ports, before the scheduler binds."""
@@ -299,9 +309,40 @@ class Stack:
                     raise
 
     def restart(self, name: str) -> None:
-        """Start a stopped worker replica again with its config (e.g. after a test killed it)."""
-        index = 0 if name == "worker" else int(name.removeprefix("worker-"))
-        self._spawn(name, self.worker_configs[index], "worker")
+        """Start a service that exited again with the config it ran with (same ports): "router", "scheduler",
+        or a worker or drafter replica ("worker", "worker-1", "drafter-1", ...)."""
+        role, config = self._role_config(name)
+        self._spawn(name, config, role)
+
+    def wait_ready(self, name: str, timeout_s: float) -> None:
+        """Block until the service answers its health check as ready; raises when it exits or the time is up."""
+        role, config = self._role_config(name)
+        deadline = time.monotonic() + timeout_s
+        if role == "router":
+            self._wait_http_ready(deadline)
+            return
+        stub_cls = {"worker": worker_pb2_grpc.WorkerStub, "drafter": drafter_pb2_grpc.DrafterStub,
+                    "scheduler": scheduler_pb2_grpc.SchedulerStub}[role]
+        self._wait_grpc_ready(name, stub_cls, f"{config.host}:{config.port}", deadline, config)
+
+    def tail(self, name: str, num_lines: int) -> list[str]:
+        """The last lines the service wrote (its log file's, with a log_dir)."""
+        if not self.config.log_dir:
+            return list(self._tails.get(name, ()))[-num_lines:]
+        try:
+            return (Path(self.config.log_dir) / f"{name}.log").read_text(errors="replace").splitlines()[-num_lines:]
+        except OSError:
+            return []
+
+    def _role_config(self, name: str):
+        """(the service's command, its config as started) of a process name."""
+        role, _, index = name.partition("-")
+        if role in ("worker", "drafter"):
+            configs = self.worker_configs if role == "worker" else self.drafter_configs
+            return role, configs[int(index or 0)]
+        if role in ("router", "scheduler") and not index:
+            return role, getattr(self.config, role)
+        raise KeyError(f"no service named {name!r}")
 
     @staticmethod
     def _is_pinnable(cfg: StackConfig) -> bool:
@@ -319,7 +360,7 @@ class Stack:
         pinning, any service but a worker runs on the services' CPU (Ray's processes, which the scheduler starts,
         inherit its mask); a worker binds its compute threads itself (its config's compute_cpus)."""
         argv = [sys.executable, "-m", "segserve.cli", command or name, *to_argv(config)]
-        out = None
+        out = subprocess.PIPE
         if self.config.log_dir:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.config.log_dir) / f"{name}.log", "ab")
@@ -329,7 +370,11 @@ class Stack:
         flag_vars = env_names(type(config))
         env = {k: v for k, v in os.environ.items() if k not in flag_vars}
         env.update(to_env(config), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        self.processes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+        proc = self.processes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        if out is subprocess.PIPE:
+            tail = self._tails[name] = deque(maxlen=_TAIL_LINES)
+            threading.Thread(target=_forward, args=(name, proc.stdout, tail), daemon=True,
+                             name=f"output-{name}").start()
         cpus = None if (command or name) == "worker" else self._service_cpus
         if cpus is not None:  # right after exec, before the interpreter has started a thread (they inherit the mask)
             try:

@@ -29,9 +29,15 @@ DRAIN_TIMEOUT_S = 60.0
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+REFUSAL_RETRY_S = 1.0
+
+
 def draining_stack(model_dir, log_dir):
     stack = tiny_stack(model_dir, log_dir, is_speculative=False, scheduler={"drain_timeout_s": DRAIN_TIMEOUT_S})
     stack.config.router.drain_timeout_s = DRAIN_TIMEOUT_S
+    # A request refused by the draining scheduler is retried this long before it is answered (503 here: nobody
+    # restarts the scheduler); the supervision's test checks that a restarted one takes it.
+    stack.config.router.scheduler_retry_s = REFUSAL_RETRY_S
     return stack
 
 
@@ -140,7 +146,7 @@ def test_sigterm_drains_the_scheduler(tiny_gemma3_dir, tmp_path):
             assert time.monotonic() < deadline, "the scheduler stayed SERVING after SIGTERM"
             time.sleep(0.02)
         refused = httpx.post(stack.base_url + "/v1/chat/completions", json={**chat_body(model), "stream": False},
-                             timeout=10)
+                             timeout=10 + REFUSAL_RETRY_S)
         assert refused.status_code == 503, refused.text  # the router's only scheduler refuses new requests
         assert scheduler.poll() is None, "the scheduler left before its streams finished"
         assert_whole(streams.results())

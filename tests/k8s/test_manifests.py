@@ -86,6 +86,10 @@ def test_every_variable_a_container_sets_is_read_by_its_config(objects):
         assert not unread, f"{workload['metadata']['name']}/{container['name']} sets {unread}, which nothing reads"
 
 
+SERVICE_NAMES = {component: f"segserve.v1.{component.capitalize()}" for component in ("worker", "scheduler", "drafter")}
+"""The internal gRPC service each of these components serves."""
+
+
 def test_ports_and_probes_agree_with_the_configs(objects, tmp_path, monkeypatch):
     from router.ops import router as ops_routes
 
@@ -100,12 +104,18 @@ def test_ports_and_probes_agree_with_the_configs(objects, tmp_path, monkeypatch)
             probe = container[kind]
             if "grpc" in probe:
                 grpc_port = config.grpc_port if component == "router" else config.port
-                assert probe["grpc"]["port"] == grpc_port and probe["grpc"].get("service", "") == "", (component, kind)
+                # the overall status (the process is up), or for readiness a named service's (it can serve)
+                services = ("", SERVICE_NAMES.get(component, "")) if kind == "readinessProbe" else ("",)
+                assert probe["grpc"]["port"] == grpc_port and probe["grpc"].get("service", "") in services, (
+                    component, kind)
             else:
                 assert component == "router" and probe["httpGet"]["port"] == config.port, (component, kind)
                 assert probe["httpGet"]["path"] in http_paths, (component, kind)
     router = component_config(objects, "router", tmp_path / "router-probes", monkeypatch)[1]
     assert router["readinessProbe"]["httpGet"]["path"] == "/ready", "readiness must follow drains and the worker"
+    scheduler = component_config(objects, "scheduler", tmp_path / "scheduler-probes", monkeypatch)[1]
+    assert scheduler["readinessProbe"]["grpc"].get("service") == SERVICE_NAMES["scheduler"], (
+        "a scheduler without a live worker must leave the routers' endpoints")
 
 
 def test_every_address_names_a_service_whose_pods_listen_on_that_port(objects):

@@ -186,7 +186,7 @@ def test_a_scheduler_failure_mid_stream_ends_the_stream_with_its_status(stub):
 def test_no_live_scheduler_is_unavailable(tokenizer, tiny_gemma3_dir):
     server, _, port = start_fake_scheduler(tokenizer, model_name=MODEL)
     config = RouterConfig(model=str(tiny_gemma3_dir), scheduler_address=f"127.0.0.1:{port}", port=free_port(),
-                          grpc_port=0, scheduler_wait_s=10)
+                          grpc_port=0, scheduler_wait_s=10, scheduler_retry_s=1)  # retried 1 s, then refused
     with serve_router_and_grpc(config) as (_, target), grpc.insecure_channel(target) as channel:
         server.stop(grace=None)
         error = _error(generation_pb2_grpc.GenerationStub(channel).Generate, _request(), timeout=10)

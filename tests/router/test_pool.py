@@ -114,6 +114,32 @@ async def test_no_scheduler_at_all_is_a_clean_error_and_stats_add_up(tokenizer, 
     await pool.close()
 
 
+async def test_a_new_request_waits_for_a_restarting_scheduler_within_retry_s(tokenizer, schedulers):  # noqa: F811
+    (server_a, _, a), _ = schedulers
+    port = int(a.rsplit(":", 1)[1])
+    server_a.stop(grace=None)
+    pool = SchedulerPool([a], retry_s=20)
+    restarted = []
+
+    async def restart_later():
+        await asyncio.sleep(1.0)  # the request below has been refused a few times by then
+        restarted.append(start_fake_scheduler(tokenizer, port=port))
+
+    restart = asyncio.create_task(restart_later())
+    events = await run(pool, request(tokenizer, "are you back?", "back"))
+    await restart
+    server, fake, _ = restarted[0]
+    assert isinstance(events[-1], GenerateComplete) and [r.request_id for r in fake.requests] == ["back"]
+    server.stop(grace=None)
+    gone = SchedulerPool([a], retry_s=0.5)  # nobody comes back: the error, once retry_s is spent
+    started = asyncio.get_running_loop().time()
+    events = await run(gone, request(tokenizer, "anyone?", "gone"))
+    assert [e.code for e in events] == ["unavailable"]
+    assert 0.4 <= asyncio.get_running_loop().time() - started < 5
+    await pool.close()
+    await gone.close()
+
+
 def test_scheduler_targets_are_comma_separated():
     assert parse_targets("a:1, dns:///s:2") == ["a:1", "dns:///s:2"]
     with pytest.raises(ValueError):

@@ -189,12 +189,12 @@ def _us(start_s: float, end_s: float) -> int:
     return round((end_s - start_s) * 1e6)
 
 
-def start_fake_scheduler(tokenizer, **kwargs) -> tuple[grpc.Server, FakeScheduler, int]:
-    """Serve a FakeScheduler on a free localhost port: (server, fake, port)."""
+def start_fake_scheduler(tokenizer, port: int = 0, **kwargs) -> tuple[grpc.Server, FakeScheduler, int]:
+    """Serve a FakeScheduler on localhost's `port` (0: a free one): (server, fake, port)."""
     fake = FakeScheduler(tokenizer, **kwargs)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     return server, fake, port
 
