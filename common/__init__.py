@@ -8,5 +8,6 @@ first-party package but protos. In: configuration values and gRPC servers or cha
 - health.py: the gRPC health protocol and reflection;
 - heap.py: the garbage collector's start-up freeze;
 - redact.py: redaction of personal data and secrets in recorded text;
-- tls.py: TLS credentials, secure ports and channels.
+- tls.py: TLS credentials, secure ports and channels;
+- tracing.py: OpenTelemetry traces (one provider per process, W3C context between the services).
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.tls import internal_tls
+from common.tracing import settings_of
 
 
 @dataclass
@@ -20,6 +21,12 @@ class DrafterConfig:
     """PEM private key of internal_tls_cert_file."""
     internal_tls_ca_file: str = ""
     """PEM CA bundle: a client (the scheduler) must present a certificate it signed."""
+    otlp_traces_endpoint: str = ""
+    """OTLP gRPC endpoint the drafter's spans go to (e.g. http://localhost:4317); empty = no tracing.
+    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
+    trace_sample_ratio: float = 1.0
+    """Sampling ratio in [0, 1] of the traces this service would start; it only continues the router's, which
+    keep the router's decision (ParentBased), so the router's ratio is the one that counts."""
     segments_config: str | None = None
     """Segments TOML file; None = drafter/segments/default.toml (for the default model)."""
     tokenizer: str | None = None
@@ -82,3 +89,4 @@ class DrafterConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         internal_tls(self)  # ValueError naming the fields when only some are given
+        settings_of(self)  # ValueError naming the field for a bad endpoint or ratio

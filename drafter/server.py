@@ -31,6 +31,7 @@ from drafter.service import DrafterServicer
 from drafter.state import RequestStates
 from drafter.types import ContinuationSource
 from protos.segserve.v1 import drafter_pb2_grpc
+from common import tracing
 from common.checkpoint import resolve_model
 from common.health import add_health_and_reflection
 from common.heap import freeze_startup_heap
@@ -137,6 +138,7 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
         draft_models = load_draft_models(segments, config.tokenizer, config.device, config.dtype)
     servicer = build_servicer(config, segments, draft_models)
     num_replayed = await asyncio.to_thread(servicer.memory.catch_up)
+    tracing.setup("drafter", config)
     server, port = await start_server(servicer, config.host, config.port, tls)
     freeze_startup_heap()  # segments, tokenizer, draft models and the replayed corpora
     logger.info("drafter listening on %s:%d%s with segments %s (%d log records replayed)", config.host, port,
@@ -152,3 +154,4 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
         servicer.planner.learner.close()
         if servicer.memory.log is not None:
             servicer.memory.log.close()
+        tracing.shutdown()

@@ -13,7 +13,8 @@ learner's thread adds learned segments between batches, a slice at a time
 (drafter/learner.py). A batch with no tree to build (final updates of ended
 requests, or state updates only) is split into pieces of at most
 _UPDATE_PIECE_TOKENS tokens, each under the lock on its own, so that a Draft
-batch behind it waits for one piece, not for all of them.
+batch behind it waits for one piece, not for all of them. A Draft call whose metadata
+carries a scheduler step's trace context runs in a drafter.draft span under it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
+from common import tracing
 from common.blocking import CallCost, run_blocking
 from common.health import Serving
 
@@ -101,10 +103,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         queries = [Query.from_pb(q) for q in request.queries]
         finished = list(request.finished_request_ids)
         replies = []
-        for piece, piece_finished in _pieces(queries, finished):
-            async with self._lock:
-                piece_replies, _ = await run_blocking(self.cost, len(piece), self.draft_batch, piece, piece_finished)
-            replies += piece_replies
+        parent = tracing.from_call(context)  # a traced step's scheduler span
+        with tracing.span("drafter.draft", parent, attributes={"segserve.num_queries": len(queries)}):
+            for piece, piece_finished in _pieces(queries, finished):
+                async with self._lock:
+                    piece_replies, _ = await run_blocking(self.cost, len(piece), self.draft_batch, piece,
+                                                          piece_finished)
+                replies += piece_replies
         return drafter_pb2.DraftResponse(replies=replies)
 
     @_status_errors

@@ -34,6 +34,8 @@ Modules, from the wire inwards:
 - metrics.py: the Prometheus metrics (a RequestTracker observes each request's stream).
 - scheduler_client.py: `SchedulerApi`, the one interface to schedulers, and its gRPC client of one scheduler;
   scheduler_streams.py: requests on the shared GenerateStreams call; scheduler_pool.py: several schedulers.
+- traces.py: each generation request's span (HTTP middleware, the gRPC API), its context sent in the
+  GenerateRequest (common/tracing.py; nothing when tracing is off).
 - tenants.py: each request's tenant (from its API key, or a trusted header), set by guard.py and the gRPC API,
   sent by scheduler_client.py in the GenerateRequest.
 - reflow/: data reflow's recording (middleware, delta recorder, durable queue).

@@ -2,13 +2,14 @@
 
 Routes: the OpenAI-compatible /v1 routes (openai_routes.py), the MindIE-style
 /v2/models/{model}/generate[_stream] routes (v2.py), GET /health, /ready,
-/metrics (ops.py), GET /status (status.py: the live view's JSON), POST /tokenize and /detokenize
-(tokenize_routes.py), and the browser playground at GET /playground (playground/). They share nothing but the
-`RouterState` built here (config, scheduler client, tokenizer, model facts, metrics, reflow recorder) and fetched
-by a FastAPI dependency (state.py); the running of a generation is serving.py's.
-Middleware, outermost first: the request guard (API keys, body limit; guard.py),
-then data reflow's recording when configured (reflow/gateway.py), then the drain
-guard (drain.py: requests under way counted, new ones refused once shutting down).
+/metrics (ops.py), GET /status (status.py: the live view's JSON), POST /tokenize and /detokenize and
+GET /tokenizer_info (tokenize_routes.py), and the browser playground at GET /playground (playground/). They
+share nothing but the `RouterState` built here (config, scheduler client, tokenizer, model facts, metrics,
+reflow recorder) and fetched by a FastAPI dependency (state.py); the running of a generation is serving.py's.
+Middleware, outermost first: the request span when tracing is on (traces.py), the
+request guard (API keys, body limit; guard.py), then data reflow's recording when
+configured (reflow/gateway.py), then the drain guard (drain.py: requests under way
+counted, new ones refused once shutting down).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from router.reflow import RecorderConfig, open_recorder
 from router.reflow.gateway import ReflowCollector, ReflowMiddleware
 from router.scheduler_client import SchedulerApi
 from router.state import RouterState
+from router.traces import TraceMiddleware
+from common import tracing
 
 
 def create_app(config: RouterConfig, client: SchedulerApi, tokenizer, model_info: WorkerInfo) -> FastAPI:
@@ -52,6 +55,8 @@ def create_app(config: RouterConfig, client: SchedulerApi, tokenizer, model_info
         state.metrics.registry.register(ReflowCollector(state.recorder))
     app.add_middleware(RequestGuard, api_keys=config.api_keys, max_body_bytes=config.max_request_body_bytes,
                        tenant_header=config.tenant_header, is_metrics_key_required=config.metrics_require_key)
+    if tracing.is_enabled():  # outermost: a request the guard refuses is traced too
+        app.add_middleware(TraceMiddleware)
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
     app.include_router(tokenize_routes.router)

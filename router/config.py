@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.tls import TlsFiles, internal_tls
+from common.tracing import settings_of
 from router.tool_parsers import PARSERS
 
 
@@ -75,6 +76,12 @@ class RouterConfig:
     """PEM private key of internal_tls_cert_file."""
     internal_tls_ca_file: str = ""
     """PEM CA bundle the schedulers' certificates must be signed by."""
+    otlp_traces_endpoint: str = ""
+    """OTLP gRPC endpoint the router's spans go to (e.g. http://localhost:4317); empty = no tracing.
+    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
+    trace_sample_ratio: float = 1.0
+    """Share of requests traced, in [0, 1] (with otlp_traces_endpoint). A request with a `traceparent`
+    follows its sampled flag instead."""
     max_request_body_bytes: int = 4 * 1024 * 1024
     """Largest request body accepted; a larger one gets 413 before it is parsed."""
     reflow_queue_url: str = ""
@@ -125,6 +132,7 @@ class RouterConfig:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file are given together or not at all")
         internal_tls(self)  # ValueError naming the fields when only some are given
+        settings_of(self)  # ValueError naming the field for a bad endpoint or ratio
         if self.max_request_body_bytes <= 0:
             raise ValueError("max_request_body_bytes must be > 0")
 

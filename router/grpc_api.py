@@ -18,6 +18,9 @@ scheduler failure becomes its status: 400 INVALID_ARGUMENT naming the field
 RESOURCE_EXHAUSTED with `retry-after-ms`, UNAVAILABLE, DEADLINE_EXCEEDED; any
 other exception is a bug, logged and answered INTERNAL.
 
+Tracing (when on): Generate and GenerateStream run in the request's span (traces.py), a child of the
+caller's `traceparent` metadata when it sends one.
+
 Cancellation: when the caller cancels or its deadline passes, gRPC cancels the
 handler's task; leaving the handler closes the Delta stream, which closes
 generate_deltas and so cancels the scheduler call (its slot and KV blocks are
@@ -65,6 +68,7 @@ from router.reflow.recorder import RequestRecording
 from router.state import RouterState
 from router.stop import stop_at_strings
 from router.structured import check_compiles
+from router.traces import grpc_span
 from common.health import Serving, add_health_and_reflection
 from common.tls import EXCLUSIVE_PORT, add_port
 
@@ -163,18 +167,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @_rpc
     async def Generate(self, request: pb.GenerationRequest, context) -> pb.GenerationResponse:
-        run = await self._start(request, context)
-        async with contextlib.aclosing(run.deltas(context)) as deltas:
-            return run.renderer.response([delta async for delta in deltas])
+        with grpc_span(context):
+            run = await self._start(request, context)
+            async with contextlib.aclosing(run.deltas(context)) as deltas:
+                return run.renderer.response([delta async for delta in deltas])
 
     @_rpc
     async def GenerateStream(self, request: pb.GenerationRequest, context) -> AsyncIterator[pb.GenerationStreamResponse]:
-        run = await self._start(request, context)
-        async with contextlib.aclosing(run.deltas(context)) as deltas:
-            async for delta in deltas:
-                event = run.renderer.event(delta)
-                if event is not None:
-                    yield event
+        with grpc_span(context):
+            run = await self._start(request, context)
+            async with contextlib.aclosing(run.deltas(context)) as deltas:
+                async for delta in deltas:
+                    event = run.renderer.event(delta)
+                    if event is not None:
+                        yield event
 
     @_rpc
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

@@ -41,6 +41,8 @@ from router.scheduler_streams import (
     generate_per_request,
 )
 from router.tenants import current_tenant
+from router.traces import traced
+from common import tracing
 from common.tls import TlsFiles, open_channel
 
 
@@ -172,9 +174,12 @@ class SchedulerClient(SchedulerApi):
         return self._stub
 
     def open(self, request: GenerateRequest, timeout_s: float | None = None) -> RequestStream:
-        """SchedulerApi.open; a request without a tenant gets the one its edge set (router/tenants.py)."""
+        """SchedulerApi.open; a request without a tenant gets the one its edge set (router/tenants.py), a traced
+        one its span's context (router/traces.py)."""
         if not request.tenant:
             request = dataclasses.replace(request, tenant=current_tenant.get())
+        if tracing.is_enabled():
+            request = traced(request)
         if self.is_per_request:
             return PumpStream(self._generate_per_request(request, timeout_s), request.request_id)
         if self._shared is None or self._shared.is_ended:

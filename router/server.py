@@ -26,6 +26,7 @@ from router.config import RouterConfig
 from router.drain import Drain
 from router.grpc_api import GrpcApi, start_grpc_server
 from router.scheduler_pool import SchedulerPool, parse_targets
+from common import tracing
 from common.heap import freeze_startup_heap
 from common.tls import internal_tls
 
@@ -70,7 +71,9 @@ class RouterServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
 
     async def shutdown(self, sockets=None) -> None:
-        """Drain (HTTP and the gRPC API together, for at most drain_timeout_s), then uvicorn's own shutdown."""
+        """Drain (HTTP and the gRPC API together, for at most drain_timeout_s), then uvicorn's own shutdown, then
+        export the spans still queued (tracing): uvicorn then raises the signal that stopped it again, which ends
+        the process before anything after its serve() runs."""
         grpc_stop = None
         if self.grpc_api is not None:  # NOT_SERVING, new calls refused, calls under way get the timeout
             grpc_stop = asyncio.create_task(self.grpc_api.stop(grace_s=self.drain_timeout_s))
@@ -82,6 +85,7 @@ class RouterServer(uvicorn.Server):
         if grpc_stop is not None:
             await grpc_stop
         await super().shutdown(sockets)
+        await asyncio.to_thread(tracing.shutdown)
 
 
 def make_server(config: RouterConfig, app: FastAPI, log_level: str = "info",
@@ -118,5 +122,9 @@ def check_tls(config: RouterConfig) -> None:
 
 
 def run(config: RouterConfig) -> None:
-    """Serve until interrupted."""
-    asyncio.run(serve(config))
+    """Serve until interrupted, traced when the config says so (RouterServer.shutdown exports the last spans)."""
+    tracing.setup("router", config)
+    try:
+        asyncio.run(serve(config))
+    finally:
+        tracing.shutdown()  # a start that failed

@@ -18,6 +18,8 @@ Layers, outermost first:
   lost worker; request_stream.py: per-request event streams.
 - worker_client.py, drafter_client.py: gRPC clients to the worker and the
   drafter replicas (protobuf converted here).
+- traces.py: a traced request's admission, queue and step spans, and the step's trace
+  context sent on to the worker and drafters (common/tracing.py; nothing when off).
 - speculator.py: chooses, for the scheduler, whom the drafter is asked about, and
   makes one batched Draft call per step; failures only make the step plain. It owns
   the drafter-side state (sync points, segments, ended ids to release, acceptance stats).

@@ -12,6 +12,7 @@ import ray
 
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server, stop_server
+from common import tracing
 from common.heap import freeze_startup_heap
 
 
@@ -28,6 +29,7 @@ class SchedulerActor:
         """Build the engine, serve gRPC on config.host:config.port; returns the bound port."""
         if self._server is not None:
             raise RuntimeError("the scheduler actor is already started")
+        tracing.setup("scheduler", config)  # in the actor's process, where the spans are made
         self._server, self._engine = await start_server(config)
         freeze_startup_heap()  # this process serves the scheduler alone: its start-up heap stays out of collections
         self._drain_timeout_s = config.drain_timeout_s
@@ -42,7 +44,9 @@ class SchedulerActor:
         return dataclasses.asdict(self._engine.stats()) if self._engine else {}
 
     async def stop(self) -> None:
-        """Drain (config.drain_timeout_s for the requests under way; new ones refused), then stop."""
+        """Drain (config.drain_timeout_s for the requests under way; new ones refused), then stop; the spans still
+        queued are exported."""
         if self._server is not None:
             await stop_server(self._server, self._engine, drain_timeout_s=self._drain_timeout_s)
             self._server = self._engine = None
+        tracing.shutdown()

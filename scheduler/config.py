@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from protos.segserve.v1.step import MAX_DECODE_STEPS
 from common.tls import internal_tls
+from common.tracing import settings_of
 
 AUTO_MAX_NUM_SEQS_RANGE = (16, 256)
 """The least and the most sequences the automatic max_num_seqs picks: the top is vLLM's default max_num_seqs;
@@ -111,6 +112,12 @@ class SchedulerConfig:
     internal_tls_ca_file: str = ""
     """PEM CA bundle that signs the scheduler's peers. Clients (the router) must present a certificate it signed,
     and so must the workers and drafters the scheduler dials."""
+    otlp_traces_endpoint: str = ""
+    """OTLP gRPC endpoint the scheduler's spans go to (e.g. http://localhost:4317); empty = no tracing.
+    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
+    trace_sample_ratio: float = 1.0
+    """Sampling ratio in [0, 1] of the traces this service would start; it only continues the router's, which
+    keep the router's decision (ParentBased), so the router's ratio is the one that counts."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:
@@ -145,6 +152,7 @@ class SchedulerConfig:
         if self.start_timeout_s <= 0:
             raise ValueError("start_timeout_s must be > 0")
         internal_tls(self)  # ValueError naming the fields when only some are given
+        settings_of(self)  # ValueError naming the field for a bad endpoint or ratio
 
     def resolve_max_num_seqs(self, num_kv_blocks: int, block_size: int, max_model_len: int) -> int:
         """max_num_seqs when set, else the automatic value for the worker's KV pool (`auto_max_num_seqs`)."""

@@ -32,6 +32,7 @@ import grpc
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.stats import DrafterReplicaStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
+from common import tracing
 from common.discovery import is_dns_target, rendezvous, resolve_names
 from common.tls import TlsFiles, open_channel
 
@@ -211,9 +212,9 @@ class DrafterClient:
         finished, replica.pending_finished = replica.pending_finished, []
         request = drafter_pb2.DraftRequest(queries=[q.to_pb() for q in queries], finished_request_ids=finished)
         is_update_only = all(q.is_update_only for q in queries)
-        try:
+        try:  # a traced step's span goes in the metadata (common/tracing.py; None: none)
             response = await replica.stub.Draft(request, timeout=self.update_timeout_s if is_update_only
-                                                else self.timeout_s)
+                                                else self.timeout_s, metadata=tracing.grpc_metadata())
             replies = _replies_from_pb(response, queries)
         except (grpc.aio.AioRpcError, ValueError) as exc:
             replica.pending_finished = (finished + replica.pending_finished)[-_MAX_PENDING_FINISHED:]

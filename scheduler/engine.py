@@ -10,7 +10,7 @@ The Scheduler decides every step (a StepPlan); the engine only carries it out.
 With a drafter, a step the speculation policy drafts in first asks it for
 candidate trees (speculator.py); a drafter that fails only makes that step plain.
 Connecting to the worker, the idle health check and the record of a lost worker
-are in worker_link.py.
+are in worker_link.py. A step with a traced request in it runs in a span (traces.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from protos.segserve.v1.generate import GenerateError, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
 from protos.segserve.v1.step import StepRequest
 from protos.segserve.v1.step_result import StepResult
+from scheduler import traces
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import RequestEvent
 from scheduler.request_stream import RequestStream
@@ -139,7 +140,9 @@ class Engine:
         """Queue a validated request; raises EngineNotReady, QueueFull (retry later), or RequestRejected."""
         if self.scheduler is None:
             raise EngineNotReady(f"the worker at {self.address} has not answered yet")
-        self.scheduler.add(Sequence.of(request))
+        seq = Sequence.of(request)
+        seq.trace = traces.request_trace(request)
+        self.scheduler.add(seq)
         stream = self._streams[request.request_id] = RequestStream(request.request_id)
         self._wakeup.set()
         return stream
@@ -184,7 +187,7 @@ class Engine:
     async def step(self) -> None:
         """One worker step: schedule -> draft -> run on the worker -> postprocess -> deliver."""
         start = time.perf_counter()  # each cycle is timed whole, from the end of the one before, for the gate
-        plan = await self._schedule_and_draft()
+        plan = await self._schedule_and_draft(start)
         if plan is None:
             return
         events = await self._run_step(plan, self._send(plan.request))
@@ -196,10 +199,12 @@ class Engine:
         from one step to the next without waiting for this loop's round trip. Every step has an id, and a step
         ahead names the one it follows: the worker runs it after that one, whichever RPC reaches it first."""
         start = time.perf_counter()
-        plan = await self._schedule_and_draft()
+        plan = await self._schedule_and_draft(start)
         sent = None if plan is None else self._send(self._number(plan.request))
         while plan is not None:
             ahead = self.scheduler.schedule_ahead(plan)
+            if ahead is not None:
+                traces.start_step(ahead)
             ahead_sent = None if ahead is None else self._send(self._number(ahead.request, plan.request))
             try:
                 events = await self._run_step(plan, sent)
@@ -211,17 +216,20 @@ class Engine:
             start = self._finish_cycle(plan, events, start)
             if ahead is not None and self.scheduler.current_step is not ahead.request:  # dropped: its step failed
                 await _settle(ahead_sent)
+                traces.end_step(ahead, "dropped: the step before it failed")
                 return
             plan, sent = ahead, ahead_sent
 
-    async def _schedule_and_draft(self) -> StepPlan | None:
+    async def _schedule_and_draft(self, start: float) -> StepPlan | None:
         """The next step, final: scheduled, then drafted in where the scheduler chose to (None: nothing is
-        runnable)."""
+        runnable). Its span (traces.py), when it has one, starts at `start` (time.perf_counter())."""
         plan = self.scheduler.schedule()
         if not plan.request.sequences:  # only right after a preemption left nothing runnable; retry next turn
             await asyncio.sleep(0.001)
             return None
-        trees = await self.speculator.draft(plan) if self.speculator is not None else {}
+        traces.start_step(plan, start)
+        with traces.drafting(plan):
+            trees = await self.speculator.draft(plan) if self.speculator is not None else {}
         self.scheduler.finish_plan(plan, trees)
         return plan
 
@@ -247,9 +255,11 @@ class Engine:
         try:
             result, seconds = await sent
         except WorkerError as exc:
+            traces.end_step(plan, str(exc))
             return self._on_failed_step(request, exc)
         except Exception as exc:  # a bug on this side of the wire: handled like a failed step
             logger.exception("worker step failed")
+            traces.end_step(plan, f"{type(exc).__name__}: {exc}")
             return self._on_failed_step(request, WorkerError(f"step failed: {type(exc).__name__}: {exc}"))
         if self.speculator is not None:
             self.speculator.observe_step(request, result, None if plan.is_ahead else seconds, plan.forced_seq_ids)
@@ -263,6 +273,7 @@ class Engine:
         now = time.perf_counter()
         if self.speculator is not None:
             self.speculator.observe_cycle(plan.decision, sum(e.num_tokens for e in events), now - start)
+        traces.end_step(plan)
         return now
 
     def _on_failed_step(self, request: StepRequest, exc: WorkerError) -> list[RequestEvent]:

@@ -84,6 +84,8 @@ class Sequence:
     forced_span_at: int = -1
     """num_output_tokens when forced_span came: it is drafted only at exactly that length (a step built before
     that answer, e.g. ahead of it, leaves it stale)."""
+    trace: object | None = None
+    """The request's traces.RequestTrace when the router traced it (scheduler/traces.py: its spans' parent)."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

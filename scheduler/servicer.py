@@ -19,6 +19,7 @@ from protos.segserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.segserve.v1.generate import GenerateRequest, validate_request
 from protos.segserve.v1.sampling import InvalidParameter
 from protos.segserve.v1.stats import DrafterReplicaStats
+from scheduler import traces
 from scheduler.config import SchedulerConfig
 from scheduler.convert import stats_to_pb
 from scheduler.drafter_client import DrafterClient
@@ -65,8 +66,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is not connected to its worker yet")
         generate = GenerateRequest.from_pb(request)
         try:
-            validate_request(generate, self.engine.info)
-            stream = self.engine.add_request(generate)
+            with traces.admission(generate):
+                validate_request(generate, self.engine.info)
+                stream = self.engine.add_request(generate)
         except InvalidParameter as exc:  # RequestRejected included
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineNotReady as exc:

@@ -46,6 +46,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
+from contextvars import Context
 from typing import Protocol
 
 from protos.segserve.v1.step import StepRequest
@@ -204,7 +205,8 @@ class Speculator:
     def _send_finals(self) -> None:
         """Start the background call for the waiting final updates, unless one is under way (it takes them)."""
         if self._finals and (self._sending is None or self._sending.done()):
-            self._sending = asyncio.ensure_future(self._send_all_finals())
+            # in a context of its own: the call belongs to no step, so it carries no step's trace (traces.py)
+            self._sending = asyncio.get_running_loop().create_task(self._send_all_finals(), context=Context())
 
     async def _send_all_finals(self) -> None:
         while self._finals:

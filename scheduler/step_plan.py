@@ -53,3 +53,5 @@ class StepPlan:
     forced_seq_ids: frozenset[str] = frozenset()
     """The sequences whose tree starts with their grammar's forced span (finish_plan): their acceptance is not the
     drafter's, so the speculation stats leave them out."""
+    trace_span: object | None = None
+    """The step's span while it runs, when a request of it is traced (scheduler/traces.py); else None."""

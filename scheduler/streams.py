@@ -27,6 +27,7 @@ from protos.segserve.v1.generate import (
     validate_request,
 )
 from protos.segserve.v1.sampling import InvalidParameter
+from scheduler import traces
 from scheduler.engine import Engine, EngineNotReady
 from scheduler.request_stream import is_terminal
 from scheduler.group import EngineGroup
@@ -112,8 +113,9 @@ class StreamsCall:
         if request_id in self._live:
             return self._refuse(request_id, "invalid_request", f"request_id: {request_id!r} is already live")
         try:
-            validate_request(request, self.engine.info)
-            stream = self.engine.add_request(request)
+            with traces.admission(request):
+                validate_request(request, self.engine.info)
+                stream = self.engine.add_request(request)
         except InvalidParameter as exc:  # RequestRejected included
             return self._refuse(request_id, "invalid_request", str(exc))
         except EngineNotReady as exc:

@@ -11,6 +11,7 @@ import asyncio
 
 import ray
 
+from common import tracing
 from common.tls import internal_tls
 from worker.config import WorkerConfig
 from worker.server import WorkerServicer, load_runner, start_server
@@ -28,6 +29,7 @@ class WorkerActor:
         """Bind the gRPC server, load and warm up the model, report SERVING; returns the address to dial."""
         if self._server is not None:
             raise RuntimeError("the worker actor is already started")
+        tracing.setup("worker", config)
         self._server, port = await start_server(self._servicer, config.host, config.port, internal_tls(config))
         runner = await asyncio.to_thread(load_runner, config)
         self._servicer.attach(runner)
@@ -40,3 +42,4 @@ class WorkerActor:
             await self._servicer.serving.set(False)
             await self._server.stop(grace=1.0)
             self._server = None
+        tracing.shutdown()

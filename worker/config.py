@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.tls import internal_tls
+from common.tracing import settings_of
 from worker.threads import parse_cpu_list
 
 
@@ -84,6 +85,12 @@ class WorkerConfig:
     """PEM private key of internal_tls_cert_file."""
     internal_tls_ca_file: str = ""
     """PEM CA bundle: a client (the scheduler) must present a certificate it signed."""
+    otlp_traces_endpoint: str = ""
+    """OTLP gRPC endpoint the worker's spans go to (e.g. http://localhost:4317); empty = no tracing.
+    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
+    trace_sample_ratio: float = 1.0
+    """Sampling ratio in [0, 1] of the traces this service would start; it only continues the router's, which
+    keep the router's decision (ParentBased), so the router's ratio is the one that counts."""
 
     def uses_cuda_graphs(self, device_type: str, has_lean_decoder: bool) -> bool:
         """is_cuda_graphs with its default resolved, for a worker on `device_type` whose model has a lean decoder
@@ -113,6 +120,7 @@ class WorkerConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         internal_tls(self)  # ValueError naming the fields when only some are given
+        settings_of(self)  # ValueError naming the field for a bad endpoint or ratio
 
 
 def _on_cuda_with_lean(value: bool | None, device_type: str, has_lean_decoder: bool) -> bool:

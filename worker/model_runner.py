@@ -39,6 +39,7 @@ from worker.block_tables import BlockTables
 from worker.compiled import CompiledDecoder
 from worker.compiled_layers import compiled_regions
 from worker.decode_graphs import DecodeGraphs
+from common import tracing
 from common.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import SamplingParams
@@ -230,12 +231,14 @@ class ModelRunner:
         plan = self.update_states(request)
         try:
             try:
-                logits = self.execute(plan)
+                with tracing.span("worker.forward"):  # under a traced step's scheduler span (server.py), else none
+                    logits = self.execute(plan)
             except torch.OutOfMemoryError:
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()  # give the failed step's activations back before the retry
                 raise
-            outputs = self.postprocess(plan, logits)
+            with tracing.span("worker.sample"):
+                outputs = self.postprocess(plan, logits)
         finally:
             if plan.grammar_masks is not None:  # a failed step's fill too: the matchers are the next step's after it
                 wait([plan.grammar_masks])

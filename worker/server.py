@@ -9,7 +9,8 @@ serialized (the runner and its KV cache are single-threaded), and a step ahead r
 follows (worker/step_order.py). A failure of one sequence is an error in its SequenceOutput, not a
 status; exceptions (a failure of the whole step) become gRPC status codes in one place,
 `_abort`: a malformed step is INVALID_ARGUMENT, out of memory RESOURCE_EXHAUSTED (the scheduler
-preempts and retries with a smaller batch), anything else INTERNAL.
+preempts and retries with a smaller batch), anything else INTERNAL. A step that carries its scheduler span's
+trace context (StepRequest.trace_context) runs under it: the runner's forward and sample spans are its children.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from protos.segserve.v1.info import Health
 from protos.segserve.v1.sampling import InvalidParameter
 from protos.segserve.v1.step import MalformedStep, StepRequest
 from protos.segserve.v1.step_result import StepResult
+from common import tracing
 from common.blocking import CallCost, run_blocking
 from common.health import Serving, add_health_and_reflection
 from common.heap import freeze_startup_heap
@@ -150,7 +152,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self.order.after(step.follows_step_id)
             async with self._step_lock:
                 num_tokens = step.num_scheduled_tokens * step.num_steps
-                outputs, seconds = await run_blocking(self.cost, num_tokens, runner.step, step)
+                with tracing.attached(tracing.extract(step.trace_context)):  # the forward and sample spans' parent
+                    outputs, seconds = await run_blocking(self.cost, num_tokens, runner.step, step)
         return StepResult(outputs, int(seconds * 1e6)).to_pb(packed=request.HasField("packed_sequences"))
 
     @_status_errors
@@ -192,6 +195,7 @@ async def serve(config: WorkerConfig) -> None:
     have started, so that the threads loading the model and running long steps, started after, are too."""
     servicer = WorkerServicer()
     tls = internal_tls(config)
+    tracing.setup("worker", config)
     server, port = await start_server(servicer, config.host, config.port, tls)
     if config.compute_cpus:
         bind_compute_thread(parse_cpu_list(config.compute_cpus))
@@ -213,3 +217,4 @@ async def serve(config: WorkerConfig) -> None:
     finally:
         await servicer.serving.set(False)
         await server.stop(grace=1.0)
+        tracing.shutdown()

@@ -27,6 +27,13 @@ wall time, and the load generator's own CPU per token (this process: httpx and
 the SSE parsing, which `bench throughput` counts into the router's overhead when
 both share the cores). Outputs go to --out: router.json (every round, the command, the
 machine), router.png, the services' logs.
+
+With --tracing, a second router runs beside the first with tracing on (every request traced:
+trace_sample_ratio 1.0), exporting its spans over OTLP/gRPC to a receiver in a process of its
+own (segserve/bench/otlp_receiver.py, the collector's TraceService; so receiving costs neither
+router), and every round measures both routers on each endpoint, alternating which goes first:
+the router's CPU per token with tracing off and on, side by side. The receiver's count of spans
+(one per request) shows that what was traced was exported.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -73,6 +81,9 @@ class RouterBenchConfig:
     """Longest a service may take to become ready."""
     reflow: bool = False
     """The router records every request and response (data reflow) into a SQLite queue in a temp dir."""
+    tracing: bool = False
+    """Also measure a second router with tracing on (every request traced, spans exported over OTLP to a local
+    receiver), beside the first, every round."""
     out: str = "bench-results/router"
     """Directory for router.json, router.png and the services' logs."""
 
@@ -97,6 +108,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
     parser.add_argument("--reflow", action=argparse.BooleanOptionalAction, default=d.reflow,
                         help="the router records requests and responses (data reflow) into a SQLite queue")
+    parser.add_argument("--tracing", action=argparse.BooleanOptionalAction, default=d.tracing,
+                        help="also measure a router with tracing on (OTLP to a local receiver), side by side")
     parser.add_argument("--out", default=d.out, help="output directory (default: bench-results/router)")
 
 
@@ -200,8 +213,13 @@ def summarize(levels: list[dict]) -> dict:
             "num_errors": sum(lv["num_errors"] for lv in levels)}
 
 
+TRACED = "tracing"
+"""The key of the traced router's figures in a round (and in the results), with --tracing."""
+
+
 def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path, workdir: Path) -> dict:
-    """Start the paced scheduler and the router, warm up, run the rounds, stop them."""
+    """Start the paced scheduler and the router (with --tracing, the OTLP receiver and a traced router too), warm
+    up, run the rounds, stop them."""
     from segserve.bench.reflow import _router_argv, _spawn, _stop, _wait_ready
     from segserve.launcher import free_port
 
@@ -209,35 +227,76 @@ def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path, wo
     scheduler = _spawn("paced-scheduler", ["segserve.bench.paced_scheduler", "--model", str(model_dir), "--port",
                                            scheduler_address.rpartition(":")[2], "--token-interval-ms",
                                            str(config.token_interval_ms)], scheduler_address, log_dir)
-    services = [scheduler]
+    routers, receiver = {}, None
     try:
         deadline = time.monotonic() + config.startup_timeout_s
         _wait_ready(scheduler, deadline, log_dir)
-        port = free_port()
-        base_url = f"http://127.0.0.1:{port}"
-        reflow = {"queue_url": f"sqlite:///{workdir / 'queue.db'}", "spill_dir": str(workdir / "spill")} \
-            if config.reflow else {}
-        services.append(_spawn("router", _router_argv(model_dir, scheduler_address, port, **reflow), base_url,
-                               log_dir))
-        _wait_ready(services[1], deadline, log_dir)
-        router_pid = services[1].process.pid
-        for endpoint in ENDPOINTS:  # warm-up: imports, first-call caches, connections
-            loadgen.run(run_streams(base_url, endpoint, config, max_tokens=8))
+        variants = {"": []}
+        if config.tracing:
+            receiver_port = free_port()
+            receiver = _spawn("otlp-receiver", ["segserve.bench.otlp_receiver", "--port", str(receiver_port), "--out",
+                                                str(workdir / "received.json")], f"127.0.0.1:{receiver_port}", log_dir)
+            _wait_listening(receiver, deadline, log_dir)
+            variants[TRACED] = ["--otlp-traces-endpoint", f"http://127.0.0.1:{receiver_port}",
+                                "--trace-sample-ratio", "1.0"]
+        for variant, flags in variants.items():
+            name, port = "router" + (f"-{variant}" if variant else ""), free_port()
+            reflow = {"queue_url": f"sqlite:///{workdir / name}.db", "spill_dir": str(workdir / f"{name}-spill")} \
+                if config.reflow else {}
+            routers[variant] = _spawn(name, _router_argv(model_dir, scheduler_address, port, **reflow) + flags,
+                                      f"http://127.0.0.1:{port}", log_dir)
+        num_warm_up = 0
+        for router in routers.values():
+            _wait_ready(router, deadline, log_dir)
+            for endpoint in ENDPOINTS:  # warm-up: imports, first-call caches, connections
+                num_warm_up = len(loadgen.run(run_streams(router.address, endpoint, config, max_tokens=8)))
         rounds = []
         for index in range(config.rounds):
             order = ENDPOINTS if index % 2 == 0 else ENDPOINTS[::-1]
-            result = {"order": list(order)}
+            turns = list(routers) if index % 2 == 0 else list(routers)[::-1]
+            result = {"order": list(order)} | ({"router_order": [v or "off" for v in turns]} if receiver else {})
             for endpoint in order:
-                result[endpoint] = measure_level(base_url, router_pid, endpoint, config)
+                for variant in turns:
+                    router = routers[variant]
+                    level = measure_level(router.address, router.process.pid, endpoint, config)
+                    if variant:
+                        result.setdefault(variant, {})[endpoint] = level
+                    else:
+                        result[endpoint] = level
             print(f"[bench router] round {index + 1}: " + ", ".join(
                 f"{e} {result[e]['cpu_ms_per_token'] or 0:.3f} CPU ms/token "
-                f"({result[e]['events_per_token'] or 0:.2f} events/token)" for e in ENDPOINTS),
-                file=sys.stderr, flush=True)
+                f"({result[e]['events_per_token'] or 0:.2f} events/token)"
+                + (f", traced {result[TRACED][e]['cpu_ms_per_token'] or 0:.3f}" if receiver else "")
+                for e in ENDPOINTS), file=sys.stderr, flush=True)
             rounds.append(result)
         grpc_floor = measure_grpc_floor(scheduler_address, config)
     finally:
-        _stop(services[::-1])
-    return {"rounds": rounds, "grpc_floor": grpc_floor, "scheduler_address": scheduler_address, "router_url": base_url}
+        _stop(list(routers.values()))  # first: a traced router exports its last spans as it stops
+        _stop([s for s in (receiver, scheduler) if s is not None])
+    measured = {"rounds": rounds, "grpc_floor": grpc_floor, "scheduler_address": scheduler_address,
+                "router_url": routers[""].address}
+    if receiver is not None:
+        num_requests = num_warm_up * len(ENDPOINTS) + sum(r[TRACED][e]["num_requests"] for r in rounds
+                                                          for e in ENDPOINTS)
+        measured[TRACED] = {"num_requests": num_requests,
+                            "received": json.loads((workdir / "received.json").read_text())}
+    return measured
+
+
+def _wait_listening(service, deadline: float, log_dir: Path) -> None:
+    """Until `service` accepts TCP connections on its host:port address."""
+    import socket
+
+    host, _, port = service.address.rpartition(":")
+    while time.monotonic() < deadline:
+        if service.process.poll() is not None:
+            raise RuntimeError(f"{service.name} exited with code {service.process.returncode} "
+                               f"(see {log_dir / service.name}.log)")
+        with socket.socket() as sock:
+            if sock.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{service.name} at {service.address} was not listening in time")
 
 
 def markdown_table(results: dict) -> str:
@@ -245,11 +304,16 @@ def markdown_table(results: dict) -> str:
     lines = [f"| endpoint ({config['concurrency']} streams x {config['max_tokens']} tokens) | router CPU ms/token, "
              f"median | min | max | SSE events/token | client CPU ms/token | tokens | errors |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for endpoint, summary in results["endpoints"].items():
-        lines.append(f"| /v1/{'chat/' if endpoint == 'chat' else ''}completions "
-                     f"| {_fmt(summary['cpu_ms_per_token_median'])} | {_fmt(summary['cpu_ms_per_token_min'])} "
-                     f"| {_fmt(summary['cpu_ms_per_token_max'])} | {_fmt(summary['events_per_token_median'], 2)} "
-                     f"| {_fmt(summary['client_cpu_ms_per_token_median'])} | {summary['num_tokens']} | {summary['num_errors']} |")
+    tables = [("", results["endpoints"])]
+    if TRACED in results:
+        tables = [(", tracing off", results["endpoints"]), (", tracing on", results[TRACED]["endpoints"])]
+    for label, endpoints in tables:
+        for endpoint, summary in endpoints.items():
+            lines.append(f"| /v1/{'chat/' if endpoint == 'chat' else ''}completions{label} "
+                         f"| {_fmt(summary['cpu_ms_per_token_median'])} | {_fmt(summary['cpu_ms_per_token_min'])} "
+                         f"| {_fmt(summary['cpu_ms_per_token_max'])} | {_fmt(summary['events_per_token_median'], 2)} "
+                         f"| {_fmt(summary['client_cpu_ms_per_token_median'])} | {summary['num_tokens']} "
+                         f"| {summary['num_errors']} |")
     floor = results.get("grpc_client_floor")
     if floor:
         lines.append(f"| gRPC receive alone (the router's SchedulerClient, no HTTP) | "
@@ -272,6 +336,10 @@ def plot(path: Path, results: dict) -> Path:
     for color, (endpoint, summary) in enumerate(results["endpoints"].items()):
         values = summary["cpu_ms_per_token_rounds"]
         axis.plot(range(1, len(values) + 1), values, marker="o", color=f"C{color}", label=_PATHS[endpoint])
+        if TRACED in results:
+            values = results[TRACED]["endpoints"][endpoint]["cpu_ms_per_token_rounds"]
+            axis.plot(range(1, len(values) + 1), values, marker="s", linestyle="--", color=f"C{color}",
+                      label=_PATHS[endpoint] + ", tracing on")
     floor = (results.get("grpc_client_floor") or {}).get("cpu_ms_per_token")
     if floor is not None:
         axis.axhline(floor, color="grey", linestyle=":", label="gRPC receive alone")
@@ -308,11 +376,17 @@ def run_router(args: argparse.Namespace) -> dict:
     results["rounds"] = measured["rounds"]
     results["endpoints"] = {e: summarize([r[e] for r in measured["rounds"]]) for e in ENDPOINTS}
     results["grpc_client_floor"] = measured["grpc_floor"]
+    if TRACED in measured:
+        results[TRACED] = {"endpoints": {e: summarize([r[TRACED][e] for r in measured["rounds"]]) for e in ENDPOINTS},
+                           **measured[TRACED]}
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["outputs"] = {"json": str(out / "router.json"), "png": str(out / "router.png")}
     plot(out / "router.png", results)
     report.write_json(out / "router.json", results)
     print(f"\npaced scheduler: a token every {config.token_interval_ms:g} ms per stream; {config.rounds} rounds; "
           f"data reflow {'on' if config.reflow else 'off'}; tokenizer {model_dir}\n")
+    if TRACED in results:
+        print(f"tracing on: {results[TRACED]['received']['num_spans']} spans received for "
+              f"{results[TRACED]['num_requests']} requests to the traced router\n")
     print(markdown_table(results))
     return results

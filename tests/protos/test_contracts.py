@@ -133,6 +133,18 @@ def test_generate_request_round_trip(request_id, prompt, params, criteria):
     assert GenerateRequest.from_pb(wire(request.to_pb())) == request
 
 
+@given(st.dictionaries(st.text(), st.text(), max_size=3))
+def test_a_trace_context_round_trips_with_its_request_and_its_step(context):
+    request = GenerateRequest("r", (1,), trace_context=tuple(sorted(context.items())))
+    assert GenerateRequest.from_pb(wire(request.to_pb())) == request
+    step = StepRequest(trace_context=dict(context))
+    assert StepRequest.from_pb(wire(step.to_pb())) == step
+    assert StepRequest.from_pb(wire(step.to_pb(packed=True))) == step
+    if not context:  # an untraced request or step puts no byte of it on the wire
+        assert request.to_pb().ByteSize() == GenerateRequest("r", (1,)).to_pb().ByteSize()
+        assert not step.to_pb().trace_context
+
+
 def test_generate_request_without_sampling_is_greedy_defaults():
     pb = scheduler_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1], stopping=common_pb2.StoppingCriteria(
         max_tokens=3))

@@ -108,6 +108,8 @@ def test_serve_help_is_short_grouped_by_config_class_with_two_lines_a_flag(monke
     from segserve.cli import (_SERVE_DRAFTER_RENAME, _SERVE_DRAFTER_SKIP, _SERVE_ROUTER_SKIP, _SERVE_SCHEDULER_RENAME,
                               _SERVE_SCHEDULER_SKIP, _SERVE_SHARED, _SERVE_WORKER_RENAME)
     from segserve.flags import flag, is_env_only
+    from common.tls import INTERNAL_FIELDS
+    from common.tracing import FIELDS as TRACING_FIELDS
 
     help_text = _help(monkeypatch, capsys, "serve")
     assert len(help_text.splitlines()) < 250
@@ -122,7 +124,10 @@ def test_serve_help_is_short_grouped_by_config_class_with_two_lines_a_flag(monke
                     if f.name not in skip and not is_env_only(f)}
         assert shown >= expected, f"{title} lacks {expected - shown}"
     tls = next(options for title, options in sections.items() if title.startswith("internal TLS"))
-    assert set().union(*map(_flags, tls)) == {flag(name) for name in _SERVE_SHARED}
+    tracing = next(options for title, options in sections.items() if title.startswith("tracing"))
+    assert set().union(*map(_flags, tls)) == {flag(name) for name in INTERNAL_FIELDS}
+    assert set().union(*map(_flags, tracing)) == {flag(name) for name in TRACING_FIELDS}
+    assert _SERVE_SHARED == {*INTERNAL_FIELDS, *TRACING_FIELDS}
 
 
 @pytest.mark.parametrize("command", [["serve"], ["worker"], ["scheduler"], ["router"], ["drafter"],
@@ -254,6 +259,26 @@ def test_serve_takes_the_internal_tls_files_once_for_every_service():
                from_args(DrafterConfig, args, _SERVE_DRAFTER_RENAME), from_args(RouterConfig, args)]
     assert [internal_tls(c) for c in configs] == [TlsFiles("s.pem", "s.key", "ca.pem")] * 4
     assert ["--internal-tls-cert-file", "s.pem"] == to_argv(configs[0])[-6:-4]  # how each process gets them
+
+
+def test_serve_takes_tracing_once_for_every_service():
+    from drafter.config import DrafterConfig
+    from segserve.cli import _SERVE_DRAFTER_RENAME, _SERVE_SCHEDULER_RENAME, _SERVE_WORKER_RENAME
+    from common.tracing import TraceSettings, settings_of
+
+    args = build_parser().parse_args(["serve", "--otlp-traces-endpoint", "http://collector:4317",
+                                      "--trace-sample-ratio", "0.1"])
+    configs = [from_args(WorkerConfig, args, _SERVE_WORKER_RENAME),
+               from_args(SchedulerConfig, args, _SERVE_SCHEDULER_RENAME),
+               from_args(DrafterConfig, args, _SERVE_DRAFTER_RENAME), from_args(RouterConfig, args)]
+    assert [settings_of(c) for c in configs] == [TraceSettings("http://collector:4317", 0.1)] * 4
+    for config in configs:  # how each process gets them
+        argv = to_argv(config)
+        assert argv[argv.index("--otlp-traces-endpoint"):][:4] == ["--otlp-traces-endpoint", "http://collector:4317",
+                                                                   "--trace-sample-ratio", "0.1"]
+    assert [settings_of(c) for c in (from_args(RouterConfig, build_parser().parse_args(["serve"])),)] == [None]
+    with pytest.raises(ValueError, match="trace_sample_ratio"):
+        from_args(RouterConfig, build_parser().parse_args(["serve", "--trace-sample-ratio", "1.5"]))
 
 
 def test_invalid_config_values_are_rejected():

@@ -18,16 +18,19 @@ from worker.config import WorkerConfig
 
 def tiny_stack(model_dir: Path, log_dir: Path, *, is_speculative: bool = True, max_num_seqs: int = 16,
                scheduler: dict | None = None, num_drafters: int = 1, num_workers: int = 1,
-               is_ray_workers: bool = False, drafter: dict | None = None, **worker_overrides) -> Stack:
+               is_ray_workers: bool = False, drafter: dict | None = None, shared: dict | None = None,
+               **worker_overrides) -> Stack:
     """The one stack the end-to-end tests run: worker, drafter, scheduler and router on free ports, not yet
     started (use it as a context manager, or call start()). `scheduler` and `drafter` override SchedulerConfig
-    and DrafterConfig fields."""
+    and DrafterConfig fields; `shared` sets fields every service's config has (tracing's, as `serve` does)."""
+    shared = shared or {}
     config = StackConfig(
-        worker=WorkerConfig(**{"model": str(model_dir), "port": 0, "device": TEST_DEVICE, **worker_overrides}),
+        worker=WorkerConfig(**{"model": str(model_dir), "port": 0, "device": TEST_DEVICE, **shared,
+                               **worker_overrides}),
         scheduler=SchedulerConfig(**{"port": 0, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 128,
-                                     **(scheduler or {})}),
-        router=RouterConfig(port=0, grpc_port=0),
-        drafter=DrafterConfig(**{"port": 0, **(drafter or {})}),
+                                     **shared, **(scheduler or {})}),
+        router=RouterConfig(port=0, grpc_port=0, **shared),
+        drafter=DrafterConfig(**{"port": 0, **shared, **(drafter or {})}),
         is_speculative=is_speculative,
         num_drafters=num_drafters,
         num_workers=num_workers,

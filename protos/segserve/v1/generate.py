@@ -32,21 +32,26 @@ class GenerateRequest:
     stopping: StoppingCriteria = field(default_factory=StoppingCriteria)
     tenant: str = ""
     """Whose request (a stable non-secret id set by the router; "" = the default tenant): scopes online learning."""
+    trace_context: tuple[tuple[str, str], ...] = ()
+    """The W3C trace context (key, value) pairs of the request's span at the router; () = not traced."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
 
     def to_pb(self) -> scheduler_pb2.GenerateRequest:
-        return scheduler_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                                             sampling=self.sampling.to_pb(), stopping=self.stopping.to_pb(),
-                                             tenant=self.tenant)
+        pb = scheduler_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                                           sampling=self.sampling.to_pb(), stopping=self.stopping.to_pb(),
+                                           tenant=self.tenant)
+        if self.trace_context:
+            pb.trace_context.update(self.trace_context)
+        return pb
 
     @classmethod
     def from_pb(cls, pb: scheduler_pb2.GenerateRequest) -> GenerateRequest:
         """Convert as sent (an absent `sampling` is greedy with every default); validate before use."""
         sampling = SamplingParams.from_pb(pb.sampling) if pb.HasField("sampling") else SamplingParams()
         return cls(pb.request_id, tuple(pb.prompt_token_ids), sampling, StoppingCriteria.from_pb(pb.stopping),
-                   pb.tenant)
+                   pb.tenant, tuple(sorted(pb.trace_context.items())) if pb.trace_context else ())
 
 
 MAX_TENANT_CHARS = 64

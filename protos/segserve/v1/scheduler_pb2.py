@@ -26,47 +26,51 @@ from protos.segserve.v1 import common_pb2 as protos_dot_segserve_dot_v1_dot_comm
 from protos.segserve.v1 import drafter_pb2 as protos_dot_segserve_dot_v1_dot_drafter__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/segserve/v1/scheduler.proto\x12\x0bsegserve.v1\x1a\x1fprotos/segserve/v1/common.proto\x1a protos/segserve/v1/drafter.proto\"\xaf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.segserve.v1.SamplingParams\x12/\n\x08stopping\x18\x04 \x01(\x0b\x32\x1d.segserve.v1.StoppingCriteria\x12\x0e\n\x06tenant\x18\x05 \x01(\t\"\xa3\x02\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06scores\x18\x02 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.segserve.v1.TopLogprobs\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x15\n\rqueue_wait_us\x18\x05 \x01(\x04\x12\x34\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1b.segserve.v1.PromptLogprobs\x12\x0f\n\x07segment\x18\x07 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x13\n\x0b\x64raft_depth\x18\t \x01(\r\x12!\n\x19num_accepted_draft_tokens\x18\n \x01(\r\"\x90\x02\n\x10GenerateComplete\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.segserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x03 \x01(\r\x12\x15\n\rqueue_wait_us\x18\x04 \x01(\x04\x12\x16\n\x0e\x66irst_token_us\x18\x05 \x01(\x04\x12\x11\n\tdecode_us\x18\x06 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\r\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12 \n\x18num_cached_prompt_tokens\x18\t \x01(\r\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa5\x01\n\x10GenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.segserve.v1.TokenChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.segserve.v1.GenerateCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.segserve.v1.GenerateErrorH\x00\x42\x07\n\x05\x65vent\"y\n\x0eStreamsRequest\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.segserve.v1.StartStreamH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x12\x15\n\rpacked_chunks\x18\x03 \x01(\x08\x42\x08\n\x06\x61\x63tion\"P\n\x0bStartStream\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.segserve.v1.GenerateRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x04\"O\n\x0bStreamEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1d.segserve.v1.GenerateResponse\"m\n\x0fStreamsResponse\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.segserve.v1.StreamEvent\x12\x30\n\rpacked_chunks\x18\x02 \x01(\x0b\x32\x19.segserve.v1.PackedChunks\"\xee\x01\n\x0cPackedChunks\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x15\n\rnum_token_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0e\n\x06scores\x18\x04 \x03(\x02\x12\x13\n\x0b\x62\x61tch_sizes\x18\x05 \x03(\r\x12\x15\n\rqueue_wait_us\x18\x06 \x03(\x04\x12\x10\n\x08segments\x18\x07 \x03(\t\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\r\x12\x14\n\x0c\x64raft_depths\x18\t \x03(\r\x12!\n\x19num_accepted_draft_tokens\x18\n \x03(\r\"\x16\n\x14SchedulerInfoRequest\"8\n\rSchedulerInfo\x12\'\n\x06worker\x18\x01 \x01(\x0b\x32\x17.segserve.v1.WorkerInfo\"\x0e\n\x0cStatsRequest\"\xb4\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_used_kv_blocks\x18\x03 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12$\n\x04spec\x18\x07 \x01(\x0b\x32\x16.segserve.v1.SpecStats\x12-\n\rspec_segments\x18\x08 \x03(\x0b\x32\x16.segserve.v1.SpecStats\x12 \n\x18num_prefix_cache_queries\x18\t \x01(\x04\x12\x1d\n\x15num_prefix_cache_hits\x18\n \x01(\x04\x12\x13\n\x0bnum_workers\x18\x0b \x01(\r\x12\x18\n\x10num_live_workers\x18\x0c \x01(\r\x12\x1a\n\x12num_moved_requests\x18\r \x01(\x04\x12\x32\n\x08\x64rafters\x18\x0e \x03(\x0b\x32 .segserve.v1.DrafterReplicaStats\"a\n\x13\x44rafterReplicaStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07is_live\x18\x02 \x01(\x08\x12(\n\x05stats\x18\x03 \x01(\x0b\x32\x19.segserve.v1.DrafterStats\"\x8a\x02\n\tSpecStats\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0cnum_verified\x18\x02 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\x04\x12 \n\x18\x61\x63\x63\x65ptance_rate_by_depth\x18\x05 \x03(\x02\x12\x1d\n\x15num_accepted_by_depth\x18\x06 \x03(\x04\x12\x13\n\x0bis_drafting\x18\x07 \x01(\x08\x12\x18\n\x10num_budget_nodes\x18\x08 \x01(\r\x12\x19\n\x11gate_batch_bucket\x18\t \x01(\r\x12\x14\n\x0cis_gate_open\x18\n \x01(\x08*\xbd\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xf9\x02\n\tScheduler\x12I\n\x08Generate\x12\x1c.segserve.v1.GenerateRequest\x1a\x1d.segserve.v1.GenerateResponse0\x01\x12P\n\x0fGenerateStreams\x12\x1b.segserve.v1.StreamsRequest\x1a\x1c.segserve.v1.StreamsResponse(\x01\x30\x01\x12H\n\x07GetInfo\x12!.segserve.v1.SchedulerInfoRequest\x1a\x1a.segserve.v1.SchedulerInfo\x12\x42\n\x08GetStats\x12\x19.segserve.v1.StatsRequest\x1a\x1b.segserve.v1.SchedulerStats\x12\x41\n\x06Health\x12\x1a.segserve.v1.HealthRequest\x1a\x1b.segserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/segserve/v1/scheduler.proto\x12\x0bsegserve.v1\x1a\x1fprotos/segserve/v1/common.proto\x1a protos/segserve/v1/drafter.proto\"\xab\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.segserve.v1.SamplingParams\x12/\n\x08stopping\x18\x04 \x01(\x0b\x32\x1d.segserve.v1.StoppingCriteria\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x45\n\rtrace_context\x18\x06 \x03(\x0b\x32..segserve.v1.GenerateRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa3\x02\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06scores\x18\x02 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.segserve.v1.TopLogprobs\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x15\n\rqueue_wait_us\x18\x05 \x01(\x04\x12\x34\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1b.segserve.v1.PromptLogprobs\x12\x0f\n\x07segment\x18\x07 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x13\n\x0b\x64raft_depth\x18\t \x01(\r\x12!\n\x19num_accepted_draft_tokens\x18\n \x01(\r\"\x90\x02\n\x10GenerateComplete\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.segserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x03 \x01(\r\x12\x15\n\rqueue_wait_us\x18\x04 \x01(\x04\x12\x16\n\x0e\x66irst_token_us\x18\x05 \x01(\x04\x12\x11\n\tdecode_us\x18\x06 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\r\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12 \n\x18num_cached_prompt_tokens\x18\t \x01(\r\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa5\x01\n\x10GenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.segserve.v1.TokenChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.segserve.v1.GenerateCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.segserve.v1.GenerateErrorH\x00\x42\x07\n\x05\x65vent\"y\n\x0eStreamsRequest\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.segserve.v1.StartStreamH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x12\x15\n\rpacked_chunks\x18\x03 \x01(\x08\x42\x08\n\x06\x61\x63tion\"P\n\x0bStartStream\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.segserve.v1.GenerateRequest\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x04\"O\n\x0bStreamEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1d.segserve.v1.GenerateResponse\"m\n\x0fStreamsResponse\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.segserve.v1.StreamEvent\x12\x30\n\rpacked_chunks\x18\x02 \x01(\x0b\x32\x19.segserve.v1.PackedChunks\"\xee\x01\n\x0cPackedChunks\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x15\n\rnum_token_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0e\n\x06scores\x18\x04 \x03(\x02\x12\x13\n\x0b\x62\x61tch_sizes\x18\x05 \x03(\r\x12\x15\n\rqueue_wait_us\x18\x06 \x03(\x04\x12\x10\n\x08segments\x18\x07 \x03(\t\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\r\x12\x14\n\x0c\x64raft_depths\x18\t \x03(\r\x12!\n\x19num_accepted_draft_tokens\x18\n \x03(\r\"\x16\n\x14SchedulerInfoRequest\"8\n\rSchedulerInfo\x12\'\n\x06worker\x18\x01 \x01(\x0b\x32\x17.segserve.v1.WorkerInfo\"\x0e\n\x0cStatsRequest\"\xb4\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_used_kv_blocks\x18\x03 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12$\n\x04spec\x18\x07 \x01(\x0b\x32\x16.segserve.v1.SpecStats\x12-\n\rspec_segments\x18\x08 \x03(\x0b\x32\x16.segserve.v1.SpecStats\x12 \n\x18num_prefix_cache_queries\x18\t \x01(\x04\x12\x1d\n\x15num_prefix_cache_hits\x18\n \x01(\x04\x12\x13\n\x0bnum_workers\x18\x0b \x01(\r\x12\x18\n\x10num_live_workers\x18\x0c \x01(\r\x12\x1a\n\x12num_moved_requests\x18\r \x01(\x04\x12\x32\n\x08\x64rafters\x18\x0e \x03(\x0b\x32 .segserve.v1.DrafterReplicaStats\"a\n\x13\x44rafterReplicaStats\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07is_live\x18\x02 \x01(\x08\x12(\n\x05stats\x18\x03 \x01(\x0b\x32\x19.segserve.v1.DrafterStats\"\x8a\x02\n\tSpecStats\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0cnum_verified\x18\x02 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\x04\x12 \n\x18\x61\x63\x63\x65ptance_rate_by_depth\x18\x05 \x03(\x02\x12\x1d\n\x15num_accepted_by_depth\x18\x06 \x03(\x04\x12\x13\n\x0bis_drafting\x18\x07 \x01(\x08\x12\x18\n\x10num_budget_nodes\x18\x08 \x01(\r\x12\x19\n\x11gate_batch_bucket\x18\t \x01(\r\x12\x14\n\x0cis_gate_open\x18\n \x01(\x08*\xbd\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xf9\x02\n\tScheduler\x12I\n\x08Generate\x12\x1c.segserve.v1.GenerateRequest\x1a\x1d.segserve.v1.GenerateResponse0\x01\x12P\n\x0fGenerateStreams\x12\x1b.segserve.v1.StreamsRequest\x1a\x1c.segserve.v1.StreamsResponse(\x01\x30\x01\x12H\n\x07GetInfo\x12!.segserve.v1.SchedulerInfoRequest\x1a\x1a.segserve.v1.SchedulerInfo\x12\x42\n\x08GetStats\x12\x19.segserve.v1.StatsRequest\x1a\x1b.segserve.v1.SchedulerStats\x12\x41\n\x06Health\x12\x1a.segserve.v1.HealthRequest\x1a\x1b.segserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.segserve.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2625
-  _globals['_FINISHREASON']._serialized_end=2814
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2749
+  _globals['_FINISHREASON']._serialized_end=2938
   _globals['_GENERATEREQUEST']._serialized_start=119
-  _globals['_GENERATEREQUEST']._serialized_end=294
-  _globals['_TOKENCHUNK']._serialized_start=297
-  _globals['_TOKENCHUNK']._serialized_end=588
-  _globals['_GENERATECOMPLETE']._serialized_start=591
-  _globals['_GENERATECOMPLETE']._serialized_end=863
-  _globals['_GENERATEERROR']._serialized_start=865
-  _globals['_GENERATEERROR']._serialized_end=911
-  _globals['_GENERATERESPONSE']._serialized_start=914
-  _globals['_GENERATERESPONSE']._serialized_end=1079
-  _globals['_STREAMSREQUEST']._serialized_start=1081
-  _globals['_STREAMSREQUEST']._serialized_end=1202
-  _globals['_STARTSTREAM']._serialized_start=1204
-  _globals['_STARTSTREAM']._serialized_end=1284
-  _globals['_STREAMEVENT']._serialized_start=1286
-  _globals['_STREAMEVENT']._serialized_end=1365
-  _globals['_STREAMSRESPONSE']._serialized_start=1367
-  _globals['_STREAMSRESPONSE']._serialized_end=1476
-  _globals['_PACKEDCHUNKS']._serialized_start=1479
-  _globals['_PACKEDCHUNKS']._serialized_end=1717
-  _globals['_SCHEDULERINFOREQUEST']._serialized_start=1719
-  _globals['_SCHEDULERINFOREQUEST']._serialized_end=1741
-  _globals['_SCHEDULERINFO']._serialized_start=1743
-  _globals['_SCHEDULERINFO']._serialized_end=1799
-  _globals['_STATSREQUEST']._serialized_start=1801
-  _globals['_STATSREQUEST']._serialized_end=1815
-  _globals['_SCHEDULERSTATS']._serialized_start=1818
-  _globals['_SCHEDULERSTATS']._serialized_end=2254
-  _globals['_DRAFTERREPLICASTATS']._serialized_start=2256
-  _globals['_DRAFTERREPLICASTATS']._serialized_end=2353
-  _globals['_SPECSTATS']._serialized_start=2356
-  _globals['_SPECSTATS']._serialized_end=2622
-  _globals['_SCHEDULER']._serialized_start=2817
-  _globals['_SCHEDULER']._serialized_end=3194
+  _globals['_GENERATEREQUEST']._serialized_end=418
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=367
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=418
+  _globals['_TOKENCHUNK']._serialized_start=421
+  _globals['_TOKENCHUNK']._serialized_end=712
+  _globals['_GENERATECOMPLETE']._serialized_start=715
+  _globals['_GENERATECOMPLETE']._serialized_end=987
+  _globals['_GENERATEERROR']._serialized_start=989
+  _globals['_GENERATEERROR']._serialized_end=1035
+  _globals['_GENERATERESPONSE']._serialized_start=1038
+  _globals['_GENERATERESPONSE']._serialized_end=1203
+  _globals['_STREAMSREQUEST']._serialized_start=1205
+  _globals['_STREAMSREQUEST']._serialized_end=1326
+  _globals['_STARTSTREAM']._serialized_start=1328
+  _globals['_STARTSTREAM']._serialized_end=1408
+  _globals['_STREAMEVENT']._serialized_start=1410
+  _globals['_STREAMEVENT']._serialized_end=1489
+  _globals['_STREAMSRESPONSE']._serialized_start=1491
+  _globals['_STREAMSRESPONSE']._serialized_end=1600
+  _globals['_PACKEDCHUNKS']._serialized_start=1603
+  _globals['_PACKEDCHUNKS']._serialized_end=1841
+  _globals['_SCHEDULERINFOREQUEST']._serialized_start=1843
+  _globals['_SCHEDULERINFOREQUEST']._serialized_end=1865
+  _globals['_SCHEDULERINFO']._serialized_start=1867
+  _globals['_SCHEDULERINFO']._serialized_end=1923
+  _globals['_STATSREQUEST']._serialized_start=1925
+  _globals['_STATSREQUEST']._serialized_end=1939
+  _globals['_SCHEDULERSTATS']._serialized_start=1942
+  _globals['_SCHEDULERSTATS']._serialized_end=2378
+  _globals['_DRAFTERREPLICASTATS']._serialized_start=2380
+  _globals['_DRAFTERREPLICASTATS']._serialized_end=2477
+  _globals['_SPECSTATS']._serialized_start=2480
+  _globals['_SPECSTATS']._serialized_end=2746
+  _globals['_SCHEDULER']._serialized_start=2941
+  _globals['_SCHEDULER']._serialized_end=3318
 # @@protoc_insertion_point(module_scope)

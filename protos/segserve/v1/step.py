@@ -158,6 +158,8 @@ class StepRequest:
     num_steps: int = 1
     """Multi-step decoding: decode steps the worker runs back to back, each sequence computing the token it
     sampled in the one before; every sequence is then answered with num_steps tokens (multi_step_problem)."""
+    trace_context: dict[str, str] = field(default_factory=dict)
+    """The W3C trace context of the scheduler's span of this step; empty = not traced."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -171,10 +173,13 @@ class StepRequest:
         """With `packed`, the sequences go as PackedSequences (for a worker with WorkerInfo.packed_steps)."""
         sequences = {"packed_sequences": _pack_sequences(self.sequences)} if packed else {
             "sequences": [s.to_pb() for s in self.sequences]}
-        return worker_pb2.StepRequest(new_sequences=[n.to_pb() for n in self.new_sequences],
-                                      finished_seq_ids=self.finished_seq_ids, step_id=self.step_id,
-                                      follows_step_id=self.follows_step_id,
-                                      num_steps=self.num_steps if self.num_steps != 1 else 0, **sequences)
+        pb = worker_pb2.StepRequest(new_sequences=[n.to_pb() for n in self.new_sequences],
+                                    finished_seq_ids=self.finished_seq_ids, step_id=self.step_id,
+                                    follows_step_id=self.follows_step_id,
+                                    num_steps=self.num_steps if self.num_steps != 1 else 0, **sequences)
+        if self.trace_context:
+            pb.trace_context.update(self.trace_context)
+        return pb
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.StepRequest) -> StepRequest:
@@ -186,7 +191,8 @@ class StepRequest:
         else:
             sequences = [ScheduledSequence.from_pb(s) for s in pb.sequences]
         return cls(sequences, [NewSequence.from_pb(n) for n in pb.new_sequences], list(pb.finished_seq_ids),
-                   pb.step_id, pb.follows_step_id, pb.num_steps or 1)
+                   pb.step_id, pb.follows_step_id, pb.num_steps or 1,
+                   dict(pb.trace_context) if pb.trace_context else {})
 
 
 def multi_step_problem(request: StepRequest) -> str | None:

@@ -25,27 +25,31 @@ _sym_db = _symbol_database.Default()
 from protos.segserve.v1 import common_pb2 as protos_dot_segserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/segserve/v1/worker.proto\x12\x0bsegserve.v1\x1a\x1fprotos/segserve/v1/common.proto\"\xa3\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.segserve.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12 \n\x18is_drafting_forced_spans\x18\x05 \x01(\x08\"\xf1\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x16\n\x0esample_indices\x18\x07 \x03(\r\x12)\n\x05\x64raft\x18\t \x01(\x0b\x32\x1a.segserve.v1.CandidateTree\x12\x17\n\x0fis_continuation\x18\n \x01(\x08\x12\x19\n\x11\x62lock_table_start\x18\x0b \x01(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x08\x10\t\"\x80\x02\n\x0bStepRequest\x12/\n\rnew_sequences\x18\x01 \x03(\x0b\x32\x18.segserve.v1.NewSequence\x12\x31\n\tsequences\x18\x02 \x03(\x0b\x32\x1e.segserve.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x03 \x03(\t\x12\x0f\n\x07step_id\x18\x04 \x01(\x04\x12\x17\n\x0f\x66ollows_step_id\x18\x05 \x01(\x04\x12\x36\n\x10packed_sequences\x18\x06 \x01(\x0b\x32\x1c.segserve.v1.PackedSequences\x12\x11\n\tnum_steps\x18\x07 \x01(\r\"\xb7\x02\n\x0fPackedSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x15\n\rnum_token_ids\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x12\n\nnum_blocks\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_tables\x18\x06 \x03(\r\x12\x1a\n\x12num_sample_indices\x18\x07 \x03(\r\x12\x16\n\x0esample_indices\x18\x08 \x03(\r\x12\x15\n\rcontinuations\x18\t \x03(\r\x12\x0f\n\x07\x64rafted\x18\n \x03(\r\x12*\n\x06\x64rafts\x18\x0b \x03(\x0b\x32\x1a.segserve.v1.CandidateTree\x12\x1a\n\x12\x62lock_table_starts\x18\x0c \x03(\r\"\xd2\x01\n\x0eSequenceOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06scores\x18\x03 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.segserve.v1.TopLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x1b.segserve.v1.PromptLogprobs\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x18\n\x10\x66orced_token_ids\x18\x07 \x03(\r\"\x84\x01\n\x0cStepResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.segserve.v1.SequenceOutput\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x32\n\x0epacked_outputs\x18\x03 \x01(\x0b\x32\x1a.segserve.v1.PackedOutputs\"Z\n\rPackedOutputs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x15\n\rnum_token_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0e\n\x06scores\x18\x04 \x03(\x02\x32\x93\x02\n\x06Worker\x12\x42\n\x07GetInfo\x12\x1e.segserve.v1.WorkerInfoRequest\x1a\x17.segserve.v1.WorkerInfo\x12;\n\x04Step\x12\x18.segserve.v1.StepRequest\x1a\x19.segserve.v1.StepResponse\x12\x45\n\nStepStream\x12\x18.segserve.v1.StepRequest\x1a\x19.segserve.v1.StepResponse(\x01\x30\x01\x12\x41\n\x06Health\x12\x1a.segserve.v1.HealthRequest\x1a\x1b.segserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/segserve/v1/worker.proto\x12\x0bsegserve.v1\x1a\x1fprotos/segserve/v1/common.proto\"\xa3\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.segserve.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12 \n\x18is_drafting_forced_spans\x18\x05 \x01(\x08\"\xf1\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x16\n\x0esample_indices\x18\x07 \x03(\r\x12)\n\x05\x64raft\x18\t \x01(\x0b\x32\x1a.segserve.v1.CandidateTree\x12\x17\n\x0fis_continuation\x18\n \x01(\x08\x12\x19\n\x11\x62lock_table_start\x18\x0b \x01(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x08\x10\t\"\xf8\x02\n\x0bStepRequest\x12/\n\rnew_sequences\x18\x01 \x03(\x0b\x32\x18.segserve.v1.NewSequence\x12\x31\n\tsequences\x18\x02 \x03(\x0b\x32\x1e.segserve.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x03 \x03(\t\x12\x0f\n\x07step_id\x18\x04 \x01(\x04\x12\x17\n\x0f\x66ollows_step_id\x18\x05 \x01(\x04\x12\x36\n\x10packed_sequences\x18\x06 \x01(\x0b\x32\x1c.segserve.v1.PackedSequences\x12\x11\n\tnum_steps\x18\x07 \x01(\r\x12\x41\n\rtrace_context\x18\x08 \x03(\x0b\x32*.segserve.v1.StepRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb7\x02\n\x0fPackedSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x15\n\rnum_token_ids\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x12\n\nnum_blocks\x18\x05 \x03(\r\x12\x14\n\x0c\x62lock_tables\x18\x06 \x03(\r\x12\x1a\n\x12num_sample_indices\x18\x07 \x03(\r\x12\x16\n\x0esample_indices\x18\x08 \x03(\r\x12\x15\n\rcontinuations\x18\t \x03(\r\x12\x0f\n\x07\x64rafted\x18\n \x03(\r\x12*\n\x06\x64rafts\x18\x0b \x03(\x0b\x32\x1a.segserve.v1.CandidateTree\x12\x1a\n\x12\x62lock_table_starts\x18\x0c \x03(\r\"\xd2\x01\n\x0eSequenceOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06scores\x18\x03 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.segserve.v1.TopLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x1b.segserve.v1.PromptLogprobs\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x18\n\x10\x66orced_token_ids\x18\x07 \x03(\r\"\x84\x01\n\x0cStepResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.segserve.v1.SequenceOutput\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x32\n\x0epacked_outputs\x18\x03 \x01(\x0b\x32\x1a.segserve.v1.PackedOutputs\"Z\n\rPackedOutputs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x15\n\rnum_token_ids\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0e\n\x06scores\x18\x04 \x03(\x02\x32\x93\x02\n\x06Worker\x12\x42\n\x07GetInfo\x12\x1e.segserve.v1.WorkerInfoRequest\x1a\x17.segserve.v1.WorkerInfo\x12;\n\x04Step\x12\x18.segserve.v1.StepRequest\x1a\x19.segserve.v1.StepResponse\x12\x45\n\nStepStream\x12\x18.segserve.v1.StepRequest\x1a\x19.segserve.v1.StepResponse(\x01\x30\x01\x12\x41\n\x06Health\x12\x1a.segserve.v1.HealthRequest\x1a\x1b.segserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.segserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_NEWSEQUENCE']._serialized_start=82
   _globals['_NEWSEQUENCE']._serialized_end=245
   _globals['_SCHEDULEDSEQUENCE']._serialized_start=248
   _globals['_SCHEDULEDSEQUENCE']._serialized_end=489
   _globals['_STEPREQUEST']._serialized_start=492
-  _globals['_STEPREQUEST']._serialized_end=748
-  _globals['_PACKEDSEQUENCES']._serialized_start=751
-  _globals['_PACKEDSEQUENCES']._serialized_end=1062
-  _globals['_SEQUENCEOUTPUT']._serialized_start=1065
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1275
-  _globals['_STEPRESPONSE']._serialized_start=1278
-  _globals['_STEPRESPONSE']._serialized_end=1410
-  _globals['_PACKEDOUTPUTS']._serialized_start=1412
-  _globals['_PACKEDOUTPUTS']._serialized_end=1502
-  _globals['_WORKER']._serialized_start=1505
-  _globals['_WORKER']._serialized_end=1780
+  _globals['_STEPREQUEST']._serialized_end=868
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_start=817
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_end=868
+  _globals['_PACKEDSEQUENCES']._serialized_start=871
+  _globals['_PACKEDSEQUENCES']._serialized_end=1182
+  _globals['_SEQUENCEOUTPUT']._serialized_start=1185
+  _globals['_SEQUENCEOUTPUT']._serialized_end=1395
+  _globals['_STEPRESPONSE']._serialized_start=1398
+  _globals['_STEPRESPONSE']._serialized_end=1530
+  _globals['_PACKEDOUTPUTS']._serialized_start=1532
+  _globals['_PACKEDOUTPUTS']._serialized_end=1622
+  _globals['_WORKER']._serialized_start=1625
+  _globals['_WORKER']._serialized_end=1900
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,14 @@ class ScheduledSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample_indices: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.CandidateTree, _Mapping]] = ..., is_continuation: _Optional[bool] = ..., block_table_start: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("new_sequences", "sequences", "finished_seq_ids", "step_id", "follows_step_id", "packed_sequences", "num_steps")
+    __slots__ = ("new_sequences", "sequences", "finished_seq_ids", "step_id", "follows_step_id", "packed_sequences", "num_steps", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +57,7 @@ class StepRequest(_message.Message):
     FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PACKED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     sequences: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -57,7 +65,8 @@ class StepRequest(_message.Message):
     follows_step_id: int
     packed_sequences: PackedSequences
     num_steps: int
-    def __init__(self, new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., step_id: _Optional[int] = ..., follows_step_id: _Optional[int] = ..., packed_sequences: _Optional[_Union[PackedSequences, _Mapping]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., step_id: _Optional[int] = ..., follows_step_id: _Optional[int] = ..., packed_sequences: _Optional[_Union[PackedSequences, _Mapping]] = ..., num_steps: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PackedSequences(_message.Message):
     __slots__ = ("seq_ids", "num_computed_tokens", "num_token_ids", "token_ids", "num_blocks", "block_tables", "num_sample_indices", "sample_indices", "continuations", "drafted", "drafts", "block_table_starts")

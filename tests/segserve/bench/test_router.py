@@ -69,3 +69,27 @@ def test_bench_router_writes_sane_json_and_plot(tiny_gemma3_dir, tmp_path, capsy
     assert results["grpc_client_floor"]["num_tokens"] == 3 * 5
     table = capsys.readouterr().out
     assert "/v1/chat/completions" in table and "gRPC receive alone" in table
+
+
+def test_bench_router_with_tracing_measures_a_traced_router_beside_and_its_spans_arrive(tiny_gemma3_dir, tmp_path,
+                                                                                        capsys):
+    out = tmp_path / "out"
+    args = build_parser().parse_args([
+        "bench", "router", "--model", str(tiny_gemma3_dir), "--concurrency", "3", "--max-tokens", "5",
+        "--rounds", "2", "--token-interval-ms", "2", "--tracing", "--out", str(out)])
+    results = run_router(args)
+
+    assert json.loads((out / "router.json").read_text()) == json.loads(json.dumps(results))
+    assert [r["router_order"] for r in results["rounds"]] == [["off", "tracing"], ["tracing", "off"]]
+    for rnd in results["rounds"]:
+        for endpoint in ("completions", "chat"):
+            for level in (rnd[endpoint], rnd["tracing"][endpoint]):
+                assert (level["num_requests"], level["num_errors"], level["num_tokens"]) == (3, 0, 3 * 5)
+    traced = results["tracing"]
+    for summary in traced["endpoints"].values():
+        assert summary["num_tokens"] == 2 * 3 * 5 and summary["num_errors"] == 0
+    # one router.request span per request to the traced router (warm-up included), all exported
+    assert traced["num_requests"] == (2 + 2 * 2) * 3
+    assert traced["received"]["services"] == {"segserve-router": traced["num_requests"]}
+    table = capsys.readouterr().out
+    assert "/v1/chat/completions, tracing on" in table and "/v1/completions, tracing off" in table
