@@ -5,24 +5,11 @@ without one makes no span."""
 from __future__ import annotations
 
 import grpc
-import pytest
 
-from protos.segserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.support.devices import TEST_DEVICE
+from protos.segserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.traces import PARENT_ID, TRACE_ID, TRACEPARENT, traced
-from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner
+from tests.worker.test_server import GREEDY, runner  # noqa: F401 (fixture)
 from worker.server import WorkerServicer, start_server
-
-GREEDY = common_pb2.SamplingParams(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_gemma3_dir):
-    runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=32, block_size=4, dtype="float32",
-                                      device=TEST_DEVICE))
-    runner.warm_up()
-    return runner
 
 
 def _prefill(seq_id: str, **trace) -> worker_pb2.StepRequest:
