@@ -105,13 +105,14 @@ _TAIL_LINES = 200
 
 
 def _forward(name: str, output: IO[bytes], tail: deque[str]) -> None:
-    """Copy a service's output to this process's, each line after the service's name, keeping the last ones."""
-    prefix = f"{name} | ".encode()
+    """Copy a service's output to this process's, each line after the service's name, keeping the last ones.
+    It reads to the end whatever happens to this process's stdout: a service never blocks on a full pipe."""
+    prefix = f"{name} | "
     for line in output:
-        tail.append(line.decode(errors="replace").rstrip("\n"))
-        with contextlib.suppress(OSError, ValueError):
-            sys.stdout.buffer.write(prefix + line)
-            sys.stdout.buffer.flush()
+        text = line.decode(errors="replace").rstrip("\n")
+        tail.append(text)
+        with contextlib.suppress(Exception):  # a closed or replaced stdout: the line is kept in the tail only
+            print(prefix + text, flush=True)
 
 
 def free_port() -> int:

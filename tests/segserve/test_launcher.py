@@ -1,10 +1,15 @@
 """The local launcher's start-up: a router or scheduler whose auto-picked port was taken meanwhile is started
 again on another; a service not ready in time is reported with the end of its log; local workers get the
-machine's CPUs but one as torch threads."""
+machine's CPUs but one as torch threads; without a log directory a service's output comes through, line by line
+after its name, and its last lines are kept for the supervisor."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 import time
+from collections import deque
 
 import pytest
 
@@ -131,3 +136,17 @@ def test_a_pinned_stack_binds_each_workers_compute_threads_to_its_cpus(monkeypat
     config = StackConfig(num_workers=2, is_speculative=False, is_cpu_pinned=is_pinned)
     workers = started_workers(monkeypatch, tmp_path, config)
     assert [w.compute_cpus for w in workers] == (["1,2", "3,4"] if is_pinned else ["", ""])
+
+
+def test_without_a_log_dir_each_service_line_comes_through_after_its_name_and_its_tail_is_kept(tmp_path, capfd):
+    stack = Stack(StackConfig(log_dir=None))
+    script = "import sys; print('loading'); print('x' * 200000); print('boom', file=sys.stderr)"
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stack.processes["worker-1"] = process
+    tail = stack._tails["worker-1"] = deque(maxlen=launcher._TAIL_LINES)
+    forward = threading.Thread(target=launcher._forward, args=("worker-1", process.stdout, tail))
+    forward.start()
+    assert process.wait(timeout=30) == 0  # a line longer than a pipe's buffer did not block it
+    forward.join(timeout=30)
+    assert stack.tail("worker-1", 2) == ["x" * 200000, "boom"]
+    assert "worker-1 | loading\n" in capfd.readouterr().out
