@@ -79,8 +79,9 @@ class StackConfig:
     """Run the workers as Ray actors on the scheduler's --ray-address cluster (one GPU each when the cluster has
     GPUs) instead of local processes."""
     num_drafters: int = 1
-    """Drafter replicas; with more than one they share what they learn through a log in the drafter's
-    shared_log_dir (or <corpus_dir>/log, else a temporary directory of the stack's)."""
+    """Drafter replicas. They write what they learn to a log, the drafter's shared_log_dir (or <corpus_dir>/log,
+    else a temporary directory of the stack's): several replicas share it, and a replica restarted after it died
+    (even a lone one) replays it."""
     startup_timeout_s: float = 300.0
     """How long to wait for every service to report ready."""
     log_dir: str | None = None
@@ -239,9 +240,9 @@ class Stack:
         ray.shutdown()
 
     def _drafter_configs(self, model_dir: str) -> list[DrafterConfig]:
-        """One config per drafter replica: free ports, and one shared log when there are several."""
+        """One config per drafter replica: free ports, and one log for all (a restarted replica replays it)."""
         base = dataclasses.replace(self.config.drafter, tokenizer=model_dir)
-        if self.config.num_drafters > 1 and not (base.redis_url or base.shared_log_dir or base.corpus_dir):
+        if not (base.redis_url or base.shared_log_dir or base.corpus_dir):
             self._shared_dir = tempfile.TemporaryDirectory(prefix="segserve-drafters-")
             base = dataclasses.replace(base, shared_log_dir=self._shared_dir.name)
         ports = [base.port] if base.port and self.config.num_drafters == 1 else [0] * self.config.num_drafters

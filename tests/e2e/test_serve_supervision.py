@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,11 +186,20 @@ def _is_ready(base_url: str) -> bool:
 
 
 def test_a_service_that_keeps_dying_stops_the_stack_with_its_name(tiny_gemma3_dir, tmp_path):
+    """A lone drafter, restarted once, replays its log; killed again, past --max-restarts 1, it stops the stack."""
     serve = Serve(tiny_gemma3_dir, tmp_path, "--max-restarts", "1")
     try:
         serve.wait_ready()
+        model = httpx.get(serve.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        body = {"model": model, "prompt": "A number as JSON:", "max_tokens": 16, "temperature": 0,
+                "structured_outputs": {"json": schema}}  # its whole output is learned, for its schema's key
+        assert httpx.post(serve.base_url + "/v1/completions", json=body, timeout=120).status_code == 200
         serve.services("drafter")[0].kill()
         until(lambda: "drafter is back" in "".join(serve.output), 120, "the drafter's restart")
+        # the lone drafter replayed what it had learned before it died (from the log the stack gives it)
+        replayed = re.findall(r"\((\d+) log records replayed\)", (tmp_path / "drafter.log").read_text())
+        assert len(replayed) == 2 and int(replayed[1]) > 0, replayed
         children = psutil.Process(serve.process.pid).children(recursive=True)
         serve.services("drafter")[0].kill()  # its second exit: one more than --max-restarts 1 allows
         code = serve.process.wait(timeout=120)
