@@ -102,6 +102,9 @@ class StackConfig:
 
 
 _ROUTER_PORT_ATTEMPTS = 3
+_HEALTH_STUBS = {"worker": worker_pb2_grpc.WorkerStub, "drafter": drafter_pb2_grpc.DrafterStub,
+                 "scheduler": scheduler_pb2_grpc.SchedulerStub}
+"""The stub whose Health RPC says a service is ready, by its command."""
 _TAIL_LINES = 200
 
 
@@ -198,14 +201,12 @@ class Stack:
             if not cfg.is_ray_workers:
                 for i, config in enumerate(workers):
                     self._spawn(replica_name("worker", i), config, "worker")
-                for i, address in enumerate(worker_addresses):
-                    self._wait_grpc_ready(replica_name("worker", i), worker_pb2_grpc.WorkerStub, address, deadline,
-                                          workers[i])
+                for i in range(len(workers)):
+                    self._wait_until_ready(replica_name("worker", i), deadline)
             for i, drafter in enumerate(drafters):
                 self._spawn(replica_name("drafter", i), drafter, "drafter")
-            for i, (drafter, address) in enumerate(zip(drafters, drafter_addresses)):
-                self._wait_grpc_ready(replica_name("drafter", i), drafter_pb2_grpc.DrafterStub, address, deadline,
-                                      drafter)
+            for i in range(len(drafters)):
+                self._wait_until_ready(replica_name("drafter", i), deadline)
             scheduler = self._start_scheduler(scheduler, deadline, is_port_picked=not cfg.scheduler.port)
             router = dataclasses.replace(router, scheduler_address=f"{scheduler.host}:{scheduler.port}")
             self._start_router(router, deadline)
@@ -283,8 +284,7 @@ class Stack:
             self.config = dataclasses.replace(self.config, scheduler=scheduler)
             self._spawn("scheduler", scheduler)
             try:
-                self._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub,
-                                      f"{scheduler.host}:{scheduler.port}", deadline, scheduler)
+                self._wait_until_ready("scheduler", deadline)
                 return scheduler
             except RuntimeError:
                 if attempt == attempts or self.processes["scheduler"].poll() is None:
@@ -318,14 +318,15 @@ class Stack:
 
     def wait_ready(self, name: str, timeout_s: float) -> None:
         """Block until the service answers its health check as ready; raises when it exits or the time is up."""
+        self._wait_until_ready(name, time.monotonic() + timeout_s)
+
+    def _wait_until_ready(self, name: str, deadline: float) -> None:
+        """The router's /health, or the Health RPC of any other service, at the address of its config as started."""
         role, config = self._role_config(name)
-        deadline = time.monotonic() + timeout_s
         if role == "router":
             self._wait_http_ready(deadline)
             return
-        stub_cls = {"worker": worker_pb2_grpc.WorkerStub, "drafter": drafter_pb2_grpc.DrafterStub,
-                    "scheduler": scheduler_pb2_grpc.SchedulerStub}[role]
-        self._wait_grpc_ready(name, stub_cls, f"{config.host}:{config.port}", deadline, config)
+        self._wait_grpc_ready(name, _HEALTH_STUBS[role], f"{config.host}:{config.port}", deadline, config)
 
     def tail(self, name: str, num_lines: int) -> list[str]:
         """The last lines the service wrote (its log file's, with a log_dir)."""
