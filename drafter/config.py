@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.tls import internal_tls
+from drafter.suffix import SuffixOptions
 from common.tracing import settings_of
+
+BACKENDS = ("segserve", "suffix")
+"""The proposers behind the Draft interface: segment corpora (drafter/planner.py), or SuffixDecoding's suffix trees
+(drafter/suffix.py), the peer the benchmark compares with."""
 
 
 @dataclass
@@ -72,6 +77,21 @@ class DrafterConfig:
     """Device of the draft models: auto (cuda when present, else cpu), cpu, cuda or cuda:N."""
     dtype: str = "auto"
     """Draft models' weights: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16."""
+    backend: str = "segserve"
+    """The proposer: segserve (segment corpora, trees, draft models) or suffix (SuffixDecoding's global and
+    per-request suffix trees, built by `make suffix-decoding`; segments, corpora and the shared log are not used)."""
+    suffix_max_tree_depth: int = 24
+    """Backend suffix: depth of the suffix trees (the longest context matched and the longest draft)."""
+    suffix_max_cached_requests: int = 10000
+    """Backend suffix: responses kept in the global tree (-1 = no bound). The oldest leaves first."""
+    suffix_max_spec_factor: float = 1.0
+    """Backend suffix: drafts have at most this times the match length tokens. Plus suffix_max_spec_offset."""
+    suffix_max_spec_offset: float = 0.0
+    """Backend suffix: tokens a draft may add to the factor times the match length."""
+    suffix_min_token_prob: float = 0.1
+    """Backend suffix: draft tokens less likely than this are left out. Their frequency share is the estimate."""
+    is_suffix_tree_spec: bool = True
+    """Backend suffix: trees of several continuations rather than one chain."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -88,5 +108,13 @@ class DrafterConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        self.suffix_options()  # ValueError naming the bad option
         internal_tls(self)  # ValueError naming the fields when only some are given
         settings_of(self)  # ValueError naming the field for a bad endpoint or ratio
+
+    def suffix_options(self) -> SuffixOptions:
+        """The suffix backend's parameters."""
+        return SuffixOptions(self.suffix_max_tree_depth, self.suffix_max_cached_requests, self.suffix_max_spec_factor,
+                             self.suffix_max_spec_offset, self.suffix_min_token_prob, self.is_suffix_tree_spec)

@@ -39,6 +39,8 @@ from protos.segserve.v1.tree import CandidateTree
 class DraftPlanner:
     """Holds the corpora and draft models; pure logic, no network."""
 
+    backend = "segserve"
+
     def __init__(
         self,
         segments: SegmentsConfig,
@@ -64,17 +66,21 @@ class DraftPlanner:
         self.draft_models = dict(draft_models or {})
         self.learner = learner
         """Learns in the background (drafter/learner.py); None = learn() adds at once, on the caller's thread."""
+        self.num_learned_tokens: Counter[str] = Counter()
+        """Tokens learned per segment kind since start (the keyed corpora's under the schema kind's name)."""
 
     def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "", corpus_key: str = "") -> None:
         """Online learning: a closed segment's tokens join the tenant's corpus of its kind (queued, with a learner);
         with a corpus key, a keyed request's output joins the tenant's corpus of that key."""
         if corpus_key:
             self._add(self.keyed.for_learning(tenant, corpus_key), (KEY_START, *token_ids))
+            self.num_learned_tokens[self.segments.schema.name] += len(token_ids)
             return
         corpus = self.corpus_for(segment, tenant, is_created=True)
         if corpus is None:
             return
         self._add(corpus, token_ids)
+        self.num_learned_tokens[segment] += len(token_ids)
         if tenant:
             self.tenant_corpora.move_to_end((tenant, segment))
             self._bound_tenants(segment)
@@ -126,8 +132,9 @@ class DraftPlanner:
         """Wait until every queued segment is in its corpus (never call it while reading()); False on timeout."""
         return self.learner is None or self.learner.wait_idle(timeout_s)
 
-    def release(self, request_id: str) -> None:
-        """A request ended: per-request sources (draft-model caches) forget it."""
+    def release(self, request_id: str, final: RequestState | None = None) -> None:
+        """A request ended (`final`: its last state, when it ended with a final update): per-request sources
+        (draft-model caches) forget it."""
         for model in self.draft_models.values():
             if isinstance(model, RequestAwareSource):
                 model.release(request_id)

@@ -29,6 +29,7 @@ from drafter.segment_log import DirectorySegmentLog, RedisSegmentLog, SegmentLog
 from drafter.segments import SegmentsConfig, load_segments
 from drafter.service import DrafterServicer
 from drafter.state import RequestStates
+from drafter.suffix import SuffixPlanner
 from drafter.types import ContinuationSource
 from protos.segserve.v1 import drafter_pb2_grpc
 from common import tracing
@@ -67,7 +68,10 @@ def build_servicer(
     config: DrafterConfig, segments: SegmentsConfig, draft_models: Mapping[str, ContinuationSource] | None = None
 ) -> DrafterServicer:
     """Planner (corpora restored from config.corpus_dir) + request states wired for online learning through the
-    shared memory (its log from the config; the log is not read yet: serve() catches up before serving)."""
+    shared memory (its log from the config; the log is not read yet: serve() catches up before serving). Backend
+    suffix: SuffixDecoding's trees over the same request states, no corpora, log or draft models."""
+    if config.backend == "suffix":
+        return suffix_servicer(config, segments)
     origin = new_origin(config.replica_name or socket.gethostname())
     log, log_name = open_segment_log(config, origin)
     corpora, cursor = restore(config.corpus_dir, segments, log_name)
@@ -84,6 +88,15 @@ def build_servicer(
         max_history_bytes=config.history_total_bytes,
     )
     return DrafterServicer(planner, states, memory)
+
+
+def suffix_servicer(config: DrafterConfig, segments: SegmentsConfig) -> DrafterServicer:
+    """The suffix backend: its planner learns every request's tokens itself, so the states index no history and
+    learn no segments."""
+    planner = SuffixPlanner(segments, config.suffix_options(), config.max_requests)
+    states = RequestStates(segments, on_segment_closed=lambda *args, **kwargs: None, max_requests=config.max_requests,
+                           history_factory=lambda: HistorySource(is_indexed=False))
+    return DrafterServicer(planner, states)
 
 
 def open_segment_log(config: DrafterConfig, origin: str) -> tuple[SegmentLog | None, str]:
@@ -134,15 +147,16 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
     if tls is not None:
         tls.check()  # before the slow loading
     segments = load_segments(config.segments_config, load_tokenizer(config.tokenizer))
-    if draft_models is None:
+    if draft_models is None and config.backend == "segserve":
         draft_models = load_draft_models(segments, config.tokenizer, config.device, config.dtype)
     servicer = build_servicer(config, segments, draft_models)
-    num_replayed = await asyncio.to_thread(servicer.memory.catch_up)
+    num_replayed = await asyncio.to_thread(servicer.memory.catch_up) if servicer.memory is not None else 0
     tracing.setup("drafter", config)
     server, port = await start_server(servicer, config.host, config.port, tls)
     freeze_startup_heap()  # segments, tokenizer, draft models and the replayed corpora
-    logger.info("drafter listening on %s:%d%s with segments %s (%d log records replayed)", config.host, port,
-                " (mutual TLS)" if tls else "", [k.name for k in segments.all_kinds], num_replayed)
+    logger.info("drafter listening on %s:%d%s with segments %s, the %s backend (%d log records replayed)",
+                config.host, port, " (mutual TLS)" if tls else "", [k.name for k in segments.all_kinds], config.backend,
+                num_replayed)
     keeper = asyncio.create_task(keep_memory(servicer, config))
     try:
         await server.wait_for_termination()
@@ -150,8 +164,9 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
         keeper.cancel()
         await servicer.set_serving(False)
         await server.stop(grace=1.0)
-        servicer.memory.snapshot()  # SIGTERM and Ctrl-C end here too (it waits for queued learning)
-        servicer.planner.learner.close()
-        if servicer.memory.log is not None:
-            servicer.memory.log.close()
+        if servicer.memory is not None:
+            servicer.memory.snapshot()  # SIGTERM and Ctrl-C end here too (it waits for queued learning)
+            servicer.planner.learner.close()
+            if servicer.memory.log is not None:
+                servicer.memory.log.close()
         tracing.shutdown()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +30,7 @@ import grpc
 from drafter.memory import SharedMemory
 from drafter.planner import DraftPlanner
 from drafter.state import RequestStates
+from drafter.suffix import SuffixPlanner
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
@@ -83,8 +85,9 @@ def _status_errors(method):
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """Serves a DraftPlanner over per-request states."""
 
-    def __init__(self, planner: DraftPlanner, states: RequestStates, memory: SharedMemory | None = None):
+    def __init__(self, planner: DraftPlanner | SuffixPlanner, states: RequestStates, memory: SharedMemory | None = None):
         self.planner = planner
+        """The proposer: segment corpora (DraftPlanner), or SuffixDecoding's trees (SuffixPlanner)."""
         self.states = states
         self.memory = memory
         """The shared log and snapshots (drafter/memory.py); its learn() is the states' sink."""
@@ -93,6 +96,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """Where draft calls run (common/blocking.py: on the loop when short), by queries."""
         self.serving = Serving([drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name])
         """The standard grpc.health.v1 status: SERVING while the server takes requests (start_server)."""
+        self.num_draft_calls = 0
 
     async def set_serving(self, is_serving: bool) -> None:
         """Report the server and the Drafter as SERVING or NOT_SERVING."""
@@ -100,6 +104,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     @_status_errors
     async def Draft(self, request, context):
+        self.num_draft_calls += 1
         queries = [Query.from_pb(q) for q in request.queries]
         finished = list(request.finished_request_ids)
         replies = []
@@ -122,13 +127,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return self.stats().to_pb()
 
     def stats(self) -> DrafterStats:
-        """Corpus sizes per segment kind (the schema kind's once it holds a corpus or a request) and the tracked
-        requests: counters, no corpus walk."""
+        """Corpus sizes per segment kind (the schema kind's once it holds a corpus or a request), the tracked
+        requests, Draft calls and the process's CPU time: counters, no corpus walk."""
         requests = self.states.count_by_segment()
         entries, num_bytes = self.planner.corpus_sizes()
+        learned = self.planner.num_learned_tokens
         names = sorted({*self.planner.corpora, *entries, *requests})
-        return DrafterStats(tuple(DrafterSegmentStats(name, entries[name], num_bytes[name], requests[name])
-                                  for name in names), len(self.states))
+        segments = tuple(DrafterSegmentStats(name, entries[name], num_bytes[name], requests[name], learned[name])
+                         for name in names)  # fmt: skip
+        return DrafterStats(segments, len(self.states), self.num_draft_calls, time.process_time(),
+                            self.planner.backend)
 
     async def sync_memory(self) -> int:
         """Apply what other replicas published (between Draft calls); returns the records read."""
@@ -153,11 +161,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _finish_one(self, query: Query) -> drafter_pb2.DraftReply:
         """A request's last tokens: learn what they close, forget the request."""
-        is_learned = self.states.finish(query.request_id, query.new_token_ids, query.num_tokens,
-                                        query.num_prompt_tokens, query.num_known_tokens, query.tenant,
-                                        query.corpus_key)
-        self.planner.release(query.request_id)
-        return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=not is_learned)
+        final = self.states.finish(query.request_id, query.new_token_ids, query.num_tokens, query.num_prompt_tokens,
+                                   query.num_known_tokens, query.tenant, query.corpus_key)
+        self.planner.release(query.request_id, final)
+        return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=final is None)
 
     def _draft_one(self, query: Query) -> drafter_pb2.DraftReply:
         """Update the request's state, then its tree (or needs_resync with no tree)."""

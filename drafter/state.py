@@ -124,23 +124,23 @@ class RequestStates:
         return self._create(request_id, new_token_ids, num_prompt_tokens, num_known_tokens, tenant, corpus_key)
 
     def finish(self, request_id: str, new_token_ids: Sequence[int], num_tokens: int, num_prompt_tokens: int,
-               num_known_tokens: int = 0, tenant: str = "", corpus_key: str = "") -> bool:
+               num_known_tokens: int = 0, tenant: str = "", corpus_key: str = "") -> RequestState | None:
         """A request's final update: learn the segments it closes (a keyed request: its whole output), then drop
-        its state. False = the tokens neither extend the state nor are the whole sequence (nothing learned; the
-        caller answers needs_resync)."""
+        its state and return it. None = the tokens neither extend the state nor are the whole sequence (nothing
+        learned; the caller answers needs_resync)."""
         state = self._states.get(request_id)
         self.drop(request_id)
         if state is not None and len(state.tokens) + len(new_token_ids) == num_tokens:
             self._learn(state, state.extend(new_token_ids))
             self._learn_output(state)
-            return True
+            return state
         if len(new_token_ids) != num_tokens or num_tokens == 0:
-            return False
+            return None
         # Only the segments matter now: no history index is built for a state dropped at once.
         state = self._new_state(request_id, num_prompt_tokens, HistorySource(is_indexed=False), tenant, corpus_key)
         self._learn(state, state.extend(new_token_ids, num_known_tokens))
         self._learn_output(state)
-        return True
+        return state
 
     def drop(self, request_id: str) -> None:
         """Forget a finished request (unknown ids are fine)."""

@@ -56,7 +56,7 @@ _SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port",
 _SERVE_SCHEDULER_SKIP = frozenset({"worker_address", "drafter_addresses"}) | _SERVE_SHARED
 _SERVE_ROUTER_SKIP = frozenset({"model", "served_model_name", "scheduler_address"}) | _SERVE_SHARED
 _SERVE_DRAFTER_RENAME = {"host": "drafter_host", "port": "drafter_port", "device": "drafter_device",
-                         "dtype": "drafter_dtype"}
+                         "dtype": "drafter_dtype", "backend": "drafter_backend"}
 _SERVE_DRAFTER_SKIP = frozenset({"tokenizer"}) | _SERVE_SHARED
 _CONFIG_HELP = ("Each flag is a field of the config class its group names, whose docstring tells the whole story. "
                 "Every flag also reads SEGSERVE_ and its name in capitals (--max-num-seqs: SEGSERVE_MAX_NUM_SEQS; "

@@ -138,7 +138,9 @@ async def test_online_learning_over_grpc(servicer, stub):
 
 async def test_get_stats_counts_corpus_entries_and_requests_per_segment(servicer, stub):
     empty = DrafterStats.from_pb(await stub.GetStats(drafter_pb2.DrafterStatsRequest()))
-    assert empty == DrafterStats((DrafterSegmentStats("code"), DrafterSegmentStats("default")), 0)
+    assert empty.segments == (DrafterSegmentStats("code"), DrafterSegmentStats("default"))
+    assert (empty.num_requests, empty.num_draft_calls, empty.backend) == (0, 0, "segserve")
+    assert empty.cpu_seconds > 0  # the process's, since it started
     block = [1, 30, 31, 32, 33, 34, 35, 1]
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", [10], 1, 1, max_nodes=0)]))
     await stub.Draft(drafter_pb2.DraftRequest(queries=[_query("a", block, 9, max_nodes=0)]))  # learns the block
@@ -148,7 +150,8 @@ async def test_get_stats_counts_corpus_entries_and_requests_per_segment(servicer
     code, default = stats.segments
     assert code.segment == "code" and code.num_corpus_entries == servicer.planner.corpora["code"].num_entries > 0
     assert code.num_corpus_bytes == code.num_corpus_entries * BYTES_PER_ENTRY
-    assert (default.segment, default.num_corpus_entries) == ("default", 0)
+    assert code.num_learned_tokens == len(block) and stats.num_draft_calls == 3
+    assert (default.segment, default.num_corpus_entries, default.num_learned_tokens) == ("default", 0, 0)
     # "b" is inside a code block; "a" (its block closed) and "c" are in the default segment.
     assert (stats.num_requests, code.num_requests, default.num_requests) == (3, 1, 2)
     await stub.Draft(drafter_pb2.DraftRequest(finished_request_ids=["a", "b", "c"]))

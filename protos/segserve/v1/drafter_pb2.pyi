@@ -62,21 +62,29 @@ class DrafterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterSegmentStats(_message.Message):
-    __slots__ = ("segment", "num_corpus_entries", "num_corpus_bytes", "num_requests")
+    __slots__ = ("segment", "num_corpus_entries", "num_corpus_bytes", "num_requests", "num_learned_tokens")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NUM_CORPUS_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NUM_CORPUS_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEARNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     segment: str
     num_corpus_entries: int
     num_corpus_bytes: int
     num_requests: int
-    def __init__(self, segment: _Optional[str] = ..., num_corpus_entries: _Optional[int] = ..., num_corpus_bytes: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    num_learned_tokens: int
+    def __init__(self, segment: _Optional[str] = ..., num_corpus_entries: _Optional[int] = ..., num_corpus_bytes: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_learned_tokens: _Optional[int] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
-    __slots__ = ("segments", "num_requests")
+    __slots__ = ("segments", "num_requests", "num_draft_calls", "cpu_seconds", "backend")
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[DrafterSegmentStats]
     num_requests: int
-    def __init__(self, segments: _Optional[_Iterable[_Union[DrafterSegmentStats, _Mapping]]] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    num_draft_calls: int
+    cpu_seconds: float
+    backend: str
+    def __init__(self, segments: _Optional[_Iterable[_Union[DrafterSegmentStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_draft_calls: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...

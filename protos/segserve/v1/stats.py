@@ -23,15 +23,18 @@ class DrafterSegmentStats:
     num_corpus_bytes: int = 0
     """Estimated memory of the corpus."""
     num_requests: int = 0
+    num_learned_tokens: int = 0
+    """Tokens learned into the kind's corpora since the drafter started."""
 
     def to_pb(self) -> drafter_pb2.DrafterSegmentStats:
         return drafter_pb2.DrafterSegmentStats(
             segment=self.segment, num_corpus_entries=self.num_corpus_entries,
-            num_corpus_bytes=self.num_corpus_bytes, num_requests=self.num_requests)
+            num_corpus_bytes=self.num_corpus_bytes, num_requests=self.num_requests,
+            num_learned_tokens=self.num_learned_tokens)
 
     @classmethod
     def from_pb(cls, pb: drafter_pb2.DrafterSegmentStats) -> DrafterSegmentStats:
-        return cls(pb.segment, pb.num_corpus_entries, pb.num_corpus_bytes, pb.num_requests)
+        return cls(pb.segment, pb.num_corpus_entries, pb.num_corpus_bytes, pb.num_requests, pb.num_learned_tokens)
 
 
 @dataclass(frozen=True)
@@ -42,16 +45,25 @@ class DrafterStats:
     """Every configured segment kind, by name."""
     num_requests: int = 0
     """Requests whose state the drafter keeps."""
+    num_draft_calls: int = 0
+    """Draft calls answered since the drafter started."""
+    cpu_seconds: float = 0.0
+    """CPU time of the whole drafter process since it started."""
+    backend: str = ""
+    """The proposer: "segserve" or "suffix" (drafter.config.BACKENDS)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))
 
     def to_pb(self) -> drafter_pb2.DrafterStats:
-        return drafter_pb2.DrafterStats(segments=[s.to_pb() for s in self.segments], num_requests=self.num_requests)
+        return drafter_pb2.DrafterStats(segments=[s.to_pb() for s in self.segments], num_requests=self.num_requests,
+                                        num_draft_calls=self.num_draft_calls, cpu_seconds=self.cpu_seconds,
+                                        backend=self.backend)
 
     @classmethod
     def from_pb(cls, pb: drafter_pb2.DrafterStats) -> DrafterStats:
-        return cls(tuple(DrafterSegmentStats.from_pb(s) for s in pb.segments), pb.num_requests)
+        return cls(tuple(DrafterSegmentStats.from_pb(s) for s in pb.segments), pb.num_requests, pb.num_draft_calls,
+                   pb.cpu_seconds, pb.backend)
 
 
 @dataclass(frozen=True)
