@@ -7,8 +7,10 @@ the prompt), the segment's tokens, markers included, go to `on_segment_closed`,
 which adds them to that kind's corpus. A state built from the whole sequence
 (a first query, a resync) learns the segments that close after the tokens a
 drafter already received (num_known_tokens), so a resync never learns twice
-and a request first seen at its end is still learned. A final update learns
-and drops the state; one for a request never seen indexes no history.
+and a request first seen at its end is still learned. Generated text outside
+every segment is learned too, into the default kind, a run at a time: a run ends
+where a marker opens a segment, or with the request. A final update learns and
+drops the state; one for a request never seen indexes no history.
 Each state keeps its request's tenant, and the sink gets it with every closed
 segment. A state with a corpus key (drafter/keyed.py) tracks no markers: its whole
 output is one segment of the schema kind, which goes to the sink (with the key)
@@ -18,12 +20,12 @@ when the request's final update comes.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from drafter.history import HistorySource
 from drafter.keyed import kept_key
-from drafter.segments import SCHEMA_SEGMENT, SegmentsConfig
+from drafter.segments import DEFAULT_SEGMENT, SCHEMA_SEGMENT, SegmentsConfig
 from drafter.tracker import SegmentTracker
 
 SegmentSink = Callable[..., None]
@@ -44,6 +46,9 @@ class RequestState:
     corpus_key: str = ""
     """Non-empty: the whole output is one segment of the schema kind, drafted from and learned into this key's
     corpora (drafter/keyed.py); markers in it open nothing."""
+    outside: list[int] = field(default_factory=list)
+    """Generated tokens outside every segment since the last marker: a run of the default kind, learned when a
+    segment opens or the request ends, as segments are when they close."""
 
     @property
     def tokens(self) -> list[int]:
@@ -55,15 +60,31 @@ class RequestState:
         return SCHEMA_SEGMENT if self.corpus_key else self.tracker.current
 
     def extend(self, token_ids: Sequence[int], num_known_tokens: int = 0) -> list[tuple[str, list[int]]]:
-        """Append tokens; returns (segment name, tokens) of generated segments they closed past num_known_tokens."""
+        """Append tokens; returns (segment name, tokens) of what they closed past num_known_tokens: generated
+        segments, and generated runs outside every segment that a marker ended (DEFAULT_SEGMENT)."""
+        position = len(self.tokens)
         self.history.extend(token_ids)
         if self.corpus_key:
             return []  # its one segment closes with the request (RequestStates.finish)
+        first_new = max(self.num_prompt_tokens, num_known_tokens)
         learned = []
-        for closed in self.tracker.append(token_ids):
-            if closed.end > max(self.num_prompt_tokens, num_known_tokens):  # its end token was generated, and new
-                learned.append((closed.name, self.tokens[closed.start : closed.end]))
+        for token_id in token_ids:
+            was_outside = self.tracker.current == DEFAULT_SEGMENT
+            for closed in self.tracker.append((token_id,)):
+                if closed.end > first_new:  # its end token was generated, and new
+                    learned.append((closed.name, self.tokens[closed.start : closed.end]))
+            if self.tracker.current != DEFAULT_SEGMENT:
+                learned += self.end_outside()
+            elif was_outside and position >= first_new:
+                self.outside.append(token_id)
+            position += 1
         return learned
+
+    def end_outside(self) -> list[tuple[str, list[int]]]:
+        """The run of generated tokens outside every segment, as a learned piece of the default kind (none when
+        shorter than two tokens, which no lookup can use); the run starts over."""
+        run, self.outside = self.outside, []
+        return [(DEFAULT_SEGMENT, run)] if len(run) >= 2 else []
 
 
 class RequestStates:
@@ -159,7 +180,9 @@ class RequestStates:
             self._on_segment_closed(name, tokens, state.tenant)
 
     def _learn_output(self, state: RequestState) -> None:
-        """A keyed request ended: its output, the schema kind's one segment, goes to the sink with the key."""
+        """A request ended: its last run outside every segment goes to the sink; a keyed request's output, the
+        schema kind's one segment, with the key."""
+        self._learn(state, state.end_outside())
         output = state.tokens[state.num_prompt_tokens:]
         if state.corpus_key and output:
             self._on_segment_closed(SCHEMA_SEGMENT, output, state.tenant, corpus_key=state.corpus_key)

@@ -184,3 +184,19 @@ async def test_final_updates_over_grpc_learn_and_release():
         await server.stop(None)
     assert reply.segment == "code" and list(reply.tree.token_ids[:3]) == [42, 43, 1]
 
+
+
+def test_generated_text_outside_every_segment_is_learned_into_the_default_kind_a_run_at_a_time():
+    """A run of generated tokens outside every segment is learned when a marker opens a segment, and the last one
+    when the request ends; prompt tokens and runs shorter than two tokens are not learned."""
+    learned = []
+    states = RequestStates(parse_segments(RAW), on_segment_closed=lambda *args, **kw: learned.append(args[:2]))
+    states.update("a", [7, 8, 9], 3, 3)  # the prompt: never learned
+    states.update("a", [20, 21, 22, 1, 30, 31, 1], 10, 3)  # a run, then a code block
+    assert learned == [("default", [20, 21, 22]), ("code", [1, 30, 31, 1])]
+    assert states.finish("a", [40, 41, 42], 13, 3)
+    assert learned[-1] == ("default", [40, 41, 42])
+    learned.clear()
+    states.update("b", [7], 1, 1)
+    assert states.finish("b", [50, 1, 60, 1], 5, 1)  # a one-token run before the block: nothing of it
+    assert learned == [("code", [1, 60, 1])]
