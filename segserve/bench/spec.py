@@ -3,12 +3,16 @@
 One stream, fixed max_tokens per workload, EOS ignored. Systems: HF plain
 `generate()`, HF `generate(prompt_lookup_num_tokens=10)`, and on segserve's own
 engine plain decoding (spec off), prompt lookup only (no segment corpora, one
-chain) and full segserve (segment corpora learned online, trees): the last three
-are the same-engine ablation. Each segserve system is a fresh local stack. Every
+chain), SuffixDecoding (the drafter's suffix backend) and full segserve (segment
+corpora learned online, trees): the last four are the same-engine comparison.
+`--kinds peer` runs the workloads SuffixDecoding was built for (agentic loops,
+self-refinement, code edits, extraction, and chat as the control), recorded as
+JSONL; their warm-up requests teach the drafters and only the held-out ones count. Each segserve system is a fresh local stack. Every
 system gets two short warm-up requests, then every workload's prompts in order
 (edit workloads: earlier requests teach the drafter).
-The whole run repeats --rounds times (3 by default) with fresh systems; every
-number is reported as its median, min, max and per-round values. With
+The whole run repeats --rounds times (3 by default) with fresh systems, each round
+starting at the next system; every number is reported as its median, min, max
+and per-round values. With
 --finetuned-model DIR every round runs the same systems on that model too.
 Outputs under --out: spec.json (every raw number, the command, the machine),
 spec.png, round-<k>/<model>/spec.json and the services' logs; the markdown
@@ -28,7 +32,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import spec_report as report
-from segserve.bench.spec_workloads import EDIT_KINDS, KINDS, WARMUP_PROMPT, Workload, build_workloads
+from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, PEER_KINDS, WARMUP_PROMPT, Workload, \
+    build_workloads
 
 SYSTEMS = report.SYSTEMS
 SystemFactory = Callable[[], AbstractContextManager]
@@ -53,9 +58,10 @@ class SpecBenchConfig:
     temperature: float = 0.7
     """Temperature of the sampled workloads."""
     systems: tuple[str, ...] = SYSTEMS
-    """Systems to run, a subset of hf_plain, hf_prompt_lookup, segserve_off, segserve_lookup, segserve_spec."""
-    kinds: tuple[str, ...] = KINDS
-    """Workload kinds to run, a subset of spec_workloads.KINDS."""
+    """Systems to run, a subset of hf_plain, hf_prompt_lookup, segserve_off, segserve_lookup, segserve_suffix,
+    segserve_spec."""
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    """Workload kinds to run, a subset of spec_workloads.KINDS ("peer" on the command line: PEER_KINDS)."""
     prompt_lookup_num_tokens: int = 10
     """prompt_lookup_num_tokens of the HF prompt-lookup system."""
     dtype: str = "auto"
@@ -92,7 +98,9 @@ class SpecBenchConfig:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+    """Comma-separated names; "peer" stands for the peer workloads."""
+    names = (part.strip() for part in text.split(",") if part.strip())
+    return tuple(expanded for name in names for expanded in (PEER_KINDS if name == "peer" else (name,)))
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +117,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=defaults.temperature,
                         help="temperature of the sampled workloads (default: 0.7)")
     parser.add_argument("--systems", type=_names, default=defaults.systems, help="comma-separated: " + ",".join(SYSTEMS))
-    parser.add_argument("--kinds", type=_names, default=defaults.kinds, help="comma-separated: " + ",".join(KINDS))
+    parser.add_argument("--kinds", type=_names, default=defaults.kinds,
+                        help="comma-separated: " + ",".join(KINDS) + "; peer = " + ",".join(PEER_KINDS))
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=defaults.prompt_lookup_num_tokens)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=defaults.dtype)
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
@@ -139,6 +148,7 @@ def default_factories(config: SpecBenchConfig) -> MakeFactories:
                                              prompt_lookup_num_tokens=config.prompt_lookup_num_tokens),  # fmt: skip
             report.OFF: segserve("off"),
             report.SEG_LOOKUP: segserve("lookup"),
+            report.SUFFIX: segserve("suffix"),
             report.SPEC: segserve("spec"),
         }
 
@@ -164,11 +174,17 @@ def run_system(name: str, factory: SystemFactory, workloads: list[Workload], max
     return {"name": name, "workloads": runs}
 
 
-def run_round(config: SpecBenchConfig, factories: dict[str, SystemFactory], workloads: list[Workload]) -> dict:
-    """Every configured system once on every workload: raw requests, summaries, speedups, mismatches."""
+def run_round(config: SpecBenchConfig, factories: dict[str, SystemFactory], workloads: list[Workload],
+              index: int = 0) -> dict:  # fmt: skip
+    """Every configured system once on every workload, round `index` starting at the index-th system (the order
+    rotates, so that machine drift does not always favour the same one): raw requests, summaries, speedups,
+    mismatches."""
     warmup = {w.kind: w.num_warmup for w in workloads}
     greedy = tuple(w.kind for w in workloads if w.is_greedy)
-    systems = {name: run_system(name, factories[name], workloads, config.max_tokens) for name in config.systems}
+    start = index % len(config.systems)
+    order = config.systems[start:] + config.systems[:start]
+    ran = {name: run_system(name, factories[name], workloads, config.max_tokens) for name in order}
+    systems = {name: ran[name] for name in config.systems}
     runs = {name: system["workloads"] for name, system in systems.items()}
     summaries = {name: {kind: report.summarize(requests, warmup[kind]) for kind, requests in per.items()}
                  for name, per in runs.items()}  # fmt: skip
@@ -185,6 +201,9 @@ def model_block(model_dir: str, rounds: list[dict], workloads: list[Workload]) -
              "speedups": report.spread([r["speedups"] for r in rounds])}  # fmt: skip
     block["mismatches"] = [{"round": k + 1, **m} for k, r in enumerate(rounds) for m in r["mismatches"]]
     block["goals"] = report.evaluate_goals(report.medians(block["speedups"]), block["mismatches"])
+    memory = report.memory_goal(report.medians(block["summaries"]))
+    if memory is not None:
+        block["goals"].insert(-1, memory)
     systems = rounds[0]["systems"]
     reference = next((s for s in (report.PLAIN, report.OFF) if s in systems), None)
     block["output_sources"] = {}
@@ -212,7 +231,7 @@ def run_benchmark(config: SpecBenchConfig, make_factories: MakeFactories, models
         for label, model_dir in models.items():
             round_out = out / f"round-{k + 1}" / label
             print(f"[bench spec] round {k + 1}/{config.rounds}, {label} model", file=sys.stderr, flush=True)
-            result = run_round(config, make_factories(label, Path(model_dir), round_out), workloads)
+            result = run_round(config, make_factories(label, Path(model_dir), round_out), workloads, k)
             write_json(round_out / "spec.json", {"round": k + 1, "model": model_dir, **result})
             rounds[label].append(result)
     results = {"benchmark": "spec", **(header or {}), "config": asdict(config),
@@ -231,6 +250,9 @@ def print_results(results: dict) -> None:
     for label, block in results["models"].items():
         print(f"\n{label} model ({block['model']}), median (min-max) over {results['config']['rounds']} rounds:\n")
         print(report.markdown_table(block))
+        peer = report.peer_table(block)
+        if peer:
+            print(f"\nfull segserve against SuffixDecoding on the same engine:\n\n{peer}")
         for error in block["errors"]:
             print(f"\nround {error['round']} {error['system']}: ERROR {error['error']}")
         for item in block["mismatches"]:

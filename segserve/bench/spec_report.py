@@ -13,7 +13,16 @@ Tokens/s of a workload = generated tokens / summed request wall time (prompt
 processing included, the same for every system). Accepted tokens per step =
 generated tokens / scheduler steps (prefill included); accepted drafts per verify
 = accepted draft tokens / steps that verified a tree; draft acceptance = accepted
-draft tokens / drafted tokens.
+draft tokens / drafted tokens, also per segment kind. Drafter CPU per Draft call =
+the drafter process's CPU time over the workload's steady requests / its Draft
+calls in them; drafter bytes per learned token = what its corpora (the suffix
+backend: its global tree) hold over the tokens learned into them, at the
+workload's end (since the system started).
+
+The peer goals compare full segserve with SuffixDecoding on the same engine
+(segserve_suffix: the drafter's suffix backend): PEER_GOALS per workload, never
+below PEER_FLOOR on any workload both ran, and no more drafter memory per learned
+token (at the end of the system's run).
 """
 
 from __future__ import annotations
@@ -24,12 +33,13 @@ from segserve.bench.report import check, ratio
 from segserve.bench.spec_workloads import EDIT_KINDS, KINDS
 
 PLAIN, LOOKUP, OFF = "hf_plain", "hf_prompt_lookup", "segserve_off"
-SEG_LOOKUP, SPEC = "segserve_lookup", "segserve_spec"
-SYSTEMS = (PLAIN, LOOKUP, OFF, SEG_LOOKUP, SPEC)
+SEG_LOOKUP, SPEC, SUFFIX = "segserve_lookup", "segserve_spec", "segserve_suffix"
+SYSTEMS = (PLAIN, LOOKUP, OFF, SEG_LOOKUP, SUFFIX, SPEC)
 SYSTEM_LABELS = {PLAIN: "HF generate()", LOOKUP: "HF prompt lookup (10)", OFF: "segserve, spec off",
-                 SEG_LOOKUP: "segserve, prompt lookup only", SPEC: "segserve, full"}  # fmt: skip
+                 SEG_LOOKUP: "segserve, prompt lookup only", SUFFIX: "segserve, SuffixDecoding",
+                 SPEC: "segserve, full"}  # fmt: skip
 # The same engine's plain decoding for each system: speedups within one engine.
-PLAIN_OF = {LOOKUP: PLAIN, SEG_LOOKUP: OFF, SPEC: OFF}
+PLAIN_OF = {LOOKUP: PLAIN, SEG_LOOKUP: OFF, SUFFIX: OFF, SPEC: OFF}
 SPEC_COUNTERS = ("num_steps", "num_verified", "num_draft_tokens", "num_accepted_tokens")
 
 # kind -> (minimum x plain, minimum x prompt lookup); "never slower than prompt lookup" = 1.0 at least.
@@ -41,6 +51,10 @@ GOALS = {
 }
 # Edit workloads: full segserve over prompt lookup only on the same engine (the segment corpora's own gain).
 EDIT_GOAL = 1.3
+# Full segserve over SuffixDecoding on the same engine, in tokens/s and in tokens per step; PEER_FLOOR on any
+# workload both ran.
+PEER_GOALS = {"agentic": 1.2, "extraction": 1.2, "code_edits": 1.0, "self_refine": 1.0}
+PEER_FLOOR = 0.95
 
 
 def summarize(requests: list[dict], num_warmup: int) -> dict:
@@ -55,7 +69,26 @@ def summarize(requests: list[dict], num_warmup: int) -> dict:
         summary["tokens_per_step"] = ratio(num_tokens, totals["num_steps"])
         summary["accepted_per_verify"] = ratio(totals["num_accepted_tokens"], totals["num_verified"])
         summary["draft_acceptance"] = ratio(totals["num_accepted_tokens"], totals["num_draft_tokens"])
+        summary["acceptance_by_segment"] = _acceptance_by_segment(steady)
+    drafter = [r["spec"]["drafter"] for r in steady if (r.get("spec") or {}).get("drafter")]
+    if drafter:
+        cpu_s, calls = sum(d["cpu_seconds"] for d in drafter), sum(d["num_draft_calls"] for d in drafter)
+        summary["drafter_cpu_ms_per_call"] = ratio(1000 * cpu_s, calls)
+        memory = drafter[-1]["memory"]
+        summary["drafter_bytes_per_learned_token"] = ratio(memory["num_bytes"], memory["num_learned_tokens"])
+        summary["drafter_learned_tokens"] = memory["num_learned_tokens"]
     return summary
+
+
+def _acceptance_by_segment(requests: list[dict]) -> dict[str, float | None]:
+    """Segment kind -> accepted / drafted tokens over the requests."""
+    drafted, accepted = {}, {}
+    for request in requests:
+        for segment, counters in (request.get("spec") or {}).get("segments", {}).items():
+            drafted[segment] = drafted.get(segment, 0) + counters.get("num_draft_tokens", 0)
+            accepted[segment] = accepted.get(segment, 0) + counters.get("num_accepted_tokens", 0)
+    return {segment or "unknown": ratio(accepted[segment], drafted[segment]) for segment in drafted
+            if drafted[segment]}  # fmt: skip
 
 
 def _rate(requests: list[dict]) -> float | None:
@@ -82,15 +115,17 @@ def speedups(summaries: dict[str, dict[str, dict]]) -> dict[str, dict[str, float
     for kind in sorted(measured, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k)):
         rate = {system: (per_kind.get(kind) or {}).get("tokens_per_s") for system, per_kind in summaries.items()}
         row = {}
-        for system in (SPEC, SEG_LOOKUP, OFF, LOOKUP):
+        for system in (SPEC, SUFFIX, SEG_LOOKUP, OFF, LOOKUP):
             row[f"{system}_vs_plain"] = ratio(rate.get(system), rate.get(PLAIN))
         for system, plain in PLAIN_OF.items():
             row[f"{system}_vs_own_plain"] = ratio(rate.get(system), rate.get(plain))
         row[f"{SPEC}_vs_lookup"] = ratio(rate.get(SPEC), rate.get(LOOKUP))
         row[f"{SPEC}_vs_{SEG_LOOKUP}"] = ratio(rate.get(SPEC), rate.get(SEG_LOOKUP))
+        row[f"{SPEC}_vs_{SUFFIX}"] = ratio(rate.get(SPEC), rate.get(SUFFIX))
         per_step = {system: (summaries.get(system, {}).get(kind) or {}).get("tokens_per_step")
-                    for system in (SPEC, SEG_LOOKUP)}  # fmt: skip
+                    for system in (SPEC, SEG_LOOKUP, SUFFIX)}  # fmt: skip
         row[f"{SPEC}_vs_{SEG_LOOKUP}_tokens_per_step"] = ratio(per_step[SPEC], per_step[SEG_LOOKUP])
+        row[f"{SPEC}_vs_{SUFFIX}_tokens_per_step"] = ratio(per_step[SPEC], per_step[SUFFIX])
         table[kind] = row
     return table
 
@@ -110,10 +145,31 @@ def evaluate_goals(speedup_table: dict[str, dict], mismatches: list[dict] | None
         if kind in speedup_table:
             goals.append(check(f"{kind}: full segserve vs prompt lookup only", f">= {EDIT_GOAL}x",
                                 speedup_table[kind].get(f"{SPEC}_vs_{SEG_LOOKUP}"), EDIT_GOAL))  # fmt: skip
+    for kind, row in speedup_table.items():
+        threshold = PEER_GOALS.get(kind, PEER_FLOOR)
+        for measure, suffix in (("tok/s", ""), ("tokens/step", "_tokens_per_step")):
+            measured = row.get(f"{SPEC}_vs_{SUFFIX}{suffix}")
+            if measured is not None:
+                goals.append(check(f"{kind}: full segserve vs SuffixDecoding, {measure}", f">= {threshold}x",
+                                   measured, threshold))  # fmt: skip
     if mismatches is not None:
         goals.append({"name": "greedy outputs equal plain decoding's", "target": "0 mismatches",
                       "measured": float(len(mismatches)), "passed": not mismatches})  # fmt: skip
     return goals
+
+
+def memory_goal(summaries: dict[str, dict[str, dict]]) -> dict | None:
+    """SuffixDecoding's drafter bytes per learned token over full segserve's, each at the end of its run (its last
+    workload); None unless both ran."""
+    last = {}
+    for system in (SPEC, SUFFIX):
+        values = [summary.get("drafter_bytes_per_learned_token") for summary in summaries.get(system, {}).values()]
+        values = [value for value in values if value]
+        if not values:
+            return None
+        last[system] = values[-1]
+    return check("drafter memory per learned token: SuffixDecoding / full segserve", ">= 1.0x",
+                 ratio(last[SUFFIX], last[SPEC]), 1.0)
 
 
 def mismatches(texts: dict[str, dict[str, list[str]]], greedy_kinds: tuple[str, ...] | None = None,
@@ -122,7 +178,7 @@ def mismatches(texts: dict[str, dict[str, list[str]]], greedy_kinds: tuple[str, 
     from the reference's: HF plain generate(), else segserve's plain decoding."""
     reference = reference or (PLAIN if PLAIN in texts else OFF)
     found = []
-    for system in (OFF, SEG_LOOKUP, SPEC, LOOKUP):
+    for system in (OFF, SEG_LOOKUP, SUFFIX, SPEC, LOOKUP):
         if system == reference:
             continue
         for kind, outputs in texts.get(system, {}).items():
@@ -229,6 +285,36 @@ def markdown_table(block: dict) -> str:
     return "\n".join(lines)
 
 
+def peer_table(block: dict) -> str:
+    """Full segserve against SuffixDecoding on the same engine, one row per workload: median (min-max over the
+    rounds) of tokens/s, tokens per step and their ratios, draft acceptance per segment kind, drafter CPU per Draft
+    call and drafter bytes per learned token; "" unless both ran."""
+    summaries, table = block["summaries"], block["speedups"]
+    if SPEC not in summaries or SUFFIX not in summaries:
+        return ""
+    header = ["workload", "tok/s suffix / full", "full vs suffix tok/s", "tokens/step suffix / full",
+              "full vs suffix tokens/step", "acceptance per segment: suffix / full", "drafter CPU ms/call suffix / full",
+              "drafter bytes/learned token suffix / full"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    for kind, row in table.items():
+        both = [summaries[system].get(kind, {}) for system in (SUFFIX, SPEC)]
+        if not all(both):
+            continue
+
+        def pair(name: str, digits: int = 2) -> str:
+            return " / ".join(_fmt_spread(summary.get(name), digits) for summary in both)
+
+        acceptance = " / ".join(", ".join(f"{segment} {_fmt_spread(value)}"
+                                          for segment, value in summary.get("acceptance_by_segment", {}).items())
+                                or "n/a" for summary in both)  # fmt: skip
+        lines.append("| " + " | ".join([kind, pair("tokens_per_s", 1), _fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}"), suffix="x"),
+                                        pair("tokens_per_step"),
+                                        _fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}_tokens_per_step"), suffix="x"),
+                                        acceptance, pair("drafter_cpu_ms_per_call"),
+                                        pair("drafter_bytes_per_learned_token", 0)]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _bars(axes, groups: list[str], series: list[tuple[str, list[dict | None]]]) -> None:
     """Grouped bars: each series' median per group, min-max whiskers and a dot per round."""
     width = 0.8 / max(1, len(series))
@@ -261,10 +347,12 @@ def plot(path: Path, results: dict) -> Path:
     models = results["models"]
     first = next(iter(models.values()))
     kinds = list(first["speedups"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    has_peer = any(first["speedups"][k].get(f"{SPEC}_vs_{SUFFIX}") for k in kinds)
+    fig, panels = plt.subplots(1, 3 if has_peer else 2, figsize=(21 if has_peer else 14, 5))
+    left, right = panels[0], panels[1]
     _bars(left, kinds, [(f"{SYSTEM_LABELS[s]} vs {SYSTEM_LABELS[PLAIN_OF[s]]}",
                          [first["speedups"][k].get(f"{s}_vs_own_plain") for k in kinds])
-                        for s in (LOOKUP, SEG_LOOKUP, SPEC) if any(f"{s}_vs_own_plain" in first["speedups"][k]
+                        for s in (LOOKUP, SEG_LOOKUP, SUFFIX, SPEC) if any(f"{s}_vs_own_plain" in first["speedups"][k]
                                                                    for k in kinds)])  # fmt: skip
     left.set_ylabel("speedup over the same engine's plain decoding (x)")
     left.set_title(f"{Path(first.get('model', '')).name}: median, min-max and each round", fontsize=10)
@@ -275,6 +363,13 @@ def plot(path: Path, results: dict) -> Path:
     right.axhline(EDIT_GOAL, color="red", linewidth=1, linestyle=":")
     right.set_ylabel("full segserve / prompt lookup only (x)")
     right.set_title(f"segment corpora's own gain (goal on edit workloads: {EDIT_GOAL}x)", fontsize=10)
+    if has_peer:
+        _bars(panels[2], kinds, [(f"{Path(first.get('model', '')).name}, {measure}",
+                                  [first["speedups"][k].get(f"{SPEC}_vs_{SUFFIX}{suffix}") for k in kinds])
+                                 for measure, suffix in measures])  # fmt: skip
+        panels[2].axhline(PEER_FLOOR, color="red", linewidth=1, linestyle=":")
+        panels[2].set_ylabel("full segserve / SuffixDecoding, same engine (x)")
+        panels[2].set_title("against SuffixDecoding (goals 1.2x agentic and extraction, 1.0x edits)", fontsize=10)
     num_rounds = results.get("config", {}).get("rounds", "")
     fig.suptitle(f"segserve bench spec, single stream, {num_rounds} rounds")
     fig.tight_layout()

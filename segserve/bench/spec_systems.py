@@ -7,12 +7,14 @@
   `ignore_eos`, and the scheduler's GetStats counters read around every request.
   Modes: "off" (plain decoding, no drafter), "lookup" (prompt lookup only: the
   drafter gets LOOKUP_ONLY_SEGMENTS, so it drafts one chain from the request's
-  own prompt and output and never learns a corpus) and "spec" (the shipped
-  segments config: segment corpora learned online, trees).
+  own prompt and output and its corpus keeps nothing), "suffix" (the drafter's
+  SuffixDecoding backend: its global and per-request suffix trees, the same
+  engine, gate and verification) and "spec" (the shipped segments config:
+  segment corpora learned online, trees).
 
 Each is a context manager factory yielding `complete(prompt, max_tokens,
 temperature=0.0, seed=None) -> {"num_tokens", "wall_s", "text", "spec"}` (spec:
-counter deltas, or None).
+counter deltas, the drafter's among them, or None).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import httpx
 from segserve.bench.spec_report import SPEC_COUNTERS
 
 Complete = Callable[..., dict]
-SEGSERVE_MODES = ("off", "lookup", "spec")
+SEGSERVE_MODES = ("off", "lookup", "suffix", "spec")
 
-# Prompt lookup only, on the same engine: no segment kinds, so the tracker never leaves the default segment,
-# no segment ever closes and nothing is learned; the default segment's corpus stays empty (and is capped at one
-# node besides); one chain of up to 10 tokens from the request's own history, as HF's prompt_lookup_num_tokens=10.
+# Prompt lookup only, on the same engine: no segment kinds, so the tracker never leaves the default segment and
+# no segment ever closes; the generated text the default kind learns goes to a corpus capped at one node, which
+# keeps none of it; one chain of up to 10 tokens from the request's own history, as HF's
+# prompt_lookup_num_tokens=10.
 LOOKUP_ONLY_SEGMENTS = """\
 # Written by segserve bench spec: prompt lookup only (the request's own tokens), no corpora, no trees.
 [default]
@@ -89,6 +92,13 @@ def read_counters(stub) -> dict:
     counters["segments"] = {s.segment: {"num_verified": s.num_verified, "num_draft_tokens": s.num_draft_tokens,
                                         "num_accepted_tokens": s.num_accepted_tokens}
                             for s in stats.spec_segments}  # fmt: skip
+    drafters = [replica.stats for replica in stats.drafters if replica.HasField("stats")]
+    if drafters:  # one drafter per bench stack
+        drafter = drafters[0]
+        counters["drafter"] = {"num_draft_calls": drafter.num_draft_calls, "cpu_seconds": drafter.cpu_seconds,
+                               "memory": {"num_bytes": sum(s.num_corpus_bytes for s in drafter.segments),
+                                          "num_learned_tokens": sum(s.num_learned_tokens for s in drafter.segments)},
+                               "backend": drafter.backend}  # fmt: skip
     return counters
 
 
@@ -101,6 +111,10 @@ def counter_delta(before: dict, after: dict) -> dict:
         change = {name: value - old.get(name, 0) for name, value in values.items()}
         if any(change.values()):
             delta["segments"][segment] = change
+    if "drafter" in before and "drafter" in after:  # CPU and calls over the request; memory at its end
+        delta["drafter"] = {name: after["drafter"][name] - before["drafter"][name]
+                            for name in ("num_draft_calls", "cpu_seconds")}  # fmt: skip
+        delta["drafter"].update(memory=after["drafter"]["memory"], backend=after["drafter"]["backend"])
     return delta
 
 
@@ -114,7 +128,7 @@ def stack_config(model_dir: Path, dtype: str, mode: str, log_dir: Path, startup_
 
     if mode not in SEGSERVE_MODES:
         raise ValueError(f"mode must be one of {SEGSERVE_MODES}, got {mode!r}")
-    drafter = DrafterConfig(port=0)
+    drafter = DrafterConfig(port=0, backend="suffix" if mode == "suffix" else "segserve")
     if mode == "lookup":
         log_dir.mkdir(parents=True, exist_ok=True)
         segments = log_dir / "segments-lookup-only.toml"

@@ -25,6 +25,12 @@ document whose natural continuation has the intended shape:
   compared. They run after the greedy edits on the same system, whose corpora
   have learned the list by then.
 
+The peer workloads (PEER_KINDS: agentic, self_refine, code_edits, extraction,
+chat), the kinds SuffixDecoding was built for, are read from the JSONL files
+segserve/bench/peer_workloads.py generated with fixed seeds: warm-up requests
+first (they teach the drafters), then held-out ones from other sessions, the only
+ones measured.
+
 The edit workloads carry the output each request is written to elicit
 (`expected`): not in its prompt, largely shared across requests. What the model
 really writes is measured by spec_report.output_sources.
@@ -36,8 +42,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("code_edit", "grounded", "structured", "open_ended", "months_edit", "months_json",
-         "months_edit_sampled", "months_json_sampled")
+from segserve.bench.peer_workloads import PEER_KINDS, load
+
+DEFAULT_KINDS = ("code_edit", "grounded", "structured", "open_ended", "months_edit", "months_json",
+                 "months_edit_sampled", "months_json_sampled")
+KINDS = DEFAULT_KINDS + PEER_KINDS
 EDIT_KINDS = ("months_edit", "months_json")
 SAMPLED_KINDS = ("months_edit_sampled", "months_json_sampled")
 
@@ -211,4 +220,17 @@ def build_workloads(num_structured: int = 4, num_structured_warmup: int = 1,
         made[kind] = Workload(kind, prompts, 1, max_tokens=EDIT_MAX_TOKENS[kind], expected=expected)
         made[f"{kind}_sampled"] = Workload(f"{kind}_sampled", prompts, 1, temperature=temperature,
                                            max_tokens=EDIT_MAX_TOKENS[kind], expected=expected)  # fmt: skip
+    for kind in PEER_KINDS:
+        if kind in kinds:
+            made[kind] = peer_workload(kind)
     return [made[kind] for kind in KINDS if kind in kinds]
+
+
+def peer_workload(kind: str) -> Workload:
+    """A peer workload from its recorded JSONL: warm-up requests, then the held-out ones (the measured part)."""
+    requests = load(kind)
+    num_warmup = sum(request["split"] == "warmup" for request in requests)
+    if any(request["split"] == "warmup" for request in requests[num_warmup:]):
+        raise ValueError(f"{kind}: every warm-up request must come before the held-out ones")
+    return Workload(kind, tuple(request["prompt"] for request in requests), num_warmup,
+                    max_tokens=max(request["max_tokens"] for request in requests))

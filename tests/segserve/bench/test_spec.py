@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from protos.segserve.v1 import scheduler_pb2
-from segserve.bench import spec, spec_report, spec_systems
-from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SEG_LOOKUP, SPEC
+from segserve.bench import peer_workloads, spec, spec_report, spec_systems
+from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SEG_LOOKUP, SPEC, SUFFIX
 from segserve.bench.spec_workloads import (EDIT_KINDS, KINDS, MONTHS_JSON_REST, MONTHS_REST, SAMPLED_KINDS,
                                            Workload, build_workloads, structured_prompt)
 from segserve.cli import build_parser
@@ -77,11 +77,14 @@ def test_workloads_reject_bad_shapes():
         build_workloads(num_edits=1)
 
 
-def _request(num_tokens: int, wall_s: float, text: str = "t", steps: int | None = None, accepted: int = 0) -> dict:
+def _request(num_tokens: int, wall_s: float, text: str = "t", steps: int | None = None, accepted: int = 0,
+             drafter: dict | None = None) -> dict:  # fmt: skip
     counters = None
     if steps is not None:
         counters = {"num_steps": steps, "num_verified": steps - 1, "num_draft_tokens": 4 * (steps - 1),
                     "num_accepted_tokens": accepted, "segments": {}}  # fmt: skip
+        if drafter is not None:
+            counters["drafter"] = drafter
     return {"num_tokens": num_tokens, "wall_s": wall_s, "text": text, "spec": counters}
 
 
@@ -211,7 +214,7 @@ def test_complete_http_sends_a_greedy_ignore_eos_request_and_takes_counter_delta
 
 
 def _fake(rate: float, text_of=lambda prompt: prompt[-5:], steps_per_request: int | None = None, fail=False,
-          calls: list | None = None):  # fmt: skip
+          calls: list | None = None, drafter: dict | None = None):  # fmt: skip
     @contextlib.contextmanager
     def factory():
         if fail:
@@ -221,7 +224,7 @@ def _fake(rate: float, text_of=lambda prompt: prompt[-5:], steps_per_request: in
             if calls is not None:
                 calls.append((prompt, max_tokens, temperature, seed))
             return _request(max_tokens, max_tokens / rate, text_of(prompt), steps_per_request,
-                            accepted=max_tokens - (steps_per_request or 0))  # fmt: skip
+                            accepted=max_tokens - (steps_per_request or 0), drafter=drafter)  # fmt: skip
 
         yield complete
 
@@ -242,9 +245,13 @@ def _round_rates(rates_by_round: list[dict[str, float]], **spec_fakes):
 
 def test_a_run_on_fakes_writes_every_systems_numbers_with_spread_goals_and_mismatches(tmp_path, capsys):
     config = spec.SpecBenchConfig(max_tokens=8, num_structured=3, num_edits=3, rounds=3, out=str(tmp_path))
-    rates = [{PLAIN: 10.0, LOOKUP: 20.0, OFF: 12.0, SEG_LOOKUP: 16.0, SPEC: spec_rate} for spec_rate in (40, 24, 32)]
+    rates = [{PLAIN: 10.0, LOOKUP: 20.0, OFF: 12.0, SEG_LOOKUP: 16.0, SUFFIX: 20.0, SPEC: spec_rate}
+             for spec_rate in (40, 24, 32)]  # fmt: skip
+    suffix_drafter = {"num_draft_calls": 4, "cpu_seconds": 0.002, "memory": {"num_bytes": 800, "num_learned_tokens": 10}}
+    spec_drafter = {"num_draft_calls": 2, "cpu_seconds": 0.002, "memory": {"num_bytes": 1000, "num_learned_tokens": 10}}
     spec_fakes = {OFF: {"steps_per_request": 8}, SEG_LOOKUP: {"steps_per_request": 4},
-                  SPEC: {"text_of": lambda prompt: "different", "steps_per_request": 2}}  # fmt: skip
+                  SUFFIX: {"steps_per_request": 4, "drafter": suffix_drafter},
+                  SPEC: {"text_of": lambda prompt: "different", "steps_per_request": 2, "drafter": spec_drafter}}
     results = spec.run_benchmark(config, _round_rates(rates, **spec_fakes), {"base": "/m/base"}, tmp_path,
                                  {"command": "segserve bench spec"})  # fmt: skip
     spec.print_results(results)
@@ -267,6 +274,13 @@ def test_a_run_on_fakes_writes_every_systems_numbers_with_spread_goals_and_misma
     assert "draft_acceptance" in base["summaries"][SEG_LOOKUP]["months_json_sampled"]
     goals = {g["name"]: g["passed"] for g in base["goals"]}
     assert goals["months_edit: full segserve vs prompt lookup only"] is True  # median 2.0x
+    # Against SuffixDecoding: 32 / 20 tok/s and 4 / 2 tokens per step; the drafters' CPU per call and memory.
+    assert base["speedups"]["grounded"][f"{SPEC}_vs_{SUFFIX}"]["median"] == pytest.approx(1.6)
+    assert base["speedups"]["grounded"][f"{SPEC}_vs_{SUFFIX}_tokens_per_step"]["median"] == pytest.approx(2.0)
+    assert base["summaries"][SUFFIX]["grounded"]["drafter_cpu_ms_per_call"]["median"] == pytest.approx(0.5)
+    assert base["summaries"][SPEC]["grounded"]["drafter_bytes_per_learned_token"]["median"] == pytest.approx(100)
+    assert goals["grounded: full segserve vs SuffixDecoding, tok/s"] is True  # 1.6x >= the 0.95x floor
+    assert goals["drafter memory per learned token: SuffixDecoding / full segserve"] is False  # 80 vs 100 bytes
     assert goals["greedy outputs equal plain decoding's"] is False
     # Every greedy output of the full system differs, in every round; sampled ones are not compared.
     num_greedy = 1 + 1 + 3 + 1 + 3 + 3
@@ -274,6 +288,7 @@ def test_a_run_on_fakes_writes_every_systems_numbers_with_spread_goals_and_misma
     assert set(base["output_sources"]) == set(EDIT_KINDS)
     printed = capsys.readouterr().out
     assert "| months_edit |" in printed and "MISMATCH: round 1 segserve_spec" in printed
+    assert "against SuffixDecoding" in printed and "| grounded | 20.0 (20.0-20.0) / 32.0 (24.0-40.0) | 1.60x (1.20-2.00) |" in printed
     assert "2.00x (1.50-2.50)" in printed  # full vs lookup only: median (min-max)
 
 
@@ -311,7 +326,7 @@ def test_every_system_is_warmed_up_then_sends_each_workloads_length_temperature_
 def test_a_system_that_fails_is_reported_and_the_rest_still_run(tmp_path, capsys):
     config = spec.SpecBenchConfig(max_tokens=4, kinds=("grounded",), rounds=1, out=str(tmp_path))
     factories = {PLAIN: _fake(10.0), LOOKUP: _fake(12.0), OFF: _fake(10.0), SEG_LOOKUP: _fake(11.0),
-                 SPEC: _fake(1.0, fail=True)}  # fmt: skip
+                 SUFFIX: _fake(11.0), SPEC: _fake(1.0, fail=True)}  # fmt: skip
     results = spec.run_benchmark(config, lambda label, model_dir, out: factories, {"base": "/m"}, tmp_path)
     spec.print_results(results)
     block = results["models"]["base"]
@@ -341,6 +356,10 @@ def test_lookup_only_segments_config_drafts_one_chain_from_the_request_and_never
     fence = [2717, 100, 2717]  # whatever markers the shipped config has, none is a segment here
     states.update("r", fence, len(tokens) + 3, len(tokens))
     assert learned == [] and planner.corpora["default"].propose(tokens + fence, 10, 8) == []
+    assert states.finish("r", [20, 21], len(tokens) + 5, len(tokens))  # the output, outside every segment, is
+    for name, token_ids in learned:  # learned, but a one-node corpus keeps nothing of it
+        planner.learn(name, token_ids)
+    assert learned and planner.corpora["default"].num_entries == 0
     assert not spec_systems.stack_config(tmp_path / "m", "float32", "off", tmp_path / "o").is_speculative
     full = spec_systems.stack_config(tmp_path / "m", "float32", "spec", tmp_path / "s")
     assert full.is_speculative and full.drafter.segments_config is None  # the shipped segments config
@@ -383,3 +402,45 @@ def test_cli_parses_bench_spec_and_the_config_validates():
         spec.run_spec(build_parser().parse_args(["bench", "spec", "--systems", "vllm"]))
     with pytest.raises(SystemExit, match="no config.json"):
         spec.run_spec(build_parser().parse_args(["bench", "spec", "--finetuned-model", "/nonexistent/ft"]))
+
+
+def test_peer_goals_hold_full_segserve_to_each_workloads_target_and_a_floor_everywhere():
+    rates = {SUFFIX: {"agentic": 10.0, "code_edits": 10.0, "chat": 10.0},
+             SPEC: {"agentic": 11.0, "code_edits": 10.0, "chat": 9.4}}  # fmt: skip
+    goals = {g["name"]: g for g in spec_report.evaluate_goals(spec_report.speedups(_summaries(rates)))}
+    assert goals["agentic: full segserve vs SuffixDecoding, tok/s"]["passed"] is False  # 1.1x < 1.2x
+    assert goals["code_edits: full segserve vs SuffixDecoding, tok/s"]["passed"] is True  # 1.0x >= 1.0x
+    assert goals["chat: full segserve vs SuffixDecoding, tok/s"]["target"] == ">= 0.95x"
+    assert goals["chat: full segserve vs SuffixDecoding, tok/s"]["passed"] is False  # 0.94x
+    assert "agentic: full segserve vs SuffixDecoding, tokens/step" not in goals  # no steps measured: not listed
+
+
+def test_rounds_rotate_the_systems_order():
+    order = []
+
+    def recording(name):
+        @contextlib.contextmanager
+        def factory():
+            order.append(name)
+            yield lambda prompt, max_tokens, temperature=0.0, seed=None: _request(max_tokens, 1.0)
+
+        return factory
+
+    config = spec.SpecBenchConfig(max_tokens=4, kinds=("grounded",), systems=(OFF, SUFFIX, SPEC))
+    factories = {name: recording(name) for name in config.systems}
+    workloads = build_workloads(kinds=config.kinds)
+    for k in range(3):
+        result = spec.run_round(config, factories, workloads, k)
+        assert list(result["systems"]) == [OFF, SUFFIX, SPEC]  # reported in the configured order
+    assert order == [OFF, SUFFIX, SPEC, SUFFIX, SPEC, OFF, SPEC, OFF, SUFFIX]
+
+
+def test_peer_workloads_come_from_their_recorded_files_with_warmup_first():
+    args = build_parser().parse_args(["bench", "spec", "--kinds", "peer", "--systems", "segserve_suffix,segserve_spec"])
+    config = spec.config_from_args(args)
+    assert config.kinds == spec.PEER_KINDS and config.systems == (SUFFIX, SPEC)
+    for workload in build_workloads(kinds=config.kinds):
+        requests = peer_workloads.load(workload.kind)
+        assert workload.prompts == tuple(r["prompt"] for r in requests)
+        assert workload.num_warmup == sum(r["split"] == "warmup" for r in requests) > 0
+        assert all(r["split"] == "heldout" for r in requests[workload.num_warmup:])
