@@ -98,7 +98,7 @@ async def test_the_suffix_backend_serves_draft_and_get_stats_over_grpc():
             final = drafter_pb2.DraftQuery(request_id="done", new_token_ids=[5, 6, *RESPONSE], num_tokens=12,
                                            num_prompt_tokens=2, is_final=True)
             await stub.Draft(drafter_pb2.DraftRequest(queries=[final]))
-            query = drafter_pb2.DraftQuery(request_id="next", new_token_ids=[8, 44, 45], num_tokens=3,
+            query = drafter_pb2.DraftQuery(request_id="next", new_token_ids=[8, 42, 43, 44, 45], num_tokens=5,
                                            num_prompt_tokens=1, max_nodes=4)
             (reply,) = (await stub.Draft(drafter_pb2.DraftRequest(queries=[query]))).replies
             stats = DrafterStats.from_pb(await stub.GetStats(drafter_pb2.DrafterStatsRequest()))
@@ -106,7 +106,7 @@ async def test_the_suffix_backend_serves_draft_and_get_stats_over_grpc():
         await server.stop(None)
     assert CandidateTree.from_pb(reply.tree).token_ids == (46, 47, 48, 49) and reply.segment == "default"
     (suffix,) = [s for s in stats.segments if s.segment == SEGMENT]
-    assert (stats.backend, stats.num_draft_calls, suffix.num_learned_tokens) == ("suffix", 2, len(RESPONSE) + 2)
+    assert (stats.backend, stats.num_draft_calls, suffix.num_learned_tokens) == ("suffix", 2, len(RESPONSE) + 4)
     assert suffix.num_corpus_entries == 2 and suffix.num_corpus_bytes > 0
 
 
