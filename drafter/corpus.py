@@ -165,12 +165,14 @@ class LookupCorpus:
 
     def propose(self, context: Sequence[int], max_len: int, max_candidates: int) -> list[Continuation]:
         """The most frequent continuations after the longest matching key, best first."""
-        node = self._longest_match(context)
+        node, key_len = self._longest_match(context)
         if node is None or max_len <= 0 or max_candidates <= 0:
             return []
-        return _top_continuations(node, max_len, max_candidates)
+        return [Continuation(c.token_ids, c.score, key_len) for c in _top_continuations(node, max_len, max_candidates)]
 
-    def _longest_match(self, context: Sequence[int]) -> _Node | None:
+    def _longest_match(self, context: Sequence[int]) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `context` (max_key down to min_key tokens) that has children, and the
+        suffix's length."""
         longest = min(self.limits.max_key, len(context))
         for key_len in range(longest, self.limits.min_key - 1, -1):
             node: _Node | None = self._root
@@ -179,8 +181,8 @@ class LookupCorpus:
                 if node is None:
                     break
             if node is not None and node.children:
-                return node
-        return None
+                return node, key_len
+        return None, 0
 
     def save(self, path: str | Path) -> None:
         """Write the trie in preorder as a versioned .npz (tokens, counts, child counts)."""

@@ -27,6 +27,8 @@ from drafter.types import Continuation
 # (CPython 3.11, max_key 8: 1,600 bytes per token): its key tuple, its positions list, its dict slot.
 BYTES_PER_NGRAM = 200
 DEFAULT_MAX_BYTES = 64 << 20
+MAX_MATCH = 64
+"""Longest match a continuation reports: a max_key match is followed back this far along the history."""
 _EMPTY: list[int] = []
 
 
@@ -80,14 +82,32 @@ class HistorySource:
         for key_len in range(min(self.max_key, len(context)), self.min_key - 1, -1):
             key = tuple(context[len(context) - key_len :])
             older, newer = self._older.get(key), self._index.get(key, _EMPTY)
-            found = self._continuations(older + newer if older else newer, max_len)
+            found = self._continuations(older + newer if older else newer, max_len, context, key_len)
             if found:
                 return found[:max_candidates]
         return []
 
-    def _continuations(self, positions: Sequence[int], max_len: int) -> list[Continuation]:
+    def _continuations(self, positions: Sequence[int], max_len: int, context: Sequence[int],
+                       key_len: int) -> list[Continuation]:  # fmt: skip
+        """What followed the most recent occurrences of the key, merged and counted; each with the longest match
+        among its occurrences (past key_len when the key is max_key long)."""
         recent = [p for p in reversed(positions) if p < len(self.tokens)][: self.max_occurrences]
-        counts = Counter(tuple(self.tokens[p : p + max_len]) for p in recent)
+        counts: Counter[tuple[int, ...]] = Counter()
+        matched: dict[tuple[int, ...], int] = {}
+        for p in recent:
+            tokens = tuple(self.tokens[p : p + max_len])
+            counts[tokens] += 1
+            if tokens not in matched or matched[tokens] < MAX_MATCH:
+                match_len = self._match_len(p, context, key_len) if key_len == self.max_key else key_len
+                matched[tokens] = max(matched.get(tokens, 0), match_len)
         # Counter keeps first-seen order (most recent first); sorted() is stable on ties.
         ranked = sorted(counts.items(), key=lambda item: -item[1])
-        return [Continuation(tokens, float(count)) for tokens, count in ranked]
+        return [Continuation(tokens, float(count), matched[tokens]) for tokens, count in ranked]
+
+    def _match_len(self, position: int, context: Sequence[int], key_len: int) -> int:
+        """How many tokens before `position` equal the context's last ones (at least key_len, at most MAX_MATCH)."""
+        match_len = key_len
+        limit = min(MAX_MATCH, position, len(context))
+        while match_len < limit and self.tokens[position - match_len - 1] == context[-match_len - 1]:
+            match_len += 1
+        return match_len

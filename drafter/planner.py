@@ -18,6 +18,11 @@ its sources are the key's corpora, scoped and bounded the same way (`keyed`, dra
 its own history.
 Each source's scores are normalized to sum to 1 before merging, so a corpus's raw
 frequencies and a draft model's probabilities weigh the same.
+Depth adapts to the match, as SuffixDecoding's does, for kinds with a spec_factor:
+a lookup continuation found after a match of n context tokens drafts at most
+spec_factor * n tokens, so a weak match (2 tokens) drafts little while a long one
+(text being copied: the request's own history follows a match back up to 64
+tokens) drafts past the kind's max_depth and max_nodes, up to the scheduler's budget.
 """
 
 from __future__ import annotations
@@ -140,15 +145,21 @@ class DraftPlanner:
                 model.release(request_id)
 
     def draft(self, state: RequestState, max_nodes: int) -> tuple[CandidateTree, str]:
-        """The tree for one request within min(max_nodes, the segment's budget)."""
+        """The tree for one request within min(max_nodes, the segment's budget); with the kind's spec_factor, a
+        long match may take up to max_nodes (adaptive_depth)."""
         kind = self.segments.schema if state.corpus_key else self.segments.kind(state.segment)
         budget = min(max_nodes, kind.max_nodes)
         if budget <= 0:
             return CandidateTree(), kind.name
+        max_len = max(kind.max_depth, max_nodes) if kind.spec_factor > 0 else kind.max_depth
         continuations: list[Continuation] = []
         for source, context in self._sources(kind, state):
-            continuations.extend(_normalized(_propose(source, state, context, kind)))
-        return build(kind.algorithm, continuations, budget, kind.max_depth), kind.name
+            continuations.extend(_normalized(_propose(source, state, context, kind, max_len)))
+        depth = kind.max_depth
+        if kind.spec_factor > 0:
+            continuations, depth = adaptive_depth(continuations, kind.spec_factor, kind.max_depth)
+            budget = min(max_nodes, max(budget, depth))
+        return build(kind.algorithm, continuations, budget, depth), kind.name
 
     def _sources(self, kind: SegmentKind, state: RequestState) -> list[tuple[ContinuationSource, Sequence[int]]]:
         """Each source with the context it is asked about (the request's tokens; a keyed corpus, its output's)."""
@@ -170,15 +181,28 @@ class DraftPlanner:
         return [(source, state.tokens) for source in sources]
 
 
-def _propose(source: ContinuationSource, state: RequestState, context: Sequence[int],
-             kind: SegmentKind) -> list[Continuation]:
+def _propose(source: ContinuationSource, state: RequestState, context: Sequence[int], kind: SegmentKind,
+             max_len: int) -> list[Continuation]:  # fmt: skip
     if isinstance(source, RequestAwareSource):  # keeps e.g. a draft model's KV cache per request
         return source.propose_for(state.request_id, context, kind.max_depth, kind.max_candidates)
-    return source.propose(context, kind.max_depth, kind.max_candidates)
+    return source.propose(context, max_len, kind.max_candidates)
+
+
+def adaptive_depth(continuations: list[Continuation], spec_factor: float, max_depth: int
+                   ) -> tuple[list[Continuation], int]:  # fmt: skip
+    """SuffixDecoding's match-length–adaptive drafts: a lookup's continuation found after a match of n context
+    tokens keeps at most max(1, spec_factor * n) tokens (a short, weak match drafts little), which may pass
+    max_depth (a long match, e.g. text being copied, drafts deep); others (a draft model's) keep max_depth. Returns
+    them and the tree depth they need (at least max_depth)."""
+    adapted = []
+    for c in continuations:
+        length = max(1, int(spec_factor * c.match_len)) if c.match_len else max_depth
+        adapted.append(Continuation(c.token_ids[:length], c.score, c.match_len))
+    return adapted, max([max_depth, *(len(c.token_ids) for c in adapted)])
 
 
 def _normalized(continuations: list[Continuation]) -> list[Continuation]:
     total = sum(c.score for c in continuations if c.score > 0)
     if total <= 0:
         return []
-    return [Continuation(c.token_ids, c.score / total) for c in continuations if c.score > 0 and c.token_ids]
+    return [Continuation(c.token_ids, c.score / total, c.match_len) for c in continuations if c.score > 0 and c.token_ids]

@@ -10,6 +10,7 @@ Format (see drafter/segments/default.toml)::
     max_nodes = 8                  # node budget of a tree (the root excluded)
     max_depth = 6                  # longest path of a tree
     max_candidates = 8             # continuations asked of each source
+    spec_factor = 1.0              # drafts as deep as spec_factor x the match (0 = fixed max_depth)
     corpus = { max_bytes = 67108864, max_depth = 16, max_key = 8, min_key = 2, decay = 0.5 }
 
     [[segment]]
@@ -126,6 +127,10 @@ class SegmentKind:
     """Longest path of one tree."""
     max_candidates: int = 8
     """Continuations asked of each source."""
+    spec_factor: float = 0.0
+    """Match-length–adaptive depth (drafter/planner.py): a lookup's continuation after a match of n tokens drafts
+    at most spec_factor * n tokens, and a long match may pass max_depth and max_nodes up to the scheduler's
+    budget; 0 = fixed max_depth and max_nodes."""
     corpus: CorpusLimits = field(default_factory=CorpusLimits)
     """Limits of this kind's lookup corpus."""
     draft_model: DraftModelSpec | None = None
@@ -136,8 +141,9 @@ class SegmentKind:
             raise ValueError("a segment needs a name")
         if self.algorithm not in BUILDERS:
             raise ValueError(f"segment {self.name!r}: algorithm must be one of {sorted(BUILDERS)}")
-        if self.max_nodes < 0 or self.max_depth <= 0 or self.max_candidates <= 0:
-            raise ValueError(f"segment {self.name!r}: max_nodes >= 0, max_depth and max_candidates > 0")
+        if self.max_nodes < 0 or self.max_depth <= 0 or self.max_candidates <= 0 or not self.spec_factor >= 0:
+            raise ValueError(f"segment {self.name!r}: max_nodes >= 0, max_depth and max_candidates > 0, "
+                             "spec_factor >= 0")
         has_markers = (bool(self.start), bool(self.end))
         if has_markers != ((False, False) if self.name in (DEFAULT_SEGMENT, SCHEMA_SEGMENT) else (True, True)):
             raise ValueError(f"segment {self.name!r}: every segment but the default and schema needs start and end "

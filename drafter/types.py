@@ -19,6 +19,8 @@ class Continuation:
     """Predicted tokens following the context, nearest first."""
     score: float
     """Higher = more likely (a frequency for corpora, a probability for draft models)."""
+    match_len: int = 0
+    """Tokens of the context a lookup matched to find it (0: not a lookup, e.g. a draft model's)."""
 
 
 class ContinuationSource(Protocol):
