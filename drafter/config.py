@@ -46,8 +46,9 @@ class DrafterConfig:
     the least recently used key's corpus is dropped whole past it (drafter/keyed.py)."""
     history_max_key: int = 8
     """Longest suffix of a request's tokens matched against its own history."""
-    history_min_key: int = 2
-    """Shortest such suffix; shorter matches propose nothing."""
+    history_min_key: int = 1
+    """Shortest such suffix; shorter matches propose nothing. With adaptive depth (a kind's spec_factor) a one-token
+    match drafts one token, as SuffixDecoding's does."""
     history_max_bytes: int = 64 << 20
     """Memory of one request's own-history index (about 1.6 KB per token with history_max_key 8: 64 MiB keep
     the latest 20k-40k tokens indexed); past it the older half of the index is dropped."""
