@@ -2,7 +2,8 @@
 
 Greedy output through the whole stack must be token-identical to
 `model.generate(do_sample=False)` in fp32, alone, among concurrent requests, and
-when the KV cache is too small to hold every request at once.
+when the KV cache is too small to hold every request at once: with speculation
+from segserve's drafter, from its SuffixDecoding backend, and without.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def complete(client: OpenAI, model: str, prompt: str, max_tokens: int, stream: b
     return "".join(event.choices[0].text for event in events if event.choices)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["speculative", "plain"])
+@pytest.fixture(scope="module", params=["speculative", "suffix", "plain"])
 def running_stack(request, tiny_gemma3_dir, tmp_path_factory):
-    with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), is_speculative=request.param) as stack:
+    backend = {"backend": "suffix"} if request.param == "suffix" else {}
+    with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), is_speculative=request.param != "plain",
+                    drafter=backend) as stack:
         yield stack
 
 
@@ -83,6 +86,10 @@ def test_greedy_matches_generate_streamed_and_not(running_stack, tiny_references
     for prompt in PROMPTS[:3]:
         assert complete(client, model, prompt, 40) == tiny_references[prompt]
         assert complete(client, model, prompt, 40, stream=True) == tiny_references[prompt]
+    if running_stack.config.is_speculative:  # the configured backend drafted, and learned the outputs
+        (drafter,) = scheduler_stats(running_stack).drafters
+        assert drafter.stats.backend == running_stack.config.drafter.backend and drafter.stats.num_draft_calls > 0
+        assert sum(segment.num_learned_tokens for segment in drafter.stats.segments) > 0
 
 
 def test_the_worker_has_its_own_cpus(running_stack):
