@@ -338,7 +338,8 @@ def _bars(axes, groups: list[str], series: list[tuple[str, list[dict | None]]]) 
 
 def plot(path: Path, results: dict) -> Path:
     """Left: each speculative system's speedup over its own engine's plain decoding per workload (first
-    model). Right: full segserve over prompt lookup only on the same engine, per workload and model."""
+    model). Then, for what was run: full segserve over prompt lookup only on the same engine, per workload and
+    model; full segserve over SuffixDecoding on the same engine, per workload (first model)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -347,29 +348,38 @@ def plot(path: Path, results: dict) -> Path:
     models = results["models"]
     first = next(iter(models.values()))
     kinds = list(first["speedups"])
-    has_peer = any(first["speedups"][k].get(f"{SPEC}_vs_{SUFFIX}") for k in kinds)
-    fig, panels = plt.subplots(1, 3 if has_peer else 2, figsize=(21 if has_peer else 14, 5))
-    left, right = panels[0], panels[1]
+    measures = (("tokens/s", ""), ("tokens per step", "_tokens_per_step"))
+
+    def measured(block: dict, key: str) -> bool:
+        return any(block["speedups"].get(k, {}).get(key) for k in kinds)
+
+    has_ablation = any(measured(block, f"{SPEC}_vs_{SEG_LOOKUP}") for block in models.values())
+    has_peer = measured(first, f"{SPEC}_vs_{SUFFIX}")
+    num_panels = 1 + has_ablation + has_peer
+    fig, panels = plt.subplots(1, num_panels, figsize=(7 * num_panels, 5), squeeze=False)
+    left, *others = panels[0]
     _bars(left, kinds, [(f"{SYSTEM_LABELS[s]} vs {SYSTEM_LABELS[PLAIN_OF[s]]}",
                          [first["speedups"][k].get(f"{s}_vs_own_plain") for k in kinds])
-                        for s in (LOOKUP, SEG_LOOKUP, SUFFIX, SPEC) if any(f"{s}_vs_own_plain" in first["speedups"][k]
-                                                                   for k in kinds)])  # fmt: skip
+                        for s in (LOOKUP, SEG_LOOKUP, SUFFIX, SPEC) if measured(first, f"{s}_vs_own_plain")])  # fmt: skip
     left.set_ylabel("speedup over the same engine's plain decoding (x)")
     left.set_title(f"{Path(first.get('model', '')).name}: median, min-max and each round", fontsize=10)
-    measures = (("tokens/s", ""), ("tokens per step", "_tokens_per_step"))
-    _bars(right, kinds, [(f"{label}: {Path(block.get('model', '')).name}, {measure}",
-                          [block["speedups"].get(k, {}).get(f"{SPEC}_vs_{SEG_LOOKUP}{suffix}") for k in kinds])
-                         for label, block in models.items() for measure, suffix in measures])  # fmt: skip
-    right.axhline(EDIT_GOAL, color="red", linewidth=1, linestyle=":")
-    right.set_ylabel("full segserve / prompt lookup only (x)")
-    right.set_title(f"segment corpora's own gain (goal on edit workloads: {EDIT_GOAL}x)", fontsize=10)
+    if has_ablation:
+        axes = others.pop(0)
+        _bars(axes, kinds, [(f"{label}: {Path(block.get('model', '')).name}, {measure}",
+                             [block["speedups"].get(k, {}).get(f"{SPEC}_vs_{SEG_LOOKUP}{suffix}") for k in kinds])
+                            for label, block in models.items() for measure, suffix in measures])  # fmt: skip
+        axes.axhline(EDIT_GOAL, color="red", linewidth=1, linestyle=":")
+        axes.set_ylabel("full segserve / prompt lookup only (x)")
+        axes.set_title(f"segment corpora's own gain (goal on edit workloads: {EDIT_GOAL}x)", fontsize=10)
     if has_peer:
-        _bars(panels[2], kinds, [(f"{Path(first.get('model', '')).name}, {measure}",
-                                  [first["speedups"][k].get(f"{SPEC}_vs_{SUFFIX}{suffix}") for k in kinds])
-                                 for measure, suffix in measures])  # fmt: skip
-        panels[2].axhline(PEER_FLOOR, color="red", linewidth=1, linestyle=":")
-        panels[2].set_ylabel("full segserve / SuffixDecoding, same engine (x)")
-        panels[2].set_title("against SuffixDecoding (goals 1.2x agentic and extraction, 1.0x edits)", fontsize=10)
+        axes = others.pop(0)
+        _bars(axes, kinds, [(f"{Path(first.get('model', '')).name}, {measure}",
+                             [first["speedups"][k].get(f"{SPEC}_vs_{SUFFIX}{suffix}") for k in kinds])
+                            for measure, suffix in measures])  # fmt: skip
+        axes.axhline(PEER_FLOOR, color="red", linewidth=1, linestyle=":")
+        axes.set_ylabel("full segserve / SuffixDecoding, same engine (x)")
+        axes.set_title("against SuffixDecoding (goals 1.2x agentic and extraction, 1.0x edits, 0.95x floor)",
+                       fontsize=10)
     num_rounds = results.get("config", {}).get("rounds", "")
     fig.suptitle(f"segserve bench spec, single stream, {num_rounds} rounds")
     fig.tight_layout()
