@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.tls import internal_tls
-from drafter.suffix import SuffixOptions
 from common.tracing import settings_of
 
 BACKENDS = ("segserve", "suffix")
@@ -111,11 +110,12 @@ class DrafterConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        self.suffix_options()  # ValueError naming the bad option
+        if self.suffix_max_tree_depth < 1 or not (self.suffix_max_cached_requests > 0
+                                                  or self.suffix_max_cached_requests == -1):  # fmt: skip
+            raise ValueError("suffix_max_tree_depth must be >= 1 and suffix_max_cached_requests > 0 or -1")
+        if not (self.suffix_max_spec_factor >= 0 and self.suffix_max_spec_offset >= 0
+                and 0 <= self.suffix_min_token_prob <= 1):  # fmt: skip
+            raise ValueError("suffix_max_spec_factor and suffix_max_spec_offset must be >= 0, "
+                             "suffix_min_token_prob in [0, 1]")
         internal_tls(self)  # ValueError naming the fields when only some are given
         settings_of(self)  # ValueError naming the field for a bad endpoint or ratio
-
-    def suffix_options(self) -> SuffixOptions:
-        """The suffix backend's parameters."""
-        return SuffixOptions(self.suffix_max_tree_depth, self.suffix_max_cached_requests, self.suffix_max_spec_factor,
-                             self.suffix_max_spec_offset, self.suffix_min_token_prob, self.is_suffix_tree_spec)

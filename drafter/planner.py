@@ -205,4 +205,5 @@ def _normalized(continuations: list[Continuation]) -> list[Continuation]:
     total = sum(c.score for c in continuations if c.score > 0)
     if total <= 0:
         return []
-    return [Continuation(c.token_ids, c.score / total, c.match_len) for c in continuations if c.score > 0 and c.token_ids]
+    return [Continuation(c.token_ids, c.score / total, c.match_len)
+            for c in continuations if c.score > 0 and c.token_ids]

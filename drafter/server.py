@@ -93,7 +93,7 @@ def build_servicer(
 def suffix_servicer(config: DrafterConfig, segments: SegmentsConfig) -> DrafterServicer:
     """The suffix backend: its planner learns every request's tokens itself, so the states index no history and
     learn no segments."""
-    planner = SuffixPlanner(segments, config.suffix_options(), config.max_requests)
+    planner = SuffixPlanner(segments, config)
     states = RequestStates(segments, on_segment_closed=lambda *args, **kwargs: None, max_requests=config.max_requests,
                            history_factory=lambda: HistorySource(is_indexed=False))
     return DrafterServicer(planner, states)

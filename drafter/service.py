@@ -85,7 +85,8 @@ def _status_errors(method):
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """Serves a DraftPlanner over per-request states."""
 
-    def __init__(self, planner: DraftPlanner | SuffixPlanner, states: RequestStates, memory: SharedMemory | None = None):
+    def __init__(self, planner: DraftPlanner | SuffixPlanner, states: RequestStates,
+                 memory: SharedMemory | None = None):
         self.planner = planner
         """The proposer: segment corpora (DraftPlanner), or SuffixDecoding's trees (SuffixPlanner)."""
         self.states = states

@@ -8,7 +8,9 @@ and a per-request tree over the request's prompt and response, both scored by
 frequency. A draft grows from the longest match of the context's suffix, at most
 max_spec_factor * match length + max_spec_offset tokens and within the caller's node
 budget, keeping nodes whose estimated probability is at least min_token_prob; the
-better scoring of the two trees' drafts is proposed.
+better scoring of the two trees' drafts is proposed. Its parameters are
+DrafterConfig's suffix_* fields, vLLM's defaults with trees on (segserve verifies
+trees; vLLM verifies chains).
 
 Only the proposer differs from the default backend (DraftPlanner): the request states,
 the scheduler's gate and batch and the worker's verification are the same. The cache
@@ -25,9 +27,9 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Sequence
 
+from drafter.config import DrafterConfig
 from drafter.segments import SegmentsConfig
 from drafter.state import RequestState
 from protos.segserve.v1.tree import ROOT, CandidateTree
@@ -36,37 +38,13 @@ SEGMENT = "suffix"
 """The name the global tree's sizes are reported under (DrafterStats)."""
 
 
-@dataclass(frozen=True)
-class SuffixOptions:
-    """SuffixDecoding's parameters; the defaults are vLLM's for its `suffix` method, with trees on (segserve
-    verifies trees; vLLM verifies chains)."""
-
-    max_tree_depth: int = 24
-    """Depth of the suffix trees: the longest context matched and the longest draft."""
-    max_cached_requests: int = 10000
-    """Responses kept in the global tree; the oldest leaves first past it (-1 = no bound)."""
-    max_spec_factor: float = 1.0
-    """A draft has at most max_spec_factor * match length + max_spec_offset tokens."""
-    max_spec_offset: float = 0.0
-    min_token_prob: float = 0.1
-    """Draft tokens whose estimated probability (frequency share along the path) is lower are left out."""
-    use_tree_spec: bool = True
-    """Trees (several continuations) rather than one chain."""
-
-    def __post_init__(self) -> None:
-        if self.max_tree_depth < 1 or self.max_cached_requests == 0 or self.max_cached_requests < -1:
-            raise ValueError("suffix decoding needs max_tree_depth >= 1 and max_cached_requests > 0 or -1")
-        if self.max_spec_factor < 0 or self.max_spec_offset < 0 or not 0 <= self.min_token_prob <= 1:
-            raise ValueError("suffix decoding needs max_spec_factor, max_spec_offset >= 0 and min_token_prob in [0, 1]")
-
-
-def new_cache(options: SuffixOptions):
+def new_cache(config: DrafterConfig):
     """arctic-inference's SuffixDecodingCache; ImportError says how to build it."""
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
     except ImportError as exc:
         raise ImportError("the suffix backend needs SuffixDecoding's extension: run `make suffix-decoding`") from exc
-    return SuffixDecodingCache(options.max_tree_depth, options.max_cached_requests)
+    return SuffixDecodingCache(config.suffix_max_tree_depth, config.suffix_max_cached_requests)
 
 
 class SuffixPlanner:
@@ -74,16 +52,17 @@ class SuffixPlanner:
 
     backend = "suffix"
 
-    def __init__(self, segments: SegmentsConfig, options: SuffixOptions | None = None, max_requests: int = 4096):
+    def __init__(self, segments: SegmentsConfig, config: DrafterConfig | None = None):
         self.segments = segments
         """Only to label trees with the request's segment kind, and for the markers replies carry."""
-        self.options = options or SuffixOptions()
-        self.cache = new_cache(self.options)
+        self.config = config or DrafterConfig()
+        """SuffixDecoding's parameters (its suffix_* fields) and max_requests."""
+        self.cache = new_cache(self.config)
         self.corpora: dict = {}
         """No segment corpora: the global tree is reported as the kind SEGMENT."""
         self.num_learned_tokens: Counter[str] = Counter()
         """Response tokens added to the global tree since start, under SEGMENT."""
-        self._max_requests = max_requests
+        self._max_requests = self.config.max_requests
         self._num_fed: OrderedDict[str, int] = OrderedDict()
         """Active request -> how many of its tokens the cache holds, least recently drafted first."""
         self._num_learned_responses = 0
@@ -112,10 +91,11 @@ class SuffixPlanner:
         segment = state.segment
         if max_nodes <= 0:
             return CandidateTree(), segment
-        options = self.options
-        context = state.tokens[-options.max_tree_depth:]
-        found = self.cache.speculate(state.request_id, context, max_nodes, options.max_spec_factor,
-                                     options.max_spec_offset, options.min_token_prob, options.use_tree_spec)
+        config = self.config
+        context = state.tokens[-config.suffix_max_tree_depth:]
+        found = self.cache.speculate(state.request_id, context, max_nodes, config.suffix_max_spec_factor,
+                                     config.suffix_max_spec_offset, config.suffix_min_token_prob,
+                                     config.is_suffix_tree_spec)
         return _tree(found.token_ids, found.parents, max_nodes), segment
 
     def release(self, request_id: str, final: RequestState | None = None) -> None:

@@ -7,9 +7,10 @@ chain), SuffixDecoding (the drafter's suffix backend) and full segserve (segment
 corpora learned online, trees): the last four are the same-engine comparison.
 `--kinds peer` runs the workloads SuffixDecoding was built for (agentic loops,
 self-refinement, code edits, extraction, and chat as the control), recorded as
-JSONL; their warm-up requests teach the drafters and only the held-out ones count. Each segserve system is a fresh local stack. Every
-system gets two short warm-up requests, then every workload's prompts in order
-(edit workloads: earlier requests teach the drafter).
+JSONL; their warm-up requests teach the drafters and only the held-out ones
+count. Each segserve system is a fresh local stack. Every system gets two short
+warm-up requests, then every workload's prompts in order (edit workloads: earlier
+requests teach the drafter).
 The whole run repeats --rounds times (3 by default) with fresh systems, each round
 starting at the next system; every number is reported as its median, min, max
 and per-round values. With

@@ -293,8 +293,8 @@ def peer_table(block: dict) -> str:
     if SPEC not in summaries or SUFFIX not in summaries:
         return ""
     header = ["workload", "tok/s suffix / full", "full vs suffix tok/s", "tokens/step suffix / full",
-              "full vs suffix tokens/step", "acceptance per segment: suffix / full", "drafter CPU ms/call suffix / full",
-              "drafter bytes/learned token suffix / full"]  # fmt: skip
+              "full vs suffix tokens/step", "acceptance per segment: suffix / full",
+              "drafter CPU ms/call suffix / full", "drafter bytes/learned token suffix / full"]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for kind, row in table.items():
         both = [summaries[system].get(kind, {}) for system in (SUFFIX, SPEC)]
@@ -307,11 +307,10 @@ def peer_table(block: dict) -> str:
         acceptance = " / ".join(", ".join(f"{segment} {_fmt_spread(value)}"
                                           for segment, value in summary.get("acceptance_by_segment", {}).items())
                                 or "n/a" for summary in both)  # fmt: skip
-        lines.append("| " + " | ".join([kind, pair("tokens_per_s", 1), _fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}"), suffix="x"),
-                                        pair("tokens_per_step"),
-                                        _fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}_tokens_per_step"), suffix="x"),
-                                        acceptance, pair("drafter_cpu_ms_per_call"),
-                                        pair("drafter_bytes_per_learned_token", 0)]) + " |")  # fmt: skip
+        cells = [kind, pair("tokens_per_s", 1), _fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}"), suffix="x"),
+                 pair("tokens_per_step"), _fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}_tokens_per_step"), suffix="x"),
+                 acceptance, pair("drafter_cpu_ms_per_call"), pair("drafter_bytes_per_learned_token", 0)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -360,7 +359,8 @@ def plot(path: Path, results: dict) -> Path:
     left, *others = panels[0]
     _bars(left, kinds, [(f"{SYSTEM_LABELS[s]} vs {SYSTEM_LABELS[PLAIN_OF[s]]}",
                          [first["speedups"][k].get(f"{s}_vs_own_plain") for k in kinds])
-                        for s in (LOOKUP, SEG_LOOKUP, SUFFIX, SPEC) if measured(first, f"{s}_vs_own_plain")])  # fmt: skip
+                        for s in (LOOKUP, SEG_LOOKUP, SUFFIX, SPEC)
+                        if measured(first, f"{s}_vs_own_plain")])  # fmt: skip
     left.set_ylabel("speedup over the same engine's plain decoding (x)")
     left.set_title(f"{Path(first.get('model', '')).name}: median, min-max and each round", fontsize=10)
     if has_ablation:

@@ -16,7 +16,7 @@ from drafter.config import DrafterConfig
 from drafter.segments import parse_segments
 from drafter.server import build_servicer, start_server
 from drafter.state import RequestStates
-from drafter.suffix import SEGMENT, SuffixOptions, SuffixPlanner
+from drafter.suffix import SEGMENT, SuffixPlanner
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.stats import DrafterStats
 from protos.segserve.v1.tree import CandidateTree
@@ -61,7 +61,7 @@ def test_ended_requests_teach_later_ones_and_a_running_prompt_teaches_nobody():
 
 def test_the_global_tree_keeps_the_latest_max_cached_requests_responses():
     """A running request's response takes a slot too: starting one pushes the oldest response out."""
-    planner = SuffixPlanner(SEGMENTS, SuffixOptions(max_cached_requests=3))
+    planner = SuffixPlanner(SEGMENTS, DrafterConfig(suffix_max_cached_requests=3))
     for i in range(3):
         planner.learn("default", [10 + i, 20 + i, 30 + i, 40 + i])
     requests = states()
@@ -81,7 +81,7 @@ def test_trees_are_labelled_with_the_requests_segment_kind():
 
 
 def test_stale_requests_are_stopped_past_max_requests():
-    planner, requests = SuffixPlanner(SEGMENTS, max_requests=2), states()
+    planner, requests = SuffixPlanner(SEGMENTS, DrafterConfig(max_requests=2)), states()
     for name in "abc":
         planner.draft(requests.update(name, [1, 2, 3], 3, 3), 4)
     assert set(planner.cache.active_requests) == {"b", "c"}
