@@ -164,7 +164,10 @@ async def test_chat_logprobs_streamed_and_not(client, async_client, model, refer
                                                         temperature=0, logprobs=True, top_logprobs=2, stream=True)
     streamed = [lp async for event in stream if event.choices and event.choices[0].logprobs
                 for lp in event.choices[0].logprobs.content]
-    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in content]
+    # The same tokens and, to float32 rounding, the same logprobs: the second request drafts from what the first
+    # taught the drafter, so its logits come from other verification trees than the first one's.
+    assert [lp.token for lp in streamed] == [lp.token for lp in content]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in content], abs=1e-5)
     for lp in content:
         assert len(lp.top_logprobs) == 2
         assert lp.logprob == pytest.approx(max(t.logprob for t in lp.top_logprobs), abs=1e-5)
