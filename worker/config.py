@@ -74,6 +74,12 @@ class WorkerConfig:
     """Largest step bucket compiled in the warm-up, with is_compiled. The buckets up to this many tokens (1, 2, 4, ...)
     are compiled before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
     max_num_batched_tokens (256 by default) is the most a step holds."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (tensor parallelism, worker/tensor_parallel.py): attention heads, MLP columns,
+    vocabulary and KV cache divided among N processes, one device each (cuda:0..N-1 on a GPU machine, gloo between
+    CPU processes), which run every step together; the scheduler sees one worker. Rank 0 serves gRPC and starts the
+    others (on a Ray cluster: actors packed on one node). Needs a lean decoder's architecture, and N dividing the
+    attention heads, the MLP columns and the key-value heads (or a multiple of them)."""
     host: str = "127.0.0.1"
     """Address the gRPC server binds to (localhost by default)."""
     port: int = 50061
@@ -117,6 +123,11 @@ class WorkerConfig:
             raise ValueError("cuda_graphs needs the lean decoder: not with is_compiled or without is_lean_decoder")
         if self.is_compiled_layers and (self.is_compiled or not self.is_lean_decoder):
             raise ValueError("compiled_layers needs the lean decoder: not with is_compiled or without is_lean_decoder")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and (self.is_compiled or not self.is_lean_decoder):
+            raise ValueError("tensor_parallel_size > 1 runs the lean decoder: not with is_compiled or without "
+                             "is_lean_decoder")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         internal_tls(self)  # ValueError naming the fields when only some are given

@@ -56,6 +56,9 @@ from worker.row_blocks import RowPolicy, block_linears, fixed_policy
 from worker.planning import SequenceState, StepPlan, plan_step
 from worker.threads import cpu_threads
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
+from worker.ranks import Followers, Launch, launch_process, rank_device
+from worker.sharded_load import check_shardable, load_shard
+from worker.tensor_parallel import RankGroup
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
 from worker.validation import InvalidRequest, StepLimits
@@ -88,20 +91,35 @@ def resolve_device_dtype(config: WorkerConfig) -> tuple[torch.device, torch.dtyp
 class ModelRunner:
     """Loads a transformers causal LM with paged attention and runs scheduler steps on it."""
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, ranks: RankGroup | None = None, seed: int | None = None,
+                 launch: Launch = launch_process):
+        """ranks: this runner's place among its worker's tensor-parallel ranks when it is a follower (worker/ranks.py
+        starts it with them); None: rank 0, which starts the others itself when config.tensor_parallel_size > 1, by
+        `launch` (processes; on a Ray cluster, actors)."""
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
+        size = config.tensor_parallel_size
         if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads(config.num_threads))
+            torch.set_num_threads(max(1, cpu_threads(config.num_threads) // size))
         if self.device.type == "cuda":
             # SDPA with a boolean mask would pick cuDNN, which plans anew for every new shape (measured on an
             # H100: ~80 ms of host time per step at batch 64); the memory-efficient kernel needs no plan.
             torch.backends.cuda.enable_cudnn_sdp(False)
         path = resolve_model(config.model)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
-        ).to(self.device).eval()
-        self.device = self.model.device  # "cuda" resolved to "cuda:0"
+        self.followers: Followers | None = None
+        """Rank 0's other ranks, which run each step with it (worker/ranks.py); None on one device and on them."""
+        if size > 1:
+            check_shardable(path, size)  # before any rank starts
+            if ranks is None:
+                self.followers = Followers(config, rank_device(self.device, 0), launch)
+                ranks, seed = self.followers.group, self.followers.seed
+            self.device = rank_device(self.device, ranks.rank)
+            self.model = load_shard(path, self.dtype, self.device, ranks)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
+            ).to(self.device).eval()
+            self.device = self.model.device  # "cuda" resolved to "cuda:0"
         has_lean = config.is_lean_decoder and not config.is_compiled and type(self.model).__name__ in LEAN_DECODERS
         is_graphs = config.uses_cuda_graphs(self.device.type, has_lean)
         self.is_compiled_layers = config.uses_compiled_layers(self.device.type, has_lean)
@@ -159,6 +177,14 @@ class ModelRunner:
         "forward" (the model call) and "sample" (checks, sampling/verification, outputs); on CUDA each
         part ends with a device synchronize, so the times are the device's too (segserve bench engine)."""
         self._lap_start = 0.0
+        if seed is not None:  # every rank samples alike from here on (worker/ranks.py)
+            torch.manual_seed(seed)
+
+    def close(self) -> None:
+        """Stop the other ranks (nothing on one device)."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
 
     def info(self) -> WorkerInfo:
         return self._info
@@ -209,6 +235,8 @@ class ModelRunner:
         if self.timings is not None:
             self.timings.clear()
             self._lap_start = time.perf_counter()
+        if self.followers is not None:
+            self.followers.send("step", request)
         problem = multi_step_problem(request)
         if problem is not None:
             raise InvalidRequest(problem)
@@ -244,6 +272,17 @@ class ModelRunner:
                 wait([plan.grammar_masks])
         self._lap("sample")
         return outputs
+
+    def forward(self, request: StepRequest) -> torch.Tensor:
+        """The float32 logits [N, V] that step(request) would sample from, one row per sample index (every node of
+        a tree) in request order: its state update and forward, without the sampling. InvalidRequest when the
+        request or any of its sequences is rejected."""
+        if self.followers is not None:
+            self.followers.send("forward", request)
+        plan = self.update_states(request)
+        if plan.rejected:
+            raise InvalidRequest("; ".join(plan.rejected.values()))
+        return self.execute(plan)[:plan.num_sample_rows]
 
     def update_states(self, request: StepRequest) -> StepPlan:
         """Apply the request to the sequence states and return what to run (worker/planning.py).
@@ -440,6 +479,8 @@ def _kept_rows(works: list[Work], offsets: np.ndarray, field: str) -> np.ndarray
 
 def _output_vocab_size(model) -> int:
     head = model.get_output_embeddings()
+    if hasattr(head, "vocab_size"):  # a vocabulary-parallel head (worker/tensor_parallel.py)
+        return head.vocab_size
     return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
 
 

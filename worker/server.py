@@ -35,6 +35,7 @@ from common.heap import freeze_startup_heap
 from common.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
+from worker.ranks import Launch, launch_process
 from worker.step_order import StepOrder
 from worker.threads import bind_compute_thread, parse_cpu_list
 from worker.validation import InvalidRequest
@@ -182,9 +183,10 @@ async def start_server(servicer: WorkerServicer, host: str, port: int,
     return server, bound
 
 
-def load_runner(config: WorkerConfig) -> ModelRunner:
-    """Load the model and run the warm-up forward (blocking; call in a thread)."""
-    runner = ModelRunner(config)
+def load_runner(config: WorkerConfig, launch: Launch = launch_process) -> ModelRunner:
+    """Load the model and run the warm-up forward (blocking; call in a thread); `launch` starts the other
+    tensor-parallel ranks (worker/ranks.py)."""
+    runner = ModelRunner(config, launch=launch)
     runner.warm_up()
     return runner
 
