@@ -143,6 +143,8 @@ class Stack:
         self._shared_dir: tempfile.TemporaryDirectory | None = None
         self._ray_actors: list = []
         """Worker actors, with is_ray_workers."""
+        self._ray_groups: list = []
+        """The tensor-parallel Ray workers' placement groups, removed at stop."""
         self.worker_configs: list[WorkerConfig] = []
         """Every worker's config as started (worker i is process replica_name("worker", i))."""
         self.drafter_configs: list[DrafterConfig] = []
@@ -223,10 +225,28 @@ class Stack:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         ray.init(address=self.config.scheduler.ray_address, namespace="segserve", logging_level="ERROR")
         num_gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        self._ray_actors = [WorkerActor.options(name=f"segserve-worker-{os.getpid()}-{i}", num_gpus=num_gpus).remote()
-                            for i in range(len(workers))]
+        self._ray_actors = [WorkerActor.options(name=f"segserve-worker-{os.getpid()}-{i}", num_gpus=num_gpus,
+                                                **self._ray_placement(config, num_gpus, deadline)).remote()
+                            for i, config in enumerate(workers)]
         starts = [actor.start.remote(config) for actor, config in zip(self._ray_actors, workers)]
         return ray.get(starts, timeout=max(1.0, deadline - time.monotonic()))
+
+    def _ray_placement(self, config: WorkerConfig, num_gpus: int, deadline: float) -> dict:
+        """A tensor-parallel worker's actor options: a placement group of one bundle per rank, packed on one node
+        (a GPU each where the cluster has GPUs, else a nominal CPU share: torch's threads are not Ray's to count),
+        the actor in bundle 0 (worker/actor.py starts the other ranks in theirs). Nothing for one rank."""
+        if config.tensor_parallel_size == 1:
+            return {}
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"GPU": 1} if num_gpus else {"CPU": 0.01}
+        group = placement_group([bundle] * config.tensor_parallel_size, strategy="STRICT_PACK")
+        self._ray_groups.append(group)
+        ray.get(group.ready(), timeout=max(1.0, deadline - time.monotonic()))
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
 
     def _stop_ray_workers(self) -> None:
         import ray
@@ -238,6 +258,9 @@ class Stack:
         for actor in self._ray_actors:
             ray.kill(actor)
         self._ray_actors = []
+        for group in self._ray_groups:  # the rank actors in them end with their rank 0
+            ray.util.remove_placement_group(group)
+        self._ray_groups = []
         ray.shutdown()
 
     def _drafter_configs(self, model_dir: str) -> list[DrafterConfig]:

@@ -1,5 +1,6 @@
 """The whole stack on a Ray cluster started with `ray start --head`, joined through --ray-address: the scheduler
-and two workers run there as Ray actors. A scheduler whose Ray start hangs exits instead."""
+and two workers of two tensor-parallel ranks each run there as Ray actors, each worker's ranks in a placement group
+of their own. A scheduler whose Ray start hangs exits instead."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_the_stack_runs_on_a_ray_start_head_cluster(tiny_gemma3_dir, tmp_path):
     log = open(tmp_path / "serve.log", "ab")
     serve = subprocess.Popen(
         [sys.executable, "-m", "segserve.cli", "serve", "--model", str(tiny_gemma3_dir), "--port", str(port),
-         "--scheduler-port", str(scheduler_port), "--ray-address", address, "--ray-workers", "--workers", "2",
+         "--scheduler-port", str(scheduler_port), "--ray-address", address, "--ray-workers", "--workers", "2", "--tensor-parallel-size", "2",
          "--no-speculation", "--num-kv-blocks", "64", "--log-dir", str(tmp_path)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
@@ -86,6 +87,7 @@ def test_the_stack_runs_on_a_ray_start_head_cluster(tiny_gemma3_dir, tmp_path):
         body = {"model": model, "prompt": "Hello", "max_tokens": 5, "temperature": 0}
         response = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+        assert response.json()["choices"][0]["text"] == greedy_text(tiny_gemma3_dir, "Hello", 5)
         assert scheduler_stats(f"127.0.0.1:{scheduler_port}").num_live_workers == 2  # both worker actors serve
         probe = subprocess.run(
             [sys.executable, "-c",
@@ -94,6 +96,7 @@ def test_the_stack_runs_on_a_ray_start_head_cluster(tiny_gemma3_dir, tmp_path):
             capture_output=True, text=True, timeout=120, env=env)
         assert "segserve-scheduler-" in probe.stdout, probe.stderr  # the actors run on the cluster
         assert probe.stdout.count("segserve-worker-") == 2
+        assert probe.stdout.count("segserve-rank-") == 2  # each worker's rank 1, in its placement group
         assert "scheduler serving on" in (tmp_path / "scheduler.log").read_text()
     finally:
         serve.send_signal(signal.SIGTERM)
@@ -103,6 +106,15 @@ def test_the_stack_runs_on_a_ray_start_head_cluster(tiny_gemma3_dir, tmp_path):
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait()
         stop_group(head)
+
+
+def greedy_text(model_dir: Path, prompt: str, max_tokens: int) -> str:
+    from transformers import AutoTokenizer
+
+    from tests.e2e.test_stack import reference_completion
+
+    tokens = reference_completion(model_dir, prompt, max_tokens)
+    return AutoTokenizer.from_pretrained(model_dir).decode(tokens, skip_special_tokens=True)
 
 
 def _is_up(url: str) -> bool:
