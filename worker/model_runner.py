@@ -28,6 +28,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ from worker.planning import SequenceState, StepPlan, plan_step
 from worker.threads import cpu_threads
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.ranks import Followers, Launch, launch_process, rank_device
-from worker.sharded_load import check_shardable, load_shard
+from worker.sharded_load import check_shardable, load_shard, peak_host_gib
 from worker.tensor_parallel import RankGroup
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
@@ -108,18 +109,7 @@ class ModelRunner:
         path = resolve_model(config.model)
         self.followers: Followers | None = None
         """Rank 0's other ranks, which run each step with it (worker/ranks.py); None on one device and on them."""
-        if size > 1:
-            check_shardable(path, size)  # before any rank starts
-            if ranks is None:
-                self.followers = Followers(config, rank_device(self.device, 0), launch)
-                ranks, seed = self.followers.group, self.followers.seed
-            self.device = rank_device(self.device, ranks.rank)
-            self.model = load_shard(path, self.dtype, self.device, ranks)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
-            ).to(self.device).eval()
-            self.device = self.model.device  # "cuda" resolved to "cuda:0"
+        seed = self._load(path, ranks, seed, launch)
         has_lean = config.is_lean_decoder and not config.is_compiled and type(self.model).__name__ in LEAN_DECODERS
         is_graphs = config.uses_cuda_graphs(self.device.type, has_lean)
         self.is_compiled_layers = config.uses_compiled_layers(self.device.type, has_lean)
@@ -179,6 +169,30 @@ class ModelRunner:
         self._lap_start = 0.0
         if seed is not None:  # every rank samples alike from here on (worker/ranks.py)
             torch.manual_seed(seed)
+
+    def _load(self, path: Path, ranks: RankGroup | None, seed: int | None, launch: Launch) -> int | None:
+        """Load the model into self.model on self.device, logging the time and the host memory it took: whole, or
+        with tensor_parallel_size > 1 this rank's shard (rank 0 first starts the others). Returns the seed every
+        rank samples with (None on one device)."""
+        size = self.config.tensor_parallel_size
+        if size > 1:
+            check_shardable(path, size)  # before any rank starts
+            if ranks is None:
+                self.followers = Followers(self.config, rank_device(self.device, 0), launch)
+                ranks, seed = self.followers.group, self.followers.seed
+            self.device = rank_device(self.device, ranks.rank)
+        started = time.perf_counter()
+        if size > 1:
+            self.model = load_shard(path, self.dtype, self.device, ranks)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
+            ).to(self.device).eval()
+            self.device = self.model.device  # "cuda" resolved to "cuda:0"
+        logger.info("%s loaded %s in %.1f s (%s), peak host memory %.2f GiB so far",
+                    f"rank {ranks.rank} of {size}" if size > 1 else "the worker", path.name,
+                    time.perf_counter() - started, str(self.dtype).removeprefix("torch."), peak_host_gib())
+        return seed
 
     def close(self) -> None:
         """Stop the other ranks (nothing on one device)."""

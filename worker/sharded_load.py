@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import resource
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +34,6 @@ from worker.tensor_parallel import (
     vocab_shard,
 )
 
-logger = logging.getLogger(__name__)
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 """The linears whose input columns are split (all-reduced after)."""
 
@@ -87,15 +84,15 @@ def check_shardable(path: Path, size: int) -> HeadLayout:
     if architecture not in LEAN_DECODERS:
         raise ValueError(f"tensor parallelism serves {', '.join(LEAN_DECODERS)}; {path.name} is {architecture}")
     text = config.get_text_config()
-    layout = HeadLayout(text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-                        getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads, size)
+    num_heads = text.num_attention_heads
+    layout = HeadLayout(num_heads, getattr(text, "num_key_value_heads", None) or num_heads,
+                        getattr(text, "head_dim", None) or text.hidden_size // num_heads, size)
     layout.check(text.intermediate_size, config.model_type)
     return layout
 
 
 def load_shard(path: Path, dtype: torch.dtype, device: torch.device, ranks: RankGroup) -> nn.Module:
     """The causal LM at `path` as rank `ranks.rank` of `ranks.size` holds it; ValueError when N cannot split it."""
-    started = time.perf_counter()
     layout = check_shardable(path, ranks.size)
     config = AutoConfig.from_pretrained(path)
     text = config.get_text_config()
@@ -115,10 +112,12 @@ def load_shard(path: Path, dtype: torch.dtype, device: torch.device, ranks: Rank
     for name, buffer in model.named_buffers():
         if buffer.device != device:
             _set_buffer(model, name, buffer.to(device))
-    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    logger.info("rank %d of %d loaded its shard of %s in %.1f s; peak host memory %.2f GiB", ranks.rank, ranks.size,
-                path.name, time.perf_counter() - started, peak_gib)
     return model.eval()
+
+
+def peak_host_gib() -> float:
+    """This process's peak resident memory so far, GiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _load_layers(model: nn.Module, checkpoint: Checkpoint, layout: HeadLayout, ranks: RankGroup,

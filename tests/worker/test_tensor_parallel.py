@@ -20,6 +20,7 @@ from tests.worker.test_model_runner import ARCHITECTURES, BLOCK_SIZE
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.ranks import rank_device
+from worker import sharded_load
 from worker.sharded_load import check_shardable
 from worker.tensor_parallel import HeadLayout, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 
@@ -183,3 +184,45 @@ def test_the_config_refuses_what_two_ranks_cannot_run():
         WorkerConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="runs the lean decoder"):
         WorkerConfig(tensor_parallel_size=2, is_compiled=True)
+
+
+class _Ranks:
+    """A RankGroup's place without its collectives: what loading a shard reads."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+
+def test_a_rank_reads_only_its_slice_of_each_tensor(tiny_gemma3_dir, tmp_path, monkeypatch):
+    """Across checkpoint files (an index of several), in the dtype asked for: the bytes a rank reads are its half
+    of the split tensors plus the whole small ones (norms), and both ranks' shards together are the model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir).save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    whole = {}
+    for path in tmp_path.glob("*.safetensors"):
+        whole.update(load_file(path))
+    whole_bytes = sum(t.numel() * t.element_size() for t in whole.values())
+    read = []
+    original = sharded_load.Checkpoint.read
+
+    def counting(self, key, shard, dtype, device):
+        tensor = original(self, key, shard, dtype, device)
+        read.append((key, tensor))
+        return tensor
+
+    monkeypatch.setattr(sharded_load.Checkpoint, "read", counting)
+    halves = [sharded_load.load_shard(tmp_path, torch.bfloat16, torch.device("cpu"), _Ranks(rank, 2))
+              for rank in range(2)]
+    for model in halves:
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # the elements each rank read, at the checkpoint's float32 bytes: about half the checkpoint
+    per_rank = sum(t.numel() for _, t in read) / 2 * 4
+    assert 0.5 * whole_bytes <= per_rank < 0.55 * whole_bytes
+    key = "model.layers.0.self_attn.q_proj.weight"
+    q = [model.model.layers[0].self_attn.q_proj.weight for model in halves]
+    torch.testing.assert_close(torch.cat(q).float(), whole[key].to(torch.bfloat16).float(), rtol=0, atol=0)
+    down = [model.model.layers[0].mlp.down_proj.linear.weight for model in halves]
+    torch.testing.assert_close(torch.cat(down, dim=1), whole["model.layers.0.mlp.down_proj.weight"].bfloat16())
