@@ -169,6 +169,7 @@ class ModelRunner:
         self._lap_start = 0.0
         if seed is not None:  # every rank samples alike from here on (worker/ranks.py)
             torch.manual_seed(seed)
+        logger.info("%s prepared its model; peak host memory %.2f GiB", self._name, peak_host_gib())
 
     def _load(self, path: Path, ranks: RankGroup | None, seed: int | None, launch: Launch) -> int | None:
         """Load the model into self.model on self.device, logging the time and the host memory it took: whole, or
@@ -189,9 +190,9 @@ class ModelRunner:
                 path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
             ).to(self.device).eval()
             self.device = self.model.device  # "cuda" resolved to "cuda:0"
-        logger.info("%s loaded %s in %.1f s (%s), peak host memory %.2f GiB so far",
-                    f"rank {ranks.rank} of {size}" if size > 1 else "the worker", path.name,
-                    time.perf_counter() - started, str(self.dtype).removeprefix("torch."), peak_host_gib())
+        self._name = f"rank {ranks.rank} of {size}" if size > 1 else "the worker"
+        logger.info("%s loaded %s in %.1f s (%s)", self._name, path.name, time.perf_counter() - started,
+                    str(self.dtype).removeprefix("torch."))
         return seed
 
     def close(self) -> None:
