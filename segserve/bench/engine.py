@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 from segserve.bench import engine_report as report
 from segserve.bench.engine_config import EngineBenchConfig
 from segserve.bench.hf_compiled import bench_hf_compiled
-from segserve.bench.random_models import build_random_gemma3_270m, build_tiny_gemma3
+from segserve.bench.random_models import RANDOM_SHAPES, build_tiny_gemma3
 from common.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -74,7 +74,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=d.model, help="model directory (default: gemma-3-270m)")
     parser.add_argument("--tiny", dest="is_tiny", action="store_true", help="a tiny random Gemma3 built on the fly")
     parser.add_argument("--random-weights", dest="is_random_weights", action="store_true",
-                        help="gemma-3-270m's shape with random weights, built on the fly (no model package needed)")
+                        help="a model's shape with random weights (--random-shape), built on the fly (no model "
+                        "package needed)")
+    parser.add_argument("--random-shape", choices=tuple(RANDOM_SHAPES), default=d.random_shape,
+                        help="whose shape --random-weights builds")
+    parser.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                        help="ranks the worker's model is split over (HF compiled runs on one device)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=d.dtype)
     parser.add_argument("--batch-sizes", type=_sizes, default=d.batch_sizes, help="comma-separated (1,16,64,256)")
@@ -164,6 +169,7 @@ def _make_runner(config: EngineBenchConfig, model_dir: Path):
                                       is_lean_decoder=config.is_lean_decoder, is_cuda_graphs=config.is_cuda_graphs,
                                       is_compiled_layers=config.is_compiled_layers,
                                       linear_block_rows=config.linear_block_rows,
+                                      tensor_parallel_size=config.tensor_parallel_size,
                                       compile_max_tokens=max(config.batch_sizes) * tokens_per_step))
     runner.warm_up()
     return runner, max_tokens
@@ -331,11 +337,14 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
     results = {"benchmark": "engine", **(header or {}), "config": asdict(config),
                "model": model_label or str(model_dir), "device": str(runner.device),
                "dtype": str(runner.dtype).removeprefix("torch."), "batches": []}
-    for batch_size in config.batch_sizes:
-        batch = bench_batch(config, runner, batch_size, max_tokens)
-        results["batches"].append(batch)
-        print(f"[bench engine] batch {batch_size}: {batch['total']['median_ms']:.2f} ms/step",
-              file=sys.stderr, flush=True)
+    try:
+        for batch_size in config.batch_sizes:
+            batch = bench_batch(config, runner, batch_size, max_tokens)
+            results["batches"].append(batch)
+            print(f"[bench engine] batch {batch_size}: {batch['total']['median_ms']:.2f} ms/step",
+                  file=sys.stderr, flush=True)
+    finally:
+        runner.close()  # the other tensor-parallel ranks, before HF compiled takes their devices
     results["compiled_layers"] = runner.is_compiled_layers
     if runner.graphs is not None:
         results["graphs_captured"] = runner.graphs.num_captured
@@ -384,8 +393,8 @@ def run_engine(args: argparse.Namespace) -> dict:
             if config.is_tiny:
                 model_dir, label = build_tiny_gemma3(Path(tmp), config.seed), "tiny random Gemma3 (--tiny)"
             else:
-                model_dir = build_random_gemma3_270m(Path(tmp), config.seed, config.device, config.dtype)
-                label = "gemma-3-270m's shape, random weights (--random-weights)"
+                model_dir = RANDOM_SHAPES[config.random_shape](Path(tmp), config.seed, config.device, config.dtype)
+                label = f"{config.random_shape}'s shape, random weights (--random-weights)"
             if config.json_schema:
                 save_bench_tokenizer(model_dir)
             results = run_benchmark(config, model_dir, header, label)

@@ -17,6 +17,11 @@ class EngineBenchConfig:
     is_random_weights: bool = False
     """Bench gemma-3-270m's shape with random weights, built in a temporary directory: for a machine without the
     default model's package (a GPU box that reaches no registry). Its speed is the real model's; its text is not."""
+    random_shape: str = "gemma-3-270m"
+    """Whose shape is_random_weights builds: gemma-3-270m or llama-3.1-8b (segserve/bench/random_models.py)."""
+    tensor_parallel_size: int = 1
+    """Ranks the worker's model is split over (WorkerConfig.tensor_parallel_size): cuda:0..N-1 on a GPU machine,
+    gloo between CPU processes; HF compiled, with is_hf_compiled, runs on one device."""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda."""
     dtype: str = "auto"
@@ -82,6 +87,10 @@ class EngineBenchConfig:
             raise ValueError(f"num_decode_steps must be in 1..{MAX_DECODE_STEPS}")
         if self.device not in ("auto", "cpu", "cuda") or self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported device {self.device!r} or dtype {self.dtype!r}")
+        from segserve.bench.random_models import RANDOM_SHAPES
+
+        if self.random_shape not in RANDOM_SHAPES or self.tensor_parallel_size < 1:
+            raise ValueError(f"random_shape must be one of {', '.join(RANDOM_SHAPES)}; tensor_parallel_size >= 1")
         if self.json_schema:
             self.schema_spec()
 

@@ -1,6 +1,7 @@
 """Models with random weights that `segserve bench engine` builds on the fly: the tests' tiny Gemma3 (--tiny),
-and gemma-3-270m's exact shape (--random-weights) for a machine without the default model's package. A forward
-costs what the real model's costs; the text means nothing."""
+gemma-3-270m's exact shape (--random-weights) for a machine without the default model's package, and
+Llama-3.1-8B's (--random-weights --random-shape llama-3.1-8b) for the GPU path at 8B scale. A forward costs what the
+real model's costs; the text means nothing."""
 
 from __future__ import annotations
 
@@ -64,3 +65,28 @@ def build_random_gemma3_270m(out_dir: Path, seed: int = 0, device: str = "auto",
 
     torch_device, torch_dtype = resolve_device_dtype(WorkerConfig(device=device, dtype=dtype))
     return save_random(Gemma3ForCausalLM, Gemma3TextConfig(**GEMMA3_270M), out_dir, seed, torch_device, torch_dtype)
+
+
+LLAMA_31_8B = dict(
+    vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131_072, rms_norm_eps=1e-5, hidden_act="silu",
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    tie_word_embeddings=False, attention_bias=False, mlp_bias=False, bos_token_id=128_000, eos_token_id=128_001,
+)
+"""Llama-3.1-8B's config (meta-llama/Llama-3.1-8B's config.json): 8.03B parameters, 16 GB in bfloat16."""
+
+
+def build_random_llama_31_8b(out_dir: Path, seed: int = 0, device: str = "auto", dtype: str = "auto") -> Path:
+    """Llama-3.1-8B's shape with random weights, as build_random_gemma3_270m builds its shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from worker.config import WorkerConfig
+    from worker.model_runner import resolve_device_dtype
+
+    torch_device, torch_dtype = resolve_device_dtype(WorkerConfig(device=device, dtype=dtype))
+    return save_random(LlamaForCausalLM, LlamaConfig(**LLAMA_31_8B), out_dir, seed, torch_device, torch_dtype)
+
+
+RANDOM_SHAPES = {"gemma-3-270m": build_random_gemma3_270m, "llama-3.1-8b": build_random_llama_31_8b}
+"""--random-shape -> the builder of that shape with random weights."""

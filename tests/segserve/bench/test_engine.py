@@ -169,3 +169,26 @@ def test_the_json_schema_option_takes_json_text_or_a_file(tmp_path):
     for bad in ("[1, 2]", "{not json", str(tmp_path / "missing.json")):
         with pytest.raises(ValueError, match="json_schema"):
             EngineBenchConfig(json_schema=bad)
+
+
+def test_the_8b_shape_is_llama_3_1_8b():
+    """Built on the meta device (no memory): Llama-3.1-8B's 8.03B parameters, 32 query heads over 8 key-value."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from segserve.bench.random_models import LLAMA_31_8B
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_31_8B))
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+
+
+def test_the_engine_bench_runs_the_worker_on_two_ranks(tmp_path):
+    out = tmp_path / "engine"
+    assert main(["bench", "engine", "--tiny", "--device", "cpu", "--tensor-parallel-size", "2", "--batch-sizes", "1,4",
+                 "--steps", "2", "--warmup-steps", "0", "--repeats", "1", "--out", str(out)]) == 0
+    results = json.loads((out / "engine.json").read_text())
+    assert results["config"]["tensor_parallel_size"] == 2
+    assert [batch["batch_size"] for batch in results["batches"]] == [1, 4]
+    assert all(batch["total"]["median_ms"] > 0 for batch in results["batches"])
