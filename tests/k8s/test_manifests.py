@@ -230,6 +230,15 @@ def test_the_gpu_overlay_puts_workers_on_gpus_in_bf16():
     assert cpu_env["SEGSERVE_DEVICE"] == "cpu" and cpu_env["SEGSERVE_DTYPE"] == "float32"
 
 
+def test_the_tensor_parallel_overlay_gives_each_worker_one_gpu_per_rank():
+    objects = render("gpu-tp")
+    container = pod_spec(one(objects, "Deployment", "segserve-worker"))["containers"][0]
+    size = int(container_env(container, objects)["SEGSERVE_TENSOR_PARALLEL_SIZE"])
+    assert size > 1
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == size
+
+
 def test_the_model_comes_from_a_volume_the_init_container_fills(objects):
     for component in ("router", "worker", "drafter"):
         spec = pod_spec(one(objects, "Deployment", f"segserve-{component}"))
@@ -262,7 +271,7 @@ def test_the_segments_configmap_is_the_shipped_default():
     assert one(render("cpu"), "ConfigMap", volume["configMap"]["name"])["data"]["segments.toml"] == shipped
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_worker_runs_as_many_torch_threads_as_the_cpus_it_requests(overlay):
     objects = render(overlay)
     container = pod_spec(one(objects, "Deployment", "segserve-worker"))["containers"][0]

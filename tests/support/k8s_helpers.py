@@ -24,7 +24,7 @@ from worker.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-tp")
 KUBECTL = Path(sys.executable).parent / "kubectl"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
