@@ -20,6 +20,7 @@ from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner, resolve_device_dtype
 from worker.ranks import RankAddress, rank_device
 from worker.tensor_parallel import RankGroup
+from worker.validation import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,13 @@ def follow(config: WorkerConfig, rank: int, address: RankAddress, parent: int | 
             return
         try:
             getattr(runner, call[0])(*call[1:])
-        except Exception:  # rank 0 meets the same error on the same call and answers it
-            logger.debug("rank %d: %s failed", rank, call[0], exc_info=True)
+        except InvalidRequest:  # rank 0 refuses the same request, before any collective
+            continue
+        except Exception:
+            # Out of memory on this device, say: rank 0 may not have failed, and would wait in the next collective
+            # for a rank that left the step. Ending the rank ends the worker instead (worker/ranks.py).
+            logger.exception("rank %d: %s failed; the rank stops", rank, call[0])
+            os._exit(1)
 
 
 def _exit_with_parent(parent: int) -> None:

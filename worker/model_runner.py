@@ -255,7 +255,12 @@ class ModelRunner:
         problem = multi_step_problem(request)
         if problem is not None:
             raise InvalidRequest(problem)
-        outputs = self._step(request)
+        try:
+            outputs = self._step(request)
+        except Exception:
+            if self.followers is not None:
+                self.followers.check()  # a collective that failed for a dead rank stops the worker
+            raise
         if request.num_steps == 1:
             return outputs
         joined = {output.seq_id: output for output in outputs}

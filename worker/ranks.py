@@ -107,6 +107,15 @@ class Followers:
         for channel in self._channels:
             channel.send(call)
 
+    def check(self, timeout_s: float = 0.5) -> None:
+        """After a failed call: a collective fails when a rank has died, often before the watch sees the rank's
+        channel close. Give the channels timeout_s to show that, and stop the worker if one does, rather than
+        answer the call's error while it still looks alive."""
+        ranks = {channel: rank for rank, channel in enumerate(self._channels, start=1)}
+        ended = wait(list(ranks), timeout_s)
+        if ended and not self._closing:
+            self._on_death(ranks[ended[0]])
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the followers (they leave their loop), waiting up to timeout_s before killing a process."""
         self._closing = True

@@ -52,6 +52,7 @@ class RankGroup:
     @classmethod
     def on_store(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> RankGroup:
         if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = COLLECTIVE_TIMEOUT
             group = dist.ProcessGroupNCCL(store, rank, size, options)
