@@ -1,6 +1,6 @@
-"""A tensor-parallel worker's follower rank (worker/ranks.py): `python -m worker.follower SPEC`, started by rank 0.
+"""A tensor-parallel worker's follower rank (worker/ranks.py): `python -m worker.follower`, started by rank 0.
 
-In: SPEC, JSON of the worker's config, this rank and rank 0's RankAddress. Out: nothing; it runs each call rank 0
+In: on stdin, JSON of the worker's config, this rank and rank 0's RankAddress. Out: nothing; it runs each call rank 0
 sends on its own shard of the model, until rank 0 says stop or is gone.
 """
 
@@ -63,7 +63,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spec = json.loads(sys.stdin.read())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec['rank']} %(levelname)s %(name)s: "
                                                    "%(message)s")
     follow(WorkerConfig(**spec["config"]), spec["rank"], RankAddress(**spec["address"]), spec.get("parent"))

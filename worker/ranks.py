@@ -65,10 +65,14 @@ Launch = Callable[[WorkerConfig, int, RankAddress], object]
 
 
 def launch_process(config: WorkerConfig, rank: int, address: RankAddress) -> subprocess.Popen:
-    """Follower `rank` as a child process, its output the worker's."""
+    """Follower `rank` as a child process, its output the worker's; what it needs goes through its stdin, out of
+    sight of other users' `ps` (the channel's key among it)."""
     spec = json.dumps({"config": dataclasses.asdict(config), "rank": rank, "address": dataclasses.asdict(address),
                        "parent": os.getpid()})
-    return subprocess.Popen([sys.executable, "-m", "worker.follower", spec])
+    process = subprocess.Popen([sys.executable, "-m", "worker.follower"], stdin=subprocess.PIPE, text=True)
+    process.stdin.write(spec)
+    process.stdin.close()
+    return process
 
 
 def _die(rank: int) -> None:

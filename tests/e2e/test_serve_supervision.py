@@ -55,6 +55,11 @@ class Serve:
             assert time.monotonic() < deadline, "segserve serve did not get ready"
             time.sleep(0.2)
 
+    def client(self) -> tuple[OpenAI, str]:
+        """An OpenAI client of the stack (no retries) and the served model's name."""
+        client = OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        return client, client.models.list().data[0].id
+
     def services(self, role: str) -> list[psutil.Process]:
         """The live processes of one service's replicas (`segserve.cli <role>`), by port flag."""
         found = []
@@ -122,8 +127,7 @@ def test_serve_survives_a_worker_a_drafter_the_scheduler_and_the_router_dying(ti
     record = {}
     try:
         serve.wait_ready()
-        client = OpenAI(base_url=serve.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
+        client, model = serve.client()
         expected = [references[p] for p in PROMPTS * 2]
 
         workers = serve.services("worker")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import psutil
 import pytest
-from openai import OpenAI
 
 from tests.e2e.test_scale_out import references  # noqa: F401 (fixture)
 from tests.e2e.test_serve_supervision import Serve, streams_with_a_kill, until
@@ -33,8 +32,7 @@ def test_a_killed_rank_fails_no_request_and_its_worker_comes_back(tiny_gemma3_di
     serve = Serve(tiny_gemma3_dir, tmp_path, "--workers", "2", "--tensor-parallel-size", "2")
     try:
         serve.wait_ready()
-        client = OpenAI(base_url=serve.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
+        client, model = serve.client()
         expected = [references[p] for p in PROMPTS * 2]
         workers = serve.services("worker")
         assert len(workers) == 2 and serve.stats().num_live_workers == 2
