@@ -42,6 +42,9 @@ class RankGroup:
         self.rank = rank
         self.size = size
         self.group = group
+        self.key = len(_GROUPS)
+        """This group's number for the opaque ops compiled code calls (segserve::all_reduce, all_gather_last)."""
+        _GROUPS.append(self)
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, size: int, device: torch.device) -> RankGroup:
@@ -60,18 +63,45 @@ class RankGroup:
             group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
         return cls(rank, size, group)
 
-    @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place (x contiguous)."""
+        """x summed over the ranks: in place (x contiguous) when eager; compiled code (worker/compiled_layers.py)
+        calls it as an opaque op on a copy, so that the code around it still compiles as one graph."""
+        if torch.compiler.is_compiling():
+            return torch.ops.segserve.all_reduce(x, self.key)
         self.group.allreduce([x]).wait()
         return x
 
-    @torch.compiler.disable
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x joined along the last dimension, rank 0's first. x: [..., K] -> [..., N * K]."""
+        if torch.compiler.is_compiling():
+            return torch.ops.segserve.all_gather_last(x, self.key)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
+
+
+_GROUPS: list[RankGroup] = []
+"""Every RankGroup of this process, by key."""
+
+
+@torch.library.custom_op("segserve::all_reduce", mutates_args=())
+def _all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
+    return _GROUPS[key].all_reduce(x.contiguous().clone())
+
+
+@_all_reduce.register_fake
+def _(x, key):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("segserve::all_gather_last", mutates_args=())
+def _all_gather_last(x: torch.Tensor, key: int) -> torch.Tensor:
+    return _GROUPS[key].all_gather_last(x)
+
+
+@_all_gather_last.register_fake
+def _(x, key):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * _GROUPS[key].size)
 
 
 @dataclass(frozen=True)

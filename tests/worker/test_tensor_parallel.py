@@ -96,11 +96,14 @@ async def test_greedy_speculation_through_the_stack_is_transformers_generate(run
 
 def test_the_fast_paths_run_on_two_ranks(tiny_gemma3_dir):
     """Decode steps on the graphs' static buffers (on the CPU: the same padded steps, eager) and the layers
-    compiled around their attention: the same logits as one device's plain eager runner."""
+    compiled around their attention, the all-reduces inside the compiled code: the same logits as one device's
+    plain eager runner."""
     one = runner_of(tiny_gemma3_dir, 1)
     two = runner_of(tiny_gemma3_dir, 2, is_cuda_graphs=True, is_compiled_layers=True)
     try:
         assert two.graphs is not None and two.is_compiled_layers
+        for region in (two._lean.before_attention, two._lean.after_attention):  # compiled, all-reduces and all
+            assert region._is_compiled and region._compiled is not region._fn, region.name
         assert_same_logits(one, two, steps())
     finally:
         two.close()
