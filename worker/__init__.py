@@ -31,6 +31,11 @@ Modules:
   watermark        green-list watermarking and its detector.
   prompt_logprobs  prompt tokens' log-probabilities under the raw model, across prefill chunks.
   server           the grpc.aio servicer and serve(config).
+  tensor_parallel  the model split over N ranks: sharded layers and their collectives (RankGroup).
+  sharded_load     one rank's shard of a safetensors checkpoint, read slice by slice.
+  ranks            rank 0's side: it starts the other ranks, sends them each step, stops with any of them.
+  follower         a follower rank's process (`python -m worker.follower`).
+  actor            the worker (and its follower ranks) as Ray actors.
 
 The worker owns KV memory; the scheduler owns its allocation (block tables). Model checkpoints
 are resolved by common.checkpoint.
