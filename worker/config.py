@@ -75,8 +75,8 @@ class WorkerConfig:
     are compiled before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
     max_num_batched_tokens (256 by default) is the most a step holds."""
     tensor_parallel_size: int = 1
-    """Ranks the model is split over (tensor parallelism, worker/tensor_parallel.py): attention heads, MLP columns,
-    vocabulary and KV cache divided among N processes, one device each (cuda:0..N-1 on a GPU machine, gloo between
+    """Ranks the model is split over (tensor parallelism). Its attention heads, MLP columns, vocabulary and KV cache
+    are divided among N processes (worker/tensor_parallel.py), one device each (cuda:0..N-1 on a GPU machine, gloo between
     CPU processes), which run every step together; the scheduler sees one worker. Rank 0 serves gRPC and starts the
     others (on a Ray cluster: actors packed on one node). Needs a lean decoder's architecture, and N dividing the
     attention heads, the MLP columns and the key-value heads (or a multiple of them)."""

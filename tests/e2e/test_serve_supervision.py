@@ -199,6 +199,13 @@ def test_a_service_that_keeps_dying_stops_the_stack_with_its_name(tiny_gemma3_di
         body = {"model": model, "prompt": "A number as JSON:", "max_tokens": 16, "temperature": 0,
                 "structured_outputs": {"json": schema}}  # its whole output is learned, for its schema's key
         assert httpx.post(serve.base_url + "/v1/completions", json=body, timeout=120).status_code == 200
+
+        def learned() -> bool:  # the scheduler hands the drafter a finished request after its answer went out
+            stats = serve.stats()
+            return stats is not None and any(
+                d.HasField("stats") and sum(s.num_learned_tokens for s in d.stats.segments) > 0 for d in stats.drafters)
+
+        until(learned, 60, "the drafter's learning of the request")
         serve.services("drafter")[0].kill()
         until(lambda: "drafter is back" in "".join(serve.output), 120, "the drafter's restart")
         # the lone drafter replayed what it had learned before it died (from the log the stack gives it)
