@@ -250,17 +250,23 @@ class ModelRunner:
         if self.timings is not None:
             self.timings.clear()
             self._lap_start = time.perf_counter()
-        if self.followers is not None:
+        if self.followers is None:
+            return self._steps(request)
+        try:
             self.followers.send("step", request)
+            return self._steps(request)
+        except InvalidRequest:
+            raise
+        except Exception:
+            self.followers.check()  # a channel or collective that failed for a dead rank stops the worker
+            raise
+
+    def _steps(self, request: StepRequest) -> list[SequenceOutput]:
+        """step()'s work: its request's num_steps steps."""
         problem = multi_step_problem(request)
         if problem is not None:
             raise InvalidRequest(problem)
-        try:
-            outputs = self._step(request)
-        except Exception:
-            if self.followers is not None:
-                self.followers.check()  # a collective that failed for a dead rank stops the worker
-            raise
+        outputs = self._step(request)
         if request.num_steps == 1:
             return outputs
         joined = {output.seq_id: output for output in outputs}
