@@ -282,6 +282,26 @@ def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     return kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
 
 
+class UnsupportedAttention(ValueError):
+    """A model's attention asks for something the paged attention does not do: never dropped silently."""
+
+
+IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits", "sliding_window"})
+"""Keyword arguments models pass to their attention function that change nothing here: the positions are already
+in the rotary embedding, the cache is the paged one, router logits are the MoE's business, the window is read by
+layer_window. Any other keyword is an UnsupportedAttention error (GPT-OSS's sinks, `s_aux`, are implemented)."""
+
+
+def check_attention_kwargs(module: torch.nn.Module, kwargs: dict, implemented: frozenset = frozenset()) -> None:
+    """UnsupportedAttention naming every keyword in kwargs that is neither ignorable (IGNORED_KWARGS, a dropout of
+    0) nor in `implemented`."""
+    unknown = sorted(name for name in set(kwargs) - IGNORED_KWARGS - implemented
+                     if not (name == "dropout" and not kwargs[name]))
+    if unknown:
+        raise UnsupportedAttention(f"{type(module).__name__} passes {', '.join(unknown)} to its attention function, "
+                                   "which the paged attention does not implement")
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -291,11 +311,15 @@ def paged_attention_forward(
     scaling: float | None = None,
     softcap: float | None = None,
     segserve_batch: AttentionBatch | None = None,
+    s_aux: torch.Tensor | None = None,
+    dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query: [1, H, T, D]; key/value: [1, KVH, T, D] after RoPE. Returns [1, T, H, D] and no weights."""
+    """query: [1, H, T, D]; key/value: [1, KVH, T, D] after RoPE; s_aux: [H] attention sinks (GPT-OSS): one logit per
+    head that takes a share of the softmax and gives no value. Returns [1, T, H, D] and no weights."""
     if segserve_batch is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the segserve_batch forward kwarg")
+    check_attention_kwargs(module, {**kwargs, "dropout": dropout})
     window = layer_window(module, kwargs)
     layer = module.layer_idx
     cache = segserve_batch.kv_cache
@@ -306,18 +330,18 @@ def paged_attention_forward(
     tokens_query = query[0].transpose(0, 1)  # [T, H, D]
     groups = segserve_batch.groups
     if len(groups) == 1 and groups[0].is_whole_step:  # the queries and the output rows are the tokens in order
-        attn = _attend_group(groups[0], tokens_query, cache, layer, window, scaling, softcap)  # [R, Q, H, D]
+        attn = _attend_group(groups[0], tokens_query, cache, layer, window, scaling, softcap, s_aux)  # [R, Q, H, D]
         return attn.reshape(1, num_tokens, num_heads, head_dim), None
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     for group in groups:
-        attn = _attend_group(group, tokens_query, cache, layer, window, scaling, softcap)  # [R, Q, H, D]
+        attn = _attend_group(group, tokens_query, cache, layer, window, scaling, softcap, s_aux)  # [R, Q, H, D]
         rows, num_queries = group.query_index.shape
         out[group.out_tokens] = attn.reshape(rows * num_queries, num_heads, head_dim)[group.out_rows]
     return out.unsqueeze(0), None
 
 
 def _attend_group(group: AttentionGroup, tokens_query: torch.Tensor, cache: PagedKVCache, layer: int,
-                  window: int | None, scaling, softcap) -> torch.Tensor:
+                  window: int | None, scaling, softcap, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One group's attention output [R, Q, H, D] (padding queries included). tokens_query: [T, H, D]."""
     num_heads, head_dim = tokens_query.shape[1], tokens_query.shape[2]
     num_groups = num_heads // cache.shape.num_kv_heads
@@ -331,20 +355,31 @@ def _attend_group(group: AttentionGroup, tokens_query: torch.Tensor, cache: Page
     # [R, Q, H, D] -> [R, KVH, G * Q, D]: query head h reads kv head h // G, so the G heads
     # of one kv head become G blocks of Q rows and no key/value is repeated.
     group_query = group_query.permute(0, 2, 1, 3).reshape(rows, group_key.shape[1], num_groups * num_queries, -1)
-    attn = _attend(group_query, group_key, group_value, mask, scaling, softcap)  # [R, KVH, G * Q, D]
+    if sinks is not None:  # head h = kv head h // G, block h % G of its G * Q rows
+        num_kv_heads = group_key.shape[1]
+        sinks = sinks.view(num_kv_heads, num_groups, 1).expand(-1, -1, num_queries)
+        sinks = sinks.reshape(1, num_kv_heads, num_groups * num_queries, 1)
+    attn = _attend(group_query, group_key, group_value, mask, scaling, softcap, sinks)  # [R, KVH, G * Q, D]
     return attn.reshape(rows, num_heads, num_queries, head_dim).transpose(1, 2)
 
 
-def _attend(query, key, value, mask, scaling, softcap):
-    """Attention under an additive mask (_additive); SDPA unless the model caps its attention logits (SDPA
-    cannot)."""
-    if softcap is None:
+def _attend(query, key, value, mask, scaling, softcap, sinks=None):
+    """Attention under an additive mask (_additive); SDPA unless the model caps its attention logits or has sinks
+    (SDPA does neither). sinks: [1, KVH, G * Q, 1], each row's head's sink logit, a column of the softmax that
+    weighs no value, as GPT-OSS's eager attention computes it."""
+    if softcap is None and sinks is None:
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [R, KVH, G * Q, L]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores + mask  # capped logits are finite: + 0 leaves them as they are, + -inf masks them
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(weights, value)
+    scores = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    weights = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(query.dtype)
     return torch.matmul(weights, value)
 
 

@@ -33,7 +33,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from transformers import AttentionInterface
 
-from worker.attention import AttentionBatch, layer_window, paged_attention_forward
+from worker.attention import AttentionBatch, check_attention_kwargs, layer_window, paged_attention_forward
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,9 @@ class _Layer:
 
 def _compiled_attention(module: nn.Module, query, key, value, attention_mask, scaling: float | None = None,
                         softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """The attention interface the compiled decoder's layers call: the custom op, traced as one node."""
+    """The attention interface the compiled decoder's layers call: the custom op, traced as one node (without
+    sinks: a model with them is refused, as any keyword the op does not carry)."""
+    check_attention_kwargs(module, kwargs)
     window = layer_window(module, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return torch.ops.segserve.paged_attention(query, key, value, module.layer_idx, window or 0, scale,
@@ -121,8 +123,9 @@ class CompiledDecoder:
             raise ValueError(f"{type(model).__name__} has no decoder at .model to compile")
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         allow_recompiles()
-        self._eager = decoder.forward
-        self._compiled = torch.compile(self._eager, dynamic=False, fullgraph=True)
+        self.eager = decoder.forward
+        """The decoder's own forward (worker/self_check.py's reference runs it)."""
+        self._compiled = torch.compile(self.eager, dynamic=False, fullgraph=True)
         self._buckets: set[int] = set()
         decoder.forward = self.forward
 
