@@ -26,6 +26,13 @@ class KVCacheShape:
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        key_dim = getattr(text, "qk_head_dim", None) or (getattr(text, "qk_nope_head_dim", 0)
+                                                         + getattr(text, "qk_rope_head_dim", 0))
+        value_dim = getattr(text, "v_head_dim", None)
+        if getattr(text, "kv_lora_rank", None) or (value_dim and key_dim and value_dim != key_dim):
+            raise ValueError(f"{text.model_type}: multi-head latent attention (keys of {key_dim} and values of "
+                             f"{value_dim} per head, a latent of {getattr(text, 'kv_lora_rank', None)}) is not "
+                             "supported yet: the paged KV cache holds keys and values of one width")
         return cls(text.num_hidden_layers, num_kv_heads, head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
