@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.e2e.test_spec_lossless import TINY_PROMPTS, check_lossless, reference
-from tests.support.architectures import DISPLAY_NAMES, build_architecture
+from tests.support.architectures import build_architecture
 from tests.support.devices import TEST_DEVICE
 from worker import attention
 from worker.config import WorkerConfig
@@ -20,7 +20,6 @@ from worker.model_runner import ModelRunner
 from worker.self_check import SelfCheckFailed
 
 SERVED = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox")
-REFUSED_BY_SELF_CHECK = ("bloom", "lfm2", "falcon_h1")
 REFUSED = {
     "bloom": (SelfCheckFailed, "its attention never calls the attention interface, so it would run unmasked"),
     "lfm2": (SelfCheckFailed, r"keeps state besides attention's keys and values \(Conv1d, Lfm2ShortConv\)"),
@@ -97,25 +96,3 @@ def test_an_attention_keyword_the_worker_does_not_implement_is_an_error():
     with pytest.raises(attention.UnsupportedAttention, match="passes dropout"):
         attention.check_attention_kwargs(module, {"dropout": 0.1})
     attention.check_attention_kwargs(module, {"s_aux": torch.zeros(2)}, implemented=frozenset({"s_aux"}))
-
-
-def architecture_lists() -> str:
-    """The docs' lists of served and refused architectures (docs/engine.md), rendered from this module's matrix."""
-    from worker.lean_decoder import LEAN_DECODERS
-
-    lean = ", ".join(name.removesuffix("ForCausalLM").replace("Gemma3", "Gemma 3") for name in LEAN_DECODERS)
-    served = ", ".join(DISPLAY_NAMES[name] for name in SERVED)
-    by_check = ", ".join(DISPLAY_NAMES[name] for name in REFUSED_BY_SELF_CHECK)
-    others = ", ".join(DISPLAY_NAMES[name] for name in REFUSED if name not in REFUSED_BY_SELF_CHECK)
-    return (f"- **Served:** {served}, besides the lean decoders ({lean}).\n"
-            f"- **Refused at start-up:** {by_check} (self-check), {others} (latent attention).\n")
-
-
-def test_the_docs_list_the_architectures_this_matrix_checks():
-    import textwrap
-    from pathlib import Path
-
-    assert set(REFUSED_BY_SELF_CHECK) == {name for name, (error, _) in REFUSED.items() if error is SelfCheckFailed}
-    docs = " ".join((Path(__file__).parents[2] / "docs" / "engine.md").read_text().split())
-    for line in architecture_lists().splitlines():
-        assert " ".join(line.split()) in docs, textwrap.fill(line, 90)
