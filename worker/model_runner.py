@@ -62,6 +62,7 @@ from worker.sharded_load import check_shardable, load_shard, peak_host_gib
 from worker.tensor_parallel import RankGroup
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
+from worker import self_check
 from worker.validation import InvalidRequest, StepLimits
 from worker.verify import NON_FINITE, Sampled, kv_moves, sample_works, step_paths
 from worker.work import Work
@@ -117,8 +118,8 @@ class ModelRunner:
             raise ValueError(f"{type(self.model).__name__} has no lean decoder for cuda_graphs or compiled_layers")
         self._prepare_linears(config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
-        if config.is_compiled:
-            CompiledDecoder(self.model)
+        self.compiled_decoder = CompiledDecoder(self.model) if config.is_compiled else None
+        """The compiled decoder (config.is_compiled), or None."""
         regions = compiled_regions if self.is_compiled_layers else None
         self._lean = lean_decoder(self.model, regions) if has_lean else None
         """The model's lean forward (worker/lean_decoder.py), or None: transformers' forward."""
@@ -238,6 +239,8 @@ class ModelRunner:
             self._states.pop(_WARMUP_SEQ_ID, None)
             if output.error:
                 raise RuntimeError(f"the warm-up step failed: {output.error}")
+        if self.config.is_self_check and self.config.tensor_parallel_size == 1:
+            self_check.run(self)  # SelfCheckFailed: this model would be served wrong
         self.is_ready = True
 
     def step(self, request: StepRequest) -> list[SequenceOutput]:

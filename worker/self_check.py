@@ -1,0 +1,137 @@
+"""The worker's start-up self-check: its own path against transformers' reference forward, or no start.
+
+The worker runs transformers' modules under its own attention (worker/attention.py), cache and step loop. A model
+whose layers do something that path does not carry would be served with wrong text and no warning: attention
+that never calls the attention interface (unmasked, unpaged), state besides attention's keys and values
+(convolution or SSM state, which a step does not hand to the next), an attention keyword the paged attention
+does not implement (those raise UnsupportedAttention as they come). So at warm-up the worker runs a short prompt,
+two decode steps and a two-node draft chain through its own path (paged KV, its linears, compiled layers and
+decode graphs where on, a tree), and the same tokens through transformers' eager forward in one causal pass. When
+the logits differ by more than the dtype's tolerance, the worker refuses to start, naming the architecture, where
+the paths part, and why that usually is.
+
+Costs: one forward of 17 tokens per path, a few hundred milliseconds on the default model on a CPU (the log says).
+`--no-self-check` skips it. A tensor-parallel worker skips it: its architectures are the lean decoders', which
+tests/worker/test_tensor_parallel.py holds to one device's logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from protos.segserve.v1.sampling import SamplingParams
+from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+from protos.segserve.v1.tree import CandidateTree
+
+logger = logging.getLogger(__name__)
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+"""Largest |worker - reference| logit difference allowed, relative to the reference's largest |logit| (at least
+1): the worker's own paths round otherwise than eager transformers (fused norms, packed or compiled linears, a
+half-precision reduction order), by ~1e-5 of the logits' scale in fp32; a missing mask, sink or state moves them
+by tens of percent."""
+PROMPT_LEN = 12
+SEQ_ID = "__segserve_self_check__"
+STATEFUL_KINDS = ("Mamba", "Conv", "SSM", "Mixer")
+"""Words in the class names of layers' modules that keep state across tokens (for the error's wording only)."""
+
+
+class SelfCheckFailed(RuntimeError):
+    """The worker's path disagrees with transformers' on this model: it is not served."""
+
+
+def run(runner) -> float:
+    """Check `runner` (a ModelRunner, warmed up) against its model's reference forward; the seconds it took.
+    Raises SelfCheckFailed."""
+    started = time.perf_counter()
+    vocab = runner.limits.input_vocab_size
+    prompt = [(7 * i + 3) % vocab for i in range(PROMPT_LEN)]
+    ours, tokens, blocks = _worker_logits(runner, prompt)
+    reference = _reference_logits(runner, tokens)
+    scale = max(1.0, reference.abs().max().item())
+    difference = (ours - reference).abs().amax(dim=-1)  # [positions]
+    tolerance = TOLERANCE[runner.dtype] * scale
+    if difference.max().item() > tolerance:
+        first = int(torch.nonzero(difference > tolerance)[0])
+        raise SelfCheckFailed(_diagnosis(runner, blocks, first, difference[first].item(), tolerance))
+    seconds = time.perf_counter() - started
+    logger.info("self-check passed in %.2f s: the worker's logits are within %.1e of transformers' (tolerance %.1e)",
+                seconds, difference.max().item(), tolerance)
+    return seconds
+
+
+def _worker_logits(runner, prompt: list[int]) -> tuple[torch.Tensor, list[int], tuple[int, ...]]:
+    """The worker's logits [17, V] at every position of the prompt, two greedy decodes and a third greedy token
+    verified with a two-node chain after it; the 17 tokens; the blocks they used (free again after)."""
+    num_tokens = PROMPT_LEN + 5
+    blocks = tuple(range(-(-num_tokens // runner.kv_cache.block_size)))
+    new = NewSequence(SEQ_ID, SamplingParams(), PROMPT_LEN)
+    rows = [runner.forward(StepRequest([ScheduledSequence(SEQ_ID, prompt, 0, blocks,
+                                                          sample_indices=list(range(PROMPT_LEN)))], [new]))]
+    tokens = list(prompt)
+    try:
+        for _ in range(2):  # decode steps, one token each (the decode graphs' kind where they are on)
+            tokens.append(int(rows[-1][-1].argmax()))
+            rows.append(runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[-1:], len(tokens) - 1, blocks,
+                                                                      sample_indices=[0])])))
+        tokens.append(int(rows[-1][-1].argmax()))
+        chain = ((tokens[-1] + 1) % len(rows[-1][-1]), (tokens[-1] + 2) % len(rows[-1][-1]))
+        draft = CandidateTree(chain, (-1, 0))  # verified after its root: three rows
+        rows.append(runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[-1:], len(tokens) - 1, blocks,
+                                                                  draft=draft)])))
+        tokens.extend(chain)
+    finally:
+        runner.step(StepRequest(finished_seq_ids=[SEQ_ID]))
+    return torch.cat(rows).float(), tokens, blocks
+
+
+def _reference_logits(runner, tokens: list[int]) -> torch.Tensor:
+    """transformers' eager forward of `tokens` in one causal pass, without a cache: [len(tokens), V] float32. With
+    the compiled decoder, the decoder's own forward (the compiled one is the worker's path)."""
+    model, compiled = runner.model, runner.compiled_decoder
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    if compiled is not None:
+        model.model.forward = compiled.eager
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([tokens], device=runner.device)
+            return model(input_ids=ids, use_cache=False).logits[0].float()
+    finally:
+        model.set_attn_implementation(implementation)
+        if compiled is not None:
+            model.model.forward = compiled.forward
+
+
+def _diagnosis(runner, blocks: tuple[int, ...], position: int, difference: float, tolerance: float) -> str:
+    """Why the paths part, as far as the worker can tell: which layers' attention never wrote the paged cache,
+    which layers keep no attention at all (their state is not carried between steps), or neither."""
+    model = runner.model
+    name = type(model).__name__
+    layers = list(getattr(getattr(model, "model", model), "layers", None) or
+                  getattr(getattr(model, "transformer", model), "h", None) or [])
+    cache = runner.kv_cache
+    unwritten = [i for i in range(cache.shape.num_layers) if not cache.keys[i][list(blocks)].any()]
+    attention = {i for i, layer in enumerate(layers) if _has_attention(layer)}
+    where = (f"the logits first differ at position {position} "
+             f"({'the prompt' if position < PROMPT_LEN else 'a step after the prompt'}) by {difference:.3g}, "
+             f"beyond the tolerance {tolerance:.3g}")
+    stateful = sorted({type(m).__name__ for layer in layers for m in layer.modules()
+                       if any(kind in type(m).__name__ for kind in STATEFUL_KINDS)})
+    if attention and attention <= set(unwritten):
+        why = ("its attention never calls the attention interface, so it would run unmasked on its own keys, "
+               "without the paged KV cache")
+    elif position >= PROMPT_LEN:  # the prompt, computed in one forward, agreed
+        modules = f" ({', '.join(stateful)})" if stateful else ""
+        why = (f"it keeps state besides attention's keys and values{modules}, such as a convolution's or an SSM's, "
+               "which the worker does not carry from one step to the next")
+    else:
+        why = "its layers compute something the worker's path does not (an unsupported attention variant)"
+    return (f"{name} is not served: {why}; {where} (the self-check against transformers' eager forward; "
+            "--no-self-check skips it)")
+
+
+def _has_attention(layer: torch.nn.Module) -> bool:
+    return any(type(module).__name__.endswith("Attention") for module in layer.modules())
