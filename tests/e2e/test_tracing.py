@@ -37,8 +37,11 @@ def received(tiny_gemma3_dir, tmp_path_factory) -> list[ReceivedSpan]:
     patch = pytest.MonkeyPatch()
     patch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # the services' processes inherit it: export at shutdown only
     try:
-        # is_spec_adaptive off: the drafter is asked at every decode step, whatever the step times
-        with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"), scheduler={"is_spec_adaptive": False},
+        # is_spec_adaptive off: the drafter is asked at every decode step, whatever the step times. A deadline far
+        # past the 20 ms default: on a loaded machine a first Draft call can miss it, and the scheduler then decodes
+        # on without the drafter for a second, which is most of a 16-token request.
+        with tiny_stack(tiny_gemma3_dir, tmp_path_factory.mktemp("logs"),
+                        scheduler={"is_spec_adaptive": False, "draft_timeout_ms": 10_000.0},
                         shared={"otlp_traces_endpoint": f"http://127.0.0.1:{port}"}) as stack:
             body = {"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 16,
                     "temperature": 0, "stream": True}
