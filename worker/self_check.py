@@ -5,13 +5,13 @@ whose layers do something that path does not carry would be served with wrong te
 that never calls the attention interface (unmasked, unpaged), state besides attention's keys and values
 (convolution or SSM state, which a step does not hand to the next), an attention keyword the paged attention
 does not implement (those raise UnsupportedAttention as they come). So at warm-up the worker runs a short prompt,
-two decode steps and a two-node draft chain through its own path (paged KV, its linears, compiled layers and
+two decode steps and a draft tree through its own path (paged KV, its linears, compiled layers and
 decode graphs where on, a tree), and the same tokens through transformers' eager forward in one causal pass. When
 the logits differ by more than the dtype's tolerance, the worker refuses to start, naming the architecture, where
 the paths part, and why that usually is.
 
-Costs: one forward of 17 tokens per path, a few hundred milliseconds on the default model on a CPU (the log says).
-`--no-self-check` skips it. A tensor-parallel worker skips it: its architectures are the lean decoders', which
+Costs: the worker's four steps and two reference forwards of 17 tokens or fewer, a few hundred milliseconds on the default model on a CPU (the log says).
+`--skip-self-check` skips it. A tensor-parallel worker skips it: its architectures are the lean decoders', which
 tests/worker/test_tensor_parallel.py holds to one device's logits.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
-from protos.segserve.v1.tree import CandidateTree
+from protos.segserve.v1.tree import ROOT, CandidateTree
 
 logger = logging.getLogger(__name__)
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
@@ -48,8 +48,8 @@ def run(runner) -> float:
     started = time.perf_counter()
     vocab = runner.limits.input_vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(PROMPT_LEN)]
-    ours, tokens, blocks = _worker_logits(runner, prompt)
-    reference = _reference_logits(runner, tokens)
+    ours, path, branch, blocks = _worker_logits(runner, prompt)
+    reference = torch.cat([_reference_logits(runner, path), _reference_logits(runner, branch)[-1:]])
     scale = max(1.0, reference.abs().max().item())
     difference = (ours - reference).abs().amax(dim=-1)  # [positions]
     tolerance = TOLERANCE[runner.dtype] * scale
@@ -62,10 +62,12 @@ def run(runner) -> float:
     return seconds
 
 
-def _worker_logits(runner, prompt: list[int]) -> tuple[torch.Tensor, list[int], tuple[int, ...]]:
-    """The worker's logits [17, V] at every position of the prompt, two greedy decodes and a third greedy token
-    verified with a two-node chain after it; the 17 tokens; the blocks they used (free again after)."""
-    num_tokens = PROMPT_LEN + 5
+def _worker_logits(runner, prompt: list[int]) -> tuple[torch.Tensor, list[int], list[int], tuple[int, ...]]:
+    """The worker's logits [18, V]: at every position of the prompt, two greedy decodes, then a third greedy token
+    verified with a tree after it (a two-node chain and a sibling of its first node). Also the tree's two paths
+    as token lists (the chain's path, whose positions are the first 17 rows; the sibling's, whose last is the
+    18th) and the blocks the sequence used (free again after)."""
+    num_tokens = PROMPT_LEN + 6
     blocks = tuple(range(-(-num_tokens // runner.kv_cache.block_size)))
     new = NewSequence(SEQ_ID, SamplingParams(), PROMPT_LEN)
     rows = [runner.forward(StepRequest([ScheduledSequence(SEQ_ID, prompt, 0, blocks,
@@ -77,14 +79,13 @@ def _worker_logits(runner, prompt: list[int]) -> tuple[torch.Tensor, list[int], 
             rows.append(runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[-1:], len(tokens) - 1, blocks,
                                                                       sample_indices=[0])])))
         tokens.append(int(rows[-1][-1].argmax()))
-        chain = ((tokens[-1] + 1) % len(rows[-1][-1]), (tokens[-1] + 2) % len(rows[-1][-1]))
-        draft = CandidateTree(chain, (-1, 0))  # verified after its root: three rows
+        first, second, sibling = ((tokens[-1] + k) % rows[-1].shape[-1] for k in (1, 2, 3))
+        draft = CandidateTree((first, second, sibling), (ROOT, 0, ROOT))  # verified after its root: four rows
         rows.append(runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[-1:], len(tokens) - 1, blocks,
                                                                   draft=draft)])))
-        tokens.extend(chain)
     finally:
         runner.step(StepRequest(finished_seq_ids=[SEQ_ID]))
-    return torch.cat(rows).float(), tokens, blocks
+    return torch.cat(rows).float(), [*tokens, first, second], [*tokens, sibling], blocks
 
 
 def _reference_logits(runner, tokens: list[int]) -> torch.Tensor:
@@ -130,7 +131,7 @@ def _diagnosis(runner, blocks: tuple[int, ...], position: int, difference: float
     else:
         why = "its layers compute something the worker's path does not (an unsupported attention variant)"
     return (f"{name} is not served: {why}; {where} (the self-check against transformers' eager forward; "
-            "--no-self-check skips it)")
+            "--skip-self-check skips it)")
 
 
 def _has_attention(layer: torch.nn.Module) -> bool:

@@ -46,3 +46,9 @@ def build_architecture(name: str, out_dir: Path, seed: int = 0) -> Path:
     config = config_cls(**{**COMMON, **overrides}, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return save_random(model_cls, config, out_dir, seed)
+
+
+DISPLAY_NAMES = {"phi3": "Phi-3", "gemma2": "Gemma 2", "olmo": "OLMo", "granite": "Granite", "qwen3_moe": "Qwen3-MoE",
+                 "gpt_oss": "GPT-OSS", "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "bloom": "Bloom", "lfm2": "LFM2",
+                 "falcon_h1": "Falcon-H1", "deepseek_v3": "DeepSeek-V3"}
+"""How the docs name each architecture."""

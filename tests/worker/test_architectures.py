@@ -1,7 +1,10 @@
-"""Architectures beyond the lean decoders' (tests/support/architectures.py): greedy output is transformers'
-`generate` with speculation (through the scheduler, the drafter and the worker) and without it, GPT-OSS's
-attention sinks included; multi-head latent attention (DeepSeek-V3) is refused at start-up, saying why; an attention
-keyword the worker does not implement is an error."""
+"""Architectures beyond the lean decoders' (tests/support/architectures.py), served or refused, never wrong.
+
+Served ones: the start-up self-check passes, and greedy output is transformers' `generate` with speculation
+(through the scheduler, the drafter and the worker) and without it. Refused ones fail at start-up with an error that
+says why: attention that never calls the attention interface (Bloom), state besides attention's keys and values
+(LFM2's convolutions, Falcon-H1's Mamba mixers), multi-head latent attention (DeepSeek-V3). Mutations of the worker's
+attention (sinks dropped, an attention keyword unknown) are caught."""
 
 from __future__ import annotations
 
@@ -9,14 +12,21 @@ import pytest
 import torch
 
 from tests.e2e.test_spec_lossless import TINY_PROMPTS, check_lossless, reference
-from tests.support.architectures import build_architecture
+from tests.support.architectures import DISPLAY_NAMES, build_architecture
 from tests.support.devices import TEST_DEVICE
 from worker import attention
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
+from worker.self_check import SelfCheckFailed
 
 SERVED = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox")
-REFUSED = {"deepseek_v3": (ValueError, "multi-head latent attention .* is not supported yet")}
+REFUSED_BY_SELF_CHECK = ("bloom", "lfm2", "falcon_h1")
+REFUSED = {
+    "bloom": (SelfCheckFailed, "its attention never calls the attention interface, so it would run unmasked"),
+    "lfm2": (SelfCheckFailed, r"keeps state besides attention's keys and values \(Conv1d, Lfm2ShortConv\)"),
+    "falcon_h1": (SelfCheckFailed, r"keeps state besides attention's keys and values \(Conv1d, FalconH1Mixer\)"),
+    "deepseek_v3": (ValueError, "multi-head latent attention .* is not supported yet"),
+}
 
 
 def runner_of(model_dir, **fields) -> ModelRunner:
@@ -34,6 +44,7 @@ def served(request, tmp_path_factory):
 
 async def test_a_served_architecture_is_transformers_greedy_with_speculation(served):
     model_dir, runner = served
+    assert runner.is_ready  # the self-check passed
     await check_lossless(runner, model_dir, reference(model_dir, TINY_PROMPTS, 16), "best_first", "corpus", 16)
 
 
@@ -64,6 +75,20 @@ def test_an_unsupported_architecture_is_refused_at_start_up_saying_why(name, tmp
         runner_of(model_dir)
 
 
+def test_the_self_check_can_be_skipped(tmp_path):
+    runner = runner_of(build_architecture("lfm2", tmp_path / "lfm2"), is_skip_self_check=True)
+    assert runner.is_ready
+
+
+def test_dropping_the_sinks_is_caught_by_the_self_check(tmp_path, monkeypatch):
+    """The mutation check: GPT-OSS served as if it had no attention sinks."""
+    model_dir = build_architecture("gpt_oss", tmp_path / "gpt_oss")
+    original = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *args: original(*args[:6]))  # sinks never reach the kernel
+    with pytest.raises(SelfCheckFailed, match="GptOssForCausalLM is not served.*position 0 \\(the prompt\\)"):
+        runner_of(model_dir)
+
+
 def test_an_attention_keyword_the_worker_does_not_implement_is_an_error():
     module = torch.nn.Module()
     attention.check_attention_kwargs(module, {"position_ids": None, "sliding_window": 8, "dropout": 0.0})
@@ -72,3 +97,25 @@ def test_an_attention_keyword_the_worker_does_not_implement_is_an_error():
     with pytest.raises(attention.UnsupportedAttention, match="passes dropout"):
         attention.check_attention_kwargs(module, {"dropout": 0.1})
     attention.check_attention_kwargs(module, {"s_aux": torch.zeros(2)}, implemented=frozenset({"s_aux"}))
+
+
+def architecture_lists() -> str:
+    """The docs' lists of served and refused architectures (docs/engine.md), rendered from this module's matrix."""
+    from worker.lean_decoder import LEAN_DECODERS
+
+    lean = ", ".join(name.removesuffix("ForCausalLM").replace("Gemma3", "Gemma 3") for name in LEAN_DECODERS)
+    served = ", ".join(DISPLAY_NAMES[name] for name in SERVED)
+    by_check = ", ".join(DISPLAY_NAMES[name] for name in REFUSED_BY_SELF_CHECK)
+    others = ", ".join(DISPLAY_NAMES[name] for name in REFUSED if name not in REFUSED_BY_SELF_CHECK)
+    return (f"- **Served:** {served}, besides the lean decoders ({lean}).\n"
+            f"- **Refused at start-up:** {by_check} (self-check), {others} (latent attention).\n")
+
+
+def test_the_docs_list_the_architectures_this_matrix_checks():
+    import textwrap
+    from pathlib import Path
+
+    assert set(REFUSED_BY_SELF_CHECK) == {name for name, (error, _) in REFUSED.items() if error is SelfCheckFailed}
+    docs = " ".join((Path(__file__).parents[2] / "docs" / "engine.md").read_text().split())
+    for line in architecture_lists().splitlines():
+        assert " ".join(line.split()) in docs, textwrap.fill(line, 90)
