@@ -84,7 +84,13 @@ def _serve_command(args: argparse.Namespace) -> int:
     # Ctrl-C reaches the whole process group; SIGTERM only this process. Either ends the supervision first (no
     # service stopped on purpose is restarted), then the stack drains and stops every service.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with Stack(config) as stack:
+    stack = Stack(config)
+    try:
+        stack.start()  # stops what it started when it fails
+    except RuntimeError as exc:  # a service died starting: the reason, not the launcher's traceback
+        print(f"segserve: {exc}", file=sys.stderr, flush=True)
+        return 1
+    with stack:
         model_name = stack.config.worker.served_model_name or Path(stack.config.worker.model).name
         grpc_api = f", gRPC API on {stack.grpc_address}" if stack.grpc_address else ""
         print(f"segserve is ready: {stack.base_url}/v1 serving {model_name!r}{grpc_api}; Ctrl-C stops it",

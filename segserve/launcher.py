@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -106,6 +107,9 @@ _HEALTH_STUBS = {"worker": worker_pb2_grpc.WorkerStub, "drafter": drafter_pb2_gr
                  "scheduler": scheduler_pb2_grpc.SchedulerStub}
 """The stub whose Health RPC says a service is ready, by its command."""
 _TAIL_LINES = 200
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Failed|Exit)(?:: |$)|^segserve: error: ")
+"""The last line of a Python traceback (`worker.self_check.SelfCheckFailed: BloomForCausalLM is not served: ...`)
+or the CLI's error line (a bad flag, a model the worker cannot size)."""
 
 
 def _forward(name: str, output: IO[bytes], tail: deque[str]) -> None:
@@ -409,10 +413,15 @@ class Stack:
                 pass  # it died already: _check_alive reports that
 
     def _check_alive(self, name: str) -> None:
+        """RuntimeError when the service `name` has exited, with the exception it last printed (the reason a
+        worker refuses a model, say)."""
         proc = self.processes[name]
         if proc.poll() is not None:
             where = f" (see {self.config.log_dir}/{name}.log)" if self.config.log_dir else ""
-            raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up{where}")
+            time.sleep(0.2)  # the output thread's last lines
+            causes = [line.strip() for line in self.tail(name, _TAIL_LINES) if _EXCEPTION_LINE.match(line)]
+            cause = f": {causes[-1].removeprefix('segserve: error: ')}" if causes else ""
+            raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up{where}{cause}")
 
     def _wait_grpc_ready(self, name: str, stub_cls, address: str, deadline: float, config) -> None:
         """Poll the Health RPC of the service `config` configures (over its internal TLS, when it has one)."""
