@@ -360,7 +360,7 @@ def _attend_group(group: AttentionGroup, tokens_query: torch.Tensor, cache: Page
         sinks = sinks.view(num_kv_heads, num_groups, 1).expand(-1, -1, num_queries)
         sinks = sinks.reshape(1, num_kv_heads, num_groups * num_queries, 1)
     attn = _attend(group_query, group_key, group_value, mask, scaling, softcap, sinks)  # [R, KVH, G * Q, D]
-    return attn.reshape(rows, num_heads, num_queries, head_dim).transpose(1, 2)
+    return attn.reshape(rows, num_heads, num_queries, -1).transpose(1, 2)  # values' width: keys' but under MLA
 
 
 def _attend(query, key, value, mask, scaling, softcap, sinks=None):

@@ -42,8 +42,8 @@ def non_finite_mask(logits: torch.Tensor) -> torch.Tensor:
 
 def non_finite_tokens(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Per new token of one layer, whether its key or value holds a NaN or an infinity: [T] bool on their device.
-    key/value: [1, KVH, T, D], as the model hands them to attention."""
-    return ~(torch.isfinite(key[0]) & torch.isfinite(value[0])).all(dim=2).all(dim=0)
+    key/value: [1, KVH, T, D] and [1, KVH, T, Dv], as the model hands them to attention."""
+    return ~(torch.isfinite(key[0]).all(dim=2) & torch.isfinite(value[0]).all(dim=2)).all(dim=0)
 
 
 def non_finite_rows(logits: torch.Tensor) -> list[bool]:

@@ -19,26 +19,33 @@ class KVCacheShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    """Width of a key head (and of a value head, unless value_head_dim says otherwise)."""
+    value_head_dim: int = 0
+    """Width of a value head when it differs from a key head's (multi-head latent attention); 0: head_dim."""
+
+    def __post_init__(self) -> None:
+        if not self.value_head_dim:
+            object.__setattr__(self, "value_head_dim", self.head_dim)
 
     @classmethod
     def from_model_config(cls, config) -> KVCacheShape:
+        """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2: kv_lora_rank) is cached as the keys and values its
+        latent expands to, every attention head's: keys of qk_nope_head_dim + qk_rope_head_dim, values of
+        v_head_dim. That is what transformers' attention hands the attention function; caching the latent itself
+        would take far less memory, and is not done yet."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = text.num_attention_heads
+        if getattr(text, "kv_lora_rank", None):
+            key_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
+            return cls(text.num_hidden_layers, num_heads, key_dim, text.v_head_dim)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-        key_dim = getattr(text, "qk_head_dim", None) or (getattr(text, "qk_nope_head_dim", 0)
-                                                         + getattr(text, "qk_rope_head_dim", 0))
-        value_dim = getattr(text, "v_head_dim", None)
-        if getattr(text, "kv_lora_rank", None) or (value_dim and key_dim and value_dim != key_dim):
-            raise ValueError(f"{text.model_type}: multi-head latent attention (keys of {key_dim} and values of "
-                             f"{value_dim} per head, a latent of {getattr(text, 'kv_lora_rank', None)}) is not "
-                             "supported yet: the paged KV cache holds keys and values of one width")
         return cls(text.num_hidden_layers, num_kv_heads, head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block takes over all layers, keys and values."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * block_size * self.num_kv_heads * (self.head_dim + self.value_head_dim) * itemsize
 
 
 def num_blocks_for(shape: KVCacheShape, block_size: int, dtype: torch.dtype, kv_cache_gb: float) -> int:
@@ -47,20 +54,20 @@ def num_blocks_for(shape: KVCacheShape, block_size: int, dtype: torch.dtype, kv_
 
 
 class PagedKVCache:
-    """K and V tensors per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """K and V tensors per layer, [num_blocks, block_size, num_kv_heads, head_dim] and [..., value_head_dim]."""
 
     def __init__(self, shape: KVCacheShape, num_blocks: int, block_size: int, dtype: torch.dtype, device):
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        heads = (num_blocks, block_size, shape.num_kv_heads)
         # zeros, not empty: padded key slots are read (and masked out); a NaN there
         # would still poison the output through 0 * NaN in the value product.
-        self.keys = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        flat = (num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
-        self._flat_keys = [k.view(flat) for k in self.keys]
-        self._flat_values = [v.view(flat) for v in self.values]
+        self.keys = [torch.zeros(*heads, shape.head_dim, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [torch.zeros(*heads, shape.value_head_dim, dtype=dtype, device=device)
+                       for _ in range(shape.num_layers)]
+        self._flat_keys = [k.flatten(0, 1) for k in self.keys]
+        self._flat_values = [v.flatten(0, 1) for v in self.values]
 
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store new tokens. slots: [T] flat slot ids; key/value: [T, num_kv_heads, head_dim]."""
@@ -82,8 +89,8 @@ class PagedKVCache:
             flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
 
     def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read slots [R, L] as keys and values [R, num_kv_heads, L, head_dim] each."""
-        dims = (*slots.shape, self.shape.num_kv_heads, self.shape.head_dim)  # [R, L, KVH, D]
+        """Read slots [R, L] as keys [R, num_kv_heads, L, head_dim] and values [R, num_kv_heads, L, value_head_dim]."""
+        dims = (*slots.shape, self.shape.num_kv_heads, -1)  # [R, L, KVH, D]
         flat = slots.reshape(-1)
         key = self._flat_keys[layer_idx].index_select(0, flat).view(dims)
         value = self._flat_values[layer_idx].index_select(0, flat).view(dims)

@@ -302,6 +302,11 @@ class ModelRunner:
         self._lap("sample")
         return outputs
 
+    @property
+    def is_lean(self) -> bool:
+        """Whether steps run the model's lean decoder (worker/lean_decoder.py), not transformers' forward."""
+        return self._lean is not None
+
     def forward(self, request: StepRequest) -> torch.Tensor:
         """The float32 logits [N, V] that step(request) would sample from, one row per sample index (every node of
         a tree) in request order: its state update and forward, without the sampling. InvalidRequest when the

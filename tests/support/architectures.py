@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from segserve.bench.random_models import save_random
-from tests.support.tiny_models import build_tokenizer
+from tests.support.tiny_models import (
+    LLAMA_KIN, build_tiny_gemma3, build_tiny_llama, build_tiny_llama_kin, build_tokenizer,
+)
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False)
@@ -26,7 +28,7 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "bloom": ("Bloom", dict(n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)),
     "lfm2": ("Lfm2", dict(**GQA, layer_types=["conv", "full_attention"], block_dim=64, block_ff_dim=128,
                           conv_L_cache=3)),
-    "deepseek_v3": ("DeepseekV3", dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+    "deepseek_v3": ("DeepseekV3", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                                        topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32)),
     "falcon_h1": ("FalconH1", dict(**GQA, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
@@ -35,9 +37,17 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
 """name -> (transformers class prefix, config overrides on COMMON)."""
 
 
+LEAN = ("gemma3", "llama", *LLAMA_KIN)
+"""The architectures with a lean decoder (worker/lean_decoder.py), built as the other tests build them."""
+
+
 def build_architecture(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """The tiny `name` model with random weights and the tests' tokenizer in out_dir."""
+    """The tiny `name` model (LEAN or ARCHITECTURES) with random weights and the tests' tokenizer in out_dir."""
     import transformers
+
+    if name in LEAN:
+        return (build_tiny_gemma3(out_dir, seed) if name == "gemma3" else build_tiny_llama(out_dir, seed)
+                if name == "llama" else build_tiny_llama_kin(out_dir, name, seed))
 
     prefix, overrides = ARCHITECTURES[name]
     tokenizer = build_tokenizer(out_dir)
@@ -48,7 +58,8 @@ def build_architecture(name: str, out_dir: Path, seed: int = 0) -> Path:
     return save_random(model_cls, config, out_dir, seed)
 
 
-DISPLAY_NAMES = {"phi3": "Phi-3", "gemma2": "Gemma 2", "olmo": "OLMo", "granite": "Granite", "qwen3_moe": "Qwen3-MoE",
+DISPLAY_NAMES = {"gemma3": "Gemma 3", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                 "phi3": "Phi-3", "gemma2": "Gemma 2", "olmo": "OLMo", "granite": "Granite", "qwen3_moe": "Qwen3-MoE",
                  "gpt_oss": "GPT-OSS", "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "bloom": "Bloom", "lfm2": "LFM2",
                  "falcon_h1": "Falcon-H1", "deepseek_v3": "DeepSeek-V3"}
 """How the docs name each architecture."""

@@ -1,10 +1,11 @@
-"""Architectures beyond the lean decoders' (tests/support/architectures.py), served or refused, never wrong.
+"""Every architecture the worker is known to serve or refuse (tests/support/architectures.py), never wrong.
 
-Served ones: the start-up self-check passes, and greedy output is transformers' `generate` with speculation
-(through the scheduler, the drafter and the worker) and without it. Refused ones fail at start-up with an error that
-says why: attention that never calls the attention interface (Bloom), state besides attention's keys and values
-(LFM2's convolutions, Falcon-H1's Mamba mixers), multi-head latent attention (DeepSeek-V3). Mutations of the worker's
-attention (sinks dropped, an attention keyword unknown) are caught."""
+Served ones: the start-up self-check passes, each takes the path the matrix says (a lean decoder or transformers'
+own modules), and greedy output is transformers' `generate` with speculation (through the scheduler, the drafter
+and the worker) and without it. Refused ones fail at start-up with an error that says why: attention that never
+calls the attention interface (Bloom), state besides attention's keys and values (LFM2's convolutions, Falcon-H1's
+Mamba mixers). Mutations of the worker's attention (sinks dropped, an attention keyword unknown) are caught. The
+docs' table of architectures (docs/engine.md) is this matrix, rendered by architecture_table()."""
 
 from __future__ import annotations
 
@@ -12,21 +13,30 @@ import pytest
 import torch
 
 from tests.e2e.test_spec_lossless import TINY_PROMPTS, check_lossless, reference
-from tests.support.architectures import DISPLAY_NAMES, build_architecture
+from tests.support.architectures import DISPLAY_NAMES, LEAN, build_architecture
 from tests.support.devices import TEST_DEVICE
 from worker import attention
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.self_check import SelfCheckFailed
 
-SERVED = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox")
-REFUSED_BY_SELF_CHECK = ("bloom", "lfm2", "falcon_h1")
+PLAIN = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox", "deepseek_v3")
+"""Served through transformers' own modules under the paged attention."""
+NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-query attention",
+         "mistral": "sliding window", "qwen2": "biased projections, sliding window",
+         "qwen3": "normed queries and keys, sliding window", "phi3": "fused projections",
+         "gemma2": "soft-capped attention and logits, sliding window", "olmo": "non-parametric norms",
+         "granite": "embedding, residual and logit multipliers", "qwen3_moe": "mixture of experts",
+         "gpt_oss": "attention sinks, sliding window, mixture of experts", "gpt2": "learned positions",
+         "gpt_neox": "partial rotary, parallel residual",
+         "deepseek_v3": "multi-head latent attention (keys and values cached expanded), mixture of experts"}
+"""What each served architecture brings that the worker's path carries."""
 REFUSED = {
-    "bloom": (SelfCheckFailed, "its attention never calls the attention interface, so it would run unmasked"),
-    "lfm2": (SelfCheckFailed, r"keeps state besides attention's keys and values \(Conv1d, Lfm2ShortConv\)"),
-    "falcon_h1": (SelfCheckFailed, r"keeps state besides attention's keys and values \(Conv1d, FalconH1Mixer\)"),
-    "deepseek_v3": (ValueError, "multi-head latent attention .* is not supported yet"),
+    "bloom": "its attention never calls the attention interface, so it would run unmasked",
+    "lfm2": r"keeps state besides attention's keys and values \(Conv1d, Lfm2ShortConv\)",
+    "falcon_h1": r"keeps state besides attention's keys and values \(Conv1d, FalconH1Mixer\)",
 }
+"""Refused at start-up by the self-check (SelfCheckFailed), with these words."""
 
 
 def runner_of(model_dir, **fields) -> ModelRunner:
@@ -36,10 +46,12 @@ def runner_of(model_dir, **fields) -> ModelRunner:
     return runner
 
 
-@pytest.fixture(scope="module", params=SERVED)
+@pytest.fixture(scope="module", params=LEAN + PLAIN)
 def served(request, tmp_path_factory):
     model_dir = build_architecture(request.param, tmp_path_factory.mktemp(request.param))
-    return model_dir, runner_of(model_dir)
+    runner = runner_of(model_dir)
+    assert runner.is_lean == (request.param in LEAN)  # the path the table says
+    return model_dir, runner
 
 
 async def test_a_served_architecture_is_transformers_greedy_with_speculation(served):
@@ -62,17 +74,17 @@ def test_a_served_architecture_is_transformers_greedy_without_speculation(served
     outputs = run_together(runner, decoders, 12)
     for seq_id, prompt in prompts.items():
         with torch.inference_mode():
+            # eos_token_id=None: neither stop at EOS nor suppress it, as the decoders here (min_new_tokens would
+            # suppress it: another continuation once greedy picks EOS)
             generated = model.generate(torch.tensor([prompt], device=runner.device), do_sample=False,
-                                       max_new_tokens=12, min_new_tokens=12)
+                                       max_new_tokens=12, eos_token_id=None)
         assert outputs[seq_id] == generated[0, len(prompt):].tolist(), seq_id
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_an_unsupported_architecture_is_refused_at_start_up_saying_why(name, tmp_path):
-    model_dir = build_architecture(name, tmp_path / name)
-    error, message = REFUSED[name]
-    with pytest.raises(error, match=message):
-        runner_of(model_dir)
+    with pytest.raises(SelfCheckFailed, match=REFUSED[name]):
+        runner_of(build_architecture(name, tmp_path / name))
 
 
 def test_the_self_check_can_be_skipped(tmp_path):
@@ -99,23 +111,20 @@ def test_an_attention_keyword_the_worker_does_not_implement_is_an_error():
     attention.check_attention_kwargs(module, {"s_aux": torch.zeros(2)}, implemented=frozenset({"s_aux"}))
 
 
-def architecture_lists() -> str:
-    """The docs' lists of served and refused architectures (docs/engine.md), rendered from this module's matrix."""
-    from worker.lean_decoder import LEAN_DECODERS
+def architecture_table() -> str:
+    """The docs' table of architectures (docs/engine.md), rendered from this module's matrix."""
+    rows = ["| Architecture | Served by | Speculation | What it brings |", "|---|---|---|---|"]
+    for name in LEAN + PLAIN:
+        path = "lean decoder" if name in LEAN else "transformers' modules, paged attention"
+        rows.append(f"| {DISPLAY_NAMES[name]} | {path} | lossless | {NOTES.get(name, '')} |")
+    for name, why in REFUSED.items():
+        reason = why.replace("\\", "").split(", so")[0]
+        rows.append(f"| {DISPLAY_NAMES[name]} | refused at start-up | | {reason} |")
+    return "\n".join(rows) + "\n"
 
-    lean = ", ".join(name.removesuffix("ForCausalLM").replace("Gemma3", "Gemma 3") for name in LEAN_DECODERS)
-    served = ", ".join(DISPLAY_NAMES[name] for name in SERVED)
-    by_check = ", ".join(DISPLAY_NAMES[name] for name in REFUSED_BY_SELF_CHECK)
-    others = ", ".join(DISPLAY_NAMES[name] for name in REFUSED if name not in REFUSED_BY_SELF_CHECK)
-    return (f"- **Served:** {served}, besides the lean decoders ({lean}).\n"
-            f"- **Refused at start-up:** {by_check} (self-check), {others} (latent attention).\n")
 
-
-def test_the_docs_list_the_architectures_this_matrix_checks():
-    import textwrap
+def test_the_docs_table_is_this_matrix():
     from pathlib import Path
 
-    assert set(REFUSED_BY_SELF_CHECK) == {name for name, (error, _) in REFUSED.items() if error is SelfCheckFailed}
-    docs = " ".join((Path(__file__).parents[2] / "docs" / "engine.md").read_text().split())
-    for line in architecture_lists().splitlines():
-        assert " ".join(line.split()) in docs, textwrap.fill(line, 90)
+    docs = (Path(__file__).parents[2] / "docs" / "engine.md").read_text()
+    assert architecture_table() in docs, "docs/engine.md's table of architectures:\n" + architecture_table()
