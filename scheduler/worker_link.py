@@ -96,12 +96,15 @@ class WorkerLink:
             eos_token_ids=info.eos_token_ids, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_waiting=config.max_num_waiting,
             max_num_waiting_tokens=config.max_num_waiting_tokens,
-            max_failed_steps=config.max_failed_steps, is_prefix_caching=config.is_prefix_caching,
+            max_failed_steps=config.max_failed_steps,
+            is_prefix_caching=config.is_prefix_caching and not info.sequence_state_reason,
             is_block_table_delta=info.block_table_deltas,
             num_decode_steps=min(config.num_decode_steps, info.max_decode_steps),
             decode_steps_s=config.decode_steps_ms / 1000,
             on_end=speculator.forget if speculator is not None else None, drafting=speculator,
             is_drafting_forced_spans=config.is_grammar_drafts and speculator is not None and speculator.is_drafting)
+        if info.sequence_state_reason:
+            logger.warning("no drafts and no shared prefixes for %s: %s", info.model_name, info.sequence_state_reason)
         scheduler.release_later(self.stale_ids)
         self.stale_ids = []
         logger.info("connected to worker %s: %s, %d KV blocks of %d tokens; max_num_seqs %d (%s)",
@@ -111,10 +114,10 @@ class WorkerLink:
 
 
 def new_speculator(config: SchedulerConfig, drafter: Drafter | None, info: WorkerInfo) -> Speculator | None:
-    """The speculator for a worker's steps; None without a drafter. max_draft_nodes 0: no policy, the drafter
-    only learns."""
+    """The speculator for a worker's steps; None without a drafter. max_draft_nodes 0, or a worker that takes no
+    drafts (WorkerInfo.sequence_state_reason): no policy, the drafter only learns."""
     if drafter is None:
         return None
     policy = (SpecPolicy(config.max_draft_nodes, config.spec_probe_interval, config.is_spec_adaptive)
-              if config.max_draft_nodes > 0 else None)
+              if config.max_draft_nodes > 0 and not info.sequence_state_reason else None)
     return Speculator(drafter, policy, info.vocab_size)

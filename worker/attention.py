@@ -41,6 +41,7 @@ from transformers import AttentionInterface
 from worker.attention_plan import GroupPlan, bucket_keys
 from worker.faults import non_finite_tokens
 from worker.kv_cache import PagedKVCache
+from worker.short_conv import ConvStates
 
 ATTN_IMPLEMENTATION = "segserve_paged"
 
@@ -192,6 +193,8 @@ class AttentionBatch:
     groups: list[AttentionGroup]
     non_finite: torch.Tensor | None = None
     """[T] bool, set by the last layer: the new tokens whose key or value there is not finite."""
+    conv_states: ConvStates | None = None
+    """The sequences' short-convolution states, for a model with such layers (worker/short_conv.py)."""
 
 
 def build_attention_batch(plans: list[GroupPlan], uploaded: list[torch.Tensor], slots: torch.Tensor,
@@ -323,7 +326,7 @@ def paged_attention_forward(
     window = layer_window(module, kwargs)
     layer = module.layer_idx
     cache = segserve_batch.kv_cache
-    if layer == cache.shape.num_layers - 1:  # an overflow in any layer reaches this one
+    if layer == cache.shape.last_attention_layer:  # an overflow in any layer before it reaches this one
         segserve_batch.non_finite = non_finite_tokens(key, value)
     cache.write(layer, segserve_batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], value.shape[-1]
@@ -344,7 +347,7 @@ def _attend_group(group: AttentionGroup, tokens_query: torch.Tensor, cache: Page
                   window: int | None, scaling, softcap, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One group's attention output [R, Q, H, D] (padding queries included). tokens_query: [T, H, D]."""
     num_heads, head_dim = tokens_query.shape[1], tokens_query.shape[2]
-    num_groups = num_heads // cache.shape.num_kv_heads
+    num_groups = num_heads // cache.shape.layer_kv_heads[layer]
     key_slots, mask = group.layer_keys(window, num_groups, tokens_query.dtype)  # [R, L], [R, 1, G * Q or 1, L]
     group_key, group_value = cache.gather(layer, key_slots)  # [R, KVH, L, D]
     rows, num_queries = group.query_index.shape

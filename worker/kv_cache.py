@@ -22,10 +22,22 @@ class KVCacheShape:
     """Width of a key head (and of a value head, unless value_head_dim says otherwise)."""
     value_head_dim: int = 0
     """Width of a value head when it differs from a key head's (multi-head latent attention); 0: head_dim."""
+    layer_kv_heads: tuple[int, ...] = ()
+    """KV heads of each layer: num_kv_heads, or 0 for a layer without attention (a hybrid's convolution or SSM
+    layers), which gets no cache. Empty: num_kv_heads in every layer."""
 
     def __post_init__(self) -> None:
         if not self.value_head_dim:
             object.__setattr__(self, "value_head_dim", self.head_dim)
+        if not self.layer_kv_heads:
+            object.__setattr__(self, "layer_kv_heads", (self.num_kv_heads,) * self.num_layers)
+        if len(self.layer_kv_heads) != self.num_layers:
+            raise ValueError(f"{len(self.layer_kv_heads)} layers' KV heads for {self.num_layers} layers")
+
+    @property
+    def last_attention_layer(self) -> int:
+        """The last layer that has a KV cache."""
+        return max(i for i, heads in enumerate(self.layer_kv_heads) if heads)
 
     @classmethod
     def from_model_config(cls, config) -> KVCacheShape:
@@ -40,12 +52,19 @@ class KVCacheShape:
             return cls(text.num_hidden_layers, num_heads, key_dim, text.v_head_dim)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-        return cls(text.num_hidden_layers, num_kv_heads, head_dim)
+        layer_types = getattr(text, "layer_types", None) or ()
+        layer_kv_heads = tuple(0 if kind in NO_ATTENTION_LAYERS else num_kv_heads for kind in layer_types)
+        return cls(text.num_hidden_layers, num_kv_heads, head_dim, layer_kv_heads=layer_kv_heads)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block takes over all layers, keys and values."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * block_size * self.num_kv_heads * (self.head_dim + self.value_head_dim) * itemsize
+        return sum(self.layer_kv_heads) * block_size * (self.head_dim + self.value_head_dim) * itemsize
+
+
+NO_ATTENTION_LAYERS = frozenset({"conv", "mamba", "linear_attention"})
+"""Layer types (a config's layer_types) that keep no keys and values: hybrids' convolution, Mamba and linear
+attention layers."""
 
 
 def num_blocks_for(shape: KVCacheShape, block_size: int, dtype: torch.dtype, kv_cache_gb: float) -> int:
@@ -60,12 +79,12 @@ class PagedKVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        heads = (num_blocks, block_size, shape.num_kv_heads)
         # zeros, not empty: padded key slots are read (and masked out); a NaN there
         # would still poison the output through 0 * NaN in the value product.
-        self.keys = [torch.zeros(*heads, shape.head_dim, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(*heads, shape.value_head_dim, dtype=dtype, device=device)
-                       for _ in range(shape.num_layers)]
+        self.keys = [torch.zeros(num_blocks, block_size, heads, shape.head_dim, dtype=dtype, device=device)
+                     for heads in shape.layer_kv_heads]
+        self.values = [torch.zeros(num_blocks, block_size, heads, shape.value_head_dim, dtype=dtype, device=device)
+                       for heads in shape.layer_kv_heads]
         self._flat_keys = [k.flatten(0, 1) for k in self.keys]
         self._flat_values = [v.flatten(0, 1) for v in self.values]
 
@@ -90,7 +109,7 @@ class PagedKVCache:
 
     def gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read slots [R, L] as keys [R, num_kv_heads, L, head_dim] and values [R, num_kv_heads, L, value_head_dim]."""
-        dims = (*slots.shape, self.shape.num_kv_heads, -1)  # [R, L, KVH, D]
+        dims = (*slots.shape, self.shape.layer_kv_heads[layer_idx], -1)  # [R, L, KVH, D]
         flat = slots.reshape(-1)
         key = self._flat_keys[layer_idx].index_select(0, flat).view(dims)
         value = self._flat_values[layer_idx].index_select(0, flat).view(dims)

@@ -62,13 +62,16 @@ from worker.sharded_load import check_shardable, load_shard, peak_host_gib
 from worker.tensor_parallel import RankGroup
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
-from worker import self_check
+from worker import self_check, short_conv
+from worker.short_conv import Span
 from worker.validation import InvalidRequest, StepLimits
 from worker.verify import NON_FINITE, Sampled, kv_moves, sample_works, step_paths
 from worker.work import Work
 
 
 logger = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 2048
+"""The longest sequence served of a model that declares no max_position_embeddings, unless max_model_len says."""
 OVERLAP_MIN_FORWARD_S = 0.005
 """On the CPU, a step's grammar masks are filled on the grammar thread while its forward runs when the last forward
 took at least this long; otherwise after it, on the step's thread. A second thread that wants the GIL while the
@@ -118,12 +121,20 @@ class ModelRunner:
             raise ValueError(f"{type(self.model).__name__} has no lean decoder for cuda_graphs or compiled_layers")
         self._prepare_linears(config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
+        self.conv_states = short_conv.attach(self.model)
+        """The sequences' short-convolution states (LFM2; worker/short_conv.py), or None: a model without."""
+        if self.conv_states is not None and config.is_compiled:
+            raise ValueError(f"{type(self.model).__name__}'s short convolutions run eagerly only: drop --compiled")
         self.compiled_decoder = CompiledDecoder(self.model) if config.is_compiled else None
         """The compiled decoder (config.is_compiled), or None."""
         regions = compiled_regions if self.is_compiled_layers else None
         self._lean = lean_decoder(self.model, regions) if has_lean else None
         """The model's lean forward (worker/lean_decoder.py), or None: transformers' forward."""
-        max_len = self.model.config.get_text_config().max_position_embeddings
+        max_len = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if max_len is None:  # positions without a table (ALiBi: Bloom)
+            max_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
+            logger.warning("%s declares no max_position_embeddings: serving up to %d tokens (--max-model-len)",
+                           type(self.model).__name__, max_len)
         if config.max_model_len > max_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
         shape = KVCacheShape.from_model_config(self.model.config)
@@ -144,6 +155,7 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             block_table_deltas=True,  # plan_step resolves them (BlockTables.resolve)
             max_decode_steps=MAX_DECODE_STEPS,
+            sequence_state_reason=self.conv_states.reason if self.conv_states is not None else "",
         )
         self.grammars = GrammarEngine(path, self._info.vocab_size, self._info.eos_token_ids)
         """Structured outputs' grammars (worker/grammar.py); it loads the tokenizer at the first one."""
@@ -322,11 +334,15 @@ class ModelRunner:
         """Apply the request to the sequence states and return what to run (worker/planning.py).
 
         Nothing changes when the request as a whole is invalid (InvalidRequest)."""
+        if self.conv_states is not None:
+            self.conv_states.check(request.sequences)  # no draft, no step but where the last one ended
         try:
             self._states, plan = plan_step(request, self._states, self.limits, self.block_tables, self.grammars.start)
         except InvalidRequest:
             self.block_tables.retain(self._states)  # rows staged for sequences the step would have added
             raise
+        if self.conv_states is not None:
+            self.conv_states.retain(self._states)
         return plan
 
     @torch.inference_mode()
@@ -359,6 +375,10 @@ class ModelRunner:
         inputs, logits_to_keep = uploaded[0], uploaded[1]  # [3, T], [N + R]
         batch = build_attention_batch(groups, uploaded[2:], inputs[2], self.block_tables.device_table, self.kv_cache)
         input_ids, position_ids = inputs[0:1], inputs[1:2]  # [1, T] each
+        if self.conv_states is not None:
+            self.conv_states.begin([Span(w.seq_id, int(offset), len(w.token_ids), w.num_computed_tokens)
+                                    for w, offset in zip(works, layout.offsets)])
+            batch.conv_states = self.conv_states
         self._lap("metadata")
         self._start_masks(plan)
         started = time.perf_counter()
@@ -368,6 +388,8 @@ class ModelRunner:
             logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 logits_to_keep=logits_to_keep, segserve_batch=batch).logits
         self._forward_s = time.perf_counter() - started
+        if self.conv_states is not None:
+            self.conv_states.commit()  # the forward finished: its new states are the sequences'
         plan.non_finite_tokens = batch.non_finite
         logits = logits[0].float()  # [N + R, V]
         self._lap("forward")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_serve_refuses_a_model_it_would_serve_wrong_saying_why(tmp_path):
-    serve = Serve(build_architecture("lfm2", tmp_path / "lfm2"), tmp_path / "logs")
+    serve = Serve(build_architecture("falcon_h1", tmp_path / "falcon_h1"), tmp_path / "logs")
     children: dict[psutil.Process, list[str]] = {}  # every service the command started, with its argv
     try:
         deadline = time.monotonic() + 180
@@ -30,7 +30,7 @@ def test_serve_refuses_a_model_it_would_serve_wrong_saying_why(tmp_path):
         serve.stop()
     last = "".join(serve.output).strip().splitlines()[-1]
     assert last.startswith("segserve: worker exited with code 1 during start-up"), last
-    assert ("SelfCheckFailed: Lfm2ForCausalLM is not served: it keeps state besides attention's keys and values "
-            "(Conv1d, Lfm2ShortConv)") in last
+    assert ("SelfCheckFailed: FalconH1ForCausalLM is not served: it keeps state besides attention's keys and "
+            "values (Conv1d, FalconH1Mixer)") in last
     assert any(argv[1:4] == ["-m", "segserve.cli", "worker"] for argv in children.values())
     assert not [child for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]

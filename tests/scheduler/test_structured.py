@@ -9,6 +9,8 @@ rule's next tokens as its forced span, as a grammar that forces them would."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from protos.segserve.v1.generate import FinishReason
 from protos.segserve.v1.info import WorkerInfo
 from protos.segserve.v1.sampling import (
@@ -25,7 +27,7 @@ from scheduler.drafting import forced_first, with_forced_spans
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.speculator import Speculator, corpus_key
-from scheduler.worker_link import WorkerLink
+from scheduler.worker_link import WorkerLink, new_speculator
 from tests.scheduler.test_scheduler import collect_events
 from tests.scheduler.test_spec import (
     EOS,
@@ -185,6 +187,21 @@ def test_the_grammar_drafts_switch_turns_forced_spans_off():
     assert link.new_scheduler(SchedulerConfig(), info, speculator).is_drafting_forced_spans
     assert not link.new_scheduler(SchedulerConfig(is_grammar_drafts=False), info, speculator).is_drafting_forced_spans
     assert not link.new_scheduler(SchedulerConfig(), info, None).is_drafting_forced_spans
+
+
+def test_a_worker_whose_model_keeps_state_per_sequence_gets_no_drafts_and_no_shared_prefixes():
+    """WorkerInfo.sequence_state_reason (LFM2's convolutions): the drafter only learns, no forced spans are
+    drafted, and the block manager shares no prefix."""
+    link = WorkerLink(worker=None, address="w", is_watched=False, health_interval_s=1.0)
+    plain = WorkerInfo("m", num_kv_blocks=64, block_size=4, max_model_len=64, vocab_size=VOCAB, eos_token_ids=(EOS,))
+    stateful = dataclasses.replace(plain, sequence_state_reason="its layers [0] are short convolutions")
+    config = SchedulerConfig()
+    assert new_speculator(config, make_drafter(), plain).is_drafting
+    speculator = new_speculator(config, make_drafter(), stateful)
+    assert not speculator.is_drafting
+    scheduler = link.new_scheduler(config, stateful, speculator)
+    assert not scheduler.is_drafting_forced_spans and not scheduler.block_manager.is_prefix_caching
+    assert link.new_scheduler(config, plain, speculator).block_manager.is_prefix_caching
 
 
 async def test_a_constrained_sequence_names_its_schemas_corpus_in_every_query():

@@ -25,7 +25,7 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
                                layer_types=["sliding_attention", "full_attention"])),
     "gpt2": ("GPT2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.3)),
     "gpt_neox": ("GPTNeoX", dict(rotary_pct=0.5, use_parallel_residual=True)),
-    "bloom": ("Bloom", dict(n_embd=64, n_layer=2, n_head=4, initializer_range=0.3)),
+    "bloom": ("Bloom", dict(n_embd=64, n_layer=2, n_head=4, initializer_range=0.3, max_position_embeddings=None)),
     "lfm2": ("Lfm2", dict(**GQA, layer_types=["conv", "full_attention"], block_dim=64, block_ff_dim=128,
                           conv_L_cache=3)),
     "deepseek_v3": ("DeepseekV3", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
@@ -33,6 +33,13 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
                                        topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32)),
     "falcon_h1": ("FalconH1", dict(**GQA, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
                                    mamba_n_groups=1, mamba_chunk_size=8, head_dim=16)),
+    "jamba": ("Jamba", dict(**GQA, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+                            expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
+                            mamba_expand=2)),
+    "qwen3_next": ("Qwen3Next", dict(**GQA, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                                     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                     linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, shared_expert_intermediate_size=32)),
 }
 """name -> (transformers class prefix, config overrides on COMMON)."""
 
@@ -61,5 +68,6 @@ def build_architecture(name: str, out_dir: Path, seed: int = 0) -> Path:
 DISPLAY_NAMES = {"gemma3": "Gemma 3", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
                  "phi3": "Phi-3", "gemma2": "Gemma 2", "olmo": "OLMo", "granite": "Granite", "qwen3_moe": "Qwen3-MoE",
                  "gpt_oss": "GPT-OSS", "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "bloom": "Bloom", "lfm2": "LFM2",
-                 "falcon_h1": "Falcon-H1", "deepseek_v3": "DeepSeek-V3"}
+                 "falcon_h1": "Falcon-H1", "deepseek_v3": "DeepSeek-V3", "jamba": "Jamba",
+                 "qwen3_next": "Qwen3-Next"}
 """How the docs name each architecture."""

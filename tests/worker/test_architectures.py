@@ -2,17 +2,23 @@
 
 Served ones: the start-up self-check passes, each takes the path the matrix says (a lean decoder or transformers'
 own modules), and greedy output is transformers' `generate` with speculation (through the scheduler, the drafter
-and the worker) and without it. Refused ones fail at start-up with an error that says why: attention that never
-calls the attention interface (Bloom), state besides attention's keys and values (LFM2's convolutions, Falcon-H1's
-Mamba mixers). Mutations of the worker's attention (sinks dropped, an attention keyword unknown) are caught. The
+and the worker) and without it. A model with state besides the KV cache (LFM2's convolutions) is served without
+drafts or shared prefixes, which the scheduler then never sends. Refused ones fail at start-up with an error that
+says why: attention that never calls the attention interface (Bloom), state the worker does not carry (the Mamba
+mixers of Falcon-H1 and Jamba, Qwen3-Next's gated delta rule). Mutations of the worker's attention (sinks dropped, an attention keyword unknown) are caught. The
 docs' table of architectures (docs/engine.md) is this matrix, rendered by architecture_table()."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
-from tests.e2e.test_spec_lossless import TINY_PROMPTS, check_lossless, reference
+from protos.segserve.v1 import scheduler_pb2
+from protos.segserve.v1.generate import FinishReason, GenerateComplete
+from tests.e2e.test_spec_lossless import TINY_PROMPTS, check_lossless, corpus_texts, reference, speculative_stack
+from tests.scheduler.test_service import collect, generate_request
 from tests.support.architectures import DISPLAY_NAMES, LEAN, build_architecture
 from tests.support.devices import TEST_DEVICE
 from worker import attention
@@ -20,8 +26,11 @@ from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.self_check import SelfCheckFailed
 
-PLAIN = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox", "deepseek_v3")
+PLAIN = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox", "deepseek_v3", "lfm2")
 """Served through transformers' own modules under the paged attention."""
+NO_DRAFTS = ("lfm2",)
+"""Served without drafts or shared prefixes: state besides the KV cache runs from token to token
+(worker/short_conv.py)."""
 NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-query attention",
          "mistral": "sliding window", "qwen2": "biased projections, sliding window",
          "qwen3": "normed queries and keys, sliding window", "phi3": "fused projections",
@@ -29,12 +38,14 @@ NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-
          "granite": "embedding, residual and logit multipliers", "qwen3_moe": "mixture of experts",
          "gpt_oss": "attention sinks, sliding window, mixture of experts", "gpt2": "learned positions",
          "gpt_neox": "partial rotary, parallel residual",
-         "deepseek_v3": "multi-head latent attention (keys and values cached expanded), mixture of experts"}
+         "deepseek_v3": "multi-head latent attention (keys and values cached expanded), mixture of experts",
+         "lfm2": "short convolutions, their state carried per sequence; no KV cache in their layers"}
 """What each served architecture brings that the worker's path carries."""
 REFUSED = {
     "bloom": "its attention never calls the attention interface, so it would run unmasked",
-    "lfm2": r"keeps state besides attention's keys and values \(Conv1d, Lfm2ShortConv\)",
     "falcon_h1": r"keeps state besides attention's keys and values \(Conv1d, FalconH1Mixer\)",
+    "jamba": r"keeps state besides attention's keys and values \(Conv1d, JambaMambaDecoderLayer, JambaMambaMixer\)",
+    "qwen3_next": r"keeps state besides attention's keys and values \(Conv1d, Qwen3NextGatedDeltaNet\)",
 }
 """Refused at start-up by the self-check (SelfCheckFailed), with these words."""
 
@@ -51,13 +62,29 @@ def served(request, tmp_path_factory):
     model_dir = build_architecture(request.param, tmp_path_factory.mktemp(request.param))
     runner = runner_of(model_dir)
     assert runner.is_lean == (request.param in LEAN)  # the path the table says
+    assert bool(runner.info().sequence_state_reason) == (request.param in NO_DRAFTS)
     return model_dir, runner
 
 
 async def test_a_served_architecture_is_transformers_greedy_with_speculation(served):
     model_dir, runner = served
     assert runner.is_ready  # the self-check passed
-    await check_lossless(runner, model_dir, reference(model_dir, TINY_PROMPTS, 16), "best_first", "corpus", 16)
+    references = reference(model_dir, TINY_PROMPTS, 16)
+    if not runner.info().sequence_state_reason:
+        await check_lossless(runner, model_dir, references, "best_first", "corpus", 16)
+        return
+    # drafts on, a corpus that knows every answer: the scheduler sends none, and shares no prefix when the same
+    # prompts come again
+    async with speculative_stack(runner, model_dir, "best_first", "corpus", corpus_texts(references)) as stub:
+        for _ in range(2):
+            requests = [generate_request(f"r{i}", prompt_ids, max_tokens=16)
+                        for i, (prompt_ids, _) in enumerate(references.values())]
+            results = await asyncio.gather(*(collect(stub, r) for r in requests))
+            for (tokens, last), (prompt_ids, expected) in zip(results, references.values()):
+                assert isinstance(last, GenerateComplete) and last.finish_reason is not FinishReason.ERROR, last
+                assert tokens == expected
+        stats = await stub.GetStats(scheduler_pb2.StatsRequest())
+    assert stats.spec.num_verified == stats.spec.num_draft_tokens == 0
 
 
 def test_a_served_architecture_is_transformers_greedy_without_speculation(served):
@@ -88,7 +115,7 @@ def test_an_unsupported_architecture_is_refused_at_start_up_saying_why(name, tmp
 
 
 def test_the_self_check_can_be_skipped(tmp_path):
-    runner = runner_of(build_architecture("lfm2", tmp_path / "lfm2"), is_skip_self_check=True)
+    runner = runner_of(build_architecture("falcon_h1", tmp_path / "falcon_h1"), is_skip_self_check=True)
     assert runner.is_ready
 
 
@@ -116,7 +143,8 @@ def architecture_table() -> str:
     rows = ["| Architecture | Served by | Speculation | What it brings |", "|---|---|---|---|"]
     for name in LEAN + PLAIN:
         path = "lean decoder" if name in LEAN else "transformers' modules, paged attention"
-        rows.append(f"| {DISPLAY_NAMES[name]} | {path} | lossless | {NOTES.get(name, '')} |")
+        speculation = "off, no shared prefixes" if name in NO_DRAFTS else "lossless"
+        rows.append(f"| {DISPLAY_NAMES[name]} | {path} | {speculation} | {NOTES.get(name, '')} |")
     for name, why in REFUSED.items():
         reason = why.replace("\\", "").split(", so")[0]
         rows.append(f"| {DISPLAY_NAMES[name]} | refused at start-up | | {reason} |")
@@ -128,3 +156,38 @@ def test_the_docs_table_is_this_matrix():
 
     docs = (Path(__file__).parents[2] / "docs" / "engine.md").read_text()
     assert architecture_table() in docs, "docs/engine.md's table of architectures:\n" + architecture_table()
+
+
+def test_a_model_with_convolution_state_refuses_drafts_and_steps_past_its_state(tmp_path):
+    """LFM2: a draft, or a first step past a prefix (as a cached one would be), is refused whole before anything
+    changes; the sequences' states stay, and their next steps are transformers' greedy output still."""
+    from protos.segserve.v1.sampling import SamplingParams
+    from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+    from protos.segserve.v1.tree import CandidateTree
+    from worker.validation import InvalidRequest
+
+    model_dir = build_architecture("lfm2", tmp_path / "lfm2")
+    runner = runner_of(model_dir)
+    assert runner.kv_cache.shape.layer_kv_heads == (0, 2)  # the convolution layer has no KV cache
+    assert runner.kv_cache.keys[0].numel() == 0 < runner.kv_cache.keys[1].numel()
+    prompt = [5, 17, 42, 7, 99, 3]
+    first = runner.step(StepRequest([ScheduledSequence("a", prompt, 0, (0, 1), sample_indices=[len(prompt) - 1])],
+                                    [NewSequence("a", SamplingParams(), len(prompt))]))
+    token = first[0].token_ids[-1]
+    draft = ScheduledSequence("a", [token], len(prompt), (0, 1), draft=CandidateTree((1, 2), (-1, 0)))
+    with pytest.raises(InvalidRequest, match="'a': a draft, but the model's its layers \\[0\\] are short conv"):
+        runner.step(StepRequest([draft]))
+    past_prefix = ScheduledSequence("b", prompt[4:], 4, (2, 3))
+    with pytest.raises(InvalidRequest, match="'b' starts at token 4, where it has no convolution state"):
+        runner.step(StepRequest([past_prefix], [NewSequence("b", SamplingParams(), len(prompt))]))
+    tokens = [token]
+    for _ in range(5):
+        tokens += runner.step(StepRequest([ScheduledSequence("a", tokens[-1:], len(prompt) + len(tokens) - 1,
+                                                             (0, 1, 2, 3), sample_indices=[0])]))[0].token_ids
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(runner.device).eval()
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([prompt], device=runner.device), do_sample=False, max_new_tokens=6,
+                                  eos_token_id=None)[0, len(prompt):].tolist()
+    assert tokens == expected

@@ -111,7 +111,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "packed_steps", "block_table_deltas", "max_decode_steps", "step_stream")
+    __slots__ = ("model_name", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "packed_steps", "block_table_deltas", "max_decode_steps", "step_stream", "sequence_state_reason")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class WorkerInfo(_message.Message):
     BLOCK_TABLE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     MAX_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_STREAM_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     num_kv_blocks: int
     block_size: int
@@ -136,7 +137,8 @@ class WorkerInfo(_message.Message):
     block_table_deltas: bool
     max_decode_steps: int
     step_stream: bool
-    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., packed_steps: _Optional[bool] = ..., block_table_deltas: _Optional[bool] = ..., max_decode_steps: _Optional[int] = ..., step_stream: _Optional[bool] = ...) -> None: ...
+    sequence_state_reason: str
+    def __init__(self, model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., packed_steps: _Optional[bool] = ..., block_table_deltas: _Optional[bool] = ..., max_decode_steps: _Optional[int] = ..., step_stream: _Optional[bool] = ..., sequence_state_reason: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -42,6 +42,9 @@ class WorkerInfo:
     step_stream: bool = False
     """The worker's server serves Worker.StepStream (steps over one stream); set by the server, which owns the
     wire."""
+    sequence_state_reason: str = ""
+    """Why the worker takes neither drafts nor cached prefixes: its model keeps state per sequence besides the KV
+    cache, which runs from each token to the next (LFM2's convolutions). Empty: it takes both."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
@@ -52,13 +55,13 @@ class WorkerInfo:
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
             device=self.device, dtype=self.dtype, packed_steps=self.packed_steps,
             block_table_deltas=self.block_table_deltas, max_decode_steps=self.max_decode_steps,
-            step_stream=self.step_stream)
+            step_stream=self.step_stream, sequence_state_reason=self.sequence_state_reason)
 
     @classmethod
     def from_pb(cls, pb: common_pb2.WorkerInfo) -> WorkerInfo:
         return cls(pb.model_name, pb.num_kv_blocks, pb.block_size, pb.max_model_len, pb.vocab_size,
                    tuple(pb.eos_token_ids), pb.device, pb.dtype, pb.packed_steps, pb.block_table_deltas,
-                   max(1, pb.max_decode_steps), pb.step_stream)
+                   max(1, pb.max_decode_steps), pb.step_stream, pb.sequence_state_reason)
 
 
 @dataclass(frozen=True)
