@@ -160,7 +160,8 @@ def test_the_docs_table_is_this_matrix():
 
 def test_a_model_with_convolution_state_refuses_drafts_and_steps_past_its_state(tmp_path):
     """LFM2: a draft, or a first step past a prefix (as a cached one would be), is refused whole before anything
-    changes; the sequences' states stay, and their next steps are transformers' greedy output still."""
+    changes; the sequences' states stay, and their next steps are transformers' greedy output still, through a
+    preemption (the sequence computed again from position 0 into other blocks) too."""
     from protos.segserve.v1.sampling import SamplingParams
     from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
     from protos.segserve.v1.tree import CandidateTree
@@ -181,13 +182,26 @@ def test_a_model_with_convolution_state_refuses_drafts_and_steps_past_its_state(
     with pytest.raises(InvalidRequest, match="'b' starts at token 4, where it has no convolution state"):
         runner.step(StepRequest([past_prefix], [NewSequence("b", SamplingParams(), len(prompt))]))
     tokens = [token]
+
+    def decode() -> None:
+        tokens.extend(runner.step(StepRequest([ScheduledSequence("a", tokens[-1:], len(prompt) + len(tokens) - 1,
+                                                                 (0, 1, 2, 3), sample_indices=[0])]))[0].token_ids)
+
     for _ in range(5):
-        tokens += runner.step(StepRequest([ScheduledSequence("a", tokens[-1:], len(prompt) + len(tokens) - 1,
-                                                             (0, 1, 2, 3), sample_indices=[0])]))[0].token_ids
+        decode()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(runner.device).eval()
+    # preempted, as the scheduler does it: everything so far computed again from position 0 (its logits are
+    # transformers' at every position, so no state of before leaks in), then decoding on
+    known = prompt + tokens
+    logits = runner.forward(StepRequest([ScheduledSequence("a", known, 0, (4, 5, 6, 7),
+                                                           sample_indices=list(range(len(known))))]))
     with torch.inference_mode():
-        expected = model.generate(torch.tensor([prompt], device=runner.device), do_sample=False, max_new_tokens=6,
+        reference_logits = model(torch.tensor([known], device=runner.device)).logits[0].float()
+        expected = model.generate(torch.tensor([prompt], device=runner.device), do_sample=False, max_new_tokens=8,
                                   eos_token_id=None)[0, len(prompt):].tolist()
+    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)
+    tokens.append(int(logits[-1].argmax()))
+    decode()
     assert tokens == expected
