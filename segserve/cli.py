@@ -90,19 +90,20 @@ def _serve_command(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a service died starting: the reason, not the launcher's traceback
         print(f"segserve: {exc}", file=sys.stderr, flush=True)
         return 1
-    with stack:
+    try:
         model_name = stack.config.worker.served_model_name or Path(stack.config.worker.model).name
         grpc_api = f", gRPC API on {stack.grpc_address}" if stack.grpc_address else ""
         print(f"segserve is ready: {stack.base_url}/v1 serving {model_name!r}{grpc_api}; Ctrl-C stops it",
               flush=True)
-        try:
-            Supervisor(stack, policy, ready_timeout_s=config.startup_timeout_s).run()
-        except KeyboardInterrupt:
-            print("\nshutting down", flush=True)
-        except GaveUp as exc:
-            print(f"segserve: stopping the stack: {exc}", file=sys.stderr, flush=True)
-            return 1
-        return 0
+        Supervisor(stack, policy, ready_timeout_s=config.startup_timeout_s).run()
+    except KeyboardInterrupt:
+        print("\nshutting down", flush=True)
+    except GaveUp as exc:
+        print(f"segserve: stopping the stack: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stack.stop()
+    return 0
 
 
 def _worker_command(args: argparse.Namespace) -> int:
