@@ -17,7 +17,13 @@ import torch
 
 from protos.segserve.v1 import scheduler_pb2
 from protos.segserve.v1.generate import FinishReason, GenerateComplete
-from tests.e2e.test_spec_lossless import TINY_PROMPTS, check_lossless, corpus_texts, reference, speculative_stack
+from tests.e2e.test_spec_lossless import (
+    TINY_PROMPTS,
+    check_lossless,
+    corpus_texts,
+    reference,
+    speculative_stack,
+)
 from tests.scheduler.test_service import collect, generate_request
 from tests.support.architectures import DISPLAY_NAMES, LEAN, build_architecture
 from tests.support.devices import TEST_DEVICE
