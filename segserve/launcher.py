@@ -107,7 +107,8 @@ _HEALTH_STUBS = {"worker": worker_pb2_grpc.WorkerStub, "drafter": drafter_pb2_gr
                  "scheduler": scheduler_pb2_grpc.SchedulerStub}
 """The stub whose Health RPC says a service is ready, by its command."""
 _TAIL_LINES = 200
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Failed|Exit)(?:: |$)|^segserve: error: ")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Failed|Exit)(?:: |$)"
+                             r"|^segserve: error: ")
 """The last line of a Python traceback (`worker.self_check.SelfCheckFailed: BloomForCausalLM is not served: ...`)
 or the CLI's error line (a bad flag, a model the worker cannot size)."""
 
