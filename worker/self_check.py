@@ -2,23 +2,25 @@
 
 The worker runs transformers' modules under its own attention (worker/attention.py), cache and step loop. A model
 whose layers do something that path does not carry would be served with wrong text and no warning: attention
-that never calls the attention interface (unmasked, unpaged), state besides attention's keys and values
-(convolution or SSM state, which a step does not hand to the next), an attention keyword the paged attention
-does not implement (those raise UnsupportedAttention as they come). So at warm-up the worker runs a short prompt,
-two decode steps and a draft tree through its own path (paged KV, its linears, compiled layers and
-decode graphs where on, a tree), and the same tokens through transformers' eager forward in one causal pass. When
-the logits differ by more than the dtype's tolerance, the worker refuses to start, naming the architecture, where
-the paths part, and why that usually is.
+that never calls the attention interface (unmasked, unpaged), state besides attention's keys and values that the
+worker does not hand from a step to the next (an SSM's; LFM2's convolutions it does carry), an attention keyword
+the paged attention does not implement (those raise UnsupportedAttention as they come). So at warm-up the worker
+runs a short prompt, two decode steps and a draft tree through its own path (paged KV, its linears, compiled
+layers and decode graphs where on, a tree), and the tree's paths through transformers' eager forward, each in one
+causal pass. When the logits differ by more than the dtype's tolerance, the worker refuses to start, naming the
+architecture, the first position and the first decoder layer where the paths part (both replayed with a hook on
+each layer), and why that usually is.
 
 Costs: the worker's four steps and two reference forwards of 17 tokens or fewer, a few hundred milliseconds on the
-default model on a CPU (the log says). A model that takes no drafts (worker/short_conv.py) verifies its last three
-tokens as a plain step instead of a tree.
-`--skip-self-check` skips it. A tensor-parallel worker skips it: its architectures are the lean decoders', which
+default model on a CPU (the log says); a refusal replays the tokens once more. A model that takes no drafts
+(worker/short_conv.py) verifies its last three tokens as a plain step instead of a tree. `--skip-self-check` skips
+it. A tensor-parallel worker skips it: its architectures are the lean decoders', which
 tests/worker/test_tensor_parallel.py holds to one device's logits.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -59,7 +61,9 @@ def run(runner) -> float:
     tolerance = TOLERANCE[runner.dtype] * scale
     if difference.max().item() > tolerance:
         first = int(torch.nonzero(difference > tolerance)[0])
-        raise SelfCheckFailed(_diagnosis(runner, blocks, first, difference[first].item(), tolerance))
+        tokens, position = (path, first) if first < len(path) else (branch, len(branch) - 1)
+        layer = _first_layer_apart(runner, tokens, position)
+        raise SelfCheckFailed(_diagnosis(runner, blocks, first, difference[first].item(), tolerance, layer))
     seconds = time.perf_counter() - started
     logger.info("self-check passed in %.2f s: the worker's logits are within %.1e of transformers' (tolerance %.1e)",
                 seconds, difference.max().item(), tolerance)
@@ -116,19 +120,73 @@ def _reference_logits(runner, tokens: list[int]) -> torch.Tensor:
             model.model.forward = compiled.forward
 
 
-def _diagnosis(runner, blocks: tuple[int, ...], position: int, difference: float, tolerance: float) -> str:
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(getattr(getattr(model, "model", model), "layers", None) or
+                getattr(getattr(model, "transformer", model), "h", None) or [])
+
+
+def _first_layer_apart(runner, tokens: list[int], position: int) -> int | None:
+    """The first decoder layer whose output at `position` differs beyond the tolerance between the worker's path
+    (the tokens up to `position` again: the prompt in one step, then a step per token) and the reference's; None
+    when the worker's path runs no transformers layer (a lean decoder) or no layer differs."""
+    layers = _decoder_layers(runner.model)
+    ours = _layer_outputs(layers, lambda: _replay(runner, tokens, position), position if position < PROMPT_LEN else -1)
+    theirs = _layer_outputs(layers, lambda: _reference_logits(runner, tokens[:position + 1]), -1)
+    for index, (mine, reference) in enumerate(zip(ours, theirs)):
+        if mine is None or reference is None:
+            return None
+        if (mine - reference).abs().max() > TOLERANCE[runner.dtype] * max(1.0, reference.abs().max().item()):
+            return index
+    return None
+
+
+def _replay(runner, tokens: list[int], position: int) -> None:
+    """The tokens through the worker's steps as far as `position`: the prompt in one step, then a step per token."""
+    blocks = tuple(range(-(-max(position + 1, PROMPT_LEN) // runner.kv_cache.block_size)))
+    try:
+        runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[:PROMPT_LEN], 0, blocks,
+                                                      sample_indices=[PROMPT_LEN - 1])],
+                                   [NewSequence(SEQ_ID, SamplingParams(), PROMPT_LEN)]))
+        for index in range(PROMPT_LEN, position + 1):
+            runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[index:index + 1], index, blocks,
+                                                          sample_indices=[0])]))
+    finally:
+        runner.step(StepRequest(finished_seq_ids=[SEQ_ID]))
+
+
+def _layer_outputs(layers: list[torch.nn.Module], run, row: int) -> list[torch.Tensor | None]:
+    """Each layer's output at token `row` of its last call while run() runs (None: not called), float32."""
+    outputs: list[torch.Tensor | None] = [None] * len(layers)
+
+    def keep(index, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        outputs[index] = hidden[0, row].float().clone()
+
+    hooks = [layer.register_forward_hook(functools.partial(keep, index)) for index, layer in enumerate(layers)]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs
+
+
+def _diagnosis(runner, blocks: tuple[int, ...], position: int, difference: float, tolerance: float,
+               layer: int | None) -> str:
     """Why the paths part, as far as the worker can tell: which layers' attention never wrote the paged cache,
-    which layers keep no attention at all (their state is not carried between steps), or neither."""
+    which layers keep no attention at all (their state is not carried between steps), or neither; and the first
+    layer whose output differs, where known."""
     model = runner.model
     name = type(model).__name__
-    layers = list(getattr(getattr(model, "model", model), "layers", None) or
-                  getattr(getattr(model, "transformer", model), "h", None) or [])
+    layers = _decoder_layers(model)
     cache = runner.kv_cache
     unwritten = [i for i in range(cache.shape.num_layers) if not cache.keys[i][list(blocks)].any()]
     attention = {i for i, layer in enumerate(layers) if _has_attention(layer)}
     where = (f"the logits first differ at position {position} "
              f"({'the prompt' if position < PROMPT_LEN else 'a step after the prompt'}) by {difference:.3g}, "
              f"beyond the tolerance {tolerance:.3g}")
+    if layer is not None:
+        where += f", from layer {layer} ({type(layers[layer]).__name__}) on"
     stateful = sorted({type(m).__name__ for layer in layers for m in layer.modules()
                        if any(kind in type(m).__name__ for kind in STATEFUL_KINDS)})
     if attention and attention <= set(unwritten):

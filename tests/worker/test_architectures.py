@@ -5,8 +5,9 @@ own modules), and greedy output is transformers' `generate` with speculation (th
 and the worker) and without it. A model with state besides the KV cache (LFM2's convolutions) is served without
 drafts or shared prefixes, which the scheduler then never sends. Refused ones fail at start-up with an error that
 says why: attention that never calls the attention interface (Bloom), state the worker does not carry (the Mamba
-mixers of Falcon-H1 and Jamba, Qwen3-Next's gated delta rule). Mutations of the worker's attention (sinks dropped, an attention keyword unknown) are caught. The
-docs' table of architectures (docs/engine.md) is this matrix, rendered by architecture_table()."""
+mixers of Falcon-H1 and Jamba, Qwen3-Next's gated delta rule). Mutations of the worker's attention (sinks dropped,
+an attention keyword unknown) are caught. The docs' table of architectures (docs/engine.md) is this matrix,
+rendered by architecture_table()."""
 
 from __future__ import annotations
 
@@ -116,8 +117,9 @@ def test_a_served_architecture_is_transformers_greedy_without_speculation(served
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_an_unsupported_architecture_is_refused_at_start_up_saying_why(name, tmp_path):
-    with pytest.raises(SelfCheckFailed, match=REFUSED[name]):
+    with pytest.raises(SelfCheckFailed, match=REFUSED[name]) as refused:
         runner_of(build_architecture(name, tmp_path / name))
+    assert "from layer 0 (" in str(refused.value)  # where the paths part: each one's first layer already
 
 
 def test_the_self_check_can_be_skipped(tmp_path):
@@ -125,12 +127,20 @@ def test_the_self_check_can_be_skipped(tmp_path):
     assert runner.is_ready
 
 
-def test_dropping_the_sinks_is_caught_by_the_self_check(tmp_path, monkeypatch):
-    """The mutation check: GPT-OSS served as if it had no attention sinks."""
+@pytest.mark.parametrize("layers", [(0, 1), (1,)])
+def test_dropping_the_sinks_is_caught_by_the_self_check(layers, tmp_path, monkeypatch):
+    """The mutation check: GPT-OSS served as if it had no attention sinks, in every layer or in its second only;
+    the error names the first layer whose output parts from transformers'."""
     model_dir = build_architecture("gpt_oss", tmp_path / "gpt_oss")
-    original = attention._attend
-    monkeypatch.setattr(attention, "_attend", lambda *args: original(*args[:6]))  # sinks never reach the kernel
-    with pytest.raises(SelfCheckFailed, match="GptOssForCausalLM is not served.*position 0 \\(the prompt\\)"):
+    original = attention._attend_group
+
+    def attend_group(group, tokens_query, cache, layer, *rest):
+        return original(group, tokens_query, cache, layer, *rest[:3]) if layer in layers else original(
+            group, tokens_query, cache, layer, *rest)  # rest[3]: the sinks, which never reach the kernel
+
+    monkeypatch.setattr(attention, "_attend_group", attend_group)
+    with pytest.raises(SelfCheckFailed, match=f"GptOssForCausalLM is not served.*position 0 \\(the prompt\\).*"
+                                              f"from layer {layers[0]} \\(GptOssDecoderLayer\\) on"):
         runner_of(model_dir)
 
 
