@@ -41,10 +41,9 @@ class KVCacheShape:
 
     @classmethod
     def from_model_config(cls, config) -> KVCacheShape:
-        """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2: kv_lora_rank) is cached as the keys and values its
-        latent expands to, every attention head's: keys of qk_nope_head_dim + qk_rope_head_dim, values of
-        v_head_dim. That is what transformers' attention hands the attention function; caching the latent itself
-        would take far less memory, and is not done yet."""
+        """Multi-head latent attention (kv_lora_rank) that worker/latent_attention.py does not serve from its latent
+        (DeepSeek-V2's) is cached as the keys and values its latent expands to, every attention head's: keys of
+        qk_nope_head_dim + qk_rope_head_dim, values of v_head_dim, as transformers hands them to the attention."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = text.num_attention_heads
         if getattr(text, "kv_lora_rank", None):

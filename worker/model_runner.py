@@ -62,7 +62,7 @@ from worker.sharded_load import check_shardable, load_shard, peak_host_gib
 from worker.tensor_parallel import RankGroup
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
-from worker import self_check, short_conv
+from worker import latent_attention, self_check, short_conv
 from worker.short_conv import Span
 from worker.validation import InvalidRequest, StepLimits
 from worker.verify import NON_FINITE, Sampled, kv_moves, sample_works, step_paths
@@ -119,12 +119,16 @@ class ModelRunner:
         self.is_compiled_layers = config.uses_compiled_layers(self.device.type, has_lean)
         if (is_graphs or self.is_compiled_layers) and not has_lean:
             raise ValueError(f"{type(self.model).__name__} has no lean decoder for cuda_graphs or compiled_layers")
+        self.latent = latent_attention.attach(self.model)  # before the linears are packed: it keeps kv_b_proj's
+        """Multi-head latent attention's latent widths, which the KV cache holds (worker/latent_attention.py), or
+        None."""
         self._prepare_linears(config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
         self.conv_states = short_conv.attach(self.model)
         """The sequences' short-convolution states (LFM2; worker/short_conv.py), or None: a model without."""
-        if self.conv_states is not None and config.is_compiled:
-            raise ValueError(f"{type(self.model).__name__}'s short convolutions run eagerly only: drop --compiled")
+        if (self.conv_states is not None or self.latent is not None) and config.is_compiled:
+            raise ValueError(f"{type(self.model).__name__}'s short convolutions and latent attention run eagerly only: "
+                             "drop --compiled")
         self.compiled_decoder = CompiledDecoder(self.model) if config.is_compiled else None
         """The compiled decoder (config.is_compiled), or None."""
         regions = compiled_regions if self.is_compiled_layers else None
@@ -137,7 +141,9 @@ class ModelRunner:
                            type(self.model).__name__, max_len)
         if config.max_model_len > max_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
-        shape = KVCacheShape.from_model_config(self.model.config)
+        text_config = self.model.config.get_text_config()
+        shape = (self.latent.cache_shape(text_config.num_hidden_layers) if self.latent is not None
+                 else KVCacheShape.from_model_config(self.model.config))
         num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
         num_scratch = 1 if is_graphs else 0  # a block the scheduler never gets, for the graphs' padding
         self.kv_cache = PagedKVCache(shape, num_blocks + num_scratch, config.block_size, self.dtype, self.device)

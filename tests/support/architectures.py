@@ -28,6 +28,9 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "bloom": ("Bloom", dict(n_embd=64, n_layer=2, n_head=4, initializer_range=0.3, max_position_embeddings=None)),
     "lfm2": ("Lfm2", dict(**GQA, layer_types=["conv", "full_attention"], block_dim=64, block_ff_dim=128,
                           conv_L_cache=3)),
+    "deepseek_v2": ("DeepseekV2", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                                       qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                       n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32)),
     "deepseek_v3": ("DeepseekV3", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                                        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                                        topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32)),
@@ -68,6 +71,6 @@ def build_architecture(name: str, out_dir: Path, seed: int = 0) -> Path:
 DISPLAY_NAMES = {"gemma3": "Gemma 3", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
                  "phi3": "Phi-3", "gemma2": "Gemma 2", "olmo": "OLMo", "granite": "Granite", "qwen3_moe": "Qwen3-MoE",
                  "gpt_oss": "GPT-OSS", "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "bloom": "Bloom", "lfm2": "LFM2",
-                 "falcon_h1": "Falcon-H1", "deepseek_v3": "DeepSeek-V3", "jamba": "Jamba",
+                 "falcon_h1": "Falcon-H1", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "jamba": "Jamba",
                  "qwen3_next": "Qwen3-Next"}
 """How the docs name each architecture."""

@@ -33,7 +33,8 @@ from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.self_check import SelfCheckFailed
 
-PLAIN = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox", "deepseek_v3", "lfm2")
+PLAIN = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox", "deepseek_v2", "deepseek_v3",
+         "lfm2")
 """Served through transformers' own modules under the paged attention."""
 NO_DRAFTS = ("lfm2",)
 """Served without drafts or shared prefixes: state besides the KV cache runs from token to token
@@ -45,7 +46,8 @@ NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-
          "granite": "embedding, residual and logit multipliers", "qwen3_moe": "mixture of experts",
          "gpt_oss": "attention sinks, sliding window, mixture of experts", "gpt2": "learned positions",
          "gpt_neox": "partial rotary, parallel residual",
-         "deepseek_v3": "multi-head latent attention (keys and values cached expanded), mixture of experts",
+         "deepseek_v2": "multi-head latent attention (keys and values cached expanded), mixture of experts",
+         "deepseek_v3": "multi-head latent attention (the latent cached), mixture of experts",
          "lfm2": "short convolutions, their state carried per sequence; no KV cache in their layers"}
 """What each served architecture brings that the worker's path carries."""
 REFUSED = {
@@ -172,6 +174,17 @@ def test_the_docs_table_is_this_matrix():
 
     docs = (Path(__file__).parents[2] / "docs" / "engine.md").read_text()
     assert architecture_table() in docs, "docs/engine.md's table of architectures:\n" + architecture_table()
+
+
+def test_deepseek_v3_caches_its_latent_and_deepseek_v2_the_expanded_keys_and_values(tmp_path):
+    """DeepSeek-V3's KV cache holds one head per token: its latent and rotary key (kv_lora_rank + qk_rope_head_dim
+    16 + 8) and the latent again as the value (16); DeepSeek-V2's, every head's expanded key (16 + 8) and value (16)."""
+    from worker.kv_cache import KVCacheShape
+
+    v3 = runner_of(build_architecture("deepseek_v3", tmp_path / "v3"))
+    assert v3.kv_cache.shape == KVCacheShape(2, num_kv_heads=1, head_dim=24, value_head_dim=16)
+    v2 = runner_of(build_architecture("deepseek_v2", tmp_path / "v2"))
+    assert v2.latent is None and v2.kv_cache.shape == KVCacheShape(2, num_kv_heads=4, head_dim=24, value_head_dim=16)
 
 
 def test_a_model_with_convolution_state_refuses_drafts_and_steps_past_its_state(tmp_path):
