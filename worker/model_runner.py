@@ -134,14 +134,14 @@ class ModelRunner:
         regions = compiled_regions if self.is_compiled_layers else None
         self._lean = lean_decoder(self.model, regions) if has_lean else None
         """The model's lean forward (worker/lean_decoder.py), or None: transformers' forward."""
-        max_len = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        text_config = self.model.config.get_text_config()
+        max_len = getattr(text_config, "max_position_embeddings", None)
         if max_len is None:  # positions without a table (ALiBi: Bloom)
             max_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
             logger.warning("%s declares no max_position_embeddings: serving up to %d tokens (--max-model-len)",
                            type(self.model).__name__, max_len)
         if config.max_model_len > max_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
-        text_config = self.model.config.get_text_config()
         shape = (self.latent.cache_shape(text_config.num_hidden_layers) if self.latent is not None
                  else KVCacheShape.from_model_config(self.model.config))
         num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
