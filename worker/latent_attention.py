@@ -1,5 +1,5 @@
-"""Multi-head latent attention served from its latent: DeepSeek-V3's (and Kimi K2's) KV cache holds each token's
-latent, not every head's key and value.
+"""Multi-head latent attention served from its latent: DeepSeek-V3's KV cache holds each token's latent, not every
+head's key and value.
 
 transformers' DeepseekV3Attention compresses each token into a latent c (kv_lora_rank wide, normed) and a rotary key
 k_rot (qk_rope_head_dim wide, shared by the heads), then expands both with kv_b_proj into every head's key
