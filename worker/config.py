@@ -75,9 +75,10 @@ class WorkerConfig:
     are compiled before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
     max_num_batched_tokens (256 by default) is the most a step holds."""
     is_skip_self_check: bool = False
-    """Skip the start-up self-check (worker/self_check.py): a prompt, decode steps and a draft tree through the
-    worker's path and transformers' eager forward; logits apart beyond the dtype's tolerance refuse the start,
-    naming why. For operators who have checked the model's output themselves."""
+    """Skip the start-up check of the worker's logits against transformers'. The self-check (worker/self_check.py)
+    runs a prompt, decode steps and a draft tree through the worker's path and transformers' eager forward; logits
+    apart beyond the dtype's tolerance refuse the start, naming why. For operators who have checked the model's
+    output themselves."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (tensor parallelism). Its attention heads, MLP columns, vocabulary and KV cache
     are divided among N processes (worker/tensor_parallel.py), one device each (cuda:0..N-1 on a GPU machine, gloo between
