@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
 
 from drafter.config import DrafterConfig
@@ -109,8 +111,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 def _worker_command(args: argparse.Namespace) -> int:
     from worker.server import serve
 
-    _stop_on_sigterm()  # so that serve() turns NOT_SERVING and lets the step under way finish
-    asyncio.run(serve(from_args(WorkerConfig, args)))
+    _run_until_signalled(serve(from_args(WorkerConfig, args)))  # it turns NOT_SERVING, the step under way finishes
     return 0
 
 
@@ -131,8 +132,7 @@ def _router_command(args: argparse.Namespace) -> int:
 def _drafter_command(args: argparse.Namespace) -> int:
     from drafter.server import serve
 
-    _stop_on_sigterm()  # so that serve() saves its corpora on the way out
-    asyncio.run(serve(from_args(DrafterConfig, args)))
+    _run_until_signalled(serve(from_args(DrafterConfig, args)))  # it saves its corpora on the way out
     return 0
 
 
@@ -188,6 +188,23 @@ def _watermark_detect_command(args: argparse.Namespace) -> int:
     config = AutoConfig.from_pretrained(model_dir).get_text_config()
     print(json.dumps(detect(token_ids, config, args.z_threshold)))
     return 0
+
+
+def _run_until_signalled(main: Coroutine) -> None:
+    """Run a service's `main` until it returns, or SIGTERM or SIGINT cancels it: its finally blocks then stop it
+    gracefully. The event loop takes the signal (add_signal_handler), so it never arrives as an exception raised
+    wherever the main thread happens to be: raised inside a gRPC callback, one is swallowed ("Exception ignored in
+    CallbackWrapper.functor_run"), and the service outlived SIGTERM until it was killed (a drafter, its corpora
+    and spans unsaved)."""
+
+    async def run() -> None:
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        await main
+
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(run())
 
 
 def _stop_on_sigterm() -> None:

@@ -286,10 +286,11 @@ class Stack:
                 if name.split("-")[0] == role and proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for proc in self.processes.values():
+        for name, proc in self.processes.items():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                print(f"segserve: {name} outlived SIGTERM by {timeout_s:g} s: killed", file=sys.stderr, flush=True)
                 proc.kill()
                 proc.wait()
         self.processes.clear()
