@@ -20,9 +20,11 @@ tests/worker/test_tensor_parallel.py holds to one device's logits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -77,17 +79,12 @@ def _worker_logits(runner, prompt: list[int], is_tree: bool
     as token lists (the chain's path, whose positions are the first 17 rows; the sibling's, whose last is the
     18th) and the blocks the sequence used (free again after). Without is_tree (a model that takes no drafts),
     the chain is a plain step of three tokens: 17 rows, and no sibling's path."""
-    num_tokens = PROMPT_LEN + 6
-    blocks = tuple(range(-(-num_tokens // runner.kv_cache.block_size)))
-    new = NewSequence(SEQ_ID, SamplingParams(), PROMPT_LEN)
-    rows = [runner.forward(StepRequest([ScheduledSequence(SEQ_ID, prompt, 0, blocks,
-                                                          sample_indices=list(range(PROMPT_LEN)))], [new]))]
-    tokens = list(prompt)
-    try:
+    with _sequence(runner, PROMPT_LEN + 6) as blocks:
+        rows = [_prompt_step(runner, prompt, blocks, sample_indices=list(range(PROMPT_LEN)))]
+        tokens = list(prompt)
         for _ in range(2):  # decode steps, one token each (the decode graphs' kind where they are on)
             tokens.append(int(rows[-1][-1].argmax()))
-            rows.append(runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[-1:], len(tokens) - 1, blocks,
-                                                                      sample_indices=[0])])))
+            rows.append(_decode_step(runner, tokens[-1], len(tokens) - 1, blocks))
         tokens.append(int(rows[-1][-1].argmax()))
         first, second, sibling = ((tokens[-1] + k) % rows[-1].shape[-1] for k in (1, 2, 3))
         if is_tree:
@@ -97,8 +94,6 @@ def _worker_logits(runner, prompt: list[int], is_tree: bool
             last = ScheduledSequence(SEQ_ID, [tokens[-1], first, second], len(tokens) - 1, blocks,
                                      sample_indices=[0, 1, 2])
         rows.append(runner.forward(StepRequest([last])))
-    finally:
-        runner.step(StepRequest(finished_seq_ids=[SEQ_ID]))
     return torch.cat(rows).float(), [*tokens, first, second], [*tokens, sibling] if is_tree else [], blocks
 
 
@@ -142,16 +137,29 @@ def _first_layer_apart(runner, tokens: list[int], position: int) -> int | None:
 
 def _replay(runner, tokens: list[int], position: int) -> None:
     """The tokens through the worker's steps as far as `position`: the prompt in one step, then a step per token."""
-    blocks = tuple(range(-(-max(position + 1, PROMPT_LEN) // runner.kv_cache.block_size)))
-    try:
-        runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[:PROMPT_LEN], 0, blocks,
-                                                      sample_indices=[PROMPT_LEN - 1])],
-                                   [NewSequence(SEQ_ID, SamplingParams(), PROMPT_LEN)]))
+    with _sequence(runner, max(position + 1, PROMPT_LEN)) as blocks:
+        _prompt_step(runner, tokens[:PROMPT_LEN], blocks, sample_indices=[PROMPT_LEN - 1])
         for index in range(PROMPT_LEN, position + 1):
-            runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[index:index + 1], index, blocks,
-                                                          sample_indices=[0])]))
+            _decode_step(runner, tokens[index], index, blocks)
+
+
+@contextlib.contextmanager
+def _sequence(runner, num_tokens: int) -> Iterator[tuple[int, ...]]:
+    """The blocks of the check's sequence of num_tokens tokens; the sequence is released on the way out."""
+    try:
+        yield tuple(range(-(-num_tokens // runner.kv_cache.block_size)))
     finally:
         runner.step(StepRequest(finished_seq_ids=[SEQ_ID]))
+
+
+def _prompt_step(runner, prompt: list[int], blocks: tuple[int, ...], sample_indices: list[int]) -> torch.Tensor:
+    new = NewSequence(SEQ_ID, SamplingParams(), len(prompt))
+    return runner.forward(StepRequest([ScheduledSequence(SEQ_ID, prompt, 0, blocks, sample_indices=sample_indices)],
+                                      [new]))
+
+
+def _decode_step(runner, token: int, position: int, blocks: tuple[int, ...]) -> torch.Tensor:
+    return runner.forward(StepRequest([ScheduledSequence(SEQ_ID, [token], position, blocks, sample_indices=[0])]))
 
 
 def _layer_outputs(layers: list[torch.nn.Module], run, row: int) -> list[torch.Tensor | None]:
