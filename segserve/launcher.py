@@ -15,7 +15,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from protos.segserve.v1 import common_pb2, drafter_pb2_grpc, scheduler_pb2_grpc,
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from common.checkpoint import resolve_model
+from common.ports import free_port
 from segserve.flags import env_names, to_argv, to_env
 from common.tls import internal_tls, open_blocking_channel
 from worker.config import WorkerConfig
@@ -102,7 +102,10 @@ class StackConfig:
             raise ValueError("Ray workers need the scheduler's ray_address (--ray-address)")
 
 
-_ROUTER_PORT_ATTEMPTS = 3
+_PORT_ATTEMPTS = 3
+"""Spawns of a service whose port the launcher picked, when the port is taken before the service binds it."""
+_PORT_TAKEN = re.compile(r"cannot bind .+ to \S+:\d+$")
+"""The end of the error of a worker, drafter or scheduler that found its port taken."""
 _HEALTH_STUBS = {"worker": worker_pb2_grpc.WorkerStub, "drafter": drafter_pb2_grpc.DrafterStub,
                  "scheduler": scheduler_pb2_grpc.SchedulerStub}
 """The stub whose Health RPC says a service is ready, by its command."""
@@ -123,11 +126,6 @@ def _forward(name: str, output: IO[bytes], tail: deque[str]) -> None:
         with contextlib.suppress(Exception):  # a closed or replaced stdout: the line is kept in the tail only
             print(prefix + text, flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def replica_name(service: str, index: int) -> str:
@@ -187,39 +185,50 @@ class Stack:
             workers = [dataclasses.replace(worker, compute_cpus=format_cpu_list(cpus))
                        for worker, cpus in zip(workers, cpu_sets[0])]
             self._service_cpus = cpu_sets[1]
-        worker = workers[0]
         self.worker_configs = workers
         deadline = time.monotonic() + cfg.startup_timeout_s
-        if cfg.is_ray_workers:
-            worker_addresses = self._start_ray_workers(workers, deadline)
-        else:
-            worker_addresses = [f"{w.host}:{w.port}" for w in workers]
-        worker_address = ",".join(worker_addresses)
-        drafters = self.drafter_configs = self._drafter_configs(model_dir)
-        drafter_addresses = [f"{d.host}:{d.port}" for d in drafters]
-        scheduler = dataclasses.replace(cfg.scheduler, worker_address=worker_address,
-                                        drafter_addresses=drafter_addresses, port=cfg.scheduler.port or free_port(),
-                                        max_draft_nodes=cfg.scheduler.max_draft_nodes if cfg.is_speculative else 0)
-        router = dataclasses.replace(cfg.router, model=model_dir, scheduler_address=f"{scheduler.host}:{scheduler.port}",
-                                     served_model_name=cfg.router.served_model_name or worker.served_model_name)
-        self.config = dataclasses.replace(cfg, worker=worker, scheduler=scheduler, router=router,
-                                          drafter=drafters[0] if drafters else cfg.drafter)
+        self.drafter_configs = self._drafter_configs(model_dir)
         try:
-            if not cfg.is_ray_workers:
-                for i, config in enumerate(workers):
-                    self._spawn(replica_name("worker", i), config, "worker")
-                for i in range(len(workers)):
-                    self._wait_until_ready(replica_name("worker", i), deadline)
-            for i, drafter in enumerate(drafters):
-                self._spawn(replica_name("drafter", i), drafter, "drafter")
-            for i in range(len(drafters)):
-                self._wait_until_ready(replica_name("drafter", i), deadline)
+            if cfg.is_ray_workers:
+                worker_addresses = self._start_ray_workers(workers, deadline)
+            else:
+                self._start_replicas("worker", deadline, is_port_picked=ports == [0] * cfg.num_workers)
+                worker_addresses = [f"{w.host}:{w.port}" for w in self.worker_configs]
+            self._start_replicas("drafter", deadline, is_port_picked=not cfg.drafter.port or cfg.num_drafters > 1)
+            drafters = self.drafter_configs
+            scheduler = dataclasses.replace(cfg.scheduler, worker_address=",".join(worker_addresses),
+                                            drafter_addresses=[f"{d.host}:{d.port}" for d in drafters],
+                                            port=cfg.scheduler.port or free_port(),
+                                            max_draft_nodes=cfg.scheduler.max_draft_nodes if cfg.is_speculative else 0)
+            router = dataclasses.replace(cfg.router, model=model_dir,
+                                         served_model_name=cfg.router.served_model_name or workers[0].served_model_name)
+            self.config = dataclasses.replace(cfg, worker=self.worker_configs[0], scheduler=scheduler, router=router,
+                                              drafter=drafters[0] if drafters else cfg.drafter)
             scheduler = self._start_scheduler(scheduler, deadline, is_port_picked=not cfg.scheduler.port)
             router = dataclasses.replace(router, scheduler_address=f"{scheduler.host}:{scheduler.port}")
             self._start_router(router, deadline)
         except BaseException:
             self.stop()
             raise
+
+    def _start_replicas(self, role: str, deadline: float, is_port_picked: bool) -> None:
+        """Spawn every worker or drafter replica (self.worker_configs or self.drafter_configs), then wait until each
+        is ready. A replica that dies at start-up because its port, picked by this launcher, was bound by another
+        process in the meantime is started again on a port picked anew: the scheduler is told the addresses only
+        once all are ready."""
+        configs = self.worker_configs if role == "worker" else self.drafter_configs
+        for i, config in enumerate(configs):
+            self._spawn(replica_name(role, i), config, role)
+        for i in range(len(configs)):
+            for attempt in range(1, _PORT_ATTEMPTS + 1):
+                try:
+                    self._wait_until_ready(replica_name(role, i), deadline)
+                    break
+                except RuntimeError as exc:
+                    if not is_port_picked or attempt == _PORT_ATTEMPTS or not _PORT_TAKEN.search(str(exc)):
+                        raise
+                configs[i] = dataclasses.replace(configs[i], port=free_port())
+                self._spawn(replica_name(role, i), configs[i], role)
 
     def _start_ray_workers(self, workers: list[WorkerConfig], deadline: float) -> list[str]:
         """Start one WorkerActor per config on the scheduler's Ray cluster; their addresses once all are ready."""
@@ -306,7 +315,7 @@ class Stack:
     def _start_scheduler(self, scheduler: SchedulerConfig, deadline: float, is_port_picked: bool) -> SchedulerConfig:
         """Spawn the scheduler and wait until it serves; returns its config. A port picked here is picked again if
         the scheduler dies at start-up: Ray starts its own processes, which open ports, before the scheduler binds."""
-        attempts = _ROUTER_PORT_ATTEMPTS if is_port_picked else 1
+        attempts = _PORT_ATTEMPTS if is_port_picked else 1
         for attempt in range(1, attempts + 1):
             if attempt > 1:
                 scheduler = dataclasses.replace(scheduler, port=free_port())
@@ -325,7 +334,7 @@ class Stack:
         before the spawn, and picked again if the router dies at start-up: while the other services started,
         any of them (Ray opens ports of its own) may have bound the one picked earlier."""
         is_grpc_picked = router.is_grpc_api and not router.grpc_port
-        attempts = _ROUTER_PORT_ATTEMPTS if not router.port or is_grpc_picked else 1
+        attempts = _PORT_ATTEMPTS if not router.port or is_grpc_picked else 1
         for attempt in range(1, attempts + 1):
             config = router if router.port else dataclasses.replace(router, port=free_port())
             if is_grpc_picked:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from common.ports import free_port
 from segserve.bench.loadgen import RequestRecord
 from segserve.bench.report import decode_tokens_per_s, inter_token_gaps, percentile
 
@@ -29,11 +29,6 @@ from segserve.bench.report import decode_tokens_per_s, inter_token_gaps, percent
 class PeerStartError(RuntimeError):
     """The peer server did not become ready (it exited, or the wait ran out)."""
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def offline_env() -> dict:

@@ -165,7 +165,7 @@ def _recorder_counters(base_url: str) -> dict[str, float]:
 
 def measure_routers(config: ReflowBenchConfig, model_dir: Path, workdir: Path, log_dir: Path) -> dict:
     """Start the paced scheduler and both routers, warm up, run the alternating rounds, stop them."""
-    from segserve.launcher import free_port
+    from common.ports import free_port
 
     scheduler_address = f"127.0.0.1:{free_port()}"
     queue_url = f"sqlite:///{workdir / 'queue.db'}"

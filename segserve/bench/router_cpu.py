@@ -221,7 +221,7 @@ def measure_router(config: RouterBenchConfig, model_dir: Path, log_dir: Path, wo
     """Start the paced scheduler and the router (with --tracing, the OTLP receiver and a traced router too), warm
     up, run the rounds, stop them."""
     from segserve.bench.reflow import _router_argv, _spawn, _stop, _wait_ready
-    from segserve.launcher import free_port
+    from common.ports import free_port
 
     scheduler_address = f"127.0.0.1:{free_port()}"
     scheduler = _spawn("paced-scheduler", ["segserve.bench.paced_scheduler", "--model", str(model_dir), "--port",

@@ -34,11 +34,12 @@ from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server as start_scheduler, stop_server
 from segserve.client import Client, RetryPolicy, SegserveError
 from common.discovery import resolve_names
+from common.ports import free_port
 from segserve.launcher import Stack, StackConfig
 from common.tls import TlsFiles, add_port, internal_tls, open_blocking_channel
 from tests.support.certs import CertificateAuthority, Issued
 from tests.support.devices import TEST_DEVICE
-from tests.support.router_server import free_port, serve_router_and_grpc
+from tests.support.router_server import serve_router_and_grpc
 from worker.config import WorkerConfig
 from worker.server import WorkerServicer, load_runner, start_server as start_worker
 

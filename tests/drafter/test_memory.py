@@ -19,7 +19,7 @@ from drafter.segments import parse_segments
 from protos.segserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.tree import CandidateTree
 from tests.support.reflow_helpers import redis_server
-from tests.support.router_server import free_port
+from common.ports import free_port
 
 RAW = {"segment": [{"name": "code", "start": 1, "end": 1, "max_depth": 8}]}
 SEGMENT = [1, 30, 31, 32, 33, 34, 35, 1]

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.support.router_server import free_port
+from common.ports import free_port
 
 
 def cluster_env(tmp_path: Path) -> dict[str, str]:

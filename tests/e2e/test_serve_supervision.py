@@ -27,7 +27,7 @@ import pytest
 from openai import OpenAI
 
 from protos.segserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from segserve.launcher import free_port
+from common.ports import free_port
 from tests.e2e.test_scale_out import references, timed_stream  # noqa: F401 (fixture)
 from tests.e2e.test_stack import PROMPTS
 

@@ -13,11 +13,12 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from common.ports import free_port
 from protos.segserve.v1 import generation_pb2 as pb
 from protos.segserve.v1 import generation_pb2_grpc
 from router.config import RouterConfig
 from tests.support.fake_scheduler import start_fake_scheduler
-from tests.support.router_server import free_port, serve_router_and_grpc
+from tests.support.router_server import serve_router_and_grpc
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
+from common.ports import free_port
 from protos.segserve.v1 import generation_pb2 as pb
 from protos.segserve.v1 import generation_pb2_grpc
 from router.config import RouterConfig
@@ -33,7 +34,7 @@ from segserve.reflow.consumer import consume
 from segserve.reflow.export import export
 from tests.support.fake_scheduler import OUTPUT_TEXT, WORKER_ERROR_MESSAGE, start_fake_scheduler
 from tests.support.reflow_helpers import read_logs
-from tests.support.router_server import free_port, serve_router_and_grpc
+from tests.support.router_server import serve_router_and_grpc
 
 pytestmark = pytest.mark.timeout(120)
 

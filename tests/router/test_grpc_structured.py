@@ -14,6 +14,7 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from common.ports import free_port
 from protos.segserve.v1 import generation_pb2 as pb
 from protos.segserve.v1 import generation_pb2_grpc
 from protos.segserve.v1.sampling import MAX_STRUCTURED_SPEC_CHARS, StructuredKind, StructuredOutput
@@ -23,7 +24,7 @@ from router.errors import APIError
 from router.grpc_convert import structured_output
 from router.structured import MAX_SCHEMA_DEPTH
 from tests.support.fake_scheduler import start_fake_scheduler
-from tests.support.router_server import free_port, serve_router_and_grpc
+from tests.support.router_server import serve_router_and_grpc
 
 pytestmark = pytest.mark.timeout(120)
 

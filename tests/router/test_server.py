@@ -16,7 +16,7 @@ from protos.segserve.v1.sampling import StoppingCriteria
 from router.scheduler_client import SchedulerClient
 from router.server import build_app
 from tests.support.fake_scheduler import GREEDY_LOGIT, OUTPUT_TEXT, TOP_LOGPROB, start_fake_scheduler
-from tests.support.router_server import free_port as _free_port
+from common.ports import free_port as _free_port
 from tests.support.router_server import serve_router
 
 MODEL = "tiny-test"

@@ -11,12 +11,13 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from common.ports import free_port
 from protos.segserve.v1 import generation_pb2 as pb
 from protos.segserve.v1 import generation_pb2_grpc
 from router.config import RouterConfig
 from router.tenants import tenant_for, tenant_of_key
 from tests.support.fake_scheduler import start_fake_scheduler
-from tests.support.router_server import free_port, serve_router, serve_router_and_grpc
+from tests.support.router_server import serve_router, serve_router_and_grpc
 
 MODEL = "tiny-gemma3"
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"

@@ -13,10 +13,11 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from common.ports import free_port
 from router.config import RouterConfig
 from router.prompts import encode_text
 from tests.router.test_server import MODEL, router_url, scheduler, tokenizer  # noqa: F401
-from tests.support.router_server import free_port, serve_router
+from tests.support.router_server import serve_router
 from tests.support.tiny_models import CHAT_TEMPLATE, build_tokenizer
 
 USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 東京"}]

@@ -13,13 +13,14 @@ import httpx
 import openai
 import pytest
 
+from common.ports import free_port
 from protos.segserve.v1.sampling import StructuredKind
 from router.config import RouterConfig
 from router.prompts import chat_prompt_ids
 from router.protocol import ChatCompletionRequest
 from router.tools import template_tools
 from tests.router.test_server import MODEL, router_url, scheduler, tokenizer  # noqa: F401
-from tests.support.router_server import free_port, serve_router
+from tests.support.router_server import serve_router
 from tests.support.tool_streams import streamed_tool_calls
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -31,7 +31,7 @@ from protos.segserve.v1.generate import (
 from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
 from scheduler.config import SchedulerConfig
 from scheduler.servicer import start_server, stop_server
-from segserve.launcher import free_port
+from common.ports import free_port
 from tests.support.fake_services import FakeWorkerServicer, serve
 from tests.support.fakes import FakeWorker, increment
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.ports import free_port
 from router.config import RouterConfig
 from router.detokenizer import SEGMENT_MARKERS_KEY, IncrementalDetokenizer, segment_marker_ids
 from segserve.annotate import MARKERS_KEY, annotate, annotate_sample, insert_markers, load_marked_kinds
@@ -18,7 +19,7 @@ from segserve.finetune import FinetuneConfig, _batch_loss, encode_sample, finetu
 from segserve.finetune_data import synthetic_samples, write_synthetic
 from segserve.finetune_eval import evaluate, marker_positions, score, true_positions
 from tests.support.fake_scheduler import start_fake_scheduler
-from tests.support.router_server import free_port, serve_router
+from tests.support.router_server import serve_router
 from tests.worker.test_model_runner import Decoder, make_runner, reference_greedy, run_together
 
 KINDS = load_marked_kinds()

@@ -1,5 +1,5 @@
-"""The local launcher's start-up: a router or scheduler whose auto-picked port was taken meanwhile is started
-again on another; a service not ready in time is reported with the end of its log; local workers get the
+"""The local launcher's start-up: a service whose auto-picked port was taken meanwhile is started again on
+another; a service not ready in time is reported with the end of its log; local workers get the
 machine's CPUs but one as torch threads; without a log directory a service's output comes through, line by line
 after its name, and its last lines are kept for the supervisor."""
 
@@ -15,6 +15,7 @@ import pytest
 
 import segserve.launcher as launcher
 from protos.segserve.v1 import scheduler_pb2_grpc
+from drafter.config import DrafterConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.launcher import Stack, StackConfig
@@ -62,7 +63,7 @@ def test_the_router_start_gives_up_after_a_few_ports(monkeypatch):
     stack, spawned = _stack_whose_router_dies(monkeypatch, num_deaths=10)
     with pytest.raises(RuntimeError, match="router exited with code 3"):
         stack._start_router(RouterConfig(port=0), deadline=0)
-    assert len(spawned) == launcher._ROUTER_PORT_ATTEMPTS
+    assert len(spawned) == launcher._PORT_ATTEMPTS
 
 
 def test_a_port_the_user_chose_is_not_replaced(monkeypatch):
@@ -89,6 +90,49 @@ def test_a_scheduler_port_the_user_chose_is_not_replaced(monkeypatch):
     with pytest.raises(RuntimeError, match="scheduler exited with code 3"):
         stack._start_scheduler(SchedulerConfig(port=50051), deadline=0, is_port_picked=False)
     assert spawned == [50051]
+
+
+def _drafters_whose_first_dies(monkeypatch, last_line: str, num_drafters: int = 2,
+                               port: int = 0) -> tuple[Stack, list[tuple[str, int]]]:
+    """A Stack of `num_drafters` drafters whose first spawn of drafter-1 exits at start-up, `last_line` its last
+    output; every other spawn comes up."""
+    ports = iter(range(40001, 40100))
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports))
+    stack = Stack(StackConfig(num_drafters=num_drafters, drafter=DrafterConfig(port=port)))
+    stack.drafter_configs = stack._drafter_configs("model")
+    spawned = []
+
+    def spawn(name, config, command=None):
+        is_dying = name == ("drafter-1" if num_drafters > 1 else "drafter") and not any(n == name for n, _ in spawned)
+        spawned.append((name, config.port))
+        stack.processes[name] = _Process(1 if is_dying else None)
+        stack._tails[name] = deque(["Traceback (most recent call last):", last_line] if is_dying else [])
+
+    monkeypatch.setattr(stack, "_spawn", spawn)
+    monkeypatch.setattr(stack, "_wait_grpc_ready", lambda name, *_: stack._check_alive(name))
+    return stack, spawned
+
+
+def test_a_replica_whose_picked_port_was_taken_meanwhile_starts_again_on_another(monkeypatch):
+    stack, spawned = _drafters_whose_first_dies(monkeypatch, "OSError: cannot bind the drafter to 127.0.0.1:40002")
+    stack._start_replicas("drafter", deadline=0, is_port_picked=True)
+    assert spawned == [("drafter", 40001), ("drafter-1", 40002), ("drafter-1", 40003)]
+    assert [d.port for d in stack.drafter_configs] == [40001, 40003]  # the addresses the scheduler is given
+
+
+def test_a_replica_that_dies_for_another_reason_is_not_started_again(monkeypatch):
+    stack, spawned = _drafters_whose_first_dies(monkeypatch, "ValueError: corpus_dir /x is not a directory")
+    with pytest.raises(RuntimeError, match="drafter-1 exited with code 1 during start-up: ValueError: corpus_dir"):
+        stack._start_replicas("drafter", deadline=0, is_port_picked=True)
+    assert spawned == [("drafter", 40001), ("drafter-1", 40002)]
+
+
+def test_a_replica_port_the_user_chose_is_not_replaced(monkeypatch):
+    stack, spawned = _drafters_whose_first_dies(monkeypatch, "OSError: cannot bind the drafter to 127.0.0.1:50071",
+                                                num_drafters=1, port=50071)
+    with pytest.raises(RuntimeError, match="cannot bind the drafter to 127.0.0.1:50071"):
+        stack._start_replicas("drafter", deadline=0, is_port_picked=False)
+    assert spawned == [("drafter", 50071)]
 
 
 def test_a_service_not_ready_in_time_is_reported_with_its_last_answer_and_the_end_of_its_log(tmp_path):

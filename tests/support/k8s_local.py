@@ -9,10 +9,8 @@ as files, emptyDirs and volume claims empty), and every address rewritten to thi
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import typing
@@ -23,15 +21,11 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.ports import free_port
 from tests.support.k8s_helpers import REPO, config_class, container_env, localize, pod_labels, pod_spec, selects
 
 SERVICE_TARGET = re.compile(r"(dns:///)?(segserve-[a-z-]+):(\d+)")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def image_env() -> dict[str, str]:
