@@ -41,7 +41,6 @@ from transformers import AttentionInterface
 from worker.attention_plan import GroupPlan, bucket_keys
 from worker.faults import non_finite_tokens
 from worker.kv_cache import PagedKVCache
-from worker.short_conv import ConvStates
 
 ATTN_IMPLEMENTATION = "segserve_paged"
 
@@ -193,8 +192,6 @@ class AttentionBatch:
     groups: list[AttentionGroup]
     non_finite: torch.Tensor | None = None
     """[T] bool, set by the last layer: the new tokens whose key or value there is not finite."""
-    conv_states: ConvStates | None = None
-    """The sequences' short-convolution states, for a model with such layers (worker/short_conv.py)."""
 
 
 def build_attention_batch(plans: list[GroupPlan], uploaded: list[torch.Tensor], slots: torch.Tensor,

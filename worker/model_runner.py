@@ -23,6 +23,7 @@ and sets the history to history[:num_computed] + root + accepted drafts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -62,8 +63,8 @@ from worker.sharded_load import check_shardable, load_shard, peak_host_gib
 from worker.tensor_parallel import RankGroup
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
-from worker import latent_attention, self_check, short_conv
-from worker.short_conv import Span
+from worker import latent_attention, self_check, sequence_state
+from worker.sequence_state import Span
 from worker.validation import InvalidRequest, StepLimits
 from worker.verify import NON_FINITE, Sampled, kv_moves, sample_works, step_paths
 from worker.work import Work
@@ -124,10 +125,11 @@ class ModelRunner:
         None."""
         self._prepare_linears(config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
-        self.conv_states = short_conv.attach(self.model)
-        """The sequences' short-convolution states (LFM2; worker/short_conv.py), or None: a model without."""
-        if (self.conv_states is not None or self.latent is not None) and config.is_compiled:
-            raise ValueError(f"{type(self.model).__name__}'s short convolutions and latent attention run eagerly only: "
+        self.sequence_states = sequence_state.attach(self.model)
+        """The sequences' states besides the KV cache (LFM2's convolutions, Mamba mixers; worker/sequence_state.py),
+        or None: a model without."""
+        if (self.sequence_states is not None or self.latent is not None) and config.is_compiled:
+            raise ValueError(f"{type(self.model).__name__}'s stateful layers and latent attention run eagerly only: "
                              "drop --compiled")
         self.compiled_decoder = CompiledDecoder(self.model) if config.is_compiled else None
         """The compiled decoder (config.is_compiled), or None."""
@@ -161,7 +163,7 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             block_table_deltas=True,  # plan_step resolves them (BlockTables.resolve)
             max_decode_steps=MAX_DECODE_STEPS,
-            sequence_state_reason=self.conv_states.reason if self.conv_states is not None else "",
+            sequence_state_reason=self.sequence_states.reason if self.sequence_states is not None else "",
         )
         self.grammars = GrammarEngine(path, self._info.vocab_size, self._info.eos_token_ids)
         """Structured outputs' grammars (worker/grammar.py); it loads the tokenizer at the first one."""
@@ -340,15 +342,15 @@ class ModelRunner:
         """Apply the request to the sequence states and return what to run (worker/planning.py).
 
         Nothing changes when the request as a whole is invalid (InvalidRequest)."""
-        if self.conv_states is not None:
-            self.conv_states.check(request.sequences)  # no draft, no step but where the last one ended
+        if self.sequence_states is not None:
+            self.sequence_states.check(request.sequences)  # no draft, no step but where the last one ended
         try:
             self._states, plan = plan_step(request, self._states, self.limits, self.block_tables, self.grammars.start)
         except InvalidRequest:
             self.block_tables.retain(self._states)  # rows staged for sequences the step would have added
             raise
-        if self.conv_states is not None:
-            self.conv_states.retain(self._states)
+        if self.sequence_states is not None:
+            self.sequence_states.retain(self._states)
         return plan
 
     @torch.inference_mode()
@@ -381,21 +383,18 @@ class ModelRunner:
         inputs, logits_to_keep = uploaded[0], uploaded[1]  # [3, T], [N + R]
         batch = build_attention_batch(groups, uploaded[2:], inputs[2], self.block_tables.device_table, self.kv_cache)
         input_ids, position_ids = inputs[0:1], inputs[1:2]  # [1, T] each
-        if self.conv_states is not None:
-            self.conv_states.begin([Span(w.seq_id, int(offset), len(w.token_ids), w.num_computed_tokens)
-                                    for w, offset in zip(works, layout.offsets)])
-            batch.conv_states = self.conv_states
+        spans = [Span(w.seq_id, int(offset), len(w.token_ids), w.num_computed_tokens)
+                 for w, offset in zip(works, layout.offsets)] if self.sequence_states is not None else None
         self._lap("metadata")
         self._start_masks(plan)
         started = time.perf_counter()
-        if self._lean is not None:
-            logits = self._lean(input_ids, position_ids, logits_to_keep, batch)
-        else:
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                logits_to_keep=logits_to_keep, segserve_batch=batch).logits
+        with self.sequence_states.step(spans) if spans is not None else contextlib.nullcontext():
+            if self._lean is not None:
+                logits = self._lean(input_ids, position_ids, logits_to_keep, batch)
+            else:
+                logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    logits_to_keep=logits_to_keep, segserve_batch=batch).logits
         self._forward_s = time.perf_counter() - started
-        if self.conv_states is not None:
-            self.conv_states.commit()  # the forward finished: its new states are the sequences'
         plan.non_finite_tokens = batch.non_finite
         logits = logits[0].float()  # [N + R, V]
         self._lap("forward")

@@ -3,7 +3,7 @@
 The worker runs transformers' modules under its own attention (worker/attention.py), cache and step loop. A model
 whose layers do something that path does not carry would be served with wrong text and no warning: attention
 that never calls the attention interface (unmasked, unpaged), state besides attention's keys and values that the
-worker does not hand from a step to the next (an SSM's; LFM2's convolutions it does carry), an attention keyword
+worker does not hand from a step to the next (a mixer worker/sequence_state.py does not know), an attention keyword
 the paged attention does not implement (those raise UnsupportedAttention as they come). So at warm-up the worker
 runs a short prompt, two decode steps and a draft tree through its own path (paged KV, its linears, compiled
 layers and decode graphs where on, a tree), and the tree's paths through transformers' eager forward, each in one
@@ -13,7 +13,7 @@ each layer), and why that usually is.
 
 Costs: the worker's four steps and two reference forwards of 17 tokens or fewer, a few hundred milliseconds on the
 default model on a CPU (the log says); a refusal replays the tokens once more. A model that takes no drafts
-(worker/short_conv.py) verifies its last three tokens as a plain step instead of a tree. `--skip-self-check` skips
+(worker/sequence_state.py) verifies its last three tokens as a plain step instead of a tree. `--skip-self-check` skips
 it. A tensor-parallel worker skips it: its architectures are the lean decoders', which
 tests/worker/test_tensor_parallel.py holds to one device's logits.
 """

@@ -1,7 +1,7 @@
-"""Architectures beyond the lean decoders given to `segserve serve` as a user runs it. LFM2 (state besides the KV
-cache) is served, drafters and all, as transformers' greedy output, the same prompt twice (no prefix shared). A
-model the worker would serve wrong stops the command at start-up with the worker's reason as its last line, and
-leaves no process behind."""
+"""Architectures beyond the lean decoders given to `segserve serve` as a user runs it. LFM2 and Jamba (state besides
+the KV cache: short convolutions, Mamba mixers) are served, drafters and all, as transformers' greedy output, the
+same prompt twice (no prefix shared). A model the worker would serve wrong (Bloom) stops the command at start-up
+with the worker's reason as its last line, and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_serve_refuses_a_model_it_would_serve_wrong_saying_why(tmp_path):
-    serve = Serve(build_architecture("falcon_h1", tmp_path / "falcon_h1"), tmp_path / "logs")
+    serve = Serve(build_architecture("bloom", tmp_path / "bloom"), tmp_path / "logs")
     children: dict[psutil.Process, list[str]] = {}  # every service the command started, with its argv
     try:
         deadline = time.monotonic() + 180
@@ -34,14 +34,15 @@ def test_serve_refuses_a_model_it_would_serve_wrong_saying_why(tmp_path):
         serve.stop()
     last = "".join(serve.output).strip().splitlines()[-1]
     assert last.startswith("segserve: worker exited with code 1 during start-up"), last
-    assert ("SelfCheckFailed: FalconH1ForCausalLM is not served: it keeps state besides attention's keys and "
-            "values (Conv1d, FalconH1Mixer)") in last
+    assert ("SelfCheckFailed: BloomForCausalLM is not served: its attention never calls the attention interface, "
+            "so it would run unmasked") in last
     assert any(argv[1:4] == ["-m", "segserve.cli", "worker"] for argv in children.values())
     assert not [child for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_serve_serves_lfm2_as_transformers_greedy_output(tmp_path):
-    model_dir = build_architecture("lfm2", tmp_path / "lfm2")
+@pytest.mark.parametrize(("name", "stateful"), [("lfm2", "[0] (Lfm2ShortConv)"), ("jamba", "[0] (JambaMambaMixer)")])
+def test_serve_serves_a_model_with_sequence_state_as_transformers_greedy_output(name, stateful, tmp_path):
+    model_dir = build_architecture(name, tmp_path / name)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = "def add(a, b):"
@@ -63,4 +64,4 @@ def test_serve_serves_lfm2_as_transformers_greedy_output(tmp_path):
         assert serve.stop() == 0
     assert services and not [p for p in services if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     scheduler_log = (tmp_path / "logs" / "scheduler.log").read_text()
-    assert "no drafts and no shared prefixes for lfm2: its layers [0] are short convolutions" in scheduler_log
+    assert f"no drafts and no shared prefixes for {name}: its layers {stateful} keep a state" in scheduler_log

@@ -2,16 +2,17 @@
 
 Served ones: the start-up self-check passes, each takes the path the matrix says (a lean decoder or transformers'
 own modules), and greedy output is transformers' `generate` with speculation (through the scheduler, the drafter
-and the worker) and without it. A model with state besides the KV cache (LFM2's convolutions) is served without
-drafts or shared prefixes, which the scheduler then never sends. Refused ones fail at start-up with an error that
-says why: attention that never calls the attention interface (Bloom), state the worker does not carry (the Mamba
-mixers of Falcon-H1 and Jamba, Qwen3-Next's gated delta rule). Mutations of the worker's attention (sinks dropped,
-an attention keyword unknown) are caught. The docs' table of architectures (docs/engine.md) is this matrix,
+and the worker) and without it. A model with state besides the KV cache (LFM2's convolutions, the Mamba mixers of
+Jamba and Falcon-H1, Qwen3-Next's gated delta rule) is served without drafts or shared prefixes, which the scheduler
+then never sends. Refused ones fail at start-up with an error that says why: attention that never calls the
+attention interface (Bloom). Mutations (sinks dropped, an attention keyword unknown, state not carried) are
+caught. The docs' table of architectures (docs/engine.md) is this matrix,
 rendered by architecture_table()."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -28,17 +29,17 @@ from tests.e2e.test_spec_lossless import (
 from tests.scheduler.test_service import collect, generate_request
 from tests.support.architectures import DISPLAY_NAMES, LEAN, build_architecture
 from tests.support.devices import TEST_DEVICE
-from worker import attention
+from worker import attention, sequence_state
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.self_check import SelfCheckFailed
 
 PLAIN = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox", "deepseek_v2", "deepseek_v3",
-         "lfm2")
+         "lfm2", "jamba", "falcon_h1", "qwen3_next")
 """Served through transformers' own modules under the paged attention."""
-NO_DRAFTS = ("lfm2",)
+NO_DRAFTS = ("lfm2", "jamba", "falcon_h1", "qwen3_next")
 """Served without drafts or shared prefixes: state besides the KV cache runs from token to token
-(worker/short_conv.py)."""
+(worker/sequence_state.py)."""
 NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-query attention",
          "mistral": "sliding window", "qwen2": "biased projections, sliding window",
          "qwen3": "normed queries and keys, sliding window", "phi3": "fused projections",
@@ -48,13 +49,14 @@ NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-
          "gpt_neox": "partial rotary, parallel residual",
          "deepseek_v2": "multi-head latent attention (keys and values cached expanded), mixture of experts",
          "deepseek_v3": "multi-head latent attention (the latent cached), mixture of experts",
-         "lfm2": "short convolutions, their state carried per sequence; no KV cache in their layers"}
+         "lfm2": "short convolutions, their state carried per sequence; no KV cache in their layers",
+         "jamba": "Mamba layers (state carried per sequence; no KV cache in them), mixture of experts",
+         "falcon_h1": "attention and a Mamba-2 mixer side by side in every layer, the mixer's state carried per "
+                      "sequence",
+         "qwen3_next": "gated delta rule layers (state carried per sequence; no KV cache in them), gated attention"}
 """What each served architecture brings that the worker's path carries."""
 REFUSED = {
     "bloom": "its attention never calls the attention interface, so it would run unmasked",
-    "falcon_h1": r"keeps state besides attention's keys and values \(Conv1d, FalconH1Mixer\)",
-    "jamba": r"keeps state besides attention's keys and values \(Conv1d, JambaMambaDecoderLayer, JambaMambaMixer\)",
-    "qwen3_next": r"keeps state besides attention's keys and values \(Conv1d, Qwen3NextGatedDeltaNet\)",
 }
 """Refused at start-up by the self-check (SelfCheckFailed), with these words."""
 
@@ -125,8 +127,20 @@ def test_an_unsupported_architecture_is_refused_at_start_up_saying_why(name, tmp
 
 
 def test_the_self_check_can_be_skipped(tmp_path):
-    runner = runner_of(build_architecture("falcon_h1", tmp_path / "falcon_h1"), is_skip_self_check=True)
+    runner = runner_of(build_architecture("bloom", tmp_path / "bloom"), is_skip_self_check=True)
     assert runner.is_ready
+
+
+@pytest.mark.parametrize(("name", "modules"), [("jamba", "Conv1d, JambaMambaDecoderLayer, JambaMambaMixer"),
+                                               ("falcon_h1", "Conv1d, FalconH1Mixer"),
+                                               ("qwen3_next", "Conv1d, Qwen3NextGatedDeltaNet"),
+                                               ("lfm2", "Conv1d, Lfm2ShortConv")])
+def test_state_not_carried_is_caught_by_the_self_check(name, modules, tmp_path, monkeypatch):
+    """The mutation check for state: with the stateful layers left as transformers has them (no per-sequence
+    state), the worker refuses the model, naming the modules that keep it."""
+    monkeypatch.setattr(sequence_state, "attach", lambda model: None)
+    with pytest.raises(SelfCheckFailed, match=rf"keeps state besides attention's keys and values \({modules}\)"):
+        runner_of(build_architecture(name, tmp_path / name))
 
 
 @pytest.mark.parametrize("layers", [(0, 1), (1,)])
@@ -187,8 +201,11 @@ def test_deepseek_v3_caches_its_latent_and_deepseek_v2_the_expanded_keys_and_val
     assert v2.latent is None and v2.kv_cache.shape == KVCacheShape(2, num_kv_heads=4, head_dim=24, value_head_dim=16)
 
 
-def test_a_model_with_convolution_state_refuses_drafts_and_steps_past_its_state(tmp_path):
-    """LFM2: a draft, or a first step past a prefix (as a cached one would be), is refused whole before anything
+@pytest.mark.parametrize(("name", "layer_kv_heads", "stateful"), [
+    ("lfm2", (0, 2), "[0] (Lfm2ShortConv)"), ("jamba", (0, 2), "[0] (JambaMambaMixer)"),
+    ("falcon_h1", (2, 2), "[0, 1] (FalconH1Mixer)"), ("qwen3_next", (0, 2), "[0] (Qwen3NextGatedDeltaNet)")])
+def test_a_model_with_sequence_state_refuses_drafts_and_steps_past_its_state(name, layer_kv_heads, stateful, tmp_path):
+    """A draft, or a first step past a prefix (as a cached one would be), is refused whole before anything
     changes; the sequences' states stay, and their next steps are transformers' greedy output still, through a
     preemption (the sequence computed again from position 0 into other blocks) too."""
     from protos.segserve.v1.sampling import SamplingParams
@@ -196,19 +213,20 @@ def test_a_model_with_convolution_state_refuses_drafts_and_steps_past_its_state(
     from protos.segserve.v1.tree import CandidateTree
     from worker.validation import InvalidRequest
 
-    model_dir = build_architecture("lfm2", tmp_path / "lfm2")
+    model_dir = build_architecture(name, tmp_path / name)
     runner = runner_of(model_dir)
-    assert runner.kv_cache.shape.layer_kv_heads == (0, 2)  # the convolution layer has no KV cache
-    assert runner.kv_cache.keys[0].numel() == 0 < runner.kv_cache.keys[1].numel()
+    assert runner.kv_cache.shape.layer_kv_heads == layer_kv_heads  # no KV cache in a layer without attention
+    assert [keys.numel() > 0 for keys in runner.kv_cache.keys] == [heads > 0 for heads in layer_kv_heads]
     prompt = [5, 17, 42, 7, 99, 3]
     first = runner.step(StepRequest([ScheduledSequence("a", prompt, 0, (0, 1), sample_indices=[len(prompt) - 1])],
                                     [NewSequence("a", SamplingParams(), len(prompt))]))
     token = first[0].token_ids[-1]
     draft = ScheduledSequence("a", [token], len(prompt), (0, 1), draft=CandidateTree((1, 2), (-1, 0)))
-    with pytest.raises(InvalidRequest, match="'a': a draft, but the model's its layers \\[0\\] are short conv"):
+    refusal = f"'a': a draft, which the model cannot take: its layers {stateful}"
+    with pytest.raises(InvalidRequest, match=re.escape(refusal)):
         runner.step(StepRequest([draft]))
     past_prefix = ScheduledSequence("b", prompt[4:], 4, (2, 3))
-    with pytest.raises(InvalidRequest, match="'b' starts at token 4, where it has no convolution state"):
+    with pytest.raises(InvalidRequest, match="'b' starts at token 4, where it has no saved state"):
         runner.step(StepRequest([past_prefix], [NewSequence("b", SamplingParams(), len(prompt))]))
     tokens = [token]
 
@@ -233,4 +251,42 @@ def test_a_model_with_convolution_state_refuses_drafts_and_steps_past_its_state(
     torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)
     tokens.append(int(logits[-1].argmax()))
     decode()
+    assert tokens == expected
+
+
+def test_a_failed_step_forgets_the_states_it_was_updating(tmp_path):
+    """Jamba: a decode step whose forward fails after its Mamba layer ran leaves no half-updated state behind: the
+    sequence cannot continue from it, and computed again from position 0 (as the scheduler's preemption does) it
+    decodes transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from protos.segserve.v1.sampling import SamplingParams
+    from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
+    from worker.validation import InvalidRequest
+
+    model_dir = build_architecture("jamba", tmp_path / "jamba")
+    runner = runner_of(model_dir)
+    prompt = [5, 17, 42, 7, 99, 3]
+    token = runner.step(StepRequest([ScheduledSequence("a", prompt, 0, (0, 1), sample_indices=[len(prompt) - 1])],
+                                    [NewSequence("a", SamplingParams(), len(prompt))]))[0].token_ids[-1]
+    attention_layer = runner.model.model.layers[1]  # after the Mamba layer (0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_layer, "forward", lambda *_, **__: (_ for _ in ()).throw(RuntimeError("lost")))
+        with pytest.raises(RuntimeError, match="lost"):
+            runner.step(StepRequest([ScheduledSequence("a", [token], len(prompt), (0, 1, 2), sample_indices=[0])]))
+    assert "a" not in runner.sequence_states.saved
+    with pytest.raises(InvalidRequest, match="'a' starts at token 6, where it has no saved state"):
+        runner.step(StepRequest([ScheduledSequence("a", [token], len(prompt), (0, 1, 2), sample_indices=[0])]))
+    runner.step(StepRequest([], finished_seq_ids=["a"]))
+    tokens = [token]
+    known = prompt + tokens
+    tokens += runner.step(StepRequest([ScheduledSequence("b", known, 0, (3, 4), sample_indices=[len(known) - 1])],
+                                      [NewSequence("b", SamplingParams(), len(known))]))[0].token_ids
+    for _ in range(4):
+        tokens += runner.step(StepRequest([ScheduledSequence("b", tokens[-1:], len(prompt) + len(tokens) - 1,
+                                                             (3, 4, 5), sample_indices=[0])]))[0].token_ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(runner.device).eval()
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([prompt], device=runner.device), do_sample=False, max_new_tokens=6,
+                                  eos_token_id=None)[0, len(prompt):].tolist()
     assert tokens == expected
