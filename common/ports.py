@@ -16,8 +16,12 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default, and close to the BSDs' and Windows' ranges (49152 up)
 
 
-def _is_free(host: str, port: int) -> bool:
+def is_free(host: str, port: int, *, is_reuse_address: bool = False) -> bool:
+    """Whether nothing on `host` holds `port` now. With is_reuse_address, as a server binds (SO_REUSEADDR, which
+    gRPC and uvicorn set): connections of before, closed and waiting out TIME_WAIT, do not count."""
     with socket.socket() as sock:
+        if is_reuse_address:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -37,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         rng = random.SystemRandom()  # not the module's generator: forked processes share its state
         for _ in range(_ATTEMPTS):
             port = rng.randrange(_LOWEST, start)
-            if _is_free(host, port):
+            if is_free(host, port):
                 return port
     with socket.socket() as sock:
         sock.bind((host, 0))

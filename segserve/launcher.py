@@ -33,7 +33,7 @@ from protos.segserve.v1 import common_pb2, drafter_pb2_grpc, scheduler_pb2_grpc,
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from common.checkpoint import resolve_model
-from common.ports import free_port
+from common.ports import free_port, is_free
 from segserve.flags import env_names, to_argv, to_env
 from common.tls import internal_tls, open_blocking_channel
 from worker.config import WorkerConfig
@@ -175,6 +175,7 @@ class Stack:
 
     def start(self) -> None:
         cfg = self.config
+        self._check_chosen_ports()
         model_dir = str(resolve_model(cfg.worker.model))  # converts the default model once, with a progress bar
         ports = [cfg.worker.port] if cfg.worker.port and cfg.num_workers == 1 else [0] * cfg.num_workers
         num_threads = cfg.worker.num_threads or (0 if cfg.is_ray_workers else local_worker_threads(cfg.num_workers))
@@ -210,6 +211,24 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+
+    def _check_chosen_ports(self) -> None:
+        """RuntimeError when a port the user chose for a local service is held already (another `segserve serve`,
+        say): its health check would be answered by that other process, and the stack would start against it."""
+        cfg = self.config
+        chosen = {"router": [(cfg.router.host, cfg.router.port)],
+                  "scheduler": [(cfg.scheduler.host, cfg.scheduler.port)]}
+        if cfg.router.is_grpc_api:
+            chosen["router"].append((cfg.router.host, cfg.router.grpc_port))
+        if cfg.num_workers == 1 and not cfg.is_ray_workers:
+            chosen["worker"] = [(cfg.worker.host, cfg.worker.port)]
+        if cfg.num_drafters == 1:
+            chosen["drafter"] = [(cfg.drafter.host, cfg.drafter.port)]
+        taken = [f"{port} ({role})" for role, addresses in chosen.items() for host, port in addresses
+                 if port and not is_free(host, port, is_reuse_address=True)]
+        if taken:
+            raise RuntimeError(f"port{'s' if len(taken) > 1 else ''} {', '.join(taken)} already in use on this machine "
+                               "(another segserve serve?): stop what holds them, or choose other ports")
 
     def _start_replicas(self, role: str, deadline: float, is_port_picked: bool) -> None:
         """Spawn every worker or drafter replica (self.worker_configs or self.drafter_configs), then wait until each

@@ -5,6 +5,7 @@ after its name, and its last lines are kept for the supervisor."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -133,6 +134,19 @@ def test_a_replica_port_the_user_chose_is_not_replaced(monkeypatch):
     with pytest.raises(RuntimeError, match="cannot bind the drafter to 127.0.0.1:50071"):
         stack._start_replicas("drafter", deadline=0, is_port_picked=False)
     assert spawned == [("drafter", 50071)]
+
+
+def test_a_chosen_port_held_by_another_process_stops_the_start_before_anything_runs(monkeypatch):
+    """Another stack's worker on the default port would answer this one's health check: refused up front."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        stack = Stack(StackConfig(worker=WorkerConfig(port=port), router=RouterConfig(port=0, is_grpc_api=False),
+                                  scheduler=SchedulerConfig(port=0), drafter=DrafterConfig(port=0)))
+        monkeypatch.setattr(stack, "_spawn", lambda *_: pytest.fail("spawned"))
+        with pytest.raises(RuntimeError, match=rf"^port {port} \(worker\) already in use on this machine"):
+            stack.start()
 
 
 def test_a_service_not_ready_in_time_is_reported_with_its_last_answer_and_the_end_of_its_log(tmp_path):
