@@ -107,17 +107,49 @@ class SequenceStates:
         for seq_id in self.saved.keys() - set(seq_ids):
             del self.saved[seq_id]
 
-    def run(self, forward, hidden_states: torch.Tensor, is_whole: bool) -> torch.Tensor:
+    def run(self, layer: int, forward, hidden_states: torch.Tensor, is_whole: bool) -> torch.Tensor:
         """A stateful module's output on the packed step [1, T, D]: each sequence's tokens through `forward` (the
-        module's transformers forward) with its own Cache, in one call from position 0 or with is_whole."""
-        outputs = []
+        module's transformers forward) with its own Cache, in one call from position 0 or with is_whole. The
+        sequences that decode one token go through together, as one batch (`_decode_together`)."""
+        output = torch.empty_like(hidden_states)
+        decodes = [span for span in self.spans if span.position and span.length == 1]
+        if len(decodes) > 1:
+            rows = torch.tensor([span.offset for span in decodes], device=hidden_states.device)
+            output[0, rows] = self._decode_together(layer, forward, hidden_states[0, rows, None], decodes)[:, 0]
+        else:
+            decodes = []
         for span in self.spans:
+            if decodes and span.position and span.length == 1:
+                continue
             cache, tokens = self.pending[span.seq_id], hidden_states[:, span.offset:span.offset + span.length]
             if span.position == 0 or is_whole:
-                outputs.append(forward(hidden_states=tokens, cache=cache))
+                output[:, span.offset:span.offset + span.length] = forward(hidden_states=tokens, cache=cache)
             else:
-                outputs.extend(forward(hidden_states=tokens[:, i:i + 1], cache=cache) for i in range(span.length))
-        return torch.cat(outputs, dim=1)
+                for i in range(span.length):
+                    output[:, span.offset + i:span.offset + i + 1] = forward(hidden_states=tokens[:, i:i + 1],
+                                                                             cache=cache)
+        return output
+
+    def _decode_together(self, layer: int, forward, tokens: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        """One token of each of `spans` [B, 1, D] through `forward` at once: their states of `layer` stacked into
+        one cache layer of batch B, and each row's new state copied back to its sequence's."""
+        own = [self.pending[span.seq_id].layers[layer] for span in spans]
+        batch = LinearAttentionLayer(number_of_states=own[0].number_of_states)
+        for i in range(batch.number_of_states):
+            for kind in ("conv", "recurrent"):
+                if getattr(own[0], f"is_{kind}_states_initialized")[i]:
+                    getattr(batch, f"{kind}_states")[i] = torch.cat([getattr(o, f"{kind}_states")[i] for o in own])
+                    getattr(batch, f"is_{kind}_states_initialized")[i] = True
+            batch.conv_kernel_size[i], batch.has_previous_state[i] = own[0].conv_kernel_size[i], True
+        batch.device, batch.dtype = own[0].device, own[0].dtype
+        output = forward(hidden_states=tokens, cache=Cache(layers=[
+            batch if i == layer else DummyLayer() for i in range(self.num_layers)]))
+        for i in range(batch.number_of_states):
+            for kind in ("conv", "recurrent"):
+                if getattr(batch, f"is_{kind}_states_initialized")[i]:
+                    for row, o in enumerate(own):
+                        getattr(o, f"{kind}_states")[i].copy_(getattr(batch, f"{kind}_states")[i][row:row + 1])
+        return output
 
     def _new_cache(self) -> Cache:
         return Cache(layers=[LinearAttentionLayer() if i in self.layers else DummyLayer()
@@ -136,12 +168,12 @@ def attach(model: torch.nn.Module) -> SequenceStates | None:
                             tuple(sorted({type(module).__name__ for module in modules})))
     for module in modules:
         is_whole = type(module).__name__ in WHOLE_CONTINUATIONS
-        module.forward = functools.partial(_forward, states, module.forward, is_whole)
+        module.forward = functools.partial(_forward, states, module.forward, module.layer_idx, is_whole)
     return states
 
 
-def _forward(states: SequenceStates, transformers_forward, is_whole: bool, *args, **kwargs) -> torch.Tensor:
+def _forward(states: SequenceStates, transformers_forward, layer: int, is_whole: bool, *args, **kwargs) -> torch.Tensor:
     if not states.spans:
         return transformers_forward(*args, **kwargs)
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    return states.run(transformers_forward, hidden_states, is_whole)
+    return states.run(layer, transformers_forward, hidden_states, is_whole)
