@@ -104,7 +104,7 @@ class WorkerLink:
             on_end=speculator.forget if speculator is not None else None, drafting=speculator,
             is_drafting_forced_spans=config.is_grammar_drafts and speculator is not None and speculator.is_drafting)
         if info.sequence_state_reason:
-            logger.warning("no drafts and no shared prefixes for %s: %s", info.model_name, info.sequence_state_reason)
+            logger.warning("no shared prefixes for %s: %s", info.model_name, info.sequence_state_reason)
         scheduler.release_later(self.stale_ids)
         self.stale_ids = []
         logger.info("connected to worker %s: %s, %d KV blocks of %d tokens; max_num_seqs %d (%s)",
@@ -114,10 +114,10 @@ class WorkerLink:
 
 
 def new_speculator(config: SchedulerConfig, drafter: Drafter | None, info: WorkerInfo) -> Speculator | None:
-    """The speculator for a worker's steps; None without a drafter. max_draft_nodes 0, or a worker that takes no
-    drafts (WorkerInfo.sequence_state_reason): no policy, the drafter only learns."""
+    """The speculator for a worker's steps; None without a drafter. max_draft_nodes 0: no policy, the drafter only
+    learns."""
     if drafter is None:
         return None
     policy = (SpecPolicy(config.max_draft_nodes, config.spec_probe_interval, config.is_spec_adaptive)
-              if config.max_draft_nodes > 0 and not info.sequence_state_reason else None)
+              if config.max_draft_nodes > 0 else None)
     return Speculator(drafter, policy, info.vocab_size)

@@ -383,7 +383,7 @@ class ModelRunner:
         inputs, logits_to_keep = uploaded[0], uploaded[1]  # [3, T], [N + R]
         batch = build_attention_batch(groups, uploaded[2:], inputs[2], self.block_tables.device_table, self.kv_cache)
         input_ids, position_ids = inputs[0:1], inputs[1:2]  # [1, T] each
-        spans = [Span(w.seq_id, int(offset), len(w.token_ids), w.num_computed_tokens)
+        spans = [Span(w.seq_id, int(offset), len(w.token_ids), w.num_computed_tokens, w.node_parents, w.node_depths)
                  for w, offset in zip(works, layout.offsets)] if self.sequence_states is not None else None
         self._lap("metadata")
         self._start_masks(plan)
@@ -450,6 +450,8 @@ class ModelRunner:
                 work = works[i]
                 if out.accepted_nodes is not None:
                     self._keep_accepted(work, out.accepted_nodes)
+                    if self.sequence_states is not None:
+                        self.sequence_states.accept(seq_id, out.accepted_nodes)
                 if out.accepted_nodes is not None or work.sample_indices[-1] == len(work.token_ids) - 1:
                     state.last_sampled = out.token_ids[-1]  # what a continuation computes
             if out is not None or i in prompt:

@@ -12,8 +12,7 @@ architecture, the first position and the first decoder layer where the paths par
 each layer), and why that usually is.
 
 Costs: the worker's four steps and two reference forwards of 17 tokens or fewer, a few hundred milliseconds on the
-default model on a CPU (the log says); a refusal replays the tokens once more. A model that takes no drafts
-(worker/sequence_state.py) verifies its last three tokens as a plain step instead of a tree. `--skip-self-check` skips
+default model on a CPU (the log says); a refusal replays the tokens once more. `--skip-self-check` skips
 it. A tensor-parallel worker skips it: its architectures are the lean decoders', which
 tests/worker/test_tensor_parallel.py holds to one device's logits.
 """
@@ -54,10 +53,8 @@ def run(runner) -> float:
     started = time.perf_counter()
     vocab = runner.limits.input_vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(PROMPT_LEN)]
-    ours, path, branch, blocks = _worker_logits(runner, prompt, is_tree=not runner.info().sequence_state_reason)
-    reference = _reference_logits(runner, path)
-    if branch:
-        reference = torch.cat([reference, _reference_logits(runner, branch)[-1:]])
+    ours, path, branch, blocks = _worker_logits(runner, prompt)
+    reference = torch.cat([_reference_logits(runner, path), _reference_logits(runner, branch)[-1:]])
     scale = max(1.0, reference.abs().max().item())
     difference = (ours - reference).abs().amax(dim=-1)  # [positions]
     tolerance = TOLERANCE[runner.dtype] * scale
@@ -72,13 +69,11 @@ def run(runner) -> float:
     return seconds
 
 
-def _worker_logits(runner, prompt: list[int], is_tree: bool
-                   ) -> tuple[torch.Tensor, list[int], list[int], tuple[int, ...]]:
+def _worker_logits(runner, prompt: list[int]) -> tuple[torch.Tensor, list[int], list[int], tuple[int, ...]]:
     """The worker's logits [18, V]: at every position of the prompt, two greedy decodes, then a third greedy token
     verified with a tree after it (a two-node chain and a sibling of its first node). Also the tree's two paths
     as token lists (the chain's path, whose positions are the first 17 rows; the sibling's, whose last is the
-    18th) and the blocks the sequence used (free again after). Without is_tree (a model that takes no drafts),
-    the chain is a plain step of three tokens: 17 rows, and no sibling's path."""
+    18th) and the blocks the sequence used (free again after)."""
     with _sequence(runner, PROMPT_LEN + 6) as blocks:
         rows = [_prompt_step(runner, prompt, blocks, sample_indices=list(range(PROMPT_LEN)))]
         tokens = list(prompt)
@@ -87,14 +82,10 @@ def _worker_logits(runner, prompt: list[int], is_tree: bool
             rows.append(_decode_step(runner, tokens[-1], len(tokens) - 1, blocks))
         tokens.append(int(rows[-1][-1].argmax()))
         first, second, sibling = ((tokens[-1] + k) % rows[-1].shape[-1] for k in (1, 2, 3))
-        if is_tree:
-            draft = CandidateTree((first, second, sibling), (ROOT, 0, ROOT))  # verified after its root: four rows
-            last = ScheduledSequence(SEQ_ID, tokens[-1:], len(tokens) - 1, blocks, draft=draft)
-        else:
-            last = ScheduledSequence(SEQ_ID, [tokens[-1], first, second], len(tokens) - 1, blocks,
-                                     sample_indices=[0, 1, 2])
-        rows.append(runner.forward(StepRequest([last])))
-    return torch.cat(rows).float(), [*tokens, first, second], [*tokens, sibling] if is_tree else [], blocks
+        draft = CandidateTree((first, second, sibling), (ROOT, 0, ROOT))  # verified after its root: four rows
+        rows.append(runner.forward(StepRequest([ScheduledSequence(SEQ_ID, tokens[-1:], len(tokens) - 1, blocks,
+                                                                  draft=draft)])))
+    return torch.cat(rows).float(), [*tokens, first, second], [*tokens, sibling], blocks
 
 
 def _reference_logits(runner, tokens: list[int]) -> torch.Tensor:

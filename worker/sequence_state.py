@@ -47,6 +47,19 @@ class Span:
     offset: int
     length: int
     position: int
+    parents: tuple[int, ...] = ()
+    """A tree step: each node's parent (-1 for the root, the token after `position`'s state); () for a plain one."""
+    depths: tuple[int, ...] = ()
+    """A tree step: each node's depth (the root's 0)."""
+
+
+@dataclass(slots=True)
+class _Token:
+    """One token through a stateful module: its row of the packed step, the state it reads, the state it leaves."""
+
+    row: int
+    source: Cache
+    target: Cache
 
 
 @dataclass
@@ -60,95 +73,120 @@ class SequenceStates:
     """The stateful modules' class names."""
     saved: dict[str, tuple[int, Cache]] = field(default_factory=dict)
     """seq_id -> (the tokens its state covers, its Cache)."""
+    trees: dict[str, tuple[int, list[Cache]]] = field(default_factory=dict)
+    """seq_id -> (its tree's root position, the state after each node), from a tree step until `accept`."""
     spans: list[Span] = field(default_factory=list)
     """The step under way's sequences, in the packed forward's order; empty between steps."""
-    pending: dict[str, Cache] = field(default_factory=dict)
-    """The step under way's states: each sequence's saved one, updated in place, or a new one from position 0."""
+    pending: dict[str, Cache | list[Cache]] = field(default_factory=dict)
+    """The step under way's states: a plain span's saved one, updated in place, or a new one from position 0; a
+    tree's, one new Cache per node."""
 
     @property
     def reason(self) -> str:
         return (f"its layers {list(self.layers)} ({', '.join(self.kinds)}) keep a state that runs from each token to "
-                "the next: a step must continue where the last one ended, so drafts and cached prefixes are not "
-                "taken")
+                "the next, which a cached prefix has none of")
 
     def check(self, sequences) -> None:
-        """InvalidRequest unless every scheduled sequence continues its saved state (or starts at position 0) with
-        no draft. sequences: the request's ScheduledSequences."""
+        """InvalidRequest unless every scheduled sequence continues its saved state, or starts at position 0.
+        sequences: the request's ScheduledSequences."""
         for seq in sequences:
-            if seq.draft is not None and len(seq.draft):
-                raise InvalidRequest(f"sequence {seq.seq_id!r}: a draft, which the model cannot take: {self.reason}")
             start = seq.num_computed_tokens
             if start and self.saved.get(seq.seq_id, (None,))[0] != start:
                 raise InvalidRequest(f"sequence {seq.seq_id!r} starts at token {start}, where it has no saved "
-                                     f"state (a cached prefix?), which the model cannot take: {self.reason}")
+                                     f"state (a cached prefix?): the model's {self.reason}")
 
     @contextlib.contextmanager
     def step(self, spans: list[Span]) -> Iterator[None]:
-        """The forward of a step over `spans` runs inside. Its sequences' states are theirs once it returns; when it
-        raises, they are forgotten, half-updated as they may be (the scheduler preempts a failed step's sequences
-        and computes them again from position 0; a step that would continue one is refused)."""
+        """The forward of a step over `spans` runs inside. A plain span's state is its sequence's once it returns; a
+        tree's waits for `accept`. When the forward raises, the step's sequences' states are forgotten, half-updated
+        as they may be (the scheduler preempts a failed step's sequences and computes them again from position 0;
+        a step that would continue one is refused)."""
         self.spans = spans
-        self.pending = {span.seq_id: self.saved[span.seq_id][1] if span.position else self._new_cache()
+        self.pending = {span.seq_id: ([self._new_cache() for _ in span.parents] if span.parents
+                                      else self.saved[span.seq_id][1] if span.position else self._new_cache())
                         for span in spans}
         try:
             yield
         except BaseException:
             for span in spans:
                 self.saved.pop(span.seq_id, None)
+                self.trees.pop(span.seq_id, None)
             raise
         else:
             for span in spans:
-                self.saved[span.seq_id] = (span.position + span.length, self.pending[span.seq_id])
+                if span.parents:
+                    self.saved.pop(span.seq_id)
+                    self.trees[span.seq_id] = (span.position, self.pending[span.seq_id])
+                else:
+                    self.saved[span.seq_id] = (span.position + span.length, self.pending[span.seq_id])
         finally:
             self.spans, self.pending = [], {}
 
+    def accept(self, seq_id: str, accepted_nodes: list[int]) -> None:
+        """The tree step of seq_id kept its root and `accepted_nodes` (node indices, in order): its state is the
+        last one's."""
+        position, nodes = self.trees.pop(seq_id)
+        self.saved[seq_id] = (position + 1 + len(accepted_nodes), nodes[accepted_nodes[-1] if accepted_nodes else 0])
+
     def retain(self, seq_ids) -> None:
         """Forget the states of sequences not in seq_ids (ended, released or preempted)."""
-        for seq_id in self.saved.keys() - set(seq_ids):
-            del self.saved[seq_id]
+        kept = set(seq_ids)
+        for states in (self.saved, self.trees):
+            for seq_id in states.keys() - kept:
+                del states[seq_id]
 
     def run(self, layer: int, forward, hidden_states: torch.Tensor, is_whole: bool) -> torch.Tensor:
         """A stateful module's output on the packed step [1, T, D]: each sequence's tokens through `forward` (the
-        module's transformers forward) with its own Cache, in one call from position 0 or with is_whole. The
-        sequences that decode one token go through together, as one batch (`_decode_together`)."""
+        module's transformers forward) with its own Cache. A step from position 0, or any with is_whole, goes in
+        one call. Single tokens go together, one batch per round (`_together`): in the first, every decoding
+        sequence's token and every tree's root; in round d, the trees' nodes of depth d, each from its parent's
+        state."""
         output = torch.empty_like(hidden_states)
-        decodes = [span for span in self.spans if span.position and span.length == 1]
-        if len(decodes) > 1:
-            rows = torch.tensor([span.offset for span in decodes], device=hidden_states.device)
-            output[0, rows] = self._decode_together(layer, forward, hidden_states[0, rows, None], decodes)[:, 0]
-        else:
-            decodes = []
+        rounds: dict[int, list[_Token]] = {}
         for span in self.spans:
-            if decodes and span.position and span.length == 1:
-                continue
-            cache, tokens = self.pending[span.seq_id], hidden_states[:, span.offset:span.offset + span.length]
-            if span.position == 0 or is_whole:
+            cache = self.pending[span.seq_id]
+            if span.parents:
+                for node, (parent, depth) in enumerate(zip(span.parents, span.depths)):
+                    source = cache[parent] if parent >= 0 else self.saved[span.seq_id][1]
+                    rounds.setdefault(depth, []).append(_Token(span.offset + node, source, cache[node]))
+            elif span.position and span.length == 1:
+                rounds.setdefault(0, []).append(_Token(span.offset, cache, cache))
+            elif span.position == 0 or is_whole:
+                tokens = hidden_states[:, span.offset:span.offset + span.length]
                 output[:, span.offset:span.offset + span.length] = forward(hidden_states=tokens, cache=cache)
             else:
-                for i in range(span.length):
-                    output[:, span.offset + i:span.offset + i + 1] = forward(hidden_states=tokens[:, i:i + 1],
-                                                                             cache=cache)
+                for row in range(span.offset, span.offset + span.length):
+                    output[:, row:row + 1] = forward(hidden_states=hidden_states[:, row:row + 1], cache=cache)
+        for depth in sorted(rounds):
+            tokens = rounds[depth]
+            rows = torch.tensor([token.row for token in tokens], device=hidden_states.device)
+            output[0, rows] = self._together(layer, forward, hidden_states[0, rows, None], tokens)[:, 0]
         return output
 
-    def _decode_together(self, layer: int, forward, tokens: torch.Tensor, spans: list[Span]) -> torch.Tensor:
-        """One token of each of `spans` [B, 1, D] through `forward` at once: their states of `layer` stacked into
-        one cache layer of batch B, and each row's new state copied back to its sequence's."""
-        own = [self.pending[span.seq_id].layers[layer] for span in spans]
-        batch = LinearAttentionLayer(number_of_states=own[0].number_of_states)
-        for i in range(batch.number_of_states):
-            for kind in ("conv", "recurrent"):
-                if getattr(own[0], f"is_{kind}_states_initialized")[i]:
-                    getattr(batch, f"{kind}_states")[i] = torch.cat([getattr(o, f"{kind}_states")[i] for o in own])
-                    getattr(batch, f"is_{kind}_states_initialized")[i] = True
-            batch.conv_kernel_size[i], batch.has_previous_state[i] = own[0].conv_kernel_size[i], True
-        batch.device, batch.dtype = own[0].device, own[0].dtype
-        output = forward(hidden_states=tokens, cache=Cache(layers=[
+    def _together(self, layer: int, forward, hidden_states: torch.Tensor, tokens: list[_Token]) -> torch.Tensor:
+        """Single tokens [B, 1, D] through `forward` at once: the states of `layer` they read stacked into one
+        cache layer of batch B, and each row's new state made its token's target's."""
+        sources = [token.source.layers[layer] for token in tokens]
+        first = sources[0]
+        batch = LinearAttentionLayer(number_of_states=first.number_of_states)
+        batch.device, batch.dtype = first.device, first.dtype
+        kinds = [(i, kind) for i in range(first.number_of_states) for kind in ("conv", "recurrent")
+                 if getattr(first, f"is_{kind}_states_initialized")[i]]
+        for i, kind in kinds:
+            getattr(batch, f"{kind}_states")[i] = torch.cat([getattr(src, f"{kind}_states")[i] for src in sources])
+            getattr(batch, f"is_{kind}_states_initialized")[i] = True
+        for i in range(first.number_of_states):
+            batch.conv_kernel_size[i], batch.has_previous_state[i] = first.conv_kernel_size[i], True
+        output = forward(hidden_states=hidden_states, cache=Cache(layers=[
             batch if i == layer else DummyLayer() for i in range(self.num_layers)]))
-        for i in range(batch.number_of_states):
-            for kind in ("conv", "recurrent"):
-                if getattr(batch, f"is_{kind}_states_initialized")[i]:
-                    for row, o in enumerate(own):
-                        getattr(o, f"{kind}_states")[i].copy_(getattr(batch, f"{kind}_states")[i][row:row + 1])
+        for row, token in enumerate(tokens):
+            target = token.target.layers[layer]
+            target.device, target.dtype = batch.device, batch.dtype
+            for i, kind in kinds:
+                getattr(target, f"{kind}_states")[i] = getattr(batch, f"{kind}_states")[i][row:row + 1].clone()
+                getattr(target, f"is_{kind}_states_initialized")[i] = True
+            for i in range(first.number_of_states):
+                target.conv_kernel_size[i], target.has_previous_state[i] = batch.conv_kernel_size[i], True
         return output
 
     def _new_cache(self) -> Cache:

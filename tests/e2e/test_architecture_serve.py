@@ -54,9 +54,9 @@ def test_serve_serves_a_model_with_sequence_state_as_transformers_greedy_output(
     services: list[psutil.Process] = []
     try:
         serve.wait_ready()
-        client, name = serve.client()
+        client, served = serve.client()
         for _ in range(2):
-            completion = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+            completion = client.completions.create(model=served, prompt=prompt, max_tokens=12, temperature=0)
             assert completion.choices[0].text == expected
         services = psutil.Process(serve.process.pid).children(recursive=True)
         assert serve.process.poll() is None
@@ -64,4 +64,4 @@ def test_serve_serves_a_model_with_sequence_state_as_transformers_greedy_output(
         assert serve.stop() == 0
     assert services and not [p for p in services if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     scheduler_log = (tmp_path / "logs" / "scheduler.log").read_text()
-    assert f"no drafts and no shared prefixes for {name}: its layers {stateful} keep a state" in scheduler_log
+    assert f"no shared prefixes for {name}: its layers {stateful} keep a state" in scheduler_log

@@ -189,18 +189,17 @@ def test_the_grammar_drafts_switch_turns_forced_spans_off():
     assert not link.new_scheduler(SchedulerConfig(), info, None).is_drafting_forced_spans
 
 
-def test_a_worker_whose_model_keeps_state_per_sequence_gets_no_drafts_and_no_shared_prefixes():
-    """WorkerInfo.sequence_state_reason (LFM2's convolutions): the drafter only learns, no forced spans are
-    drafted, and the block manager shares no prefix."""
+def test_a_worker_whose_model_keeps_state_per_sequence_gets_drafts_but_no_shared_prefixes():
+    """WorkerInfo.sequence_state_reason (LFM2's convolutions, Mamba mixers): drafts and forced spans as for any
+    model (the worker keeps a tree's accepted path's state), but the block manager shares no prefix."""
     link = WorkerLink(worker=None, address="w", is_watched=False, health_interval_s=1.0)
     plain = WorkerInfo("m", num_kv_blocks=64, block_size=4, max_model_len=64, vocab_size=VOCAB, eos_token_ids=(EOS,))
-    stateful = dataclasses.replace(plain, sequence_state_reason="its layers [0] are short convolutions")
+    stateful = dataclasses.replace(plain, sequence_state_reason="its layers [0] (Lfm2ShortConv) keep a state")
     config = SchedulerConfig()
-    assert new_speculator(config, make_drafter(), plain).is_drafting
     speculator = new_speculator(config, make_drafter(), stateful)
-    assert not speculator.is_drafting
+    assert speculator.is_drafting
     scheduler = link.new_scheduler(config, stateful, speculator)
-    assert not scheduler.is_drafting_forced_spans and not scheduler.block_manager.is_prefix_caching
+    assert scheduler.is_drafting_forced_spans and not scheduler.block_manager.is_prefix_caching
     assert link.new_scheduler(config, plain, speculator).block_manager.is_prefix_caching
 
 

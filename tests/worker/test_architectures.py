@@ -3,11 +3,11 @@
 Served ones: the start-up self-check passes, each takes the path the matrix says (a lean decoder or transformers'
 own modules), and greedy output is transformers' `generate` with speculation (through the scheduler, the drafter
 and the worker) and without it. A model with state besides the KV cache (LFM2's convolutions, the Mamba mixers of
-Jamba and Falcon-H1, Qwen3-Next's gated delta rule) is served without drafts or shared prefixes, which the scheduler
-then never sends. Refused ones fail at start-up with an error that says why: attention that never calls the
-attention interface (Bloom). Mutations (sinks dropped, an attention keyword unknown, state not carried) are
-caught. The docs' table of architectures (docs/engine.md) is this matrix,
-rendered by architecture_table()."""
+Jamba and Falcon-H1, Qwen3-Next's gated delta rule) is served with speculation, a tree's accepted path leaving its
+state, and without shared prefixes, which the scheduler then never sends. Refused ones fail at start-up with an
+error that says why: attention that never calls the attention interface (Bloom). Mutations (sinks dropped, an
+attention keyword unknown, state not carried) are caught. The docs' table of architectures (docs/engine.md) is this
+matrix, rendered by architecture_table()."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ from worker.self_check import SelfCheckFailed
 PLAIN = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox", "deepseek_v2", "deepseek_v3",
          "lfm2", "jamba", "falcon_h1", "qwen3_next")
 """Served through transformers' own modules under the paged attention."""
-NO_DRAFTS = ("lfm2", "jamba", "falcon_h1", "qwen3_next")
-"""Served without drafts or shared prefixes: state besides the KV cache runs from token to token
-(worker/sequence_state.py)."""
+NO_PREFIXES = ("lfm2", "jamba", "falcon_h1", "qwen3_next")
+"""Served without shared prefixes: state besides the KV cache runs from token to token, and none is kept for a
+prefix (worker/sequence_state.py)."""
 NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-query attention",
          "mistral": "sliding window", "qwen2": "biased projections, sliding window",
          "qwen3": "normed queries and keys, sliding window", "phi3": "fused projections",
@@ -73,7 +73,7 @@ def served(request, tmp_path_factory):
     model_dir = build_architecture(request.param, tmp_path_factory.mktemp(request.param))
     runner = runner_of(model_dir)
     assert runner.is_lean == (request.param in LEAN)  # the path the table says
-    assert bool(runner.info().sequence_state_reason) == (request.param in NO_DRAFTS)
+    assert bool(runner.info().sequence_state_reason) == (request.param in NO_PREFIXES)
     return model_dir, runner
 
 
@@ -81,11 +81,10 @@ async def test_a_served_architecture_is_transformers_greedy_with_speculation(ser
     model_dir, runner = served
     assert runner.is_ready  # the self-check passed
     references = reference(model_dir, TINY_PROMPTS, 16)
+    await check_lossless(runner, model_dir, references, "best_first", "corpus", 16)
     if not runner.info().sequence_state_reason:
-        await check_lossless(runner, model_dir, references, "best_first", "corpus", 16)
         return
-    # drafts on, a corpus that knows every answer: the scheduler sends none, and shares no prefix when the same
-    # prompts come again
+    # a model with sequence state: the same prompts twice, and the second time no prefix is shared
     async with speculative_stack(runner, model_dir, "best_first", "corpus", corpus_texts(references)) as stub:
         for _ in range(2):
             requests = [generate_request(f"r{i}", prompt_ids, max_tokens=16)
@@ -95,7 +94,7 @@ async def test_a_served_architecture_is_transformers_greedy_with_speculation(ser
                 assert isinstance(last, GenerateComplete) and last.finish_reason is not FinishReason.ERROR, last
                 assert tokens == expected
         stats = await stub.GetStats(scheduler_pb2.StatsRequest())
-    assert stats.spec.num_verified == stats.spec.num_draft_tokens == 0
+    assert stats.num_prefix_cache_hits == 0 and stats.spec.num_accepted_tokens > 0
 
 
 def test_a_served_architecture_is_transformers_greedy_without_speculation(served):
@@ -175,7 +174,7 @@ def architecture_table() -> str:
     rows = ["| Architecture | Served by | Speculation | What it brings |", "|---|---|---|---|"]
     for name in LEAN + PLAIN:
         path = "lean decoder" if name in LEAN else "transformers' modules, paged attention"
-        speculation = "off, no shared prefixes" if name in NO_DRAFTS else "lossless"
+        speculation = "lossless, no shared prefixes" if name in NO_PREFIXES else "lossless"
         rows.append(f"| {DISPLAY_NAMES[name]} | {path} | {speculation} | {NOTES.get(name, '')} |")
     for name, why in REFUSED.items():
         reason = why.replace("\\", "").split(", so")[0]
@@ -204,10 +203,13 @@ def test_deepseek_v3_caches_its_latent_and_deepseek_v2_the_expanded_keys_and_val
 @pytest.mark.parametrize(("name", "layer_kv_heads", "stateful"), [
     ("lfm2", (0, 2), "[0] (Lfm2ShortConv)"), ("jamba", (0, 2), "[0] (JambaMambaMixer)"),
     ("falcon_h1", (2, 2), "[0, 1] (FalconH1Mixer)"), ("qwen3_next", (0, 2), "[0] (Qwen3NextGatedDeltaNet)")])
-def test_a_model_with_sequence_state_refuses_drafts_and_steps_past_its_state(name, layer_kv_heads, stateful, tmp_path):
-    """A draft, or a first step past a prefix (as a cached one would be), is refused whole before anything
-    changes; the sequences' states stay, and their next steps are transformers' greedy output still, through a
-    preemption (the sequence computed again from position 0 into other blocks) too."""
+def test_a_model_with_sequence_state_keeps_the_accepted_paths_state(name, layer_kv_heads, stateful, tmp_path):
+    """A tree step whose accepted path is neither its last node nor its first leaves the sequence the state of
+    that path; a first step past a prefix (as a cached one would be) is refused whole before anything changes; the
+    next steps are transformers' greedy output, through a preemption (the sequence computed again from position 0
+    into other blocks) too."""
+    from transformers import AutoModelForCausalLM
+
     from protos.segserve.v1.sampling import SamplingParams
     from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
     from protos.segserve.v1.tree import CandidateTree
@@ -217,28 +219,32 @@ def test_a_model_with_sequence_state_refuses_drafts_and_steps_past_its_state(nam
     runner = runner_of(model_dir)
     assert runner.kv_cache.shape.layer_kv_heads == layer_kv_heads  # no KV cache in a layer without attention
     assert [keys.numel() > 0 for keys in runner.kv_cache.keys] == [heads > 0 for heads in layer_kv_heads]
+    assert runner.info().sequence_state_reason.startswith(f"its layers {stateful} keep a state")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(runner.device).eval()
     prompt = [5, 17, 42, 7, 99, 3]
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([prompt], device=runner.device), do_sample=False, max_new_tokens=9,
+                                  eos_token_id=None)[0, len(prompt):].tolist()
     first = runner.step(StepRequest([ScheduledSequence("a", prompt, 0, (0, 1), sample_indices=[len(prompt) - 1])],
                                     [NewSequence("a", SamplingParams(), len(prompt))]))
-    token = first[0].token_ids[-1]
-    draft = ScheduledSequence("a", [token], len(prompt), (0, 1), draft=CandidateTree((1, 2), (-1, 0)))
-    refusal = f"'a': a draft, which the model cannot take: its layers {stateful}"
-    with pytest.raises(InvalidRequest, match=re.escape(refusal)):
-        runner.step(StepRequest([draft]))
-    past_prefix = ScheduledSequence("b", prompt[4:], 4, (2, 3))
+    tokens = list(first[0].token_ids)
+    # after the root: a wrong sibling first, then the right token with a wrong child: one node accepted (the
+    # second of three), and the sampled token after it
+    wrong = [(token + 1) % 300 for token in expected[1:3]]
+    tree = CandidateTree((wrong[0], expected[1], wrong[1]), (-1, -1, 1))
+    out = runner.step(StepRequest([ScheduledSequence("a", tokens[-1:], len(prompt), (0, 1, 2), draft=tree)]))
+    assert list(out[0].token_ids) == expected[1:3]
+    tokens += out[0].token_ids
+    past_prefix = ScheduledSequence("b", prompt[4:], 4, (3,))
     with pytest.raises(InvalidRequest, match="'b' starts at token 4, where it has no saved state"):
         runner.step(StepRequest([past_prefix], [NewSequence("b", SamplingParams(), len(prompt))]))
-    tokens = [token]
 
-    def decode() -> None:
+    def decode(blocks: tuple[int, ...]) -> None:
         tokens.extend(runner.step(StepRequest([ScheduledSequence("a", tokens[-1:], len(prompt) + len(tokens) - 1,
-                                                                 (0, 1, 2, 3), sample_indices=[0])]))[0].token_ids)
+                                                                 blocks, sample_indices=[0])]))[0].token_ids)
 
-    for _ in range(5):
-        decode()
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(runner.device).eval()
+    for _ in range(4):
+        decode((0, 1, 2, 3))
     # preempted, as the scheduler does it: everything so far computed again from position 0 (its logits are
     # transformers' at every position, so no state of before leaks in), then decoding on
     known = prompt + tokens
@@ -246,11 +252,9 @@ def test_a_model_with_sequence_state_refuses_drafts_and_steps_past_its_state(nam
                                                            sample_indices=list(range(len(known))))]))
     with torch.inference_mode():
         reference_logits = model(torch.tensor([known], device=runner.device)).logits[0].float()
-        expected = model.generate(torch.tensor([prompt], device=runner.device), do_sample=False, max_new_tokens=8,
-                                  eos_token_id=None)[0, len(prompt):].tolist()
     torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)
     tokens.append(int(logits[-1].argmax()))
-    decode()
+    decode((4, 5, 6, 7))
     assert tokens == expected
 
 

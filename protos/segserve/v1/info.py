@@ -43,8 +43,8 @@ class WorkerInfo:
     """The worker's server serves Worker.StepStream (steps over one stream); set by the server, which owns the
     wire."""
     sequence_state_reason: str = ""
-    """Why the worker takes neither drafts nor cached prefixes: its model keeps state per sequence besides the KV
-    cache, which runs from each token to the next (LFM2's convolutions). Empty: it takes both."""
+    """Why the worker takes no cached prefixes: its model keeps state per sequence besides the KV cache, which runs
+    from each token to the next (LFM2's convolutions, Mamba mixers). Empty: it takes them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
