@@ -4,7 +4,8 @@ import socket
 from pathlib import Path
 
 _LOWEST = 20000
-"""Ports below this one are left alone: well-known and registered services' defaults."""
+"""Ports below this one are left alone: well-known and registered services' defaults, and Ray's worker ports
+(10002-19999 by default)."""
 _ATTEMPTS = 64
 
 

@@ -128,6 +128,13 @@ def _forward(name: str, output: IO[bytes], tail: deque[str]) -> None:
 
 
 
+def last_exception(lines: list[str]) -> str:
+    """The last exception (or CLI error) a service printed among `lines` of its output, "" when none: the reason
+    it exited (`worker.self_check.SelfCheckFailed: BloomForCausalLM is not served: ...`)."""
+    causes = [line.strip() for line in lines if _EXCEPTION_LINE.match(line)]
+    return causes[-1].removeprefix("segserve: error: ") if causes else ""
+
+
 def replica_name(service: str, index: int) -> str:
     """The process name of a service's replica `index`: worker, worker-1, worker-2, ..."""
     return service if index == 0 else f"{service}-{index}"
@@ -449,8 +456,8 @@ class Stack:
         if proc.poll() is not None:
             where = f" (see {self.config.log_dir}/{name}.log)" if self.config.log_dir else ""
             time.sleep(0.2)  # the output thread's last lines
-            causes = [line.strip() for line in self.tail(name, _TAIL_LINES) if _EXCEPTION_LINE.match(line)]
-            cause = f": {causes[-1].removeprefix('segserve: error: ')}" if causes else ""
+            cause = last_exception(self.tail(name, _TAIL_LINES))
+            cause = f": {cause}" if cause else ""
             raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up{where}{cause}")
 
     def _wait_grpc_ready(self, name: str, stub_cls, address: str, deadline: float, config) -> None:

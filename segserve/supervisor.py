@@ -34,6 +34,8 @@ from typing import Protocol
 
 import psutil
 
+from segserve.launcher import last_exception
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -139,8 +141,10 @@ class Supervisor:
         while recent and now - recent[0] > self.policy.window_s:
             recent.popleft()
         if len(recent) >= self.policy.max_restarts:
+            cause = last_exception(lines)
             raise GaveUp(f"{name} exited ({describe_exit(returncode)}) after {len(recent)} restart(s) within "
-                         f"{self.policy.window_s:.0f} s (--max-restarts {self.policy.max_restarts})")
+                         f"{self.policy.window_s:.0f} s (--max-restarts {self.policy.max_restarts})"
+                         + (f": {cause}" if cause else ""))
         delay = self.policy.delay_s(len(recent))
         logger.warning("restarting %s in %.1f s (restart %d of %d allowed within %.0f s)", name, delay,
                        len(recent) + 1, self.policy.max_restarts, self.policy.window_s)

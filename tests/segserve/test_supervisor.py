@@ -91,6 +91,18 @@ def test_the_back_off_doubles_and_a_service_past_max_restarts_in_the_window_stop
     assert time.monotonic() - started >= 0.6 and supervisor.num_restarts == 3
 
 
+def test_giving_up_names_the_exception_the_service_last_printed(sleepers, monkeypatch):
+    services = sleepers(["worker"], {"worker": [sys.executable, "-c", "raise SystemExit(1)"]})
+    monkeypatch.setattr(services, "tail", lambda name, num_lines: [
+        "Traceback (most recent call last):", '  File "worker/server.py", line 180, in start_server',
+        "OSError: cannot bind the worker to 127.0.0.1:50061"])
+    supervisor = Supervisor(services, RestartPolicy(max_restarts=1, window_s=60, backoff_s=0.1, max_backoff_s=0.1),
+                            is_subreaper=False)
+    with pytest.raises(GaveUp, match=r"after 1 restart\(s\) within 60 s \(--max-restarts 1\): "
+                                     r"OSError: cannot bind the worker to 127\.0\.0\.1:50061$"):
+        run_until(supervisor, lambda: False)
+
+
 def test_restarts_older_than_the_window_no_longer_count(sleepers):
     services = sleepers(["drafter"])
     supervisor = Supervisor(services, RestartPolicy(max_restarts=1, window_s=0.5, backoff_s=0.0), is_subreaper=False)
