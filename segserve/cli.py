@@ -30,6 +30,7 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Coroutine
 from pathlib import Path
 
@@ -150,8 +151,10 @@ def _corpus_build_command(args: argparse.Namespace) -> int:
 def _reflow_consume_command(args: argparse.Namespace) -> int:
     from segserve.reflow.consumer import consume
 
-    _stop_on_sigterm()
-    consumer = consume(from_args(ConsumerConfig, args))
+    stop = threading.Event()  # SIGTERM, SIGINT: the loop ends between two claims (what it holds stays unacked)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    consumer = consume(from_args(ConsumerConfig, args), stop)
     print(f"{consumer.num_records_written} records written")
     return 0
 
@@ -205,13 +208,6 @@ def _run_until_signalled(main: Coroutine) -> None:
 
     with contextlib.suppress(asyncio.CancelledError):
         asyncio.run(run())
-
-
-def _stop_on_sigterm() -> None:
-    def interrupt(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _prepare_model_command(args: argparse.Namespace) -> int:

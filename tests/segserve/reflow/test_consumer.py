@@ -162,3 +162,27 @@ def test_killing_the_consumer_repeatedly_leaves_zero_duplicates(tmp_path, backen
         assert queue.depth() == 0
         queue.close()
     _assert_logs_match(tmp_path / "logs", expected)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_consume_command_stops_on_sigterm_and_sigint_with_its_count(tmp_path, sig):
+    """Not draining, it waits for more; the signal ends its loop between claims, and it says what it wrote."""
+    url = f"sqlite:///{tmp_path}/queue.db"
+    expected = _record(url, tmp_path, num_sessions=3, num_turns=2)
+    queue = open_queue(url)
+    command = [sys.executable, "-m", "segserve.cli", "reflow", "consume", "--queue-url", url,
+               "--sink-dir", str(tmp_path / "logs")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while queue.depth() > 0:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(sig)
+        out, _ = process.communicate(timeout=10)
+    finally:
+        process.kill()
+        queue.close()
+    assert process.returncode == 0
+    assert out.strip().endswith(f"{sum(map(len, expected.values()))} records written")
+    _assert_logs_match(tmp_path / "logs", expected)
