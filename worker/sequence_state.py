@@ -159,6 +159,10 @@ class SequenceStates:
                     output[:, row:row + 1] = forward(hidden_states=hidden_states[:, row:row + 1], cache=cache)
         for depth in sorted(rounds):
             tokens = rounds[depth]
+            if len(tokens) == 1 and tokens[0].source is tokens[0].target:  # one sequence decoding: its own cache
+                row = tokens[0].row
+                output[:, row:row + 1] = forward(hidden_states=hidden_states[:, row:row + 1], cache=tokens[0].source)
+                continue
             rows = torch.tensor([token.row for token in tokens], device=hidden_states.device)
             output[0, rows] = self._together(layer, forward, hidden_states[0, rows, None], tokens)[:, 0]
         return output
