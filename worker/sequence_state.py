@@ -9,12 +9,16 @@ once per sequence of the step, on that sequence's tokens, with that sequence's o
 starts at position 0 (a new one, or one preempted and computed again) gets a new Cache and transformers'
 whole-sequence form; a step that continues a sequence goes through it too where that form starts from the cached
 state, else (Jamba's scan starts from zeros) token by token through the single-token form that transformers'
-generate decodes with.
+generate decodes with. Single tokens go through together, one batch per round (`SequenceStates.run`).
 
-A step must start where the sequence's saved state ends. A draft tree's nodes are not one sequence of inputs, and a
-rejected draft would have to be taken out of the state; a cached prefix has no state saved for it. So a model with
-these layers takes neither: the worker says why in WorkerInfo.sequence_state_reason, the scheduler then sends no
-drafts and shares no prefixes, and a step that asks for either is an InvalidRequest.
+A draft tree's nodes are not one run of inputs: each node goes from its parent's state, depth by depth, and those
+states last only while their layer computes. What a tree step keeps is every node's input to every stateful module;
+once it is verified (`accept`), its root's and accepted nodes' inputs go through the modules again from the
+sequence's saved state, token by token as the step computed them. A rejected draft leaves nothing to undo.
+
+A step must start where the sequence's saved state ends, and a cached prefix has no state saved for it: a model with
+these layers shares no prefixes. The worker says why in WorkerInfo.sequence_state_reason, the scheduler turns prefix
+sharing off, and a step that starts past a sequence's state is an InvalidRequest.
 
 A step that fails forgets its sequences' states (`step`): the scheduler preempts them and computes them again from
 position 0, and a step that would continue one is refused.
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -73,13 +77,16 @@ class SequenceStates:
     """The stateful modules' class names."""
     saved: dict[str, tuple[int, Cache]] = field(default_factory=dict)
     """seq_id -> (the tokens its state covers, its Cache)."""
-    trees: dict[str, tuple[int, list[Cache]]] = field(default_factory=dict)
-    """seq_id -> (its tree's root position, the state after each node), from a tree step until `accept`."""
+    modules: dict[int, Callable] = field(default_factory=dict)
+    """Layer -> its stateful module's transformers forward, which `accept` replays an accepted path through."""
+    trees: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    """seq_id -> layer -> the inputs of its tree's nodes to that layer's module [nodes, D], from a tree step until
+    `accept`: the states of the nodes are dropped once a layer has computed its outputs, and the accepted path's
+    is computed again from these."""
     spans: list[Span] = field(default_factory=list)
     """The step under way's sequences, in the packed forward's order; empty between steps."""
-    pending: dict[str, Cache | list[Cache]] = field(default_factory=dict)
-    """The step under way's states: a plain span's saved one, updated in place, or a new one from position 0; a
-    tree's, one new Cache per node."""
+    pending: dict[str, Cache] = field(default_factory=dict)
+    """The step under way's plain spans' states: the saved one, updated in place, or a new one from position 0."""
 
     @property
     def reason(self) -> str:
@@ -98,13 +105,15 @@ class SequenceStates:
     @contextlib.contextmanager
     def step(self, spans: list[Span]) -> Iterator[None]:
         """The forward of a step over `spans` runs inside. A plain span's state is its sequence's once it returns; a
-        tree's waits for `accept`. When the forward raises, the step's sequences' states are forgotten, half-updated
-        as they may be (the scheduler preempts a failed step's sequences and computes them again from position 0;
-        a step that would continue one is refused)."""
+        tree's root and accepted nodes are added by `accept`. When the forward raises, the step's sequences' states
+        are forgotten, half-updated as they may be (the scheduler preempts a failed step's sequences and computes
+        them again from position 0; a step that would continue one is refused)."""
         self.spans = spans
-        self.pending = {span.seq_id: ([self._new_cache() for _ in span.parents] if span.parents
-                                      else self.saved[span.seq_id][1] if span.position else self._new_cache())
-                        for span in spans}
+        self.pending = {span.seq_id: self.saved[span.seq_id][1] if span.position else self._new_cache()
+                        for span in spans if not span.parents}
+        for span in spans:
+            if span.parents:
+                self.trees[span.seq_id] = {}
         try:
             yield
         except BaseException:
@@ -114,19 +123,20 @@ class SequenceStates:
             raise
         else:
             for span in spans:
-                if span.parents:
-                    self.saved.pop(span.seq_id)
-                    self.trees[span.seq_id] = (span.position, self.pending[span.seq_id])
-                else:
+                if not span.parents:
                     self.saved[span.seq_id] = (span.position + span.length, self.pending[span.seq_id])
         finally:
             self.spans, self.pending = [], {}
 
     def accept(self, seq_id: str, accepted_nodes: list[int]) -> None:
-        """The tree step of seq_id kept its root and `accepted_nodes` (node indices, in order): its state is the
-        last one's."""
-        position, nodes = self.trees.pop(seq_id)
-        self.saved[seq_id] = (position + 1 + len(accepted_nodes), nodes[accepted_nodes[-1] if accepted_nodes else 0])
+        """The tree step of seq_id kept its root and `accepted_nodes` (node indices, in order): their inputs go
+        through each stateful module again, token by token from the saved state, as the step computed them."""
+        inputs, (position, cache) = self.trees.pop(seq_id), self.saved[seq_id]
+        path = [0, *accepted_nodes]
+        for layer, forward in sorted(self.modules.items()):
+            for node in path:
+                forward(hidden_states=inputs[layer][None, node:node + 1], cache=cache)
+        self.saved[seq_id] = (position + len(path), cache)
 
     def retain(self, seq_ids) -> None:
         """Forget the states of sequences not in seq_ids (ended, released or preempted)."""
@@ -144,12 +154,16 @@ class SequenceStates:
         output = torch.empty_like(hidden_states)
         rounds: dict[int, list[_Token]] = {}
         for span in self.spans:
-            cache = self.pending[span.seq_id]
             if span.parents:
+                rows = hidden_states[0, span.offset:span.offset + span.length]
+                self.trees[span.seq_id][layer] = rows.clone()
+                nodes = [self._new_cache() for _ in span.parents]  # this layer's states only, dropped after it
                 for node, (parent, depth) in enumerate(zip(span.parents, span.depths)):
-                    source = cache[parent] if parent >= 0 else self.saved[span.seq_id][1]
-                    rounds.setdefault(depth, []).append(_Token(span.offset + node, source, cache[node]))
-            elif span.position and span.length == 1:
+                    source = nodes[parent] if parent >= 0 else self.saved[span.seq_id][1]
+                    rounds.setdefault(depth, []).append(_Token(span.offset + node, source, nodes[node]))
+                continue
+            cache = self.pending[span.seq_id]
+            if span.position and span.length == 1:
                 rounds.setdefault(0, []).append(_Token(span.offset, cache, cache))
             elif span.position == 0 or is_whole:
                 tokens = hidden_states[:, span.offset:span.offset + span.length]
@@ -210,6 +224,7 @@ def attach(model: torch.nn.Module) -> SequenceStates | None:
                             tuple(sorted({type(module).__name__ for module in modules})))
     for module in modules:
         is_whole = type(module).__name__ in WHOLE_CONTINUATIONS
+        states.modules[module.layer_idx] = module.forward
         module.forward = functools.partial(_forward, states, module.forward, module.layer_idx, is_whole)
     return states
 
