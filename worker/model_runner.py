@@ -435,7 +435,7 @@ class ModelRunner:
         if overflowed:  # before the scheduler can give these blocks to anyone else (it frees them on the error)
             self.kv_cache.clear_non_finite(to_device(torch.tensor(sorted(overflowed)), self.device))
         prompt = self._prompt_logprobs(plan, logits[plan.num_sample_rows:], failed)
-        outputs = []
+        outputs, accepted = [], {}
         work_index = iter(range(len(works)))  # the works are the sequences not rejected, in request order
         for seq_id in plan.seq_ids:
             if seq_id in plan.rejected:
@@ -450,13 +450,14 @@ class ModelRunner:
                 work = works[i]
                 if out.accepted_nodes is not None:
                     self._keep_accepted(work, out.accepted_nodes)
-                    if self.sequence_states is not None:
-                        self.sequence_states.accept(seq_id, out.accepted_nodes)
+                    accepted[seq_id] = out.accepted_nodes
                 if out.accepted_nodes is not None or work.sample_indices[-1] == len(work.token_ids) - 1:
                     state.last_sampled = out.token_ids[-1]  # what a continuation computes
             if out is not None or i in prompt:
                 forced = self._forced_span(state) if i in forcing and out is not None else ()
                 outputs.append(self._output(seq_id, state, out, prompt.get(i), forced))
+        if accepted and self.sequence_states is not None:
+            self.sequence_states.accept(accepted)  # the trees' accepted paths into the sequences' states
         return outputs
 
     def _forcing(self, plan: StepPlan) -> set[int]:

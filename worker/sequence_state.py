@@ -128,15 +128,22 @@ class SequenceStates:
         finally:
             self.spans, self.pending = [], {}
 
-    def accept(self, seq_id: str, accepted_nodes: list[int]) -> None:
-        """The tree step of seq_id kept its root and `accepted_nodes` (node indices, in order): their inputs go
-        through each stateful module again, token by token from the saved state, as the step computed them."""
-        inputs, (position, cache) = self.trees.pop(seq_id), self.saved[seq_id]
-        path = [0, *accepted_nodes]
+    def accept(self, accepted: dict[str, list[int]]) -> None:
+        """The tree steps of these sequences kept their roots and accepted nodes (seq_id -> node indices, in order):
+        their inputs go through each stateful module again from the saved states, token by token as the step
+        computed them, the sequences together (one batch per token of their paths)."""
+        paths = {seq_id: [0, *nodes] for seq_id, nodes in accepted.items()}
+        inputs = {seq_id: self.trees.pop(seq_id) for seq_id in paths}
         for layer, forward in sorted(self.modules.items()):
-            for node in path:
-                forward(hidden_states=inputs[layer][None, node:node + 1], cache=cache)
-        self.saved[seq_id] = (position + len(path), cache)
+            for i in range(max(map(len, paths.values()), default=0)):
+                seq_ids = [seq_id for seq_id, path in paths.items() if i < len(path)]
+                caches = [self.saved[seq_id][1] for seq_id in seq_ids]
+                tokens = [_Token(row, cache, cache) for row, cache in enumerate(caches)]
+                hidden_states = torch.stack([inputs[seq_id][layer][paths[seq_id][i]] for seq_id in seq_ids])
+                self._together(layer, forward, hidden_states[:, None], tokens)
+        for seq_id, path in paths.items():
+            position, cache = self.saved[seq_id]
+            self.saved[seq_id] = (position + len(path), cache)
 
     def retain(self, seq_ids) -> None:
         """Forget the states of sequences not in seq_ids (ended, released or preempted)."""
