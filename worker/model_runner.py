@@ -256,6 +256,9 @@ class ModelRunner:
             blocks = tuple(range(-(-num_tokens // self.kv_cache.block_size)))
             seq = ScheduledSequence(_WARMUP_SEQ_ID, (0,) * num_tokens, 0, blocks, sample_indices=(num_tokens - 1,))
             (output,) = self.step(StepRequest([seq], [NewSequence(_WARMUP_SEQ_ID, SamplingParams(), num_tokens)]))
+            if self.sequence_states is not None and not output.error:
+                logger.info("each sequence keeps %.1f KiB of state besides its KV blocks (not in --kv-cache-gb)",
+                            self.sequence_states.nbytes(_WARMUP_SEQ_ID) / 1024)
             self._states.pop(_WARMUP_SEQ_ID, None)
             if output.error:
                 raise RuntimeError(f"the warm-up step failed: {output.error}")

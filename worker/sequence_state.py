@@ -145,6 +145,12 @@ class SequenceStates:
             position, cache = self.saved[seq_id]
             self.saved[seq_id] = (position + len(path), cache)
 
+    def nbytes(self, seq_id: str) -> int:
+        """The bytes of seq_id's saved state."""
+        layers = [layer for layer in self.saved[seq_id][1].layers if isinstance(layer, LinearAttentionLayer)]
+        return sum(tensor.nbytes for layer in layers for states in (layer.conv_states, layer.recurrent_states)
+                   for tensor in states.values() if tensor is not None)
+
     def retain(self, seq_ids) -> None:
         """Forget the states of sequences not in seq_ids (ended, released or preempted)."""
         kept = set(seq_ids)

@@ -228,6 +228,9 @@ def test_a_model_with_sequence_state_keeps_the_accepted_paths_state(name, layer_
     first = runner.step(StepRequest([ScheduledSequence("a", prompt, 0, (0, 1), sample_indices=[len(prompt) - 1])],
                                     [NewSequence("a", SamplingParams(), len(prompt))]))
     tokens = list(first[0].token_ids)
+    if name == "lfm2":  # its one convolution layer keeps its last conv_L_cache inputs of each channel, in fp32
+        config = model.config
+        assert runner.sequence_states.nbytes("a") == config.hidden_size * config.conv_L_cache * 4
     # after the root: a wrong sibling first, then the right token with a wrong child: one node accepted (the
     # second of three), and the sampled token after it
     wrong = [(token + 1) % 300 for token in expected[1:3]]
