@@ -15,8 +15,9 @@ from collections import deque
 import pytest
 
 import segserve.launcher as launcher
-from protos.segserve.v1 import scheduler_pb2_grpc
+from common.ports import free_port
 from drafter.config import DrafterConfig
+from protos.segserve.v1 import scheduler_pb2_grpc
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.launcher import Stack, StackConfig
@@ -153,7 +154,7 @@ def test_a_service_not_ready_in_time_is_reported_with_its_last_answer_and_the_en
     stack = Stack(StackConfig(log_dir=str(tmp_path)))
     stack.processes["scheduler"] = _Process(None)  # alive, never ready
     (tmp_path / "scheduler.log").write_text("".join(f"line {i}\n" for i in range(100)))
-    address = f"127.0.0.1:{launcher.free_port()}"  # nothing listens there
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(TimeoutError) as raised:
         stack._wait_grpc_ready("scheduler", scheduler_pb2_grpc.SchedulerStub, address, time.monotonic() + 1.0,
                                SchedulerConfig())

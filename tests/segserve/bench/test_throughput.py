@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from common.ports import free_port
 from segserve.bench import grpc_direct, grpc_public, loadgen, peers, report, throughput
 from segserve.bench.loadgen import LoadSpec, RequestRecord
 from tests.support.fake_scheduler import start_fake_scheduler
@@ -63,7 +64,7 @@ class FakeOpenAI:
 
 
 def _serve(fake: FakeOpenAI):
-    port = peers.free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(fake.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -395,7 +396,7 @@ def test_grpc_api_level_through_a_real_router(tiny_gemma3_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from router.config import RouterConfig
-    from tests.support.router_server import free_port, serve_router_and_grpc
+    from tests.support.router_server import serve_router_and_grpc
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_gemma3_dir)
     server, scheduler, port = start_fake_scheduler(tokenizer)
@@ -437,7 +438,7 @@ def test_grpc_api_level_through_a_real_router(tiny_gemma3_dir, tmp_path):
 def test_grpc_api_load_refuses_non_loopback_and_counts_errors():
     with pytest.raises(ValueError, match="loopback"):
         grpc_public.PublicGrpcLoadSpec(address="10.0.0.1:8001", prompts=["x"], max_tokens=4, concurrency=1)
-    spec = grpc_public.PublicGrpcLoadSpec(address=f"127.0.0.1:{peers.free_port()}", prompts=["x"], max_tokens=4,
+    spec = grpc_public.PublicGrpcLoadSpec(address=f"127.0.0.1:{free_port()}", prompts=["x"], max_tokens=4,
                                           concurrency=2, request_timeout_s=10)  # fmt: skip
     run = asyncio.run(grpc_public.run_load(spec))  # nothing listens there
     assert len(run.records) == 2 and all(r.error.startswith("UNAVAILABLE") for r in run.records)
