@@ -19,7 +19,7 @@ from common import tracing
 from common.tls import internal_tls
 from worker.config import WorkerConfig
 from worker.follower import follow
-from worker.model_runner import resolve_device_dtype
+from worker.loading import resolve_device_dtype
 from worker.ranks import RankAddress, launch_process
 from worker.server import WorkerServicer, load_runner, start_server
 

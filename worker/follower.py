@@ -17,7 +17,8 @@ from multiprocessing.connection import Client
 import torch
 
 from worker.config import WorkerConfig
-from worker.model_runner import ModelRunner, resolve_device_dtype
+from worker.loading import resolve_device_dtype
+from worker.model_runner import ModelRunner
 from worker.ranks import RankAddress, rank_device
 from worker.tensor_parallel import RankGroup
 from worker.validation import InvalidRequest

@@ -29,13 +29,11 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
-from worker.attention import ATTN_IMPLEMENTATION, build_attention_batch
+from worker.attention import build_attention_batch
 from worker.attention_plan import bucket_keys, graph_bucket_keys, plan_groups
 from worker.block_tables import BlockTables
 from worker.compiled import CompiledDecoder
@@ -50,16 +48,15 @@ from protos.segserve.v1.step_result import PromptLogprobs, SequenceOutput, TopLo
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
 from worker.lean_decoder import LEAN_DECODERS, lean_decoder
+from worker.loading import load, max_model_len, prepare_linears, resolve_device_dtype
 from worker.fused_norm import fuse_rms_norms
 from worker.grammar import GrammarEngine
 from worker.grammar_masks import GrammarMasks, constrainer, fill_masks
-from worker.packed_linear import choose_row_policies, pack_linears
-from worker.row_blocks import RowPolicy, block_linears, fixed_policy
 from worker.planning import SequenceState, StepPlan, plan_step
 from worker.threads import cpu_threads
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
-from worker.ranks import Followers, Launch, launch_process, rank_device
-from worker.sharded_load import check_shardable, load_shard, peak_host_gib
+from worker.ranks import Launch, launch_process
+from worker.sharded_load import peak_host_gib
 from worker.tensor_parallel import RankGroup
 from worker.upload import to_device, upload
 from worker.sampler import PrefixedHistory, SampleRow
@@ -71,27 +68,13 @@ from worker.work import Work
 
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN = 2048
-"""The longest sequence served of a model that declares no max_position_embeddings, unless max_model_len says."""
 OVERLAP_MIN_FORWARD_S = 0.005
 """On the CPU, a step's grammar masks are filled on the grammar thread while its forward runs when the last forward
 took at least this long; otherwise after it, on the step's thread. A second thread that wants the GIL while the
 forward dispatches its ops slows a short forward by more than it hides (measured on the 2-core CPU, tiny model:
 the forward 0.1 ms slower at batch 1 and 0.3 ms at 64, for a fill of 0.01 and 0.14 ms). On a GPU the masks are
 filled after the forward is launched, on the step's thread, while the device runs it."""
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WARMUP_SEQ_ID = "__segserve_warmup__"
-
-
-def resolve_device_dtype(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
-    """"auto" means cuda + bfloat16 when a GPU is present, else cpu + float32."""
-    if config.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(config.device)
-    if config.dtype != "auto":
-        return device, _DTYPES[config.dtype]
-    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class ModelRunner:
@@ -112,9 +95,10 @@ class ModelRunner:
             # H100: ~80 ms of host time per step at batch 64); the memory-efficient kernel needs no plan.
             torch.backends.cuda.enable_cudnn_sdp(False)
         path = resolve_model(config.model)
-        self.followers: Followers | None = None
+        loaded = load(config, path, self.device, self.dtype, ranks, seed, launch)
+        self.model, self.device, self._name, seed = loaded.model, loaded.device, loaded.name, loaded.seed
+        self.followers = loaded.followers
         """Rank 0's other ranks, which run each step with it (worker/ranks.py); None on one device and on them."""
-        seed = self._load(path, ranks, seed, launch)
         has_lean = config.is_lean_decoder and not config.is_compiled and type(self.model).__name__ in LEAN_DECODERS
         is_graphs = config.uses_cuda_graphs(self.device.type, has_lean)
         self.is_compiled_layers = config.uses_compiled_layers(self.device.type, has_lean)
@@ -123,7 +107,7 @@ class ModelRunner:
         self.latent = latent_attention.attach(self.model)  # before the linears are packed: it keeps kv_b_proj's
         """Multi-head latent attention's latent widths, which the KV cache holds (worker/latent_attention.py), or
         None."""
-        self._prepare_linears(config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
+        prepare_linears(self.model, config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
         self.sequence_states = sequence_state.attach(self.model)
         """The sequences' states besides the KV cache (LFM2's convolutions, Mamba mixers; worker/sequence_state.py),
@@ -136,15 +120,9 @@ class ModelRunner:
         regions = compiled_regions if self.is_compiled_layers else None
         self._lean = lean_decoder(self.model, regions) if has_lean else None
         """The model's lean forward (worker/lean_decoder.py), or None: transformers' forward."""
-        text_config = self.model.config.get_text_config()
-        max_len = getattr(text_config, "max_position_embeddings", None)
-        if max_len is None:  # positions without a table (ALiBi: Bloom)
-            max_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
-            logger.warning("%s declares no max_position_embeddings: serving up to %d tokens (--max-model-len)",
-                           type(self.model).__name__, max_len)
-        if config.max_model_len > max_len:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {max_len} positions")
-        shape = (self.latent.cache_shape(text_config.num_hidden_layers) if self.latent is not None
+        max_len = max_model_len(self.model, config)
+        num_layers = self.model.config.get_text_config().num_hidden_layers
+        shape = (self.latent.cache_shape(num_layers) if self.latent is not None
                  else KVCacheShape.from_model_config(self.model.config))
         num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
         num_scratch = 1 if is_graphs else 0  # a block the scheduler never gets, for the graphs' padding
@@ -192,30 +170,6 @@ class ModelRunner:
             torch.manual_seed(seed)
         logger.info("%s prepared its model; peak host memory %.2f GiB", self._name, peak_host_gib())
 
-    def _load(self, path: Path, ranks: RankGroup | None, seed: int | None, launch: Launch) -> int | None:
-        """Load the model into self.model on self.device, logging the time and the host memory it took: whole, or
-        with tensor_parallel_size > 1 this rank's shard (rank 0 first starts the others). Returns the seed every
-        rank samples with (None on one device)."""
-        size = self.config.tensor_parallel_size
-        if size > 1:
-            check_shardable(path, size)  # before any rank starts
-            if ranks is None:
-                self.followers = Followers(self.config, rank_device(self.device, 0), launch)
-                ranks, seed = self.followers.group, self.followers.seed
-            self.device = rank_device(self.device, ranks.rank)
-        started = time.perf_counter()
-        if size > 1:
-            self.model = load_shard(path, self.dtype, self.device, ranks)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION
-            ).to(self.device).eval()
-            self.device = self.model.device  # "cuda" resolved to "cuda:0"
-        self._name = f"rank {ranks.rank} of {size}" if size > 1 else "the worker"
-        logger.info("%s loaded %s in %.1f s (%s)", self._name, path.name, time.perf_counter() - started,
-                    str(self.dtype).removeprefix("torch."))
-        return seed
-
     def close(self) -> None:
         """Stop the other ranks (nothing on one device)."""
         if self.followers is not None:
@@ -224,24 +178,6 @@ class ModelRunner:
 
     def info(self) -> WorkerInfo:
         return self._info
-
-    def _prepare_linears(self, config: WorkerConfig, is_packed: bool) -> None:
-        """Pack the large CPU linears for oneDNN (is_packed), merge siblings, and hand every linear its rows so that
-        none depends on the batch (worker/row_blocks.py): as this machine's probe finds cheapest at each weight shape,
-        or in blocks of config.linear_block_rows."""
-        if config.linear_block_rows < 0:
-            policies = choose_row_policies(self.model, is_packed)
-            padded = {shape: policy for shape, policy in policies.items() if policy != RowPolicy()}
-            logger.info("linear rows as they come, except at weight shapes %s", padded)
-
-            def policy_of(shape: tuple[int, ...]) -> RowPolicy:
-                return policies.get(shape, RowPolicy())
-        else:
-            policy_of = fixed_policy(config.linear_block_rows)
-        if is_packed:
-            logger.info("packed %d linear weights for oneDNN or merged them with their siblings",
-                        pack_linears(self.model, is_merged=not config.is_compiled, policy_of=policy_of))
-        block_linears(self.model, policy_of)
 
     def warm_up(self) -> None:
         """Run one real step (forward and sampling) from block 0; the runner is ready after it. A compiled runner

@@ -61,7 +61,7 @@ def build_random_gemma3_270m(out_dir: Path, seed: int = 0, device: str = "auto",
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from worker.config import WorkerConfig
-    from worker.model_runner import resolve_device_dtype
+    from worker.loading import resolve_device_dtype
 
     torch_device, torch_dtype = resolve_device_dtype(WorkerConfig(device=device, dtype=dtype))
     return save_random(Gemma3ForCausalLM, Gemma3TextConfig(**GEMMA3_270M), out_dir, seed, torch_device, torch_dtype)
@@ -82,7 +82,7 @@ def build_random_llama_31_8b(out_dir: Path, seed: int = 0, device: str = "auto",
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from worker.config import WorkerConfig
-    from worker.model_runner import resolve_device_dtype
+    from worker.loading import resolve_device_dtype
 
     torch_device, torch_dtype = resolve_device_dtype(WorkerConfig(device=device, dtype=dtype))
     return save_random(LlamaForCausalLM, LlamaConfig(**LLAMA_31_8B), out_dir, seed, torch_device, torch_dtype)

@@ -103,13 +103,14 @@ def test_every_shape_of_the_model_is_probed_the_merged_ones_too(tiny_gemma3_dir)
 
 @pytest.mark.parametrize("is_packed", [True, False])
 def test_the_runner_gives_every_linear_its_shapes_policy(tiny_gemma3_dir, monkeypatch, is_packed):
+    import worker.loading as loading
     import worker.model_runner as model_runner
 
     model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32)
     down = tuple(model.model.layers[0].mlp.down_proj.weight.shape)
     head = tuple(model.lm_head.weight.shape)
     chosen = {down: RowPolicy(min_rows=4), head: RowPolicy(block_rows=8)}
-    monkeypatch.setattr(model_runner, "choose_row_policies", lambda model, packed: chosen)
+    monkeypatch.setattr(loading, "choose_row_policies", lambda model, packed: chosen)
     monkeypatch.setattr(packed_linear, "PACKING_MIN_WEIGHTS", 0)  # the tiny model's weights are packed too
     runner = model_runner.ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=16, block_size=4,
                                                    dtype="float32", device=TEST_DEVICE, is_packed_linear=is_packed))
