@@ -24,7 +24,7 @@ Modules:
   loading          the model onto its device (whole, or a rank's shard), its linears prepared, its length.
   model_runner     ModelRunner: the packed forward, then sampling and the outputs.
   latent_attention multi-head latent attention served from its latent (DeepSeek-V3).
-  sequence_state   state besides the KV cache carried per sequence (LFM2, Jamba, Falcon-H1, Qwen3-Next).
+  sequence_state   state besides the KV cache carried per sequence (LFM2, Mamba hybrids, Qwen3-Next).
   self_check       the start-up check of the worker's path against transformers' reference forward.
   faults           non-finite logits and sampler failures, isolated to their sequence.
   verify           sampling level by level with the tree acceptance walk; KV compaction moves.

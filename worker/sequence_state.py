@@ -1,5 +1,5 @@
-"""State besides the KV cache, carried per sequence: LFM2's short convolutions, the Mamba mixers of Jamba and
-Falcon-H1, Qwen3-Next's gated delta rule.
+"""State besides the KV cache, carried per sequence: LFM2's short convolutions, the Mamba mixers of Jamba, Falcon-H1,
+Bamba and Granite 4.0 (GraniteMoeHybrid), Qwen3-Next's gated delta rule.
 
 These layers keep a convolution state and (all but LFM2's) a recurrent state from one forward to the next, in the
 linear-attention layers of transformers' Cache (cache_utils.LinearAttentionLayer), which their forward reads and
@@ -36,9 +36,11 @@ from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
 from worker.validation import InvalidRequest
 
-STATEFUL_MODULES = frozenset({"Lfm2ShortConv", "JambaMambaMixer", "FalconH1Mixer", "Qwen3NextGatedDeltaNet"})
+STATEFUL_MODULES = frozenset({"Lfm2ShortConv", "JambaMambaMixer", "FalconH1Mixer", "Qwen3NextGatedDeltaNet",
+                              "BambaMixer", "GraniteMoeHybridMambaLayer"})
 """transformers' classes whose state `attach` carries per sequence (each tested against transformers' generate)."""
-WHOLE_CONTINUATIONS = frozenset({"Lfm2ShortConv", "FalconH1Mixer", "Qwen3NextGatedDeltaNet"})
+WHOLE_CONTINUATIONS = frozenset({"Lfm2ShortConv", "FalconH1Mixer", "Qwen3NextGatedDeltaNet", "BambaMixer",
+                                 "GraniteMoeHybridMambaLayer"})
 """Those whose whole-sequence form starts from the cached state: a step continuing a sequence goes through it in
 one call. The others' (JambaMambaMixer's scan starts from zeros) go token by token."""
 

@@ -43,6 +43,12 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
                                      linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                                      linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
                                      moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "bamba": ("Bamba", dict(**GQA, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                            mamba_chunk_size=8, mamba_expand=1, attn_layer_indices=[1])),
+    "granitemoehybrid": ("GraniteMoeHybrid", dict(**GQA, layer_types=["mamba", "attention"], mamba_n_heads=4,
+                                                  mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                                                  mamba_chunk_size=8, mamba_expand=1, num_local_experts=0,
+                                                  shared_intermediate_size=128)),
 }
 """name -> (transformers class prefix, config overrides on COMMON)."""
 
@@ -72,5 +78,5 @@ DISPLAY_NAMES = {"gemma3": "Gemma 3", "llama": "Llama", "mistral": "Mistral", "q
                  "phi3": "Phi-3", "gemma2": "Gemma 2", "olmo": "OLMo", "granite": "Granite", "qwen3_moe": "Qwen3-MoE",
                  "gpt_oss": "GPT-OSS", "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "bloom": "Bloom", "lfm2": "LFM2",
                  "falcon_h1": "Falcon-H1", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "jamba": "Jamba",
-                 "qwen3_next": "Qwen3-Next"}
+                 "qwen3_next": "Qwen3-Next", "bamba": "Bamba", "granitemoehybrid": "Granite 4.0 (GraniteMoeHybrid)"}
 """How the docs name each architecture."""

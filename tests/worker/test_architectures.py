@@ -1,13 +1,13 @@
 """Every architecture the worker is known to serve or refuse (tests/support/architectures.py), never wrong.
 
 Served ones: the start-up self-check passes, each takes the path the matrix says (a lean decoder or transformers'
-own modules), and greedy output is transformers' `generate` with speculation (through the scheduler, the drafter
-and the worker) and without it. A model with state besides the KV cache (LFM2's convolutions, the Mamba mixers of
-Jamba and Falcon-H1, Qwen3-Next's gated delta rule) is served with speculation, a tree's accepted path leaving its
-state, and without shared prefixes, which the scheduler then never sends. Refused ones fail at start-up with an
-error that says why: attention that never calls the attention interface (Bloom). Mutations (sinks dropped, an
-attention keyword unknown, state not carried) are caught. The docs' table of architectures (docs/engine.md) is this
-matrix, rendered by architecture_table()."""
+own modules), and greedy output is transformers' `generate` with speculation (through the scheduler, the drafter and
+the worker) and without it. A model with state besides the KV cache (LFM2's convolutions, the Mamba mixers of Jamba,
+Falcon-H1, Bamba and Granite 4.0, Qwen3-Next's gated delta rule) is served with speculation, a tree's accepted path
+leaving its state, and without shared prefixes, which the scheduler then never sends. Refused ones fail at start-up
+with an error that says why: attention that never calls the attention interface (Bloom). Mutations (sinks dropped,
+an attention keyword unknown, state not carried) are caught. The docs' table of architectures (docs/engine.md) is
+this matrix, rendered by architecture_table()."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ from worker.model_runner import ModelRunner
 from worker.self_check import SelfCheckFailed
 
 PLAIN = ("phi3", "gemma2", "olmo", "granite", "qwen3_moe", "gpt_oss", "gpt2", "gpt_neox", "deepseek_v2", "deepseek_v3",
-         "lfm2", "jamba", "falcon_h1", "qwen3_next")
+         "lfm2", "jamba", "falcon_h1", "qwen3_next", "bamba", "granitemoehybrid")
 """Served through transformers' own modules under the paged attention."""
-NO_PREFIXES = ("lfm2", "jamba", "falcon_h1", "qwen3_next")
+NO_PREFIXES = ("lfm2", "jamba", "falcon_h1", "qwen3_next", "bamba", "granitemoehybrid")
 """Served without shared prefixes: state besides the KV cache runs from token to token, and none is kept for a
 prefix (worker/sequence_state.py)."""
 NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-query attention",
@@ -53,7 +53,9 @@ NOTES = {"gemma3": "sliding window, normed queries and keys", "llama": "grouped-
          "jamba": "Mamba layers (state carried per sequence; no KV cache in them), mixture of experts",
          "falcon_h1": "attention and a Mamba-2 mixer side by side in every layer, the mixer's state carried per "
                       "sequence",
-         "qwen3_next": "gated delta rule layers (state carried per sequence; no KV cache in them), gated attention"}
+         "qwen3_next": "gated delta rule layers (state carried per sequence; no KV cache in them), gated attention",
+         "bamba": "Mamba-2 layers (state carried per sequence; no KV cache in them)",
+         "granitemoehybrid": "Mamba-2 layers (state carried per sequence; no KV cache in them)"}
 """What each served architecture brings that the worker's path carries."""
 REFUSED = {
     "bloom": "its attention never calls the attention interface, so it would run unmasked",
@@ -133,6 +135,8 @@ def test_the_self_check_can_be_skipped(tmp_path):
 @pytest.mark.parametrize(("name", "modules"), [("jamba", "Conv1d, JambaMambaDecoderLayer, JambaMambaMixer"),
                                                ("falcon_h1", "Conv1d, FalconH1Mixer"),
                                                ("qwen3_next", "Conv1d, Qwen3NextGatedDeltaNet"),
+                                               ("bamba", "BambaMixer, Conv1d"),
+                                               ("granitemoehybrid", "Conv1d, GraniteMoeHybridMambaLayer"),
                                                ("lfm2", "Conv1d, Lfm2ShortConv")])
 def test_state_not_carried_is_caught_by_the_self_check(name, modules, tmp_path, monkeypatch):
     """The mutation check for state: with the stateful layers left as transformers has them (no per-sequence
@@ -202,7 +206,8 @@ def test_deepseek_v3_caches_its_latent_and_deepseek_v2_the_expanded_keys_and_val
 
 @pytest.mark.parametrize(("name", "layer_kv_heads", "stateful"), [
     ("lfm2", (0, 2), "[0] (Lfm2ShortConv)"), ("jamba", (0, 2), "[0] (JambaMambaMixer)"),
-    ("falcon_h1", (2, 2), "[0, 1] (FalconH1Mixer)"), ("qwen3_next", (0, 2), "[0] (Qwen3NextGatedDeltaNet)")])
+    ("falcon_h1", (2, 2), "[0, 1] (FalconH1Mixer)"), ("qwen3_next", (0, 2), "[0] (Qwen3NextGatedDeltaNet)"),
+    ("bamba", (0, 2), "[0] (BambaMixer)"), ("granitemoehybrid", (0, 2), "[0] (GraniteMoeHybridMambaLayer)")])
 def test_a_model_with_sequence_state_keeps_the_accepted_paths_state(name, layer_kv_heads, stateful, tmp_path):
     """A tree step whose accepted path is neither its last node nor its first leaves the sequence the state of
     that path; a first step past a prefix (as a cached one would be) is refused whole before anything changes; the
