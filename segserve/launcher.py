@@ -127,7 +127,6 @@ def _forward(name: str, output: IO[bytes], tail: deque[str]) -> None:
             print(prefix + text, flush=True)
 
 
-
 def last_exception(lines: list[str]) -> str:
     """The last exception (or CLI error) a service printed among `lines` of its output, "" when none: the reason
     it exited (`worker.self_check.SelfCheckFailed: BloomForCausalLM is not served: ...`)."""
@@ -200,7 +199,7 @@ class Stack:
             if cfg.is_ray_workers:
                 worker_addresses = self._start_ray_workers(workers, deadline)
             else:
-                self._start_replicas("worker", deadline, is_port_picked=ports == [0] * cfg.num_workers)
+                self._start_replicas("worker", deadline, is_port_picked=not cfg.worker.port or cfg.num_workers > 1)
                 worker_addresses = [f"{w.host}:{w.port}" for w in self.worker_configs]
             self._start_replicas("drafter", deadline, is_port_picked=not cfg.drafter.port or cfg.num_drafters > 1)
             drafters = self.drafter_configs

@@ -30,7 +30,6 @@ class PeerStartError(RuntimeError):
     """The peer server did not become ready (it exited, or the wait ran out)."""
 
 
-
 def offline_env() -> dict:
     """This process's environment, with the Hugging Face hub switched off."""
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}

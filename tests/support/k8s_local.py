@@ -27,7 +27,6 @@ from tests.support.k8s_helpers import REPO, config_class, container_env, localiz
 SERVICE_TARGET = re.compile(r"(dns:///)?(segserve-[a-z-]+):(\d+)")
 
 
-
 def image_env() -> dict[str, str]:
     """The runtime image's ENV (Dockerfile), but PATH and HOME, which stay this machine's."""
     text = re.sub(r"\\\n\s*", " ", (REPO / "Dockerfile").read_text())
