@@ -10,8 +10,10 @@ import torch
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from tests.support.devices import TEST_DEVICE
+from tests.support.exact import assert_as_exact_as, exact_last_logits
 from tests.worker.test_model_runner import (
-    BLOCK_SIZE, PROMPT, ROOT_TOKEN, TREE, Decoder, assert_batch_invariant, logits_of, make_runner, run_together,
+    BLOCK_SIZE, PROMPT, ROOT_TOKEN, TREE, Decoder, assert_batch_invariant, logits_of, make_runner, node_paths,
+    run_together,
 )
 from worker.compiled import bucket
 from worker.config import WorkerConfig
@@ -82,8 +84,8 @@ def test_a_tree_scores_like_the_eager_runners(compiled, eager):
         return logits
 
     got, expected = tree_logits(compiled), tree_logits(eager)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    rows = [context + path for path in node_paths(TREE)]
+    assert_as_exact_as(got, expected, exact_last_logits(eager.config.model, rows))
 
 
 def test_two_compiled_runners_in_one_process_each_run_their_own_weights(tiny_gemma3_dir, tmp_path):
@@ -111,8 +113,9 @@ def test_two_compiled_runners_in_one_process_each_run_their_own_weights(tiny_gem
 
     expected = {name: decode_logits(eager) for name, eager in eagers.items()}
     assert not torch.allclose(expected["a"], expected["b"], atol=1e-2)
+    exact = {name: exact_last_logits(eager.config.model, [PROMPT[:3] + [5]]) for name, eager in eagers.items()}
     for name in ("a", "b", "a", "b"):  # each bucket called again, alternating runners
-        torch.testing.assert_close(decode_logits(runners[name]), expected[name], atol=1e-4, rtol=0)
+        assert_as_exact_as(decode_logits(runners[name])[None], expected[name][None], exact[name])
 
 
 def test_packed_linears_compile_to_the_eager_runners_tokens(tiny_gemma3_dir, monkeypatch):

@@ -16,11 +16,12 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from tests.support.devices import TEST_DEVICE
+from tests.support.exact import assert_as_exact_as, exact_last_logits
 from tests.worker.test_decode_graphs import logits_of_each_step, prompts
 from tests.worker.test_verify import oracle_tree, random_tree, spec_decode
 from tests.worker.test_model_runner import (
     PROMPT, ROOT_TOKEN, TREE, Decoder, _prefill_logits, assert_batch_invariant, logits_of, make_runner,
-    run_together,
+    prefill_rows, run_together,
 )
 from worker.attention_plan import graph_bucket_keys
 from worker.compiled_layers import CompiledRegion
@@ -77,7 +78,7 @@ def test_logits_are_the_eager_layers_within_rounding(runners):
     tokens = PROMPT + [3, 4, 5, 6]
     got, expected = _prefill_logits(compiled, "a", tokens, [0, 1, 2, 3, 4]), _prefill_logits(eager, "a", tokens,
                                                                                                 [0, 1, 2, 3, 4])
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert_as_exact_as(got, expected, exact_last_logits(eager.config.model, prefill_rows(tokens)))
 
 
 def test_batch_invariance(runners):
@@ -120,8 +121,9 @@ def test_two_runners_of_one_class_each_run_their_own_weights(tiny_gemma3_dir, tm
     for model_dir in (tiny_gemma3_dir, other_dir):
         compiled = make_runner(model_dir, 16, is_compiled_layers=True)
         eager = make_runner(model_dir, 16, is_compiled_layers=False, is_cuda_graphs=False)
-        torch.testing.assert_close(_prefill_logits(compiled, "a", PROMPT, [0, 1, 2]),
-                                   _prefill_logits(eager, "a", PROMPT, [0, 1, 2]), atol=1e-4, rtol=0)
+        exact = exact_last_logits(model_dir, prefill_rows(PROMPT))
+        assert_as_exact_as(_prefill_logits(compiled, "a", PROMPT, [0, 1, 2]),
+                           _prefill_logits(eager, "a", PROMPT, [0, 1, 2]), exact)
 
 
 def _scaled_rows(calls, x):

@@ -16,6 +16,7 @@ from protos.segserve.v1.tree import CandidateTree
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from tests.support.devices import TEST_DEVICE
+from tests.support.exact import assert_as_exact_as, exact_last_logits
 from segserve.bench.random_models import TINY_GEMMA3, save_random
 from tests.support.tiny_models import LLAMA_KIN
 from worker.sampler import sample
@@ -208,16 +209,21 @@ def _prefill_logits(runner: ModelRunner, seq_id: str, tokens: list[int], blocks:
     return logits
 
 
+def prefill_rows(tokens: list[int]) -> list[list[int]]:
+    """The token sequence behind each row _prefill_logits returns."""
+    return [tokens[:i + 1] for i in range(len(tokens))] + [tokens + [5]]
+
+
 def test_block_tables_scattered_and_reused(runner):
     tokens = PROMPT + [3, 4, 5, 6]
     contiguous = _prefill_logits(runner, "a", tokens, [0, 1, 2, 3, 4])
     shuffled = _prefill_logits(runner, "b", tokens, [37, 12, 50, 8, 21])
-    torch.testing.assert_close(shuffled, contiguous, atol=1e-5, rtol=0)
+    assert_as_exact_as(shuffled, contiguous, exact_last_logits(runner.config.model, prefill_rows(tokens)))
     # Blocks 37, 12, ... now hold another sequence's keys: a new one reusing them must not see them.
     other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4]
     fresh = _prefill_logits(runner, "c", other, [60, 61, 62, 63])
     reused = _prefill_logits(runner, "d", other, [12, 50, 37, 8])
-    torch.testing.assert_close(reused, fresh, atol=1e-5, rtol=0)
+    assert_as_exact_as(reused, fresh, exact_last_logits(runner.config.model, prefill_rows(other)))
 
 
 # A candidate tree after the root 77: parent of each draft (-1 = the root).
@@ -243,10 +249,9 @@ def test_tree_forward_matches_naive(runner):
     packed = logits_of(runner, StepRequest([tree]))
     runner.step(StepRequest(finished_seq_ids=["t"]))
     assert packed.shape[0] == len(TREE) + 1
-    for node, path in enumerate(node_paths(TREE)):
-        naive = reference_last_logits(runner.model, context + path)
-        torch.testing.assert_close(packed[node], naive.to(packed.device), atol=1e-4, rtol=0)
-        assert packed[node].argmax() == naive.argmax()
+    rows = [context + path for path in node_paths(TREE)]
+    naive = torch.stack([reference_last_logits(runner.model, row) for row in rows]).to(packed.device)
+    assert_as_exact_as(packed, naive, exact_last_logits(runner.config.model, rows))
 
 
 def test_tree_sampling_sees_each_nodes_path(runner):
@@ -429,8 +434,9 @@ def test_sliding_layers_read_only_their_window_and_give_the_logits_of_every_key(
     # every group (one query and five prompt tokens; or those with the tree) read fewer keys when windowed
     assert len(compared[0]) == (2 if first_work == "decode" else 1)
     assert all(windowed is not None and windowed < keys for keys, windowed in compared[0])
-    torch.testing.assert_close(windowed, full, atol=1e-5, rtol=0)
-    assert torch.equal(windowed.argmax(-1), full.argmax(-1))
+    long_rows = [long + [7]] if first_work == "decode" else [long + path for path in node_paths(TREE)]
+    rows = long_rows + [chunked[:31], chunked[:35]]
+    assert_as_exact_as(windowed, full, exact_last_logits(runner.config.model, rows))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -462,7 +468,8 @@ def test_windowed_keys_give_the_logits_of_every_key_for_any_mix_of_contexts_and_
         return logits
 
     windowed, full = windowed_and_full(run)
-    torch.testing.assert_close(windowed, full, atol=1e-5, rtol=0)
+    rows = [t[:c + j + 1] for t, (c, n) in zip(tokens, sizes) for j in range(n)]
+    assert_as_exact_as(windowed, full, exact_last_logits(gemma3_runner.config.model, rows))
 
 
 def test_greedy_decode_with_windowed_sliding_layers_matches_generate(gemma3_runner):
@@ -499,11 +506,12 @@ def test_capped_attention_logits_give_transformers_logits(capped_gemma2_dir):
     uncapped = AutoModelForCausalLM.from_pretrained(capped_gemma2_dir, dtype=torch.float32).to(runner.device)
     for layer in uncapped.model.layers:
         layer.self_attn.attn_logit_softcapping = None
-    for node, path in enumerate(node_paths(TREE)):
-        expected = reference_last_logits(runner.model, context + path, "eager").to(tree.device)
-        torch.testing.assert_close(tree[node], expected, atol=1e-4, rtol=0)
-        assert not torch.allclose(reference_last_logits(uncapped, context + path, "eager").to(tree.device),
-                                  expected, atol=1e-2)  # the cap matters
+    rows = [context + path for path in node_paths(TREE)]
+    expected = torch.stack([reference_last_logits(runner.model, row, "eager") for row in rows]).to(tree.device)
+    assert_as_exact_as(tree, expected, exact_last_logits(capped_gemma2_dir, rows))
+    for row, capped in zip(rows, expected):
+        assert not torch.allclose(reference_last_logits(uncapped, row, "eager").to(tree.device),
+                                  capped, atol=1e-2)  # the cap matters
     torch.testing.assert_close(decode[0], tree[0])
 
 
