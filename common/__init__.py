@@ -3,7 +3,8 @@
 Beside protos/ at the bottom of the layers (pyproject.toml's import-linter contracts): common imports no
 first-party package but protos. In: configuration values and gRPC servers or channels. Out:
 - blocking.py: where a servicer runs a blocking call (on its event loop when short, else in a thread);
-- checkpoint.py: model resolution (a directory, or the default GGUF converted once into a cache);
+- catalog.py: the models prepared by name (their pinned packages, GGUF sha256, chat template, stop tokens);
+- checkpoint.py: model resolution (a directory, or a catalog model's GGUF converted once into a cache);
 - discovery.py: replica addresses (`dns:///name:port`) and rendezvous hashing;
 - health.py: the gRPC health protocol and reflection;
 - heap.py: the garbage collector's start-up freeze;

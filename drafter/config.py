@@ -32,9 +32,11 @@ class DrafterConfig:
     """Sampling ratio in [0, 1] of the traces this service would start; it only continues the router's, which
     keep the router's decision (ParentBased), so the router's ratio is the one that counts."""
     segments_config: str | None = None
-    """Segments TOML file; None = drafter/segments/default.toml (for the default model)."""
+    """Segments TOML file; None = the one shipped for the model. That is drafter/segments/<name>.toml for a
+    catalog model that has one, else drafter/segments/default.toml."""
     tokenizer: str | None = None
-    """Model directory whose tokenizer resolves marker strings; None = the default model."""
+    """Tokenizer for marker strings: a catalog name (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers
+    model directory; None = the default model."""
     corpus_dir: str | None = None
     """Directory of the corpora's snapshots; None = in memory only. Snapshots (<segment>.corpus.npz +
     snapshot.json) are loaded at start and saved every snapshot_interval_s and at shutdown."""

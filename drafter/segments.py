@@ -3,7 +3,7 @@
 In: a TOML file (format below) and a tokenizer to resolve token strings. Out: a
 `SegmentsConfig` of `SegmentKind`s whose markers are tuples of token ids.
 
-Format (see drafter/segments/default.toml)::
+Format (see drafter/segments/default.toml; a catalog model may have its own, drafter/segments/<name>.toml)::
 
     [default]                      # text outside every segment (no markers)
     algorithm = "best_first"       # single_branch | multi_branch_dfs | multi_branch_bfs | best_first
@@ -180,9 +180,20 @@ class SegmentsConfig:
         return tuple(sorted({token for kind in self.kinds for token in (*kind.start, *kind.end)}))
 
 
+def shipped_config_path(tokenizer: Any = None) -> Path:
+    """The shipped segments file for the tokenizer's model: drafter/segments/<catalog name>.toml for a catalog
+    model that has one (its converted checkpoint names it), else default.toml."""
+    from common.checkpoint import model_card
+
+    directory = getattr(tokenizer, "name_or_path", "")
+    name = model_card(Path(directory)).get("name", "") if directory else ""
+    own = DEFAULT_CONFIG_PATH.with_name(f"{name}.toml")
+    return own if name and own.is_file() else DEFAULT_CONFIG_PATH
+
+
 def load_segments(path: str | Path | None = None, tokenizer: Any = None) -> SegmentsConfig:
-    """Read a segments TOML file (None = the shipped default) and resolve its markers."""
-    with open(path or DEFAULT_CONFIG_PATH, "rb") as f:
+    """Read a segments TOML file (None = the one shipped for the tokenizer's model) and resolve its markers."""
+    with open(path or shipped_config_path(tokenizer), "rb") as f:
         raw = tomllib.load(f)
     return parse_segments(raw, tokenizer)
 

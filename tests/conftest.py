@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models built once per session, the real default model on demand."""
+"""Shared fixtures: tiny random models built once per session, the real catalog models on demand."""
 
 from __future__ import annotations
 
@@ -35,10 +35,23 @@ def tiny_qwen3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    """The real gemma-3-270m, converted once into the cache (about a minute the first time)."""
-    from common.checkpoint import prepare_default_model
+    """The light real model, gemma-3-270m (common.catalog.LIGHT_MODEL), converted once into the cache (about a
+    minute the first time). Not the catalog's DEFAULT_MODEL, which `segserve serve` serves without --model:
+    tests want the lighter one."""
+    from common.catalog import LIGHT_MODEL
+    from common.checkpoint import prepare_model
 
-    return prepare_default_model()
+    return prepare_model(LIGHT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def instruct_model_dir():
+    """The catalog's DEFAULT_MODEL, qwen2.5-coder-0.5b-instruct, converted once into the cache (about two minutes
+    and 2.5 GB the first time): for tests of chat and tool calls that need an instruction-tuned model."""
+    from common.catalog import DEFAULT_MODEL
+    from common.checkpoint import prepare_model
+
+    return prepare_model(DEFAULT_MODEL)
 
 
 def pytest_configure(config):

@@ -12,7 +12,8 @@ from worker.threads import parse_cpu_list
 @dataclass
 class WorkerConfig:
     model: str | None = None
-    """Transformers causal-LM directory; None serves the default model (gemma-3-270m)."""
+    """A catalog name (qwen2.5-coder-0.5b-instruct, gemma-3-270m: common/catalog.py) or a transformers
+    causal-LM directory; None serves the default model, qwen2.5-coder-0.5b-instruct."""
     served_model_name: str | None = None
     """Name the model is served under; defaults to the directory name."""
     device: str = "auto"

@@ -3,7 +3,7 @@
 `segserve bench throughput` measures segserve against a peer server on the same
 model and writes what it measured:
 
-- in: a model directory (None = the default gemma-3-270m), concurrency levels,
+- in: a catalog name or a model directory (None = the default model), concurrency levels,
   the output length and an output directory (CLI flags from `add_throughput_args`);
 - out: `throughput.json` (every raw per-request timing, the config, machine info,
   the command line), `throughput.png` and a markdown table on stdout.

@@ -71,7 +71,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `segserve bench engine`, one per EngineBenchConfig field."""
     d = EngineBenchConfig()
-    parser.add_argument("--model", default=d.model, help="model directory (default: gemma-3-270m)")
+    parser.add_argument("--model", default=d.model,
+                        help="catalog name or transformers model directory (default model if unset)")
     parser.add_argument("--tiny", dest="is_tiny", action="store_true", help="a tiny random Gemma3 built on the fly")
     parser.add_argument("--random-weights", dest="is_random_weights", action="store_true",
                         help="a model's shape with random weights (--random-shape), built on the fly (no model "

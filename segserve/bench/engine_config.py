@@ -11,7 +11,8 @@ from pathlib import Path
 @dataclass
 class EngineBenchConfig:
     model: str | None = None
-    """Model directory; None = the default gemma-3-270m (ignored with is_tiny or is_random_weights)."""
+    """A catalog name (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default
+    model (ignored with is_tiny or is_random_weights)."""
     is_tiny: bool = False
     """Build a tiny random 4-layer Gemma3 in a temporary directory and bench that."""
     is_random_weights: bool = False

@@ -212,7 +212,8 @@ async def serve(model: str | None, port: int, token_interval_s: float, host: str
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory of the tokenizer (default model if unset)")
+    parser.add_argument("--model", default=None, help="the tokenizer's model: a catalog name or a "
+                                                       "transformers model directory (default model if unset)")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-interval-ms", type=float, default=20.0)
     args = parser.parse_args(argv)

@@ -38,7 +38,8 @@ Chat = Callable[[list[dict]], dict]
 @dataclass
 class PrefixBenchConfig:
     model: str | None = None
-    """Model directory; None = the default gemma-3-270m."""
+    """A catalog name (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default
+    model."""
     history_tokens: int = 1500
     """Tokens of the document every conversation starts with (the shared history)."""
     num_turns: int = 3
@@ -68,7 +69,8 @@ class PrefixBenchConfig:
 def add_prefix_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `segserve bench prefix`, one per PrefixBenchConfig field."""
     defaults = PrefixBenchConfig()
-    parser.add_argument("--model", default=defaults.model, help="model directory (default: gemma-3-270m)")
+    parser.add_argument("--model", default=defaults.model,
+                        help="catalog name or transformers model directory (default model if unset)")
     for name in ("history_tokens", "num_turns", "max_tokens", "num_repetitions"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=defaults.dtype)

@@ -40,7 +40,8 @@ from segserve.bench.prompts import PROMPTS
 @dataclass
 class ReflowBenchConfig:
     model: str | None = None
-    """Tokenizer's model directory for the routers and the paced scheduler; None = the default gemma-3-270m."""
+    """Tokenizer's model for the routers and the paced scheduler: a catalog name
+    (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default model."""
     concurrency: int = 16
     """Concurrent streams of every level."""
     max_tokens: int = 64
@@ -72,7 +73,8 @@ class ReflowBenchConfig:
 def add_reflow_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `segserve bench reflow`, one per ReflowBenchConfig field."""
     d = ReflowBenchConfig()
-    parser.add_argument("--model", default=d.model, help="tokenizer's model directory (default: gemma-3-270m)")
+    parser.add_argument("--model", default=d.model,
+                        help="catalog name or transformers model directory (default model if unset)")
     parser.add_argument("--concurrency", type=int, default=d.concurrency, help="concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
     parser.add_argument("--requests-per-stream", type=int, default=d.requests_per_stream)

@@ -64,7 +64,8 @@ _PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 @dataclass
 class RouterBenchConfig:
     model: str | None = None
-    """Tokenizer's model directory for the router and the paced scheduler; None = the default gemma-3-270m."""
+    """Tokenizer's model for the router and the paced scheduler: a catalog name
+    (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default model."""
     concurrency: int = 64
     """Concurrent SSE streams."""
     max_tokens: int = 128
@@ -97,7 +98,8 @@ class RouterBenchConfig:
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `segserve bench router`, one per RouterBenchConfig field."""
     d = RouterBenchConfig()
-    parser.add_argument("--model", default=d.model, help="tokenizer's model directory (default: gemma-3-270m)")
+    parser.add_argument("--model", default=d.model,
+                        help="catalog name or transformers model directory (default model if unset)")
     parser.add_argument("--concurrency", type=int, default=d.concurrency, help="concurrent streams")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
     parser.add_argument("--requests-per-stream", type=int, default=d.requests_per_stream)

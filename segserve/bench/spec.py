@@ -44,7 +44,8 @@ MakeFactories = Callable[[str, Path, Path], dict[str, SystemFactory]]  # (model 
 @dataclass
 class SpecBenchConfig:
     model: str | None = None
-    """Model directory; None = the default gemma-3-270m. Every system runs this one."""
+    """A catalog name (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default
+    model. Every system runs this one."""
     finetuned_model: str | None = None
     """A fine-tuned checkpoint directory (`segserve finetune`): every round also runs the same systems on it,
     reported side by side; None = no such comparison (spec.json says so)."""
@@ -107,7 +108,8 @@ def _names(text: str) -> tuple[str, ...]:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `segserve bench spec`, one per SpecBenchConfig field."""
     defaults = SpecBenchConfig()
-    parser.add_argument("--model", default=defaults.model, help="model directory (default: gemma-3-270m)")
+    parser.add_argument("--model", default=defaults.model,
+                        help="catalog name or transformers model directory (default model if unset)")
     parser.add_argument("--finetuned-model", default=defaults.finetuned_model,
                         help="fine-tuned checkpoint directory: the same systems run on it too, side by side")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)

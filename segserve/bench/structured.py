@@ -44,7 +44,8 @@ Chat = Callable[[dict, int], dict]
 @dataclass
 class StructuredBenchConfig:
     model: str | None = None
-    """Model directory; None = the default gemma-3-270m. Every system runs this one."""
+    """A catalog name (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default
+    model. Every system runs this one."""
     max_tokens: int = 256
     """The most tokens of one request; EOS (where the grammar ends) ends it before."""
     num_schemas: int = len(EXTRACTIONS)
@@ -105,7 +106,8 @@ def _names(text: str) -> tuple[str, ...]:
 def add_structured_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `segserve bench structured`, one per StructuredBenchConfig field."""
     defaults = StructuredBenchConfig()
-    parser.add_argument("--model", default=defaults.model, help="model directory (default: gemma-3-270m)")
+    parser.add_argument("--model", default=defaults.model,
+                        help="catalog name or transformers model directory (default model if unset)")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
                         help="cap per request; EOS ends one first (default: 256)")
     parser.add_argument("--num-schemas", type=int, default=defaults.num_schemas,

@@ -43,7 +43,8 @@ def _concurrency_list(text: str) -> tuple[int, ...]:
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `segserve bench throughput`, one per ThroughputConfig field."""
     defaults = ThroughputConfig()
-    parser.add_argument("--model", default=defaults.model, help="model directory (default: gemma-3-270m)")
+    parser.add_argument("--model", default=defaults.model,
+                        help="catalog name or transformers model directory (default model if unset)")
     parser.add_argument("--concurrency", type=_concurrency_list, default=defaults.concurrency, help="e.g. 1,4,16")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--requests-per-stream", type=int, default=defaults.requests_per_stream)

@@ -13,7 +13,8 @@ PEER_CHOICES = ("auto", "transformers-serve", "batched-generate", "none")
 @dataclass
 class ThroughputConfig:
     model: str | None = None
-    """Model directory; None = the default gemma-3-270m. Every system runs this one."""
+    """A catalog name (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default
+    model. Every system runs this one."""
     concurrency: tuple[int, ...] = (1, 4, 16)
     """Concurrent stream counts; the lowest and highest are the ones the goals compare."""
     max_tokens: int = 64

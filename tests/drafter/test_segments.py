@@ -80,6 +80,23 @@ def test_shipped_default_config_matches_the_default_model(default_model_dir):
         assert "default" in tomllib.load(f)
 
 
+@pytest.mark.real_model
+def test_the_instruct_models_own_config_is_found_and_matches_its_tokenizer(instruct_model_dir, tiny_gemma3_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(instruct_model_dir)
+    segments = load_segments(None, tokenizer)
+    fence = tokenizer.convert_tokens_to_ids("```")
+    assert segments.kind("code").start == (fence,) == segments.kind("code").end
+    assert segments.kind("json").start == tuple(tokenizer.encode("```json", add_special_tokens=False))
+    for kind, start, end in (("turn", "<|im_start|>", "<|im_end|>"), ("tool_call", "<tool_call>", "</tool_call>")):
+        assert segments.kind(kind).start == (tokenizer.convert_tokens_to_ids(start),)
+        assert segments.kind(kind).end == (tokenizer.convert_tokens_to_ids(end),)
+    # a model the catalog did not convert gets the shipped default
+    assert load_segments(None, AutoTokenizer.from_pretrained(tiny_gemma3_dir)).kind("turn").start != \
+        segments.kind("turn").start
+
+
 def test_tracker_nesting_and_closing(segments):
     tracker = SegmentTracker(segments.kinds)
     assert tracker.append([10, 3, 11]) == [] and tracker.current == "turn"

@@ -13,6 +13,7 @@ import re
 import kubernetes_validate
 import pytest
 
+from common.catalog import DEFAULT_MODEL
 from segserve.cli import build_parser
 from segserve.flags import env_names, from_args
 from tests.support.k8s_helpers import (K8S, OVERLAYS, PLUMBING_ENV, REPO, config_class, container_env, find,
@@ -242,13 +243,13 @@ def test_the_tensor_parallel_overlay_gives_each_worker_one_gpu_per_rank():
 def test_the_model_comes_from_a_volume_the_init_container_fills(objects):
     for component in ("router", "worker", "drafter"):
         spec = pod_spec(one(objects, "Deployment", f"segserve-{component}"))
-        init = [c for c in spec["initContainers"] if segserve_argv(c) == ["prepare-model"]]
+        init = [c for c in spec["initContainers"] if segserve_argv(c) == ["prepare-model", DEFAULT_MODEL]]
         assert len(init) == 1, component
         cache = {m["name"]: m["mountPath"] for m in init[0]["volumeMounts"]}["models"]
         assert container_env(init[0], objects)["SEGSERVE_CACHE_DIR"] == cache
         argv = segserve_argv(spec["containers"][0])
         model = [a.split("=", 1)[1] for a in argv if a.startswith(("--model=", "--tokenizer="))]
-        assert model == [f"{cache}/models/gemma-3-270m"], component
+        assert model == [f"{cache}/models/{DEFAULT_MODEL}"], component
 
 
 def test_the_api_keys_come_from_a_secret_file_never_from_arguments(objects):
@@ -263,8 +264,8 @@ def test_the_api_keys_come_from_a_secret_file_never_from_arguments(objects):
         assert not any("api-keys=" in a or "--api-keys" in a for a in segserve_argv(c))
 
 
-def test_the_segments_configmap_is_the_shipped_default():
-    shipped = (REPO / "drafter" / "segments" / "default.toml").read_text()
+def test_the_segments_configmap_is_the_served_models_shipped_config():
+    shipped = (REPO / "drafter" / "segments" / f"{DEFAULT_MODEL}.toml").read_text()
     assert (K8S / "base" / "config" / "segments.toml").read_text() == shipped
     drafter = pod_spec(one(render("cpu"), "Deployment", "segserve-drafter"))
     volume = next(v for v in drafter["volumes"] if v["name"] == "segments")

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.catalog import DEFAULT_MODEL
 from tests.support.k8s_helpers import mounts, one, render
 from tests.support.k8s_local import LocalPod, image_env, pods_of, service_ports
 
@@ -32,14 +33,14 @@ def place_model(pod: LocalPod, model_dir: Path) -> None:
     if init is None:
         return
     cache = next(m for m in mounts(pod.workload, init) if m.volume["name"] == "models")
-    target = pod.root / cache.path.strip("/") / "models" / "gemma-3-270m"
+    target = pod.root / cache.path.strip("/") / "models" / DEFAULT_MODEL
     target.parent.mkdir(parents=True, exist_ok=True)
     target.symlink_to(model_dir, target_is_directory=True)
 
 
 def pod_spec_init(pod: LocalPod) -> dict | None:
     inits = pod.workload["spec"]["template"]["spec"].get("initContainers", [])
-    return next((c for c in inits if c["args"] == ["prepare-model"]), None)
+    return next((c for c in inits if c["args"][:1] == ["prepare-model"]), None)
 
 
 def wait_for_probe(pod: LocalPod, kind: str, deadline: float) -> None:
@@ -83,7 +84,7 @@ def test_the_cpu_overlay_runs_serves_a_chat_and_passes_every_probe(tiny_gemma3_d
 
         router = next(pod for pod in pods if pod.name.startswith("segserve-router"))
         base_url = f"http://127.0.0.1:{router.ports[8000]}"
-        body = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 16}
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 16}
         assert httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 401
         reply = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120,
                            headers={"Authorization": f"Bearer {api_key(objects)}"})
