@@ -76,7 +76,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     readers = None
     if mode != "none":
         def readers() -> CallReader:
-            return call_reader(mode, body.tool_choice, parser, body.is_parallel_tool_calls)
+            return call_reader(mode, body.tool_choice, parser, body.is_parallel_tool_calls, body.tools)
     renderer = ChatRenderer(response_id, int(time.time()), state.served_name, state.token_texts,
                             body.num_top_logprobs is not None, len(jobs), call_reader=readers)
     return await serve(state, request, body, jobs, renderer)

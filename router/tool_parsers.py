@@ -11,6 +11,15 @@ Out: its content text and its OpenAI tool calls. The formats, under the names vL
 - mistral: `[TOOL_CALLS]` and a JSON array of call objects; the text before it is content.
 - pythonic: the whole output is a Python list of calls with literal keyword arguments,
   `[get_weather(city="Paris"), ping()]`; anything else is content.
+- qwen2_5_coder (Qwen2.5-Coder, which writes calls in several ways): hermes blocks; call objects, or a JSON
+  array of them, bare as the whole output (objects separated by whitespace); or the same in a markdown fence
+  amid content: three backticks, the tag `json` or none, whitespace, then `{` or `[`. A fence of no call is
+  content through its closing backticks; after a fence's calls, text before its closing backticks is content
+  and the fence itself is dropped. Text after bare calls is content.
+
+A parser made with the request's tool names (`tool_parser(name, tool_names)`) reads as a call only a call of
+one of them: any other JSON (a JSON answer, an object whose "name" is no tool's) is content, verbatim, as a call
+without a name is (pythonic: a list calling any other function is content). Without names, any name is a call.
 
 A call object needs a non-empty string "name"; its "arguments" ("parameters" is the same key) must be an object,
 and are "{}" when absent; its keys may come in any order and other keys are ignored. A call's `arguments` is
@@ -21,14 +30,17 @@ Failures: text that does not read as a call is content, never an exception (malf
 name, a marker with no call after it). The one exception is streaming's: a call whose name has been sent stays a
 call. If its text then breaks off (the output was cut short) or stops being JSON, its arguments are closed at the
 last point where they were a complete prefix (`{"city": "Par` becomes `{"city": "Par"}`) and the rest of that
-call is dropped (hermes: through `</tool_call>`; mistral and llama3_json: the rest of the output).
+call is dropped (hermes and qwen2_5_coder's blocks: through `</tool_call>`; qwen2_5_coder's fence: through its
+closing backticks; mistral, llama3_json and bare qwen2_5_coder calls: the rest of the output).
 
 Streaming: `feed(piece)` returns the content that became final and the call deltas completed; `finish()` returns
-what was held back. Held back is only what may still be part of a call: a tail that may begin a marker (`<tool_`),
-the start of an output that may be a call list (llama3_json, pythonic), a call object until its name is known
-and its arguments have begun, and, inside the arguments, a piece that is not yet a complete prefix (a key, a
-number's sign, half of `true`, an escape). A call's first delta carries its id and name; its arguments then
-stream as they arrive. Pythonic calls come whole at `finish()`: only the end of the output makes it a list.
+what was held back. Held back is only what may still be part of a call: a tail that may begin a marker (`<tool_`,
+a fence's backticks), a fence's opening until what follows it shows whether calls do, the start of an output
+that may be calls (llama3_json, pythonic, qwen2_5_coder), a call object until its name is known (and, when it
+is a tool's, until its arguments have begun), and, inside the arguments, a piece that is not yet a complete
+prefix (a key, a number's sign, half of `true`, an escape). A call's first delta carries its id and name; its
+arguments then stream as they arrive. Pythonic calls come whole at `finish()`: only the end of the output makes
+it a list.
 Content that is only whitespace (`not text.strip()`) is none: `parse` gives None, and streaming sends content
 only once some non-whitespace has come.
 
@@ -91,7 +103,8 @@ class ToolParser:
 
     name: ClassVar[str]
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        self._tool_names = tool_names  # a call names one of these; None: any name
         self._state: Callable[[bool], bool] = self._read_plain
         self._buffer = ""
         self._pending: list[str] = []  # the text since a call may have begun, given back if it was none
@@ -104,7 +117,7 @@ class ToolParser:
         self._held_space = ""  # the content so far, while it is only whitespace
 
     def parse(self, text: str) -> ParsedOutput:
-        parser = type(self)()
+        parser = type(self)(self._tool_names)
         content, deltas = parser.feed(text)
         more_content, more_deltas = parser.finish()
         return _assemble(content + more_content, deltas + more_deltas)
@@ -158,19 +171,33 @@ class ToolParser:
         self._content, self._deltas = [], []
         return content, deltas
 
-    def _content_until(self, marker: str, is_final: bool) -> bool:
-        """Send the buffer as content up to `marker`, holding back a tail that may begin it. True when found:
-        the marker is then read, and the pending text of a call that may begin."""
-        start = self._buffer.find(marker)
-        if start < 0:
-            end = len(self._buffer) - (0 if is_final else _marker_start_len(self._buffer, marker))
+    def _content_until(self, markers: tuple[str, ...], is_final: bool) -> str:
+        """Send the buffer as content up to the first of `markers`, holding back a tail that may begin one.
+        Returns the marker found, then read, or ""."""
+        found = [(start, marker) for marker in markers if (start := self._buffer.find(marker)) >= 0]
+        if not found:
+            held = 0 if is_final else max(_marker_start_len(self._buffer, marker) for marker in markers)
+            end = len(self._buffer) - held
             self._emit_content(self._buffer[:end])
             self._buffer = self._buffer[end:]
-            return False
+            return ""
+        start, marker = min(found)
         self._emit_content(self._buffer[:start])
         self._buffer = self._buffer[start + len(marker):]
-        self._pending = [marker]
+        return marker
+
+    def _drop_through(self, marker: str, is_final: bool) -> bool:
+        """Drop the buffer through `marker`, keeping a tail that may begin it; True when found."""
+        end = self._buffer.find(marker)
+        if end < 0:
+            keep = 0 if is_final else _marker_start_len(self._buffer, marker)
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return False
+        self._buffer = self._buffer[end + len(marker):]
         return True
+
+    def _is_tool(self, name: str) -> bool:
+        return self._tool_names is None or name in self._tool_names
 
     def _read_call(self, is_final: bool) -> str:
         """Read the call object at the head of the buffer. Returns "reading" (the buffer is all read), "done",
@@ -181,8 +208,10 @@ class ToolParser:
         self._buffer = self._buffer[num_read:]
         if is_final and not (reader.is_done or reader.is_failed):
             reader.end()
-        if not reader.is_committed:
-            if not reader.is_failed:
+        # A call of no tool of the request's is text, known once its name is read (before the call starts).
+        is_unknown = reader.name is not None and not self._is_tool(reader.name)
+        if not reader.is_committed or is_unknown:
+            if not (reader.is_failed or is_unknown):
                 return "reading"
             self._give_back()
             return "no call"
@@ -219,13 +248,14 @@ class HermesParser(ToolParser):
     _OPEN = "<tool_call>"
     _CLOSE = "</tool_call>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        super().__init__(tool_names)
         self._state = self._read_content
 
     def _read_content(self, is_final: bool) -> bool:
-        if not self._content_until(self._OPEN, is_final):
+        if not self._content_until((self._OPEN,), is_final):
             return False
+        self._pending = [self._OPEN]
         self._reader, self._state = CallObjectReader(), self._read_block
         return True
 
@@ -251,14 +281,143 @@ class HermesParser(ToolParser):
 
     def _skip_block(self, is_final: bool) -> bool:
         """After a broken call: its text is dropped through `</tool_call>`."""
-        end = self._buffer.find(self._CLOSE)
-        if end < 0:
-            keep = 0 if is_final else _marker_start_len(self._buffer, self._CLOSE)
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+        if not self._drop_through(self._CLOSE, is_final):
             return False
-        self._buffer = self._buffer[end + len(self._CLOSE):]
         self._state = self._read_content
         return True
+
+
+class Qwen25CoderParser(HermesParser):
+    """Hermes blocks, and call objects (or an array of them) bare as the whole output or in a markdown fence."""
+
+    name = "qwen2_5_coder"
+    _FENCE = "```"
+    _FENCE_TAG = "json"
+
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        super().__init__(tool_names)
+        self._state = self._read_start
+        self._is_fenced = False  # the calls being read are in a fence
+        self._is_array = False  # ... in a JSON array
+        self._is_first_call = False  # of the group: failing, it makes the group's opening text
+
+    def _read_start(self, is_final: bool) -> bool:
+        """Calls are bare only as the whole output: it starts with `{` or `[` after whitespace."""
+        head = self._buffer.lstrip()
+        if not head and not is_final:
+            return False
+        if head[:1] in ("{", "["):
+            self._pending = [self._buffer[:len(self._buffer) - len(head)]]
+            self._buffer = head
+            self._start_calls(is_fenced=False)
+        else:
+            self._state = self._read_content
+        return True
+
+    def _read_content(self, is_final: bool) -> bool:
+        marker = self._content_until((self._OPEN, self._FENCE), is_final)
+        if not marker:
+            return False
+        self._pending = [marker]
+        if marker == self._OPEN:
+            self._reader, self._state = CallObjectReader(), self._read_block
+        else:
+            self._state = self._read_fence_open
+        return True
+
+    def _read_fence_open(self, is_final: bool) -> bool:
+        """After ```: the tag `json` or none, whitespace, then `{` or `[` make a fence of calls; else it is text."""
+        rest = self._buffer
+        if rest.startswith(self._FENCE_TAG):
+            rest = rest[len(self._FENCE_TAG):]
+        elif self._FENCE_TAG.startswith(rest) and not is_final:
+            return False
+        head = rest.lstrip()
+        if not head and not is_final:
+            return False
+        if head[:1] in ("{", "["):
+            self._pending.append(self._buffer[:len(self._buffer) - len(head)])
+            self._buffer = head
+            self._start_calls(is_fenced=True)
+        else:
+            self._give_back()
+            self._fence_was_text()
+        return True
+
+    def _start_calls(self, is_fenced: bool) -> None:
+        self._is_fenced, self._is_array, self._is_first_call = is_fenced, self._buffer[0] == "[", True
+        if self._is_array:
+            self._pending.append("[")
+            self._buffer = self._buffer[1:]
+        self._reader, self._state = CallObjectReader(), self._read_object
+
+    def _read_object(self, is_final: bool) -> bool:
+        outcome = self._read_call(is_final)
+        if outcome == "reading":
+            return False
+        if outcome == "done":
+            self._state = self._read_after_object
+        elif outcome == "broken":
+            self._state = self._skip_fence if self._is_fenced else self._drop_rest
+        elif self._is_first_call and self._is_fenced:
+            self._fence_was_text()
+        else:  # no call: the text from here on is content
+            self._state = self._read_fence_rest if self._is_fenced else self._read_content
+        self._is_first_call = False
+        return True
+
+    def _read_after_object(self, is_final: bool) -> bool:
+        """Between calls: whitespace and the next object (after `,` in an array); other text ends the calls."""
+        rest = self._buffer.lstrip()
+        if not rest and not is_final:
+            return False
+        if rest.startswith("," if self._is_array else "{"):
+            self._buffer = rest[1:] if self._is_array else rest
+            self._reader, self._state = CallObjectReader(), self._read_object
+            return True
+        if self._is_array and rest.startswith("]"):
+            self._buffer = rest[1:]
+        self._state = self._read_fence_end if self._is_fenced else self._read_content
+        return True
+
+    def _read_fence_end(self, is_final: bool) -> bool:
+        """After a fence's calls: whitespace and ``` close it; other text is content."""
+        rest = self._buffer.lstrip()
+        if rest.startswith(self._FENCE):
+            self._buffer = rest[len(self._FENCE):]
+            self._state = self._read_content
+        elif self._FENCE.startswith(rest) and not is_final:
+            return False
+        else:
+            self._state = self._read_fence_rest
+        return True
+
+    def _read_fence_rest(self, is_final: bool) -> bool:
+        """What follows calls in their fence is content; its closing ``` is dropped, as its opening was."""
+        if not self._content_until((self._FENCE,), is_final):
+            return False
+        self._state = self._read_content
+        return True
+
+    def _read_fence_text(self, is_final: bool) -> bool:
+        """A fence of no calls is content through its closing ```."""
+        if not self._content_until((self._FENCE,), is_final):
+            return False
+        self._emit_content(self._FENCE)
+        self._state = self._read_content
+        return True
+
+    def _skip_fence(self, is_final: bool) -> bool:
+        """After a broken call: the rest of its fence is dropped."""
+        if not self._drop_through(self._FENCE, is_final):
+            return False
+        self._state = self._read_content
+        return True
+
+    def _fence_was_text(self) -> None:
+        self._emit_content(self._FENCE)
+        self._buffer = self._buffer[len(self._FENCE):]
+        self._state = self._read_fence_text
 
 
 class Llama3JsonParser(ToolParser):
@@ -268,8 +427,8 @@ class Llama3JsonParser(ToolParser):
     _TAG = "<|python_tag|>"
     _SEPARATOR = re.compile(r"\s*(?:;\s*)?")
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        super().__init__(tool_names)
         self._state = self._read_start
 
     def _read_start(self, is_final: bool) -> bool:
@@ -318,8 +477,8 @@ class MistralParser(ToolParser):
     _MARKER = "[TOOL_CALLS]"
     _ID_CHARS = string.ascii_letters + string.digits
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        super().__init__(tool_names)
         self._state = self._read_content
         self._is_first_call = True  # of the array: failing, it makes the marker text
 
@@ -328,8 +487,9 @@ class MistralParser(ToolParser):
         return "".join(secrets.choice(MistralParser._ID_CHARS) for _ in range(9))
 
     def _read_content(self, is_final: bool) -> bool:
-        if not self._content_until(self._MARKER, is_final):
+        if not self._content_until((self._MARKER,), is_final):
             return False
+        self._pending = [self._MARKER]
         self._state = self._read_array_start
         return True
 
@@ -385,8 +545,8 @@ class PythonicParser(ToolParser):
     _MAY_START = re.compile(r"\s*(?:\[\s*(?:[^\W\d]\w*\s*)?)?")
     """What can still grow into `_START`."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+        super().__init__(tool_names)
         self._state = self._read_start
         self._held: list[str] = []
 
@@ -407,9 +567,10 @@ class PythonicParser(ToolParser):
             return False
         text = "".join(self._held)
         calls = _pythonic_calls(text)
-        if calls is None:
+        if calls is None or not all(self._is_tool(name) for name, _ in calls):
             self._emit_content(text)
-        for name, arguments in calls or ():
+            return False
+        for name, arguments in calls:
             self._add_arguments(self._start_call(name), arguments)
         return False
 
@@ -453,12 +614,14 @@ def _assemble(content: str, deltas: list[ToolCallDelta]) -> ParsedOutput:
 
 
 PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+    parser.name: parser
+    for parser in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen25CoderParser)}
 
 
-def tool_parser(name: str) -> ToolParser:
-    """A fresh parser for one choice; ValueError for an unknown name."""
+def tool_parser(name: str, tool_names: frozenset[str] | None = None) -> ToolParser:
+    """A fresh parser for one choice, reading as calls only those of `tool_names` (None: any name); ValueError
+    for an unknown parser name."""
     try:
-        return PARSERS[name]()
+        return PARSERS[name](tool_names)
     except KeyError:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(PARSERS)}") from None

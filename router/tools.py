@@ -10,7 +10,8 @@ render them with `tojson`.
 Out, by `tool_choice`:
 - `none`: plain text, as without tools.
 - `auto` (the default when tools are given): the model chooses; its text is read by the server's tool-call
-  parser (`--tool-call-parser`, tool_parsers.py). Without one, `auto` is a 400: nothing could read the calls.
+  parser (`--tool-call-parser`, tool_parsers.py), for which only a call naming one of the request's tools is a
+  call. Without a parser, `auto` is a 400: nothing could read the calls.
 - `required`: the grammar makes the output a JSON array of `{"name": ..., "parameters": {...}}`, one item a
   call, each name one of the tools and its parameters valid for that tool's schema (one item without
   `parallel_tool_calls`).
@@ -289,13 +290,16 @@ class SingleCall:
         return content, [delta for delta in deltas if delta.index == 0]
 
 
-def call_reader(mode: str, tool_choice: ToolChoice | None, parser_name: str, is_parallel: bool) -> CallReader:
-    """A fresh reader for one choice of a request in tool `mode` (not "none")."""
+def call_reader(mode: str, tool_choice: ToolChoice | None, parser_name: str, is_parallel: bool,
+                tools: list[Tool] | None = None) -> CallReader:
+    """A fresh reader for one choice of a request in tool `mode` (not "none"). Under `auto`, only a call of one
+    of `tools` is a call (None: of any name)."""
     if mode == "named":
         return NamedCall(tool_choice.function.name)
     if mode == "required":
         return RequiredCalls()
-    reader = tool_parser(parser_name)
+    tool_names = None if tools is None else frozenset(tool.function.name for tool in tools)
+    reader = tool_parser(parser_name, tool_names)
     return reader if is_parallel else SingleCall(reader)
 
 

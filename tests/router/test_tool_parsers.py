@@ -15,8 +15,9 @@ from router.tool_parsers import PARSERS, ParsedOutput, ToolCallDelta, tool_parse
 WEATHER = {"city": "Paris", "unit": "c"}
 
 
-def _stream(name: str, pieces: list[str]) -> tuple[str, list[ToolCallDelta]]:
-    parser = tool_parser(name)
+def _stream(name: str, pieces: list[str], tool_names: frozenset[str] | None = None
+            ) -> tuple[str, list[ToolCallDelta]]:
+    parser = tool_parser(name, tool_names)
     contents, deltas = [], []
     for piece in pieces:
         content, new = parser.feed(piece)
@@ -50,9 +51,10 @@ def _split(text: str, cuts: list[int]) -> list[str]:
     return [text[start:end] for start, end in zip([0, *cuts], [*cuts, len(text)])]
 
 
-def _assert_stream_agrees(name: str, text: str, cuts: list[int]) -> ParsedOutput:
-    parsed = tool_parser(name).parse(text)
-    content, deltas = _stream(name, _split(text, cuts))
+def _assert_stream_agrees(name: str, text: str, cuts: list[int], tool_names: frozenset[str] | None = None
+                          ) -> ParsedOutput:
+    parsed = tool_parser(name, tool_names).parse(text)
+    content, deltas = _stream(name, _split(text, cuts), tool_names)
     assert content == (parsed.content or "")
     calls = _joined(deltas)
     assert [(call_name, arguments) for _, call_name, arguments in calls] == [
@@ -155,6 +157,137 @@ def test_hermes_held_marker_start_is_content_when_no_marker_follows():
     assert parser.finish() == ("<", [])
 
 
+def test_hermes_block_naming_no_tool_of_the_request_is_content():
+    text = '<tool_call>{"name": "g", "arguments": {}}</tool_call> <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    parsed = tool_parser("hermes", frozenset({"f"})).parse(text)
+    assert parsed.content == '<tool_call>{"name": "g", "arguments": {}}</tool_call> '
+    assert _calls(parsed) == [("f", {})]
+
+
+def test_hermes_holds_a_call_only_until_its_name_is_known_to_be_no_tool():
+    parser = tool_parser("hermes", frozenset({"f"}))
+    assert parser.feed('<tool_call>{"name": "g') == ("", [])
+    assert parser.feed('", ') == ('<tool_call>{"name": "g", ', [])
+
+
+# qwen2_5_coder
+
+CODER_TOOLS = frozenset({"get_weather", "ping"})
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+
+
+def _coder(text: str) -> ParsedOutput:
+    return tool_parser("qwen2_5_coder", CODER_TOOLS).parse(text)
+
+
+@pytest.mark.parametrize("text", [
+    f"<tool_call>\n{PARIS}\n</tool_call>",  # the form the template asks for
+    PARIS,  # bare
+    f" \n{PARIS}\n",
+    f"```json\n{PARIS}\n```",  # fenced
+    f"```\n{PARIS}\n```",
+    f"\n```json {PARIS}```\n",
+])
+def test_coder_reads_a_call_in_each_form(text):
+    parsed = _coder(text)
+    assert parsed.content is None
+    assert _calls(parsed) == [("get_weather", WEATHER)]
+    assert parsed.tool_calls[0].arguments == '{"city": "Paris", "unit": "c"}'  # the model's own text
+
+
+@pytest.mark.parametrize("text", [
+    f'<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{{"name": "ping", "arguments": {{}}}}\n</tool_call>',
+    f'{PARIS}\n{{"name": "ping", "arguments": {{}}}}\n',
+    f'[{PARIS}, {{"name": "ping", "arguments": {{}}}}]',
+    f'```json\n{PARIS}\n\n{{"name": "ping"}}\n```',
+    f'```json\n[\n  {PARIS},\n  {{"name": "ping"}}\n]\n```',
+    f'```json\n{PARIS}\n```\n```json\n{{"name": "ping"}}\n```',
+])
+def test_coder_reads_several_calls(text):
+    parsed = _coder(text)
+    assert parsed.content is None
+    assert _calls(parsed) == [("get_weather", WEATHER), ("ping", {})]
+
+
+def test_coder_text_around_a_fenced_call_is_content():
+    parsed = _coder(f"I'll check the weather.\n```json\n{PARIS}\n```\nLet me know!")
+    assert parsed.content == "I'll check the weather.\n\nLet me know!"
+    assert _calls(parsed) == [("get_weather", WEATHER)]
+
+
+@pytest.mark.parametrize("text", [
+    '{"answer": 42}',  # a JSON answer: no name
+    '{"name": "Paris", "population": 2102650}',  # a name, but of no tool
+    '{"name": "get_time", "arguments": {}}',  # a call of a tool the request does not have
+    '[{"name": "get_time", "arguments": {}}, ' + PARIS + ']',
+    '[1, 2, 3]',
+    '```json\n{"city": "Paris"}\n```',
+    '```\n{"name": "get_time", "arguments": {}}\n```',
+    '```python\nprint({"name": "ping"})\n```',
+    'Use ```json fences``` for JSON.',
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    '{"name": "get_weather"',  # cut short before it was a call
+    "```json\n",
+    "Paris is sunny.",
+])
+def test_coder_json_that_is_no_call_of_a_tool_is_content_verbatim(text):
+    assert _coder(text) == ParsedOutput(text, ())
+
+
+def test_coder_a_fence_of_no_call_is_content_through_its_end():
+    text = f'```json\n{{"a": 1}}\n```\nand ```json\n{PARIS}\n``` done'
+    parsed = _coder(text)
+    assert parsed.content == '```json\n{"a": 1}\n```\nand  done'
+    assert _calls(parsed) == [("get_weather", WEATHER)]
+
+
+def test_coder_text_after_calls_in_their_fence_is_content_without_the_fence():
+    parsed = _coder(f'```json\n{PARIS}\n{{"a": 1}}\n```\nDone.')
+    assert parsed.content == '{"a": 1}\n\nDone.'
+    assert _calls(parsed) == [("get_weather", WEATHER)]
+
+
+@pytest.mark.parametrize("text, content", [
+    ('{"name": "get_weather", "arguments": {"city": "Par', None),
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Par', None),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None),
+    ('{"name": "get_weather", "arguments": {"city": "Par", oops}}\nMore.', None),  # the rest of the output dropped
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Par", oops}}\n```\nMore.', "\nMore."),
+])
+def test_coder_call_cut_short_is_closed_at_its_last_complete_point(text, content):
+    parsed = _coder(text)
+    assert parsed.content == content
+    assert [(call.name, call.arguments) for call in parsed.tool_calls] == [("get_weather", '{"city": "Par"}')]
+
+
+def test_coder_holds_what_may_become_a_call_until_it_is_known():
+    parser = tool_parser("qwen2_5_coder", CODER_TOOLS)
+    assert parser.feed("Sure.\n``") == ("Sure.\n", [])
+    assert parser.feed("`js") == ("", [])
+    assert parser.feed('on\n{"name": "get_weather", ') == ("", [])
+    content, deltas = parser.feed('"arguments": {"city": "Pa')
+    assert (content, deltas) == ("", [ToolCallDelta(0, deltas[0].id, "get_weather", '{"city": "Pa')])
+    assert parser.feed('ris"}}\n``') == ("", [ToolCallDelta(0, arguments='ris"}')])
+    assert parser.feed("`\nBye") == ("\nBye", [])
+    assert parser.finish() == ("", [])
+
+
+def test_coder_releases_held_text_once_it_cannot_be_a_call():
+    parser = tool_parser("qwen2_5_coder", CODER_TOOLS)
+    assert parser.feed(' {"na') == ("", [])
+    assert parser.feed('me": "Paris", ') == (' {"name": "Paris", ', [])  # a name of no tool
+    assert parser.feed('"population": 2}') == ('"population": 2}', [])
+    parser = tool_parser("qwen2_5_coder", CODER_TOOLS)
+    assert parser.feed("```") == ("", [])
+    assert parser.feed("python\nx = {") == ("```python\nx = {", [])
+    assert parser.feed("}\n``") == ("}\n", [])
+    assert parser.finish() == ("``", [])
+
+
+def test_coder_without_tool_names_reads_any_name():
+    assert _calls(tool_parser("qwen2_5_coder").parse('{"name": "anything"}')) == [("anything", {})]
+
+
 # llama3_json
 
 
@@ -198,6 +331,11 @@ def test_llama3_json_content_is_not_held_once_it_cannot_be_a_call():
     assert parser.feed(' {"name": "f", "parameters": {}}') == (' {"name": "f", "parameters": {}}', [])
 
 
+def test_llama3_json_call_naming_no_tool_makes_the_output_content():
+    text = '{"name": "g", "parameters": {}}; {"name": "f", "parameters": {}}'
+    assert tool_parser("llama3_json", frozenset({"f"})).parse(text) == ParsedOutput(text, ())
+
+
 # mistral
 
 
@@ -232,6 +370,11 @@ def test_mistral_malformed_is_content(text):
 def test_mistral_a_later_element_that_is_no_call_is_content():
     parsed = tool_parser("mistral").parse('[TOOL_CALLS][{"name": "f", "arguments": {}}, "oops"]')
     assert parsed.content == ' "oops"]' and _calls(parsed) == [("f", {})]
+
+
+def test_mistral_call_naming_no_tool_is_content():
+    text = '[TOOL_CALLS][{"name": "g", "arguments": {}}]'
+    assert tool_parser("mistral", frozenset({"f"})).parse(text) == ParsedOutput(text, ())
 
 
 # pythonic
@@ -284,6 +427,11 @@ def test_pythonic_holds_only_what_may_begin_a_call_list():
     assert content == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "ping", "{}")]
 
 
+def test_pythonic_list_calling_a_function_of_no_tool_is_content():
+    text = "[f(a=1), g()]"
+    assert tool_parser("pythonic", frozenset({"f"})).parse(text) == ParsedOutput(text, ())
+
+
 # Every parser.
 
 
@@ -292,7 +440,8 @@ def test_whitespace_only_content_is_none_and_not_streamed(name):
     text = {"hermes": ' \n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n',
             "llama3_json": ' \n{"name": "f", "arguments": {}}\n',
             "mistral": ' \n[TOOL_CALLS][{"name": "f", "arguments": {}}]\n',
-            "pythonic": " \n[f()]\n"}[name]
+            "pythonic": " \n[f()]\n",
+            "qwen2_5_coder": ' \n```json\n{"name": "f", "arguments": {}}\n```\n'}[name]
     assert tool_parser(name).parse(text).content is None
     assert _stream(name, list(text))[0] == ""
     assert tool_parser(name).parse(" \n\t ") == ParsedOutput(None, ())
@@ -312,7 +461,7 @@ def test_unknown_parser_names_the_known_ones():
 
 def test_each_parser_is_registered_under_its_name():
     assert {name: parser.name for name, parser in PARSERS.items()} == {name: name for name in PARSERS}
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen2_5_coder"]
 
 
 # Properties: well-formed outputs read back, and any split of any text streams to what parse gives.
@@ -345,6 +494,8 @@ def _well_formed(draw, name: str) -> tuple[str, str | None, list[tuple[str, dict
     key = draw(st.sampled_from(["arguments", "parameters"]))
     objects = [json.dumps({"name": call, key: arguments}, ensure_ascii=draw(st.booleans()))
                for call, arguments in calls]
+    if name == "qwen2_5_coder":
+        return (*_coder_well_formed(draw, objects), calls)
     if name == "hermes":
         content = prose + "\n" * (len(calls) - 1)
         return prose + "\n".join(f"<tool_call>\n{item}\n</tool_call>" for item in objects), content, calls
@@ -353,14 +504,31 @@ def _well_formed(draw, name: str) -> tuple[str, str | None, list[tuple[str, dict
     return draw(st.sampled_from(["", "<|python_tag|>", " "])) + "; ".join(objects), None, calls
 
 
+def _coder_well_formed(draw, objects: list[str]) -> tuple[str, str]:
+    """(text, content) of `objects` in one of qwen2_5_coder's forms."""
+    before, after = (draw(_PROSE.filter(lambda text: "`" not in text and "<tool_call>" not in text))
+                     for _ in range(2))
+    form = draw(st.sampled_from(["tags", "bare", "fenced"]))
+    if form == "tags":
+        return (before + "\n".join(f"<tool_call>\n{item}\n</tool_call>" for item in objects),
+                before + "\n" * (len(objects) - 1))
+    calls = draw(st.sampled_from([f"[{', '.join(objects)}]", "\n".join(objects)]))
+    if form == "bare":
+        return draw(st.sampled_from(["", " ", "\n"])) + calls + draw(st.sampled_from(["", "\n"])), None
+    return f"{before}```{draw(st.sampled_from(['json', '']))}\n{calls}\n```{after}", before + after
+
+
 _JSON_PIECES = ['{', '}', '[', ']', '"name"', '"arguments"', '"parameters"', ': ', ', ', ' ', '\n', '"f"', '"',
-                '\\', '1', '-', '.5', 'e3', 'true', 'nul', '"a"', '\\u00e9', '{"name": "f", "arguments": {', '}}']
+                '\\', '1', '-', '.5', 'e3', 'true', 'nul', '"a"', '\\u00e9', '{"name": "f", "arguments": {', '}}',
+                '"g"', '{"name": "g", "arguments": {']
 _PIECES = {
     "hermes": [*_JSON_PIECES, "<tool_call>", "</tool_call>", "<tool_", "</tool", "Hi "],
     "llama3_json": [*_JSON_PIECES, "<|python_tag|>", "<|python", ";", "Hi "],
     "mistral": [*_JSON_PIECES, "[TOOL_CALLS]", "[TOOL_", "Hi "],
-    "pythonic": ["[", "]", "(", ")", "f", "get_weather", "=", ", ", " ", "'x'", "1", "None", "{", "}", ":", "a", "**",
-                 "x.y", "Hi "],
+    "qwen2_5_coder": [*_JSON_PIECES, "<tool_call>", "</tool_call>", "<tool_", "```", "```json\n", "``", "`", "json",
+                      "Hi "],
+    "pythonic": ["[", "]", "(", ")", "f", "g", "get_weather", "=", ", ", " ", "'x'", "1", "None", "{", "}", ":", "a",
+                 "**", "x.y", "Hi "],
 }
 
 
@@ -388,14 +556,17 @@ _SETTINGS = hypothesis.settings(max_examples=300, deadline=None,
 @hypothesis.given(data=st.data())
 def test_well_formed_output_reads_back_in_any_split(name, data):
     text, content, calls = data.draw(_well_formed(name))
-    parsed = _assert_stream_agrees(name, text, _cuts(data, text))
-    assert parsed.content == (content if content and content.strip() else None)
-    assert _calls(parsed) == calls
+    for tool_names in (None, frozenset(call for call, _ in calls)):
+        parsed = _assert_stream_agrees(name, text, _cuts(data, text), tool_names)
+        assert parsed.content == (content if content and content.strip() else None)
+        assert _calls(parsed) == calls
+    assert tool_parser(name, frozenset({"none of them"})).parse(text) == ParsedOutput(text, ())
 
 
-@pytest.mark.parametrize("name", sorted(PARSERS))
+@pytest.mark.parametrize("name, tool_names", [*((name, None) for name in sorted(PARSERS)),
+                                              *((name, frozenset({"f"})) for name in sorted(PARSERS))])
 @_SETTINGS
 @hypothesis.given(data=st.data())
-def test_any_text_streams_in_any_split_as_parse_reads_it(name, data):
+def test_any_text_streams_in_any_split_as_parse_reads_it(name, tool_names, data):
     text = data.draw(_any_text(name))
-    _assert_stream_agrees(name, text, _cuts(data, text))
+    _assert_stream_agrees(name, text, _cuts(data, text), tool_names)
