@@ -14,7 +14,8 @@ from router.tool_parsers import PARSERS
 @dataclass
 class RouterConfig:
     model: str | None = None
-    """Model directory the tokenizer (and chat template) is loaded from; None = the default model."""
+    """Model the tokenizer (and chat template) is loaded from: a catalog name
+    (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default model."""
     served_model_name: str | None = None
     """Model name clients send; defaults to the scheduler's (the worker's) name."""
     scheduler_address: str = "127.0.0.1:50051"
@@ -94,9 +95,10 @@ class RouterConfig:
     (`segserve finetune`; the tokenizer's config lists them). They stay tokens: counted in usage, returned as token
     ids and logprobs, and used by the drafter to find segments."""
     tool_call_parser: str = ""
-    """The format tool calls are read in: hermes, llama3_json, mistral or pythonic. Under tool_choice "auto", a
-    chat choice's text is read as tool calls in the format the model was trained on. Empty = "auto" is refused
-    (400)."""
+    """Format tool calls are read in; empty = the catalog model's own. hermes, llama3_json, mistral, pythonic or
+    qwen2_5_coder: under tool_choice "auto", a chat choice's text is read as tool calls in the format the model
+    was trained on. Empty takes the parser its catalog entry names (segserve-model.json); a model with none
+    refuses "auto" (400)."""
 
     def __post_init__(self) -> None:
         if self.tool_call_parser and self.tool_call_parser not in PARSERS:

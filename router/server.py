@@ -16,6 +16,7 @@ listening sockets close.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import uvicorn
@@ -42,9 +43,22 @@ def load_tokenizer(model: str | None):
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
+def with_model_card(config: RouterConfig) -> RouterConfig:
+    """`config` with the tool-call parser its model's catalog entry names, where it names none itself."""
+    from common.checkpoint import model_card, resolve_model
+
+    if config.tool_call_parser:
+        return config
+    parser = model_card(resolve_model(config.model)).get("tool_call_parser", "")
+    return dataclasses.replace(config, tool_call_parser=parser) if parser else config
+
+
 async def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
-    """The app, once the scheduler answers GetInfo (TimeoutError after config.scheduler_wait_s)."""
-    tokenizer = tokenizer if tokenizer is not None else await asyncio.to_thread(load_tokenizer, config.model)
+    """The app, once the scheduler answers GetInfo (TimeoutError after config.scheduler_wait_s). Without a
+    `tokenizer`, it and the model card come from config.model."""
+    if tokenizer is None:
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+        config = await asyncio.to_thread(with_model_card, config)
     client = SchedulerPool(parse_targets(config.scheduler_address), tls=internal_tls(config),
                            retry_s=config.scheduler_retry_s)
     logger.info("waiting for a scheduler at %s", config.scheduler_address)

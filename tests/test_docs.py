@@ -2,10 +2,12 @@
 front door (under 250 lines, every relative link resolving), and the examples marked runnable run.
 
 An example is runnable when the line just before its fence is `<!-- runnable -->` (rendered by neither GitHub
-nor mkdocs). The end-to-end test runs each one against a tiny stack serving the tiny model as `gemma-3-270m`,
-with `localhost:8000` (HTTP) and `localhost:8001` (gRPC) pointed at the stack: Python blocks with this
+nor mkdocs). The end-to-end test runs each one against a tiny stack serving the tiny model under the default
+model's name, with `localhost:8000` (HTTP) and `localhost:8001` (gRPC) pointed at the stack: Python blocks with this
 interpreter, bash blocks with bash. An example passes when it exits with 0, prints something and prints no
-error.
+error. Examples whose output only a model that answers makes sensible (a tool call under tool_choice "auto")
+are marked `<!-- runnable with the default model -->` instead: tests/e2e/test_default_model.py runs those, and
+the README's chat example, against the default model itself.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import NamedTuple
 
 import pytest
 
+from common.catalog import DEFAULT_MODEL
 from tests.support.e2e_helpers import tiny_stack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,8 +31,9 @@ DOCS = REPO / "docs"
 MKDOCS = Path(sys.executable).with_name("mkdocs")
 MAX_README_LINES = 250
 RUNNABLE_MARK = "<!-- runnable -->"
+DEFAULT_MODEL_MARK = "<!-- runnable with the default model -->"
 RUNNERS = {"python": [sys.executable, "-"], "bash": ["bash", "-euo", "pipefail", "-s"]}
-SERVED_MODEL_NAME = "gemma-3-270m"
+SERVED_MODEL_NAME = DEFAULT_MODEL
 EXAMPLE_TIMEOUT_S = 120
 FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -50,15 +54,15 @@ def markdown_files() -> list[Path]:
     return [README, *sorted(DOCS.rglob("*.md"))]
 
 
-def runnable_examples(path: Path) -> list[Example]:
-    """The fenced blocks of `path` whose fence follows a `<!-- runnable -->` line."""
+def runnable_examples(path: Path, mark: str = RUNNABLE_MARK) -> list[Example]:
+    """The fenced blocks of `path` whose fence follows a `mark` line."""
     lines = path.read_text().splitlines()
     examples = []
     for i, line in enumerate(lines):
-        if line.strip() != RUNNABLE_MARK:
+        if line.strip() != mark:
             continue
         fence = FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
-        assert fence, f"{path}:{i + 1}: {RUNNABLE_MARK} must sit just before a code fence"
+        assert fence, f"{path}:{i + 1}: {mark} must sit just before a code fence"
         ticks, language = fence.groups()
         end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == ticks)
         examples.append(Example(path, i + 2, language, "\n".join(lines[i + 2:end]) + "\n"))

@@ -305,3 +305,19 @@ async def test_build_app_gives_up_without_a_scheduler(tokenizer):
     with pytest.raises(TimeoutError, match="GetInfo"):
         await build_app(config, tokenizer=tokenizer)
     assert time.monotonic() - started < 5
+
+
+def test_the_tool_call_parser_comes_from_the_models_card_unless_configured(tiny_gemma3_dir, tmp_path):
+    """A catalog model's converted checkpoint names its parser (segserve-model.json); a configured parser wins; a
+    directory without a card leaves tool_choice "auto" without one."""
+    import shutil
+
+    from common.checkpoint import MODEL_CARD
+    from router.server import with_model_card
+
+    carded = tmp_path / "carded"
+    shutil.copytree(tiny_gemma3_dir, carded)
+    (carded / MODEL_CARD).write_text(json.dumps({"name": "m", "tool_call_parser": "qwen2_5_coder"}))
+    assert with_model_card(RouterConfig(model=str(carded))).tool_call_parser == "qwen2_5_coder"
+    assert with_model_card(RouterConfig(model=str(carded), tool_call_parser="hermes")).tool_call_parser == "hermes"
+    assert with_model_card(RouterConfig(model=str(tiny_gemma3_dir))).tool_call_parser == ""
