@@ -15,6 +15,11 @@ from collections.abc import Sequence
 
 JSON_SCHEMA_OPTIONS = {"any_whitespace": False}
 """No free whitespace: one-line JSON, so a model that favours blanks cannot spin in them forever."""
+LLGUIDANCE_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                           "coerce_one_of": False, "lenient": False}
+"""llguidance's JSON options, as overrides (a schema's own `x-guidance` cannot loosen them): the one-line layout
+xgrammar writes with JSON_SCHEMA_OPTIONS (", " and ": "), and nothing approximated: no keyword ignored, no oneOf
+read as anyOf but where common/schema_exactness.py proved its branches disjoint (its llguidance_options)."""
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """Any JSON object (additional properties allowed: compile it with strict_mode=False); not a top-level array."""
 ROOT_RULE = "root"

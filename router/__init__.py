@@ -19,6 +19,9 @@ Modules, from the wire inwards:
   contract (protos/segserve/v1: SamplingParams, StoppingCriteria, GenerateRequest).
 - structured.py: structured outputs (response_format, vLLM's structured_outputs / guided_*) onto the contract's
   StructuredOutput, and the edge's bounded, cached check that the schema, regex or grammar compiles (xgrammar).
+- schema_engines.py: a JSON schema enforced exactly, by xgrammar or llguidance, or the 400 naming each construct
+  neither enforces and its JSON pointer.
+- output_validation.py: every finished JSON output validated against its schema; one that fails ends "error".
 - tools.py: tool calling (tools into the chat template, tool_choice forced by a grammar, a choice's text read
   as tool_calls); tool_parsers.py: the model formats a tool call is read from (--tool-call-parser), over
   json_stream.py's JSON read a character at a time.

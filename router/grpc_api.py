@@ -61,6 +61,7 @@ from router.grpc_convert import (
 )
 from router.guard import is_authorized
 from router.metrics import ProtocolMetrics, RequestTracker
+from router.output_validation import validated_outputs
 from router.tenants import InvalidTenant, current_tenant, tenant_for
 from router.reflow.chunks import FinishState
 from router.reflow.gateway import client_id, record_deltas, state_for_status
@@ -263,7 +264,8 @@ class GenerationRun:
                                              hidden_token_ids=self.state.hidden_token_ids)
         observers = (RequestTracker(self.metrics), self.step_sizes[index])
         events = generate_deltas(self.state.scheduler, job, detokenizer, observers=observers)
-        return stop_at_strings(events, self.stops, len(self.prompt.token_ids)) if self.stops else events
+        events = stop_at_strings(events, self.stops, len(self.prompt.token_ids)) if self.stops else events
+        return validated_outputs(events, job)
 
     async def deltas(self, context) -> AsyncIterator:
         """The Deltas (choices merged); a scheduler failure raises GenerationFailed. Closing this (the handler

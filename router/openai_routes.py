@@ -7,7 +7,8 @@ contract GenerateRequest that admission.py validates with the contract's
 validator and against the context left (a 400 naming the field in OpenAI's
 words, before the scheduler sees anything), and a structured output's grammar
 must compile (structured.check_compiles); serving.py runs the jobs (one per
-choice, merged by choices.py; stop strings cut by stop.py) and a renderer
+choice, merged by choices.py; stop strings cut by stop.py; a finished JSON
+output validated by output_validation.py) and a renderer
 (responses.py) shapes the answer, SSE when `stream`.
 """
 
@@ -24,6 +25,7 @@ from router.admission import check_request
 from router.choices import merge_choices
 from router.errors import bad_request
 from router.generation import GenerationJob
+from router.output_validation import validated_outputs
 from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.responses import ChatRenderer, ChoicePrompt, CompletionRenderer
@@ -137,7 +139,8 @@ async def serve(state: RouterState, request: Request, body: SamplingRequest, job
 
     def choice_events(job: GenerationJob, keepalive_s: float | None) -> AsyncIterator:
         events = job_events(state, job, keepalive_s)
-        return stop_at_strings(events, stops, len(job.prompt_token_ids)) if stops else events
+        events = stop_at_strings(events, stops, len(job.prompt_token_ids)) if stops else events
+        return validated_outputs(events, job)
 
     def open_events(keepalive_s: float | None) -> AsyncIterator:
         if len(jobs) == 1:

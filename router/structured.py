@@ -11,11 +11,14 @@ which every choice of the request carries, or a 400 naming the body field.
 Three checks, cheapest first: the body models refuse wrong types, a schema that is not a JSON object and a
 schema nested deeper than MAX_SCHEMA_DEPTH (xgrammar's conversion slows steeply with depth: ~1000 levels
 take minutes); the contract's validate() checks the spec's shape and size (admission.check_request); and
-`check_compiles` has xgrammar build the grammar without a tokenizer, in a small thread pool, bounded by
+`check_compiles` has the grammar built without a tokenizer, in a small thread pool, bounded by
 COMPILE_TIMEOUT_S (a conversion cannot be stopped, so one past the bound is refused and left to finish in
-its thread; one that could not even start, the threads being busy, is a 503 to retry). Each verdict is
+its thread; one that could not even start, the threads being busy, is a 503 to retry). A JSON schema is
+enforced exactly or refused: xgrammar builds it where it has nothing xgrammar would approximate, llguidance
+where it does (schema_engines.py; a refusal names each construct and its JSON pointer). Each verdict is
 cached by the spec's digest: a repeated schema costs one dictionary lookup.
-The worker compiles the same spec against its tokenizer and enforces it.
+The worker compiles the same spec against its tokenizer, with the same engine, and enforces it; what it
+finishes is validated against its schema once more (output_validation.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from common.grammar import JSON_SCHEMA_OPTIONS, ROOT_RULE, engine_message, structural_tag
 from protos.segserve.v1.sampling import StructuredKind, StructuredOutput
 from router.errors import RETRY_AFTER_S, SERVER_ERROR, APIError, bad_request
+from router.schema_engines import json_schema_problem, structural_tag_problem
 
 MAX_SCHEMA_DEPTH = 128
 """Deepest nesting of objects and arrays a JSON schema may have (a schema level is one or two of them)."""
@@ -65,24 +69,7 @@ def schema_object(value: object) -> dict:
     value = json_object(value, "a JSON schema: an object")
     if _depth(value) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
-    if _has_pattern_and_length(value):  # the engine would enforce the pattern and drop the length, silently
-        raise ValueError("gives one string both a `pattern` and a `minLength` or `maxLength`, and the grammar "
-                         "engine enforces only the pattern; put the length in the pattern (e.g. ^[a-z]{2,8}$)")
     return value
-
-
-def _has_pattern_and_length(value: object) -> bool:
-    """Whether some object in `value` has "pattern" beside "minLength" or "maxLength" (iterative; depth-checked)."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, dict):
-            if isinstance(item.get("pattern"), str) and ("minLength" in item or "maxLength" in item):
-                return True
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-    return False
 
 
 def _depth(value: object) -> int:
@@ -259,9 +246,20 @@ def _byte_compiler():
 
 
 def _compile_error(kind: StructuredKind, spec: str) -> str | None:
-    """Build the grammar without the model's tokenizer; the engine's reason when it cannot, or when the grammar
-    matches no text at all (a grammar whose rules never reach an end), which no model could ever finish
-    (runs in a thread)."""
+    """Why no engine enforces `spec` exactly: "does not compile: ..." (the engine's reason; also when the grammar
+    matches no text at all, its rules never reaching an end, which no model could ever finish) or, for a JSON
+    schema, "cannot be enforced exactly: ..."; None when one does (runs in a thread)."""
+    if kind is StructuredKind.JSON_SCHEMA:
+        return json_schema_problem(spec, functools.partial(_xgrammar_error, kind))
+    if kind is StructuredKind.STRUCTURAL_TAG and (problem := structural_tag_problem(spec)) is not None:
+        return problem
+    reason = _xgrammar_error(kind, spec)
+    return None if reason is None else f"does not compile: {reason}"
+
+
+def _xgrammar_error(kind: StructuredKind, spec: str) -> str | None:
+    """Build xgrammar's grammar without the model's tokenizer; the engine's reason when it cannot, or when the
+    grammar matches no text at all."""
     xgrammar = _xgrammar()
     grammar = xgrammar.Grammar
     try:
@@ -324,4 +322,4 @@ async def check_compiles(structured: StructuredOutput, param: str, timeout_s: fl
                           "simplify it", param)
     reason = future.result()
     if reason is not None:
-        raise bad_request(f"Invalid request: `{param}` does not compile: {reason}", param)
+        raise bad_request(f"Invalid request: `{param}` {reason}", param)

@@ -30,6 +30,7 @@ Modules:
   verify           sampling level by level with the tree acceptance walk; KV compaction moves.
   sampler          batched logits processing (logit bias, penalties) and sampling.
   grammar          structured outputs: xgrammar matchers per sequence, their trees pruned, their forced spans.
+  grammar_guidance llguidance's matchers, for the JSON schemas xgrammar would approximate, behind the same calls.
   grammar_masks    the token masks of a step's constrained rows (every node of a tree), in one bitmask.
   warpers          temperature, top_k, top_p, typical_p.
   watermark        green-list watermarking and its detector.

@@ -1,4 +1,4 @@
-"""Structured outputs: constrained decoding with xgrammar, speculative trees included.
+"""Structured outputs: constrained decoding with xgrammar (and llguidance), speculative trees included.
 
 In: a sequence's StructuredOutput (protos/segserve/v1/sampling.py), its generated tokens, its candidate tree if it
 has one, and the logits rows it samples from. Out: the tree cut to what the grammar allows, those rows with every
@@ -10,7 +10,9 @@ draws a forbidden one), and the span the grammar forces next, as a free draft fo
   wide as the logits, its stop tokens the model's EOS ids) and a GrammarCompiler whose cache, keyed by the grammar's
   text (hence by (kind, spec)), is bounded in bytes. Both are built at the first constrained sequence, so a worker
   that never sees one never loads its tokenizer. How each kind becomes a grammar (JSON options, the choice EBNF)
-  is common/grammar.py's, which the router's compile check follows too. Compiles run off the step, on the
+  is common/grammar.py's, which the router's compile check follows too. A JSON schema that xgrammar would
+  approximate (common/schema_exactness.py's rule, the router's too) is llguidance's instead
+  (worker/grammar_guidance.py), whose matcher answers the same calls. Compiles run off the step, on the
   engine's own small pool: `start` submits one when the sequence arrives (sequences with the same spec share it),
   so it runs during the sequence's prefill forwards, and the step waits for it only where the grammar is first
   needed (its first masked row, or a tree to prune).
@@ -54,13 +56,21 @@ from common.grammar import (
     engine_message,
     json_string_characters,
 )
+from common.schema_exactness import xgrammar_gaps
 from protos.segserve.v1.sampling import StructuredKind, StructuredOutput
 from protos.segserve.v1.step_result import MAX_FORCED_TOKENS
 from protos.segserve.v1.tree import ROOT, CandidateTree
+from worker.grammar_guidance import (
+    GuidanceGrammar,
+    GuidanceMatcher,
+    fill_guidance_rows,
+    guidance_tokenizer,
+    json_schema_guidance,
+)
 from worker.work import tree_nodes
 
 __all__ = ["GRAMMAR_CACHE_BYTES", "MAX_FORCED_CHARS", "GrammarEngine", "GrammarError", "GrammarState", "fill_rows",
-           "json_schema_grammar"]
+           "json_schema_grammar", "json_schema_source"]
 
 GRAMMAR_CACHE_BYTES = 256 << 20
 """The most memory the compiled grammars cached for reuse take (xgrammar's cache evicts beyond it)."""
@@ -68,6 +78,8 @@ MAX_FORCED_CHARS = 32 * MAX_FORCED_TOKENS
 """The most characters of a jump-forward string tokenized for a forced span (a long const costs no more)."""
 MAX_FORCED_SPANS_KEPT = 4096
 """Jump-forward strings whose tokens GrammarEngine keeps (tokenizing one took 14 us here, per row and step)."""
+MAX_GUIDANCE_GRAMMARS = 64
+"""llguidance grammars GrammarEngine keeps compiled (its matchers are copied from them)."""
 NUM_COMPILE_THREADS = 2
 """Grammars compiled at once, off the step (xgrammar's compiler spreads each one over its own threads besides)."""
 _ENTER, _LEAVE = 0, 1  # GrammarState.walk's two kinds of move
@@ -82,10 +94,10 @@ class GrammarState:
 
     __slots__ = ("_compiling", "_matcher", "_stop_token_ids", "is_ended", "tokens")
 
-    def __init__(self, compiling: Future[xgr.CompiledGrammar]):
+    def __init__(self, compiling: Future[xgr.CompiledGrammar | GuidanceGrammar]):
         """compiling: its grammar's compile (GrammarEngine.compiling), finished or not."""
         self._compiling = compiling
-        self._matcher: xgr.GrammarMatcher | None = None
+        self._matcher: xgr.GrammarMatcher | GuidanceMatcher | None = None
         self._stop_token_ids: frozenset[int] = frozenset()
         self.tokens: list[int] = []
         """The output tokens the matcher has seen, in order (those after its termination it only records)."""
@@ -95,12 +107,14 @@ class GrammarState:
         a handover to the forward's thread and back)."""
 
     @property
-    def matcher(self) -> xgr.GrammarMatcher:
+    def matcher(self) -> xgr.GrammarMatcher | GuidanceMatcher:
         """The sequence's matcher, made at the first call, after waiting for its grammar's compile. Raises the
         compile's GrammarError (at every call)."""
         if self._matcher is None:
+            compiled = self._compiling.result()
             # rollback is unlimited (xgrammar's default, max_rollback_tokens=-1): a tree walk rolls back its depth
-            self._matcher = xgr.GrammarMatcher(self._compiling.result())
+            self._matcher = compiled.matcher() if isinstance(compiled, GuidanceGrammar) else \
+                xgr.GrammarMatcher(compiled)
             self._stop_token_ids = frozenset(self._matcher.stop_token_ids)
         return self._matcher
 
@@ -203,6 +217,22 @@ def json_schema_grammar(spec: str) -> str:
     return json_string_characters(str(xgr.Grammar.from_json_schema(spec, **JSON_SCHEMA_OPTIONS)))
 
 
+@functools.lru_cache(maxsize=64)
+def json_schema_source(spec: str) -> tuple[bool, str]:
+    """(whether llguidance enforces it, the grammar's text) of the JSON schema `spec`: xgrammar's EBNF where it
+    has nothing xgrammar would approximate and xgrammar converts it, else llguidance's grammar (the router's
+    rule: router/schema_engines.py). Raises what llguidance raises for a schema that is not JSON."""
+    schema = json.loads(spec)
+    if not isinstance(schema, dict):  # (a boolean schema: xgrammar's to take or refuse)
+        return False, json_schema_grammar(spec)
+    if not xgrammar_gaps(schema):
+        try:
+            return False, json_schema_grammar(spec)
+        except Exception:  # noqa: BLE001 (xgrammar cannot convert it: llguidance may, as the router found)
+            pass
+    return True, json_schema_guidance(spec)
+
+
 class GrammarEngine:
     """Compiles a model's structured outputs, each distinct one once while the cache holds it, on a pool of its own
     (NUM_COMPILE_THREADS threads, started at the first compile)."""
@@ -218,10 +248,15 @@ class GrammarEngine:
         self._compiler_lock = threading.Lock()  # two compiles may need the compiler first at once
         self._tokenizer = None
         """The model's transformers tokenizer, loaded with the compiler (forced spans are split with it)."""
+        self._guidance_tokenizer = None
+        """llguidance's view of it, made at the first schema llguidance enforces."""
+        self._guidance_grammars: dict[str, GuidanceGrammar] = {}
+        """llguidance's compiled grammars by spec, at most MAX_GUIDANCE_GRAMMARS (then started over): xgrammar's
+        compiler caches its own."""
         self._forced: dict[str, tuple[int, ...]] = {}
         """Jump-forward strings as forced_tokens() split them, at most MAX_FORCED_SPANS_KEPT (then started over)."""
         self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar-compile")
-        self._compiling: dict[tuple[StructuredKind, str], Future[xgr.CompiledGrammar]] = {}
+        self._compiling: dict[tuple[StructuredKind, str], Future[xgr.CompiledGrammar | GuidanceGrammar]] = {}
         """The compiles running, by (kind, spec); each leaves when it ends (the compiler's cache keeps its result)."""
         self._compiling_lock = threading.Lock()
 
@@ -247,13 +282,16 @@ class GrammarEngine:
         self._tokenizer = tokenizer
         self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=self._cache_limit_bytes)
 
-    def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
+    def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar | GuidanceGrammar:
         """The compiled grammar of `structured` (a shape validate() accepted). Raises GrammarError."""
         compiler = self.compiler
         spec = structured.spec
         try:
             if structured.kind is StructuredKind.JSON_SCHEMA:
-                return compiler.compile_grammar(json_schema_grammar(spec))
+                is_guidance, grammar = json_schema_source(spec)
+                if is_guidance:
+                    return self._guidance_grammar(spec, grammar)
+                return compiler.compile_grammar(grammar)
             if structured.kind is StructuredKind.JSON_OBJECT:
                 return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, **JSON_SCHEMA_OPTIONS, strict_mode=False)
             if structured.kind is StructuredKind.REGEX:
@@ -267,7 +305,25 @@ class GrammarEngine:
             raise GrammarError(f"structured_output ({structured.kind.name.lower()}) does not compile: "
                                f"{engine_message(exc)}") from None
 
-    def compiling(self, structured: StructuredOutput) -> Future[xgr.CompiledGrammar]:
+    def _guidance_grammar(self, spec: str, grammar: str) -> GuidanceGrammar:
+        """llguidance's compiled grammar of the JSON schema `spec` (`grammar`: its text), cached."""
+        compiled = self._guidance_grammars.get(spec)
+        if compiled is None:
+            compiled = GuidanceGrammar(self._guidance(), grammar, self._stop_token_ids)
+            if len(self._guidance_grammars) >= MAX_GUIDANCE_GRAMMARS:
+                self._guidance_grammars.clear()
+            self._guidance_grammars[spec] = compiled
+        return compiled
+
+    def _guidance(self):
+        """llguidance's tokenizer (the model's, as wide as the logits), made at the first call (after the compiler's
+        load). Raises ValueError for a tokenizer it cannot read (a slow one)."""
+        with self._compiler_lock:
+            if self._guidance_tokenizer is None:
+                self._guidance_tokenizer = guidance_tokenizer(self._tokenizer, self.vocab_size, self._stop_token_ids)
+        return self._guidance_tokenizer
+
+    def compiling(self, structured: StructuredOutput) -> Future[xgr.CompiledGrammar | GuidanceGrammar]:
         """The compile of `structured` on the engine's pool: the one running for the same (kind, spec), or a new
         one. Its result is compile()'s, or its GrammarError."""
         key = (structured.kind, structured.spec)
@@ -279,7 +335,7 @@ class GrammarEngine:
         future.add_done_callback(lambda done: self._forget(key, done))  # (at once, should it have ended already)
         return future
 
-    def _forget(self, key: tuple[StructuredKind, str], done: Future[xgr.CompiledGrammar]) -> None:
+    def _forget(self, key: tuple[StructuredKind, str], done: Future) -> None:
         """Drop an ended compile (the compiler's cache serves its spec from now on)."""
         with self._compiling_lock:
             if self._compiling.get(key) is done:
@@ -314,17 +370,23 @@ class GrammarEngine:
 
 
 def fill_rows(states: Sequence[GrammarState], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """states[k].fill(bitmask, rows[k]) for every k, the matchers that have not ended in one call to xgrammar
-    (measured at 64 rows of the tiny model's 400-token vocabulary: 15 us, against 37 us for a call per row)."""
-    going, going_rows = [], []
+    """states[k].fill(bitmask, rows[k]) for every k: xgrammar's matchers that have not ended in one call to xgrammar
+    (measured at 64 rows of the tiny model's 400-token vocabulary: 15 us, against 37 us for a call per row),
+    llguidance's in one call to llguidance (worker/grammar_guidance.py)."""
+    going, going_rows, guided, guided_rows = [], [], [], []
     for state, row in zip(states, rows):
         if state.is_ended:
             state.fill(bitmask, row)
+        elif isinstance(state.matcher, GuidanceMatcher):
+            guided.append(state.matcher)
+            guided_rows.append(row)
         else:
             going.append(state.matcher)
             going_rows.append(row)
     if going:  # one thread (the calling one): the forward has the cores; made per call (1 us), shared by no thread
         xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask(going, bitmask, going_rows)
+    if guided:
+        fill_guidance_rows(guided, bitmask, guided_rows)
 
 
 def _bit(position: int) -> int:

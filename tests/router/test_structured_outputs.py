@@ -147,10 +147,10 @@ def _json_schema(schema: object) -> dict:
     (_json_schema({"type": "frob"}), "response_format", 'does not compile: Unsupported type "frob"'),
     (_json_schema({"$ref": "#/$defs/missing"}), "response_format", "does not compile"),
     (_json_schema({"$ref": "#"}), "response_format", "does not compile: Circular $ref chain with no schema content"),
-    (_json_schema({"type": "object", "properties": {"code": {"type": "string", "pattern": "^a+$", "maxLength": 3}}}),
-     "response_format", "enforces only the pattern"),
-    ({"structured_outputs": {"json": {"type": "array", "items": {"pattern": "x", "minLength": 1}}}},
-     "structured_outputs", "enforces only the pattern"),
+    (_json_schema({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}),
+     "response_format", "cannot be enforced exactly: `uniqueItems` at /properties/tags"),
+    ({"structured_outputs": {"json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+     "structured_outputs", "cannot be enforced exactly: `oneOf` at / (its branches are not provably disjoint"),
     (_json_schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
      "response_format", "Circular $ref chain"),
     ({"structured_outputs": {"grammar": 'root ::= root'}}, "structured_outputs", "matches no output at all"),
@@ -195,6 +195,20 @@ def test_what_cannot_be_enforced_is_a_400_naming_the_field(router_url, scheduler
     assert words in error["message"], error["message"]
     assert set(error) == {"message", "type", "param", "code"}
     assert len(fake.requests) == num_before
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^a+$", "maxLength": 3}}},
+    {"type": "array", "items": {"pattern": "x", "minLength": 1}},
+    {"allOf": [{"type": "integer", "minimum": 5}, {"maximum": 7}]},
+])  # fmt: skip
+def test_a_schema_xgrammar_would_approximate_is_accepted_when_llguidance_enforces_it(router_url, scheduler, schema):
+    fake, _ = scheduler
+    num_before = len(fake.requests)
+    response = _post(router_url, "chat", _json_schema(schema))
+    assert response.status_code == 200, response.text
+    assert _sent_structured_outputs(fake, num_before) == [
+        StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))]
 
 
 @pytest.mark.parametrize("depth", [structured.MAX_SCHEMA_DEPTH, 900, 5000])
