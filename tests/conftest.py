@@ -57,6 +57,9 @@ def instruct_model_dir():
 def pytest_configure(config):
     if TEST_DEVICE not in ("cpu", "cuda"):
         raise pytest.UsageError(f"SEGSERVE_TEST_DEVICE must be cpu or cuda, not {TEST_DEVICE!r}")
+    from worker.loading import keep_compiled_code_per_isa
+
+    keep_compiled_code_per_isa()  # before any test compiles: a run under ATEN_CPU_CAPABILITY=avx2 keeps its own
     if TEST_DEVICE == "cuda":
         import torch
 

@@ -8,6 +8,7 @@ then gives its attention, KV cache and sequence states.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048
 """The longest sequence served of a model that declares no max_position_embeddings, unless max_model_len says."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def keep_compiled_code_per_isa() -> None:
+    """Give inductor a cache folder per CPU instruction set, unless the deployment names one of its own
+    (TORCHINDUCTOR_CACHE_DIR, other than torch's default, which torch writes there itself once asked). Its cache
+    does not tell kernels compiled under one capability from another's: a process run with
+    ATEN_CPU_CAPABILITY=avx2 left kernels that aborted a later one on the machine's own AVX-512 (Fatal Python
+    error: Aborted, in a compiled layer). Call it before anything is compiled."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(),
+                                                             torch._C._get_cpu_capability().lower())
 
 
 def resolve_device_dtype(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
@@ -59,6 +73,7 @@ def load(config: WorkerConfig, path: Path, device: torch.device, dtype: torch.dt
          seed: int | None, launch: Launch) -> Loaded:
     """The model at `path` in `dtype`, logging the time it took: whole, or with tensor_parallel_size > 1 this rank's
     shard. Rank 0 (ranks None) first starts the others by `launch`, and stops them when its own load fails."""
+    keep_compiled_code_per_isa()
     size, followers = config.tensor_parallel_size, None
     if size > 1:
         check_shardable(path, size)  # before any rank starts

@@ -7,6 +7,7 @@ On the test device: on the CPU the compiled kernels are inductor's C++ ones, on 
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -156,3 +157,22 @@ def test_a_region_that_cannot_be_compiled_runs_eagerly_from_then_on(monkeypatch,
             assert torch.equal(region(2.0, tokens), _scaled_rows(2.0, tokens))
     assert [record.getMessage() for record in caplog.records] == [
         "the layers' test could not be compiled, so they run eagerly: RuntimeError: Failed to find C compiler"]
+
+
+def test_compiled_code_is_kept_per_instruction_set_unless_the_deployment_names_a_cache(monkeypatch):
+    """Inductor's cache does not tell kernels compiled under ATEN_CPU_CAPABILITY=avx2 from the machine's own: one
+    folder per capability, so a run under the AVX2 variables (docs/development.md) cannot abort a later run."""
+    from worker.loading import keep_compiled_code_per_isa
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    own = os.path.join(default_cache_dir(), torch._C._get_cpu_capability().lower())
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    keep_compiled_code_per_isa()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what torch writes there once asked
+    keep_compiled_code_per_isa()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/srv/inductor")
+    keep_compiled_code_per_isa()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/srv/inductor"
