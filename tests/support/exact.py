@@ -23,7 +23,8 @@ from protos.segserve.v1.tree import CandidateTree
 
 SLACK = 2.0
 FLOOR_ULPS = 8
-FP32_UNIT_ROUNDOFF = 2.0**-24
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+FP32_UNIT_ROUNDOFF = UNIT_ROUNDOFF[torch.float32]
 
 
 def tree_paths(root: int, tree: CandidateTree) -> list[list[int]]:
@@ -82,8 +83,6 @@ def assert_as_exact_as(actual: torch.Tensor, reference: torch.Tensor, exact: tor
                            f"{reference_error:.3g} from it)"
     assert torch.equal(actual.argmax(-1), reference.argmax(-1))
 
-
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def assert_linear_within_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

@@ -16,7 +16,7 @@ from protos.segserve.v1.tree import CandidateTree
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from tests.support.devices import TEST_DEVICE
-from tests.support.exact import assert_as_exact_as, exact_last_logits
+from tests.support.exact import assert_as_exact_as, exact_last_logits, tree_paths
 from segserve.bench.random_models import TINY_GEMMA3, save_random
 from tests.support.tiny_models import LLAMA_KIN
 from worker.sampler import sample
@@ -233,10 +233,7 @@ TREE = CandidateTree((12, 250, 31, 99, 140, 5, 64), (-1, -1, 0, 0, 1, 2, 5))
 
 def node_paths(tree: CandidateTree) -> list[list[int]]:
     """Each node's tokens from the root: node 0 is the root, node i + 1 is draft i."""
-    paths = [[ROOT_TOKEN]]
-    for token, parent in zip(tree.token_ids, tree.parents):
-        paths.append(paths[parent + 1] + [token])
-    return paths
+    return tree_paths(ROOT_TOKEN, tree)
 
 
 def test_tree_forward_matches_naive(runner):
