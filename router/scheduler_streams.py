@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -62,10 +63,12 @@ class Inbox:
     for every token would cost more than the rest of the hand-over. When it fires before the current wait's
     deadline (the consumer waited again since it was set), it is set again for that deadline."""
 
-    __slots__ = ("events", "waiter", "_timer", "_deadline")
+    __slots__ = ("events", "waiter", "is_answered", "_timer", "_deadline")
 
     def __init__(self) -> None:
         self.events: list = []
+        self.is_answered = False
+        """The scheduler sent an event for the request (set by SharedCall's reader)."""
         self.waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
@@ -119,7 +122,12 @@ _TIMER_SLACK_S = 0.001
 class SharedCall:
     """One GenerateStreams call: actions go out through a queue that the call reads, and one reader task puts
     each response's events into their requests' inboxes. When the call ends, every request still on it gets
-    the failure (or UNIMPLEMENTED) and `on_end` is told."""
+    the failure (or UNIMPLEMENTED) and `on_end` is told.
+
+    A request the scheduler had not answered yet when the call broke gets "unavailable", whatever the call's
+    status: nothing of it is running there (the scheduler aborts every request of a call that ends), so a pool may
+    send it elsewhere. A start written just as a draining scheduler ends its last call is one such request: the
+    write races the call's end and gRPC reports INTERNAL ("Internal error from Core")."""
 
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub,
                  on_end: Callable[[SharedCall, bool], None]) -> None:
@@ -168,6 +176,7 @@ class SharedCall:
                 for request_id, event in stream_events_from_pb(response):
                     inbox = inboxes.get(request_id)
                     if inbox is not None:
+                        inbox.is_answered = True
                         inbox.put(event)
         except grpc.aio.AioRpcError as exc:
             failure = UNIMPLEMENTED if exc.code() == grpc.StatusCode.UNIMPLEMENTED else failure_of(exc)
@@ -185,7 +194,8 @@ class SharedCall:
                 on_unimplemented = self._fallbacks.get(request_id) if failure is UNIMPLEMENTED else None
                 if on_unimplemented is not None:
                     on_unimplemented()  # the request goes on at once, whether or not its consumer waits now
-                inbox.put(failure)
+                is_unanswered = isinstance(failure, GenerateError) and not inbox.is_answered
+                inbox.put(dataclasses.replace(failure, code="unavailable") if is_unanswered else failure)
 
 
 async def generate_per_request(stub: scheduler_pb2_grpc.SchedulerStub, request: GenerateRequest,

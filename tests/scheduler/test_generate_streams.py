@@ -24,6 +24,7 @@ from protos.segserve.v1.generate import (
     StartStream,
     TokenChunk,
     stream_events_from_pb,
+    stream_events_to_pb,
 )
 from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
 from router.scheduler_client import SchedulerClient
@@ -256,6 +257,45 @@ async def test_a_scheduler_gone_mid_stream_ends_every_request_with_an_error_and_
         assert client._shared is None or client._shared is not first_call
         tokens, last = await asyncio.wait_for(client_events(client, request("next", [1])), 5.0)
         assert isinstance(last, GenerateError) and last.code == "unavailable"  # a new call, refused: no hang
+
+
+async def start_breaking_scheduler() -> tuple[grpc.aio.Server, int]:
+    """A scheduler whose GenerateStreams answers the first request it is sent with one token, reads a second
+    start, and then fails the call with INTERNAL (what gRPC reports when a start is written just as a draining
+    scheduler ends its last call); (server, port)."""
+
+    async def generate_streams(request_iterator, context):
+        await context.send_initial_metadata(())
+        actions = aiter(request_iterator)
+        first = await anext(actions)
+        yield stream_events_to_pb([(first.start.request.request_id, TokenChunk((7,), (0.0,)))])
+        await anext(actions)
+        await context.abort(grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+    handlers = {"GenerateStreams": grpc.stream_stream_rpc_method_handler(
+        generate_streams, request_deserializer=scheduler_pb2.StreamsRequest.FromString,
+        response_serializer=scheduler_pb2.StreamsResponse.SerializeToString)}
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("segserve.v1.Scheduler", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def test_a_broken_call_ends_an_unanswered_request_as_unavailable_and_an_answered_one_as_its_failure():
+    server, port = await start_breaking_scheduler()
+    client = SchedulerClient(f"127.0.0.1:{port}")
+    try:
+        answered = asyncio.create_task(client_events(client, request("answered", [1], max_tokens=50)))
+        await wait_until(lambda: client._shared is not None and client._shared.inboxes["answered"].is_answered)
+        unanswered = await asyncio.wait_for(client_events(client, request("unanswered", [2])), 5.0)
+        # Nothing of it runs at the scheduler: a pool may send it to another one (router/scheduler_pool.py).
+        assert unanswered == ([], GenerateError("unavailable", "scheduler: Internal error from Core"))
+        assert await asyncio.wait_for(answered, 5.0) == (
+            [7], GenerateError("internal", "scheduler: Internal error from Core"))
+    finally:
+        await client.close()
+        await server.stop(None)
 
 
 async def test_draining_ends_the_streams_with_unavailable_without_waiting_for_the_grace():
