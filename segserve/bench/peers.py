@@ -1,8 +1,10 @@
-"""What segserve is measured against: `transformers serve`, and plain/batched `generate()`.
+"""What segserve is measured against: vLLM, `transformers serve`, and plain/batched `generate()`.
 
-- `TransformersServe`: runs `transformers serve MODEL_DIR --continuous-batching`
-  offline (HF_HUB_OFFLINE=1) on a free loopback port, waits (bounded) until
-  /health answers, and stops it (SIGTERM, then SIGKILL of its process group).
+- `PeerServer`: a peer's OpenAI-compatible server offline (HF_HUB_OFFLINE=1) on a
+  free loopback port: started, waited for (bounded) until /health answers, and
+  stopped (SIGTERM to its process group, then SIGKILL of what is left).
+- `VllmServe`: `vllm serve MODEL_DIR` from `make vllm`'s venv, plain or speculating.
+- `TransformersServe`: `transformers serve MODEL_DIR --continuous-batching`.
 - `measure_plain_generate`: single-stream `model.generate(do_sample=False)`,
   the baseline every decode claim is held against.
 - `run_batched_generate`: the fallback peer when `transformers serve` cannot run,
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,25 +51,17 @@ def ignore_eos_body(model_dir: Path, max_new_tokens: int) -> dict:
     return {"generation_config": json.dumps(config)}
 
 
-class TransformersServe:
-    """`transformers serve` as a child process on loopback; use as a context manager."""
+class PeerServer:
+    """An OpenAI-compatible server as a child process on loopback, in a session of its own; use as a context
+    manager. A subclass gives its `name`, `model_name` and `command()`."""
 
-    name = "transformers serve"
+    name = "peer"
+    health_path = "/health"
 
-    def __init__(
-        self,
-        model_dir: Path,
-        port: int = 0,
-        continuous_batching: bool = True,
-        dtype: str = "float32",
-        startup_timeout_s: float = 300.0,
-        log_path: Path | None = None,
-        extra_args: tuple[str, ...] = (),
-    ) -> None:
+    def __init__(self, model_dir: Path, port: int = 0, startup_timeout_s: float = 300.0,
+                 log_path: Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.model_dir = Path(model_dir)
         self.port = port or free_port()
-        self.continuous_batching = continuous_batching
-        self.dtype = dtype
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
         self.extra_args = tuple(extra_args)
@@ -76,6 +71,84 @@ class TransformersServe:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        raise NotImplementedError
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict:
+        return offline_env()
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self._process = subprocess.Popen(
+            self.command(), env=self.env(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    raise PeerStartError(f"{self.name} exited with {self._process.returncode}{self._log_tail()}")
+                try:
+                    if client.get(self.base_url + self.health_path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise PeerStartError(f"{self.name} not ready after {self.startup_timeout_s:.0f} s{self._log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's whole session (its engine processes too), SIGKILL after 15 s."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # whatever of the session is left
+            process.wait(timeout=15)
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+        self._log = None
+
+    def _log_tail(self) -> str:
+        if not self.log_path or not Path(self.log_path).is_file():
+            return ""
+        return "; log tail:\n" + Path(self.log_path).read_text(errors="replace")[-2000:]
+
+    def __enter__(self):
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class TransformersServe(PeerServer):
+    """`transformers serve`, with or without its continuous batching."""
+
+    name = "transformers serve"
+
+    def __init__(self, model_dir: Path, port: int = 0, continuous_batching: bool = True, dtype: str = "float32",
+                 startup_timeout_s: float = 300.0, log_path: Path | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        super().__init__(model_dir, port, startup_timeout_s, log_path, extra_args)
+        self.continuous_batching = continuous_batching
+        self.dtype = dtype
 
     @property
     def model_name(self) -> str:
@@ -89,55 +162,51 @@ class TransformersServe:
             batching, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, *self.extra_args,
         ]  # fmt: skip
 
-    def start(self) -> None:
-        self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self._process = subprocess.Popen(
-            self.command(), env=offline_env(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if self._process.poll() is not None:
-                    raise PeerStartError(f"transformers serve exited with {self._process.returncode}{self._log_tail()}")
-                try:
-                    if client.get(self.base_url + "/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-        raise PeerStartError(f"transformers serve not ready after {self.startup_timeout_s:.0f} s{self._log_tail()}")
+VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
+"""Where `make vllm` installs vLLM: a venv of its own beside the project's (its pins are not the project's)."""
 
-    def stop(self) -> None:
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=15)
-        if self._log not in (None, subprocess.DEVNULL):
-            self._log.close()
-        self._log = None
 
-    def _log_tail(self) -> str:
-        if not self.log_path or not Path(self.log_path).is_file():
-            return ""
-        return "; log tail:\n" + Path(self.log_path).read_text(errors="replace")[-2000:]
+class VllmServe(PeerServer):
+    """`vllm serve` from `make vllm`'s venv: its CPU build here, its CUDA build on a GPU machine. With
+    `speculative_config` (e.g. {"method": "suffix", "num_speculative_tokens": 5}) it speculates. Its own
+    defaults otherwise (CPU placement, threads), as a user would start it, but for the KV cache's size (`env`)."""
 
-    def __enter__(self) -> "TransformersServe":
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    name = "vLLM"
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __init__(self, model_dir: Path, port: int = 0, dtype: str = "float32", max_model_len: int = 4096,
+                 speculative_config: dict | None = None, venv: Path | None = None, startup_timeout_s: float = 600.0,
+                 log_path: Path | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        super().__init__(model_dir, port, startup_timeout_s, log_path, extra_args)
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.speculative_config = speculative_config
+        self.venv = Path(venv) if venv else VLLM_VENV
+        if speculative_config:
+            self.name = f"vLLM ({speculative_config.get('method', 'speculative')})"
+
+    @property
+    def model_name(self) -> str:
+        return self.model_dir.name
+
+    def executable(self) -> Path:
+        path = self.venv / "bin" / "vllm"
+        if not path.is_file():
+            raise PeerStartError(f"{path} not found: `make vllm` installs vLLM into {self.venv}")
+        return path
+
+    def command(self) -> list[str]:
+        command = [str(self.executable()), "serve", str(self.model_dir), "--host", "127.0.0.1", "--port",
+                   str(self.port), "--dtype", self.dtype, "--served-model-name", self.model_name,
+                   "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
+        if self.speculative_config:
+            command += ["--speculative-config", json.dumps(self.speculative_config)]
+        return command + list(self.extra_args)
+
+    def env(self) -> dict:
+        # Its CPU build's default KV cache takes most of the machine's memory (17 of 24 GiB here), and segserve
+        # runs beside it in the benches: 4 GiB is over 100k tokens of the default model, far more than they use.
+        return {"VLLM_CPU_KVCACHE_SPACE": "4", **offline_env(), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 class StepTimer:

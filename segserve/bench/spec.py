@@ -59,9 +59,10 @@ class SpecBenchConfig:
     """Requests of each edit workload (different files, the same edit), in order; the first is a warm-up."""
     temperature: float = 0.7
     """Temperature of the sampled workloads."""
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = report.DEFAULT_SYSTEMS
     """Systems to run, a subset of hf_plain, hf_prompt_lookup, segserve_off, segserve_lookup, segserve_suffix,
-    segserve_spec."""
+    segserve_spec, vllm_plain and vllm_suffix (`make vllm`'s, its SuffixDecoding with 5 speculative tokens); the
+    first six by default."""
     kinds: tuple[str, ...] = DEFAULT_KINDS
     """Workload kinds to run, a subset of spec_workloads.KINDS ("peer" on the command line: PEER_KINDS)."""
     prompt_lookup_num_tokens: int = 10
@@ -137,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
 
 def default_factories(config: SpecBenchConfig) -> MakeFactories:
     """The real systems of one model and round, started only when their turn comes."""
-    from segserve.bench.spec_systems import hf_system, segserve_system
+    from segserve.bench.spec_systems import VLLM_SUFFIX_CONFIG, hf_system, segserve_system, vllm_system
 
     served = dict(startup_timeout_s=config.startup_timeout_s, request_timeout_s=config.request_timeout_s)
 
@@ -153,6 +154,9 @@ def default_factories(config: SpecBenchConfig) -> MakeFactories:
             report.SEG_LOOKUP: segserve("lookup"),
             report.SUFFIX: segserve("suffix"),
             report.SPEC: segserve("spec"),
+            report.VLLM_PLAIN: lambda: vllm_system(model_dir, config.dtype, None, out / "logs-vllm", **served),
+            report.VLLM_SUFFIX: lambda: vllm_system(model_dir, config.dtype, VLLM_SUFFIX_CONFIG,
+                                                    out / "logs-vllm-suffix", **served),
         }
 
     return make

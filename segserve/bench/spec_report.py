@@ -34,12 +34,18 @@ from segserve.bench.spec_workloads import EDIT_KINDS, KINDS
 
 PLAIN, LOOKUP, OFF = "hf_plain", "hf_prompt_lookup", "segserve_off"
 SEG_LOOKUP, SPEC, SUFFIX = "segserve_lookup", "segserve_spec", "segserve_suffix"
-SYSTEMS = (PLAIN, LOOKUP, OFF, SEG_LOOKUP, SUFFIX, SPEC)
+VLLM_PLAIN, VLLM_SUFFIX = "vllm_plain", "vllm_suffix"
+SYSTEMS = (PLAIN, LOOKUP, OFF, SEG_LOOKUP, SUFFIX, SPEC, VLLM_PLAIN, VLLM_SUFFIX)
+DEFAULT_SYSTEMS = SYSTEMS[:6]
+"""vLLM's two (`make vllm`; minutes of compiling at each start) run when named."""
 SYSTEM_LABELS = {PLAIN: "HF generate()", LOOKUP: "HF prompt lookup (10)", OFF: "segserve, spec off",
                  SEG_LOOKUP: "segserve, prompt lookup only", SUFFIX: "segserve, SuffixDecoding",
-                 SPEC: "segserve, full"}  # fmt: skip
+                 SPEC: "segserve, full", VLLM_PLAIN: "vLLM", VLLM_SUFFIX: "vLLM, SuffixDecoding"}  # fmt: skip
 # The same engine's plain decoding for each system: speedups within one engine.
-PLAIN_OF = {LOOKUP: PLAIN, SEG_LOOKUP: OFF, SUFFIX: OFF, SPEC: OFF}
+PLAIN_OF = {LOOKUP: PLAIN, SEG_LOOKUP: OFF, SUFFIX: OFF, SPEC: OFF, VLLM_SUFFIX: VLLM_PLAIN}
+# Against vLLM, the same decoding on each side: segserve's plain over vLLM's, full segserve over vLLM's suffix.
+VLLM_PAIRS = {OFF: VLLM_PLAIN, SPEC: VLLM_SUFFIX}
+VLLM_GOAL = 1.2
 SPEC_COUNTERS = ("num_steps", "num_verified", "num_draft_tokens", "num_accepted_tokens")
 
 # kind -> (minimum x plain, minimum x prompt lookup); "never slower than prompt lookup" = 1.0 at least.
@@ -122,6 +128,8 @@ def speedups(summaries: dict[str, dict[str, dict]]) -> dict[str, dict[str, float
         row[f"{SPEC}_vs_lookup"] = ratio(rate.get(SPEC), rate.get(LOOKUP))
         row[f"{SPEC}_vs_{SEG_LOOKUP}"] = ratio(rate.get(SPEC), rate.get(SEG_LOOKUP))
         row[f"{SPEC}_vs_{SUFFIX}"] = ratio(rate.get(SPEC), rate.get(SUFFIX))
+        for ours, theirs in VLLM_PAIRS.items():
+            row[f"{ours}_vs_{theirs}"] = ratio(rate.get(ours), rate.get(theirs))
         per_step = {system: (summaries.get(system, {}).get(kind) or {}).get("tokens_per_step")
                     for system in (SPEC, SEG_LOOKUP, SUFFIX)}  # fmt: skip
         row[f"{SPEC}_vs_{SEG_LOOKUP}_tokens_per_step"] = ratio(per_step[SPEC], per_step[SEG_LOOKUP])
@@ -152,6 +160,12 @@ def evaluate_goals(speedup_table: dict[str, dict], mismatches: list[dict] | None
             if measured is not None:
                 goals.append(check(f"{kind}: full segserve vs SuffixDecoding, {measure}", f">= {threshold}x",
                                    measured, threshold))  # fmt: skip
+    for kind, row in speedup_table.items():
+        for ours, theirs in VLLM_PAIRS.items():
+            measured = row.get(f"{ours}_vs_{theirs}")
+            if measured is not None:
+                goals.append(check(f"{kind}: {SYSTEM_LABELS[ours]} vs {SYSTEM_LABELS[theirs]}", f">= {VLLM_GOAL}x",
+                                   measured, VLLM_GOAL))
     if mismatches is not None:
         goals.append({"name": "greedy outputs equal plain decoding's", "target": "0 mismatches",
                       "measured": float(len(mismatches)), "passed": not mismatches})  # fmt: skip

@@ -11,6 +11,9 @@
   SuffixDecoding backend: its global and per-request suffix trees, the same
   engine, gate and verification) and "spec" (the shipped segments config:
   segment corpora learned online, trees).
+- `vllm_system(model_dir, dtype, speculative_config, ...)`: `vllm serve` from `make vllm`'s venv
+  (segserve.bench.peers.VllmServe), plain or with its SuffixDecoding (VLLM_SUFFIX_CONFIG), fresh each
+  time, the same non-streamed requests with `ignore_eos`; no counters.
 
 Each is a context manager factory yielding `complete(prompt, max_tokens,
 temperature=0.0, seed=None) -> {"num_tokens", "wall_s", "text", "spec"}` (spec:
@@ -30,6 +33,8 @@ import httpx
 from segserve.bench.spec_report import SPEC_COUNTERS
 
 Complete = Callable[..., dict]
+VLLM_SUFFIX_CONFIG = {"method": "suffix", "num_speculative_tokens": 5}
+"""vLLM's SuffixDecoding as its docs start it."""
 SEGSERVE_MODES = ("off", "lookup", "suffix", "spec")
 
 # Prompt lookup only, on the same engine: no segment kinds, so the tracker never leaves the default segment and
@@ -163,11 +168,27 @@ def segserve_system(model_dir: Path, dtype: str, mode: str, log_dir: Path,
                 client, stub, prompt, max_tokens, temperature, seed)
 
 
+@contextlib.contextmanager
+def vllm_system(model_dir: Path, dtype: str, speculative_config: dict | None, log_dir: Path,
+                startup_timeout_s: float = 300.0, request_timeout_s: float = 600.0) -> Iterator[Complete]:
+    """A fresh `vllm serve` (its compile cache is kept between starts), measured one request at a time."""
+    from segserve.bench.peers import VllmServe
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = VllmServe(model_dir, dtype=dtype, speculative_config=speculative_config,
+                       startup_timeout_s=max(startup_timeout_s, 900.0), log_path=log_dir / "vllm.log")
+    with server, httpx.Client(base_url=server.base_url, timeout=request_timeout_s, trust_env=False) as client:
+        yield lambda prompt, max_tokens, temperature=0.0, seed=None: complete_http(
+            client, None, prompt, max_tokens, temperature, seed, model=server.model_name)
+
+
 def complete_http(client: httpx.Client, stub, prompt: str, max_tokens: int, temperature: float = 0.0,
-                  seed: int | None = None) -> dict:  # fmt: skip
+                  seed: int | None = None, model: str | None = None) -> dict:  # fmt: skip
     """One completion, EOS ignored, greedy or sampled with `seed`; `stub` (a SchedulerStub or None) gives the
-    counter deltas."""
+    counter deltas; `model`: the body's model field, for a server that needs one."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
+    if model is not None:
+        body["model"] = model
     if temperature > 0 and seed is not None:
         body["seed"] = seed
     before = read_counters(stub) if stub else None
@@ -175,7 +196,7 @@ def complete_http(client: httpx.Client, stub, prompt: str, max_tokens: int, temp
     response = client.post("/v1/completions", json=body)
     wall_s = time.perf_counter() - started_at
     if response.status_code != 200:
-        raise RuntimeError(f"segserve answered HTTP {response.status_code}: {response.text[:300]}")
+        raise RuntimeError(f"the server answered HTTP {response.status_code}: {response.text[:300]}")
     data = response.json()
     spec = counter_delta(before, read_counters(stub)) if stub else None
     return {"num_tokens": data["usage"]["completion_tokens"], "wall_s": wall_s,

@@ -10,8 +10,11 @@ HTTP and over gRPC; skipped with --no-router-overhead or --segserve-url) -> with
 --overhead-rounds N, N rounds of each level through the router and then directly,
 back to back -> with --decode-rounds N, N rounds of one generate() and one stream
 through the router, back to back (`decode_rounds`) -> the peer (`transformers serve
---continuous-batching`, or batched `generate()` when that cannot start). Each
-server is warmed up first (a short request, then a short batched round).
+--continuous-batching`, or batched `generate()` when that cannot start). With
+--peer vllm instead: the baseline, then segserve and vLLM (`make vllm`) up at once,
+--rounds alternated rounds of every level against both (side_by_side.py), and
+their ratios with the spread. Each server is warmed up first (a short request,
+then a short batched round).
 Outputs go to --out: throughput.json, throughput.png, the peer's log; the
 markdown table is printed.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import shlex
@@ -27,10 +31,14 @@ import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-from segserve.bench import decode_rounds, grpc_direct, grpc_public, loadgen, peers, report
+from segserve.bench import decode_rounds, grpc_direct, grpc_public, loadgen, peers, report, side_by_side
 from segserve.bench.machine import machine_info
 from segserve.bench.prompts import PROMPTS
 from segserve.bench.throughput_config import PEER_CHOICES, ThroughputConfig
+
+
+VLLM_MINIMUMS = {1: 1.2, 16: 1.2, 64: 1.0}
+"""segserve's aggregate tokens/s over vLLM's that the goals ask for, per stream count."""
 
 
 def _concurrency_list(text: str) -> tuple[int, ...]:
@@ -49,7 +57,11 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--requests-per-stream", type=int, default=defaults.requests_per_stream)
     parser.add_argument("--peer", choices=PEER_CHOICES, default=defaults.peer)
-    parser.add_argument("--peer-args", default=defaults.peer_args, help="extra `transformers serve` flags")
+    parser.add_argument("--peer-args", default=defaults.peer_args, help="extra flags for the peer's server")
+    parser.add_argument("--rounds", type=int, default=defaults.rounds,
+                        help="with --peer vllm: alternated rounds of every level against both (default: 3)")
+    parser.add_argument("--vllm-speculative-config", default=defaults.vllm_speculative_config,
+                        help="vLLM's --speculative-config when speculation is on (default: suffix decoding)")
     parser.add_argument("--segserve-url", default=None, help="bench a running segserve instead of launching one")
     parser.add_argument("--skip-segserve", action="store_true")
     parser.add_argument("--router-overhead", action=argparse.BooleanOptionalAction, default=defaults.router_overhead,
@@ -85,8 +97,21 @@ def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
 
 def bench_http(name: str, base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig) -> dict:
     """Warm up (one short request, then one short batched round), then run every level against one server."""
+    system = warm_up(name, base_url, model, extra_body, config)
+    if system.get("error"):
+        return system
+    for concurrency in config.concurrency:
+        system["levels"].append(http_level(base_url, model, system["extra_body"], config, concurrency))
+        _progress(name, system["levels"][-1])
+    return system
+
+
+def warm_up(name: str, base_url: str, model: str | None, extra_body: dict, config: ThroughputConfig) -> dict:
+    """The system's entry, its levels empty, after one short request and one short batched round; without
+    `extra_body` (in the entry) when the server refused it; with "error" when the short request failed."""
     spec = http_spec(base_url, model, extra_body, config, 1)
-    system = {"name": name, "kind": "openai-sse", "base_url": base_url, "model": model, "extra_body": extra_body}
+    system = {"name": name, "kind": "openai-sse", "base_url": base_url, "model": model, "extra_body": extra_body,
+              "levels": []}
     warmup = loadgen.run(loadgen.probe(spec))
     if warmup.error and extra_body and warmup.error.startswith("HTTP 4"):
         system["notes"] = [f"server refused extra body {extra_body} ({warmup.error}); EOS may end requests early"]
@@ -94,14 +119,10 @@ def bench_http(name: str, base_url: str, model: str | None, extra_body: dict, co
         spec = replace(spec, extra_body=extra_body)
         warmup = loadgen.run(loadgen.probe(spec))
     if warmup.error:
-        return {**system, "error": f"warm-up request failed: {warmup.error}", "levels": []}
+        return {**system, "error": f"warm-up request failed: {warmup.error}"}
     # A short batched round too: the first batched steps of a server are slower than the rest.
     loadgen.run(loadgen.run_load(replace(spec, concurrency=min(4, config.concurrency[-1]),
                                          max_tokens=min(8, config.max_tokens), requests_per_stream=1)))
-    system["levels"] = []
-    for concurrency in config.concurrency:
-        system["levels"].append(http_level(base_url, model, extra_body, config, concurrency))
-        _progress(name, system["levels"][-1])
     return system
 
 
@@ -163,27 +184,73 @@ def bench_segserve(config: ThroughputConfig, model_dir: Path, out: Path,
             system.setdefault("notes", []).append("gRPC API not measured: --segserve-url names no gRPC port")
         return {"segserve": system}
     try:
-        from router.config import RouterConfig
-        from scheduler.config import SchedulerConfig
-        from segserve.launcher import Stack, StackConfig
-        from worker.config import WorkerConfig
+        from segserve.launcher import Stack
 
-        stack_config = StackConfig(
-            worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0,  # 0 = the launcher picks
-                                is_compiled=config.compiled),
-            scheduler=SchedulerConfig(port=0, is_async_scheduling=config.async_scheduling,
-                                      **{name: value for name in ("num_decode_steps", "decode_steps_ms")
-                                         if (value := getattr(config, name)) is not None}),
-            is_speculative=config.speculation,
-            router=RouterConfig(port=0, is_grpc_api=config.grpc_api, grpc_port=0),  # 0: the launcher picks
-            startup_timeout_s=config.startup_timeout_s,
-            log_dir=str(out / "segserve-logs"),
-        )
+        stack_config = segserve_stack_config(config, model_dir, out)
         with Stack(stack_config) as stack:
             return bench_router_and_scheduler(config, model_dir, stack.base_url, stack.config.router.scheduler_address,
                                               stack.grpc_address, generate_rate)  # fmt: skip
     except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
         return {"segserve": {"name": "segserve", "error": f"{type(exc).__name__}: {exc}", "levels": []}}
+
+
+def segserve_stack_config(config: ThroughputConfig, model_dir: Path, out: Path):
+    """The launched stack of `config`, every port picked by the launcher, logs under out/segserve-logs."""
+    from router.config import RouterConfig
+    from scheduler.config import SchedulerConfig
+    from segserve.launcher import StackConfig
+    from worker.config import WorkerConfig
+
+    return StackConfig(
+        worker=WorkerConfig(model=str(model_dir), dtype=config.dtype, port=0, is_compiled=config.compiled),
+        scheduler=SchedulerConfig(port=0, is_async_scheduling=config.async_scheduling,
+                                  **{name: value for name in ("num_decode_steps", "decode_steps_ms")
+                                     if (value := getattr(config, name)) is not None}),
+        is_speculative=config.speculation,
+        router=RouterConfig(port=0, is_grpc_api=config.grpc_api, grpc_port=0),
+        startup_timeout_s=config.startup_timeout_s,
+        log_dir=str(out / "segserve-logs"),
+    )
+
+
+def bench_side_by_side(config: ThroughputConfig, model_dir: Path, out: Path) -> dict[str, dict]:
+    """{"segserve", "peer"}: the launched stack and vLLM (`make vllm`; speculating by config.vllm_speculative_config
+    when config.speculation is on), both up at once, config.rounds alternated rounds of every level
+    (side_by_side.py); each system's levels are its median round's, every round is under "rounds"."""
+    from segserve.launcher import Stack
+
+    speculative = json.loads(config.vllm_speculative_config) if config.speculation else None
+    peer = peers.VllmServe(model_dir, dtype=config.dtype, speculative_config=speculative,
+                           startup_timeout_s=max(config.startup_timeout_s, 900.0), log_path=out / "vllm.log",
+                           extra_args=tuple(shlex.split(config.peer_args)))
+    failed = {"name": peer.name, "levels": []}
+    try:
+        failed["command"] = shlex.join(peer.command())
+    except peers.PeerStartError as exc:  # not installed
+        return {"peer": {**failed, "error": str(exc)}}
+    peer.start()  # its start-up (minutes of compiling) overlaps the stack's
+    try:
+        with Stack(segserve_stack_config(config, model_dir, out)) as stack:
+            try:
+                peer.wait_ready()
+            except peers.PeerStartError as exc:
+                return {"peer": {**failed, "error": str(exc)}}
+            model = loadgen.run(loadgen.fetch_model_name(stack.base_url))
+            ours = warm_up("segserve", stack.base_url, model, {"ignore_eos": True}, config)
+            theirs = warm_up(peer.name, peer.base_url, peer.model_name, {"ignore_eos": True}, config)
+            theirs["command"] = failed["command"]
+            if ours.get("error") or theirs.get("error"):
+                return {"segserve": ours, "peer": theirs}
+            ran = side_by_side.alternated_rounds({
+                "segserve": functools.partial(http_level, stack.base_url, model, ours["extra_body"], config),
+                "peer": functools.partial(http_level, peer.base_url, peer.model_name, theirs["extra_body"], config),
+            }, config.concurrency, config.rounds)
+    finally:
+        peer.stop()
+    for system, name in ((ours, "segserve"), (theirs, "peer")):
+        system["levels"] = side_by_side.median_levels(ran[name])
+        system["rounds"] = ran[name]
+    return {"segserve": ours, "peer": theirs}
 
 
 def bench_router_and_scheduler(config: ThroughputConfig, model_dir: Path, base_url: str, scheduler_address: str,
@@ -288,12 +355,17 @@ def run_throughput(args: argparse.Namespace) -> dict:
                                                        config.baseline_runs)  # fmt: skip
     generate_rate = functools.partial(decode_rounds.generate_rate, model, tokenizer, PROMPTS[0], config.max_tokens)
     freeze_startup_heap()  # the client's own full collections would stall its reading of every stream
-    if not config.skip_segserve:
-        results["systems"].update(bench_segserve(config, model_dir, out, generate_rate))
-    del model, tokenizer
-    peer = bench_peer(config, model_dir, out)
-    if peer is not None:
-        results["systems"]["peer"] = peer
+    if config.peer == "vllm":
+        del model, tokenizer
+        results["systems"].update(bench_side_by_side(config, model_dir, out))
+    else:
+        if not config.skip_segserve:
+            results["systems"].update(bench_segserve(config, model_dir, out, generate_rate))
+        del model, tokenizer
+        results["systems"]["peer"] = bench_peer(config, model_dir, out)
+    peer = results["systems"].get("peer")
+    if peer is None:
+        results["systems"].pop("peer", None)
     systems = results["systems"]
     if "segserve_grpc" in systems:
         results["router_overhead"] = report.router_overhead(systems["segserve"], systems["segserve_grpc"])
@@ -304,6 +376,9 @@ def run_throughput(args: argparse.Namespace) -> dict:
             results["grpc_api_overhead"] = report.router_overhead(api, direct)
     low, high = config.concurrency[0], config.concurrency[-1]
     results["goals"] = report.evaluate_goals(results["baseline"], results["systems"].get("segserve"), peer, low, high)
+    if peer is not None and peer.get("rounds") and systems.get("segserve", {}).get("rounds"):
+        results["side_by_side"] = side_by_side.ratios(systems["segserve"]["rounds"], peer["rounds"])
+        results["goals"] += side_by_side.goals(results["side_by_side"], peer["name"], VLLM_MINIMUMS)
     if systems.get("segserve", {}).get("decode_rounds"):
         results["decode_rounds"] = decode_rounds.summarize(systems["segserve"]["decode_rounds"])
         results["goals"].append(decode_rounds.goal(results["decode_rounds"]))
@@ -313,6 +388,8 @@ def run_throughput(args: argparse.Namespace) -> dict:
     report.write_json(out / "throughput.json", results)
     print(f"\npeer: {peer['name'] if peer else 'none'}; baseline: {results['baseline']['method']}\n")
     print(report.markdown_table(results))
+    if results.get("side_by_side"):
+        print("\n".join(side_by_side.markdown(results["side_by_side"], peer["name"])))
     for system in results["systems"].values():
         for line in [system["error"]] if system.get("error") else []:
             print(f"\n{system['name']}: {line}")

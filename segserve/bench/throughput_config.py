@@ -3,11 +3,12 @@ drivers (grpc_direct.py, grpc_public.py)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from segserve.bench import loadgen
 
-PEER_CHOICES = ("auto", "transformers-serve", "batched-generate", "none")
+PEER_CHOICES = ("auto", "vllm", "transformers-serve", "batched-generate", "none")
 
 
 @dataclass
@@ -22,9 +23,14 @@ class ThroughputConfig:
     requests_per_stream: int = 2
     """Requests each stream sends back to back at every level."""
     peer: str = "auto"
-    """auto (transformers serve, else batched generate()), transformers-serve, batched-generate or none."""
+    """auto (transformers serve, else batched generate()), vllm (`make vllm`'s, measured in alternated rounds beside
+    segserve), transformers-serve, batched-generate or none."""
     peer_args: str = ""
-    """Extra flags for `transformers serve`, e.g. "--cb-num-blocks 256" (its CB cache sizing is automatic)."""
+    """Extra flags for the peer's server, e.g. "--cb-num-blocks 256" for `transformers serve`."""
+    rounds: int = 3
+    """With the vllm peer: alternated rounds of every level against both servers; ratios come with their spread."""
+    vllm_speculative_config: str = '{"method": "suffix", "num_speculative_tokens": 5}'
+    """vLLM's --speculative-config (JSON) when speculation is on: its SuffixDecoding by default."""
     segserve_url: str | None = None
     """Measure an already running segserve at this loopback URL instead of launching one."""
     skip_segserve: bool = False
@@ -70,8 +76,10 @@ class ThroughputConfig:
             raise ValueError("concurrency must list positive stream counts")
         if self.max_tokens < 2 or self.requests_per_stream <= 0 or self.baseline_runs <= 0:
             raise ValueError("max_tokens must be >= 2; requests_per_stream and baseline_runs > 0")
-        if self.overhead_rounds < 0 or self.decode_rounds < 0:
-            raise ValueError("overhead_rounds and decode_rounds must be >= 0")
+        if self.overhead_rounds < 0 or self.decode_rounds < 0 or self.rounds < 1:
+            raise ValueError("overhead_rounds and decode_rounds must be >= 0, rounds >= 1")
+        if not isinstance(_json_or_none(self.vllm_speculative_config), dict):
+            raise ValueError("vllm_speculative_config must be a JSON object")
         if self.peer not in PEER_CHOICES:
             raise ValueError(f"peer must be one of {PEER_CHOICES}")
         if min(self.level_time_limit_s, self.request_timeout_s, self.startup_timeout_s) <= 0:
@@ -80,3 +88,10 @@ class ThroughputConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.segserve_url:
             loadgen.check_loopback(self.segserve_url)
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None

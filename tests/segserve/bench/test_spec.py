@@ -16,7 +16,7 @@ import pytest
 
 from protos.segserve.v1 import scheduler_pb2
 from segserve.bench import peer_workloads, spec, spec_report, spec_systems
-from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SEG_LOOKUP, SPEC, SUFFIX
+from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SEG_LOOKUP, SPEC, SUFFIX, VLLM_PLAIN, VLLM_SUFFIX
 from segserve.bench.spec_workloads import (EDIT_KINDS, KINDS, MONTHS_JSON_REST, MONTHS_REST, SAMPLED_KINDS,
                                            Workload, build_workloads, structured_prompt)
 from segserve.cli import build_parser
@@ -137,6 +137,21 @@ def test_ablation_speedups_and_the_edit_goal_compare_systems_on_the_same_engine(
     goals = {g["name"]: g for g in spec_report.evaluate_goals({"months_edit": row}, mismatches=[{"x": 1}])}
     assert goals["months_edit: full segserve vs prompt lookup only"]["passed"] is False
     assert goals["greedy outputs equal plain decoding's"]["passed"] is False
+
+
+def test_against_vllm_each_side_decodes_alike_plain_with_plain_and_full_segserve_with_suffix_decoding():
+    rates = {OFF: {"agentic": 12.0}, SPEC: {"agentic": 30.0}, VLLM_PLAIN: {"agentic": 10.0},
+             VLLM_SUFFIX: {"agentic": 27.0}}
+    row = spec_report.speedups(_summaries(rates))["agentic"]
+    assert row[f"{OFF}_vs_{VLLM_PLAIN}"] == pytest.approx(1.2) and row[f"{SPEC}_vs_{VLLM_SUFFIX}"] == pytest.approx(30 / 27)
+    assert row[f"{VLLM_SUFFIX}_vs_own_plain"] == pytest.approx(2.7)
+    goals = {g["name"]: g["passed"] for g in spec_report.evaluate_goals({"agentic": row})}
+    assert goals["agentic: segserve, spec off vs vLLM"] is True
+    assert goals["agentic: segserve, full vs vLLM, SuffixDecoding"] is False  # 1.11x < 1.2x
+    without_vllm = spec_report.evaluate_goals(spec_report.speedups(_summaries({OFF: {"agentic": 1.0}})))
+    assert not any("vLLM" in goal["name"] for goal in without_vllm)
+    assert spec.SpecBenchConfig().systems == spec_report.DEFAULT_SYSTEMS
+    assert spec.SpecBenchConfig(systems=(SPEC, VLLM_SUFFIX)).systems == (SPEC, VLLM_SUFFIX)
 
 
 def test_spread_gives_every_number_its_values_median_and_range():
@@ -262,7 +277,7 @@ def test_a_run_on_fakes_writes_every_systems_numbers_with_spread_goals_and_misma
     assert saved["command"] == "segserve bench spec" and saved["finetuned"].startswith("not measured")
     base = saved["models"]["base"]
     assert len(base["rounds"]) == 3 and (tmp_path / "round-2" / "base" / "spec.json").is_file()
-    assert set(base["rounds"][0]["systems"]) == set(spec.SYSTEMS)
+    assert set(base["rounds"][0]["systems"]) == set(config.systems) == set(spec_report.DEFAULT_SYSTEMS)
     # The ablation systems wrote their numbers; every number has its spread over the rounds.
     full_vs_lookup = base["speedups"]["months_edit"][f"{SPEC}_vs_{SEG_LOOKUP}"]
     assert full_vs_lookup == {"values": [2.5, 1.5, 2.0], "median": 2.0, "min": 1.5, "max": 2.5}

@@ -9,17 +9,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from common.ports import free_port
-from segserve.bench import grpc_direct, grpc_public, loadgen, peers, report, throughput
+from segserve.bench import grpc_direct, grpc_public, loadgen, peers, report, side_by_side, throughput
 from segserve.bench.loadgen import LoadSpec, RequestRecord
 from tests.support.fake_scheduler import start_fake_scheduler
 
@@ -295,6 +297,91 @@ def test_plain_and_batched_generate_on_tiny_model(tiny_gemma3_dir):
     records = peers.run_batched_generate(model, tokenizer, ["a b", "The quick brown fox", "def"], 3, 5, 2)
     assert len(records) == 6 and all(r.num_tokens == 5 and len(r.event_times) == 5 for r in records)
     assert records[3].started_at >= records[0].finished_at  # rounds run one after the other
+
+
+def test_vllm_serve_runs_make_vllms_venv_offline_with_a_bounded_kv_cache(tmp_path):
+    missing = peers.VllmServe(tmp_path / "model", venv=tmp_path / "no-venv")
+    with pytest.raises(peers.PeerStartError, match="make vllm"):
+        missing.command()
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "vllm").write_text("")
+    server = peers.VllmServe(tmp_path / "model", port=12345, venv=tmp_path / "venv",
+                             speculative_config={"method": "suffix", "num_speculative_tokens": 5})
+    command = server.command()
+    assert command[:3] == [str(tmp_path / "venv" / "bin" / "vllm"), "serve", str(tmp_path / "model")]
+    assert command[command.index("--served-model-name") + 1] == server.model_name == "model"
+    assert json.loads(command[command.index("--speculative-config") + 1])["method"] == "suffix"
+    assert server.name == "vLLM (suffix)" and server.base_url == "http://127.0.0.1:12345"
+    assert server.env()["VLLM_CPU_KVCACHE_SPACE"] == "4" and server.env()["HF_HUB_OFFLINE"] == "1"
+    assert "--speculative-config" not in peers.VllmServe(tmp_path / "model", venv=tmp_path / "venv").command()
+
+
+class SleepingPeer(peers.PeerServer):
+    """A "server" that starts a child of its own and never answers: what stop() must clean up."""
+
+    name = "sleeper"
+
+    def __init__(self, pid_file, **kwargs) -> None:
+        super().__init__(pid_file.parent, **kwargs)
+        self.pid_file = pid_file
+
+    def command(self) -> list[str]:
+        script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+                  "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+                  f"open({str(self.pid_file)!r}, 'w').write(str(child.pid)); time.sleep(600)")
+        return [sys.executable, "-c", script]
+
+
+def test_a_peer_server_that_never_answers_is_a_start_error_and_stop_leaves_none_of_its_processes(tmp_path):
+    server = SleepingPeer(tmp_path / "child.pid", startup_timeout_s=3, log_path=tmp_path / "peer.log")
+    with pytest.raises(peers.PeerStartError, match="sleeper not ready after 3 s"):
+        with server:
+            pass
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and psutil.pid_exists(child) and \
+            psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def _level(concurrency: int, tokens_per_s: float, ttft_ms: float, decode: float) -> dict:
+    return {"concurrency": concurrency, "summary": {"aggregate_tokens_per_s": tokens_per_s, "ttft_ms_p50": ttft_ms,
+                                                    "decode_tokens_per_s_median": decode, "num_errors": 0,
+                                                    "num_requests": 1}, "records": []}
+
+
+def test_side_by_side_rounds_alternate_the_order_and_ratios_come_with_their_spread():
+    calls = []
+
+    def level(name, rates):
+        def run(concurrency):
+            calls.append((name, concurrency))
+            return _level(concurrency, rates[len([c for c in calls if c[0] == name]) - 1], 100.0, 10.0)
+        return run
+
+    ran = side_by_side.alternated_rounds({"segserve": level("segserve", [12, 24, 9, 30]),
+                                          "peer": level("peer", [10, 20, 10, 20])}, (1, 16), 2)
+    assert calls == [("segserve", 1), ("peer", 1), ("peer", 16), ("segserve", 16),
+                     ("segserve", 1), ("peer", 1), ("peer", 16), ("segserve", 16)]
+    assert [level["round"] for level in ran["peer"]] == [0, 0, 1, 1]
+    rows = side_by_side.ratios(ran["segserve"], ran["peer"])
+    assert rows[0]["concurrency"] == 1 and rows[0]["aggregate_tokens_per_s"]["rounds"] == [1.2, 0.9]
+    assert rows[1]["aggregate_tokens_per_s"] == {"rounds": [1.2, 1.5], "median": 1.35, "min": 1.2, "max": 1.5}
+    assert rows[1]["ttft"]["median"] == 1.0
+    assert [level["summary"]["aggregate_tokens_per_s"] for level in side_by_side.median_levels(ran["segserve"])] \
+        == [9, 24]
+    goals = side_by_side.goals(rows, "vLLM", {1: 1.2, 16: 1.2})
+    assert [(goal["name"], goal["passed"]) for goal in goals] == [
+        ("1-stream aggregate vs vLLM", False), ("1-stream TTFT p50, vLLM's over ours", True),
+        ("16-stream aggregate vs vLLM", True), ("16-stream TTFT p50, vLLM's over ours", True)]
+    assert "1.35x [1.20-1.50]" in "\n".join(side_by_side.markdown(rows, "vLLM"))
+
+
+def test_bench_with_the_vllm_peer_not_installed_reports_it_and_does_not_start_segserve(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "VLLM_VENV", tmp_path / "no-venv")
+    systems = throughput.bench_side_by_side(throughput.ThroughputConfig(peer="vllm"), tmp_path, tmp_path)
+    assert list(systems) == ["peer"] and "make vllm" in systems["peer"]["error"]
 
 
 # ----- the whole command, small -----
