@@ -40,23 +40,38 @@ from worker.config import WorkerConfig
 from worker.threads import available_cpus, format_cpu_list
 
 
+SERVICE_CPU_MIN_CPUS = 4
+"""From this many CPUs on, a local stack keeps one CPU for the router, scheduler and drafters (a quarter of the
+machine at most); below it, the workers compute on every CPU and the services take turns with them. On the 2-core
+CPU, the default model through the router against vLLM on its default placement (one core for its engine, one for its
+API server), 2026-11-29: with one CPU kept, segserve 0.89x, 0.95x and 0.87x vLLM's tokens/s at 1, 16 and 64
+streams; computing on both, 1.26x, 1.31x and 1.33x (docs/performance/vllm.md)."""
+
+
 def local_worker_threads(num_workers: int) -> int:
-    """torch threads of each local worker: the CPUs this process may use but one, kept for the router, scheduler
-    and drafters (and clients) on the same machine, shared among the workers; at least 1. A worker whose threads
-    outnumber the CPUs left to it waits at every parallel op's barrier (worker/threads.py)."""
-    return max(1, (available_cpus() - 1) // num_workers)
+    """torch threads of each local worker: the CPUs this process may use, shared among the workers, but one kept
+    for the router, scheduler and drafters (and clients) on the same machine where it has SERVICE_CPU_MIN_CPUS;
+    at least 1. A worker whose threads outnumber the CPUs it may use waits at every parallel op's barrier
+    (worker/threads.py)."""
+    cpus = available_cpus()
+    return max(1, (cpus - (cpus >= SERVICE_CPU_MIN_CPUS)) // num_workers)
 
 
 def local_cpu_sets(num_workers: int) -> tuple[list[set[int]], set[int]] | None:
-    """CPU pinning of a local stack: the CPUs of each worker, and the one CPU the router, scheduler (and its Ray
-    processes) and drafters share, out of this process's affinity mask: the first CPU for the services, the rest
-    shared out among the workers, as local_worker_threads() counts them. None where there is nothing to split:
-    fewer CPUs than workers + 1, or a cgroup quota below the mask (the quota, not the CPUs, is the limit there)."""
+    """CPU pinning of a local stack: the CPUs of each worker, and the CPUs the router, scheduler (and its Ray
+    processes) and drafters share, out of this process's affinity mask: with SERVICE_CPU_MIN_CPUS, the first CPU
+    for the services and the rest shared out among the workers, as local_worker_threads() counts them; with fewer,
+    every CPU shared out among the workers and the services on all of them. None where there is nothing to split:
+    fewer CPUs than workers (+ 1 where one is kept), or a cgroup quota below the mask (the quota, not the CPUs,
+    is the limit there)."""
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < num_workers + 1 or available_cpus() != len(cpus):
+    is_kept = len(cpus) >= SERVICE_CPU_MIN_CPUS
+    if len(cpus) < num_workers + is_kept or available_cpus() != len(cpus) or len(cpus) == 1:
         return None
     per_worker = local_worker_threads(num_workers)
-    return [set(cpus[1 + i * per_worker:1 + (i + 1) * per_worker]) for i in range(num_workers)], {cpus[0]}
+    first = int(is_kept)
+    workers = [set(cpus[first + i * per_worker:first + (i + 1) * per_worker]) for i in range(num_workers)]
+    return workers, {cpus[0]} if is_kept else set(cpus)
 
 
 @dataclass
@@ -89,9 +104,10 @@ class StackConfig:
     """Write each service's output to <log_dir>/<service>.log instead of the terminal."""
     is_cpu_pinned: bool = True
     """Bind each local CPU worker's compute threads to the CPUs its torch threads use (WorkerConfig.compute_cpus;
-    its gRPC threads keep every CPU) and pin the other services to the CPU kept for them (local_cpu_sets), as
-    vLLM's CPU backend binds its threads: the worker's step then runs without the router, scheduler and drafters
-    taking turns on its cores. Only where the launcher chose the workers' thread count, and they run on the CPU."""
+    its gRPC threads keep every CPU) and, from SERVICE_CPU_MIN_CPUS CPUs on, pin the other services to the CPU kept
+    for them (local_cpu_sets), as vLLM's CPU backend binds its threads: the worker's step then runs without the
+    router, scheduler and drafters taking turns on its cores. Only where the launcher chose the workers' thread
+    count, and they run on the CPU."""
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
@@ -188,8 +204,8 @@ class Stack:
         workers = [dataclasses.replace(cfg.worker, model=model_dir, num_threads=num_threads,
                                        port=port or (0 if cfg.is_ray_workers else free_port())) for port in ports]
         cpu_sets = local_cpu_sets(cfg.num_workers) if self._is_pinnable(cfg) else None
-        if cpu_sets is not None:
-            workers = [dataclasses.replace(worker, compute_cpus=format_cpu_list(cpus))
+        if cpu_sets is not None:  # each worker counts its CPUs, and takes as many threads as its model pays for
+            workers = [dataclasses.replace(worker, compute_cpus=format_cpu_list(cpus), num_threads=0)
                        for worker, cpus in zip(workers, cpu_sets[0])]
             self._service_cpus = cpu_sets[1]
         self.worker_configs = workers

@@ -53,7 +53,7 @@ from worker.fused_norm import fuse_rms_norms
 from worker.grammar import GrammarEngine
 from worker.grammar_masks import GrammarMasks, constrainer, fill_masks
 from worker.planning import SequenceState, StepPlan, plan_step
-from worker.threads import cpu_threads
+from worker.threads import cpu_threads, threads_for
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.ranks import Launch, launch_process
 from worker.sharded_load import peak_host_gib
@@ -97,6 +97,11 @@ class ModelRunner:
         path = resolve_model(config.model)
         loaded = load(config, path, self.device, self.dtype, ranks, seed, launch)
         self.model, self.device, self._name, seed = loaded.model, loaded.device, loaded.name, loaded.seed
+        if self.device.type == "cpu" and not config.num_threads and size == 1:
+            # Before the linears' row policies are probed: they hold at the thread count they were probed at.
+            torch.set_num_threads(threads_for(self.model, torch.get_num_threads()))
+            logger.info("%d torch threads for this model's forward (worker/threads.py, threads_for)",
+                        torch.get_num_threads())
         self.followers = loaded.followers
         """Rank 0's other ranks, which run each step with it (worker/ranks.py); None on one device and on them."""
         has_lean = config.is_lean_decoder and not config.is_compiled and type(self.model).__name__ in LEAN_DECODERS

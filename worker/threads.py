@@ -73,6 +73,27 @@ def bind_compute_thread(cpus: set[int]) -> None:
                          f"{allowed}): {exc}") from None
 
 
+PARALLEL_MIN_WEIGHTS = 1 << 20
+"""The elements of a decoder layer's largest linear weight from which a step's ops are worth more than one thread
+(4 MiB in fp32). At one row a linear streams its weight once: each thread's share of a 4 MiB weight takes
+~0.2 ms at a core's ~10 GB/s, against the ~10-50 us a thread barrier costs, while the test models' 32 KiB weights
+take ~3 us, less than the barrier. Measured on the 2-core CPU, one engine step, 1 thread against 2: the default
+Qwen2.5-Coder-0.5B (largest layer weight 4864 x 896) 152 against 94 ms at batch 1, 213 against 122 at 16, 675
+against 426 at 64; the tiny Gemma3 (128 x 64) 2.0 against 2.4 ms at batch 1 and 4.7 against 5.3 at 64, and with
+another process busy on a core up to 965 ms (`segserve bench engine --num-threads N`, 2026-11-29)."""
+
+
+def threads_for(model, available: int) -> int:
+    """The intra-op threads a CPU forward of `model` runs best on, out of `available`: all of them when its decoder
+    layers' largest linear weight (the output head left out) has at least PARALLEL_MIN_WEIGHTS elements, else one."""
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    largest = max((module.weight.numel() for module in model.modules()
+                   if isinstance(module, torch.nn.Linear) and module is not head), default=0)
+    return available if largest >= PARALLEL_MIN_WEIGHTS else 1
+
+
 def cpu_threads(requested: int) -> int:
     """torch intra-op threads for a CPU worker: `requested`, or with 0 torch's default capped by available_cpus()."""
     import torch

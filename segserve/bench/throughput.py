@@ -22,6 +22,7 @@ markdown table is printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -214,8 +215,8 @@ def segserve_stack_config(config: ThroughputConfig, model_dir: Path, out: Path):
 
 
 def bench_side_by_side(config: ThroughputConfig, model_dir: Path, out: Path) -> dict[str, dict]:
-    """{"segserve", "peer"}: the launched stack and vLLM (`make vllm`; speculating by config.vllm_speculative_config
-    when config.speculation is on), both up at once, config.rounds alternated rounds of every level
+    """{"segserve", "peer"}: the launched stack (or the one at config.segserve_url) and vLLM (`make vllm`;
+    speculating by config.vllm_speculative_config when config.speculation is on), both up at once, config.rounds alternated rounds of every level
     (side_by_side.py); each system's levels are its median round's, every round is under "rounds"."""
     from segserve.launcher import Stack
 
@@ -230,19 +231,22 @@ def bench_side_by_side(config: ThroughputConfig, model_dir: Path, out: Path) -> 
         return {"peer": {**failed, "error": str(exc)}}
     peer.start()  # its start-up (minutes of compiling) overlaps the stack's
     try:
-        with Stack(segserve_stack_config(config, model_dir, out)) as stack:
+        with contextlib.ExitStack() as running:
+            base_url = config.segserve_url
+            if not base_url:
+                base_url = running.enter_context(Stack(segserve_stack_config(config, model_dir, out))).base_url
             try:
                 peer.wait_ready()
             except peers.PeerStartError as exc:
                 return {"peer": {**failed, "error": str(exc)}}
-            model = loadgen.run(loadgen.fetch_model_name(stack.base_url))
-            ours = warm_up("segserve", stack.base_url, model, {"ignore_eos": True}, config)
+            model = loadgen.run(loadgen.fetch_model_name(base_url))
+            ours = warm_up("segserve", base_url, model, {"ignore_eos": True}, config)
             theirs = warm_up(peer.name, peer.base_url, peer.model_name, {"ignore_eos": True}, config)
             theirs["command"] = failed["command"]
             if ours.get("error") or theirs.get("error"):
                 return {"segserve": ours, "peer": theirs}
             ran = side_by_side.alternated_rounds({
-                "segserve": functools.partial(http_level, stack.base_url, model, ours["extra_body"], config),
+                "segserve": functools.partial(http_level, base_url, model, ours["extra_body"], config),
                 "peer": functools.partial(http_level, peer.base_url, peer.model_name, theirs["extra_body"], config),
             }, config.concurrency, config.rounds)
     finally:

@@ -95,7 +95,8 @@ def test_greedy_matches_generate_streamed_and_not(running_stack, tiny_references
 def test_the_worker_has_its_own_cpus(running_stack):
     """CPU pinning: the worker's compute thread (its main thread, which runs the steps) on the CPUs its torch threads
     use and its gRPC threads on every CPU, the router and the scheduler (with its Ray processes) on the CPU kept for
-    them; a machine with one CPU pins nothing."""
+    them (on a machine of fewer than four CPUs, on every CPU, as the worker's compute); a machine with one CPU pins
+    nothing."""
     processes = running_stack.processes
     affinity = {name: os.sched_getaffinity(processes[name].pid) for name in ("worker", "router", "scheduler")}
     worker_tasks = Path(f"/proc/{processes['worker'].pid}/task")

@@ -7,10 +7,12 @@ import os
 import threading
 
 import pytest
+from torch import nn
 
 import segserve.launcher as launcher
 from worker.config import WorkerConfig
-from worker.threads import available_cpus, bind_compute_thread, cgroup_cpu_quota, format_cpu_list, parse_cpu_list
+from worker.threads import (available_cpus, bind_compute_thread, cgroup_cpu_quota, format_cpu_list, parse_cpu_list,
+                            threads_for)
 
 
 @pytest.fixture
@@ -51,21 +53,26 @@ def test_the_affinity_mask_caps_a_larger_quota(cgroup, monkeypatch):
     assert available_cpus(root) == 2
 
 
-@pytest.mark.parametrize(("cpus", "num_workers", "threads"), [(2, 1, 1), (1, 1, 1), (16, 1, 15), (16, 2, 7), (3, 4, 1)])
-def test_local_workers_leave_one_cpu_to_the_rest_of_the_stack(monkeypatch, cpus, num_workers, threads):
+@pytest.mark.parametrize(("cpus", "num_workers", "threads"), [
+    (2, 1, 2), (3, 1, 3), (2, 2, 1), (1, 1, 1),  # below SERVICE_CPU_MIN_CPUS: every CPU computes
+    (4, 1, 3), (16, 1, 15), (16, 2, 7), (3, 4, 1),
+])
+def test_local_workers_leave_one_cpu_to_the_rest_of_the_stack_from_four_on(monkeypatch, cpus, num_workers, threads):
     monkeypatch.setattr(launcher, "available_cpus", lambda: cpus)
     assert launcher.local_worker_threads(num_workers) == threads
 
 
 @pytest.mark.parametrize(("cpus", "quota", "num_workers", "expected"), [
-    ({0, 1}, 2, 1, ([{1}], {0})),
+    ({0, 1}, 2, 1, ([{0, 1}], {0, 1})),  # two CPUs: the worker computes on both, the services take turns
+    ({0, 1}, 2, 2, ([{0}, {1}], {0, 1})),
+    ({0, 1, 2, 3}, 4, 1, ([{1, 2, 3}], {0})),
     ({4, 5, 6, 7}, 4, 2, ([{5}, {6}], {4})),  # one thread each, as local_worker_threads counts
     (set(range(16)), 16, 1, ([set(range(1, 16))], {0})),
     ({3}, 1, 1, None),  # one CPU: nothing to split
-    ({0, 1, 2}, 3, 4, None),  # fewer CPUs than workers + 1
+    ({0, 1, 2}, 3, 4, None),  # fewer CPUs than workers
     (set(range(8)), 2, 1, None),  # a cgroup quota below the mask
 ])
-def test_a_local_stack_pins_its_workers_apart_from_the_other_services(monkeypatch, cpus, quota, num_workers, expected):
+def test_a_local_stack_pins_its_workers_apart_from_the_other_services_from_four_cpus_on(monkeypatch, cpus, quota, num_workers, expected):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
     monkeypatch.setattr(launcher, "available_cpus", lambda: quota)
     assert launcher.local_cpu_sets(num_workers) == expected
@@ -113,3 +120,17 @@ def test_compute_cpus_outside_the_process_are_refused_by_name():
     outside = max(os.sched_getaffinity(0)) + 1024
     with pytest.raises(ValueError, match=f"compute_cpus {outside}: cannot bind"):
         bind_compute_thread({outside})
+
+
+def test_a_forward_takes_more_than_one_thread_only_when_its_layers_weights_pay_for_the_barriers():
+    def model(width: int, vocab: int) -> nn.Module:
+        layers = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width // 2))
+        layers.get_output_embeddings = lambda: head
+        head = nn.Linear(width // 2, vocab)
+        layers.add_module("head", head)
+        return layers
+
+    assert threads_for(model(64, 5000), 2) == 1  # the head is the largest weight, not a layer's
+    assert threads_for(model(1 << 10, 64), 2) == 2  # a 1024 x 1024 layer weight: PARALLEL_MIN_WEIGHTS
+    assert threads_for(model(1 << 10, 64), 1) == 1
+    assert threads_for(model(1000, 64), 2) == 1
