@@ -113,6 +113,8 @@ class ModelRunner:
         """Multi-head latent attention's latent widths, which the KV cache holds (worker/latent_attention.py), or
         None."""
         prepare_linears(self.model, config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
+        self.num_threads = torch.get_num_threads()
+        """torch's threads the linears' row policies were probed at: every step runs at this many (step())."""
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
         self.sequence_states = sequence_state.attach(self.model)
         """The sequences' states besides the KV cache (LFM2's convolutions, Mamba mixers; worker/sequence_state.py),
@@ -217,6 +219,8 @@ class ModelRunner:
         if self.timings is not None:
             self.timings.clear()
             self._lap_start = time.perf_counter()
+        if torch.get_num_threads() != self.num_threads:  # another runner in this process set its own (tests)
+            torch.set_num_threads(self.num_threads)
         if self.followers is None:
             return self._steps(request)
         try:

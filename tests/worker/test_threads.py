@@ -7,6 +7,7 @@ import os
 import threading
 
 import pytest
+import torch
 from torch import nn
 
 import segserve.launcher as launcher
@@ -134,3 +135,17 @@ def test_a_forward_takes_more_than_one_thread_only_when_its_layers_weights_pay_f
     assert threads_for(model(1 << 10, 64), 2) == 2  # a 1024 x 1024 layer weight: PARALLEL_MIN_WEIGHTS
     assert threads_for(model(1 << 10, 64), 1) == 1
     assert threads_for(model(1000, 64), 2) == 1
+
+
+def test_a_runner_steps_at_the_threads_its_row_policies_were_probed_at(tiny_gemma3_dir):
+    from tests.worker.test_model_runner import make_runner
+
+    before = torch.get_num_threads()
+    try:
+        runner = make_runner(tiny_gemma3_dir)
+        assert runner.num_threads == 1  # the tiny model's weights do not pay for a second thread
+        torch.set_num_threads(2)  # as another runner of this process does for its model
+        runner.warm_up()  # a step
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
