@@ -13,6 +13,8 @@ import statistics
 import sys
 from collections.abc import Callable
 
+from segserve.bench.report import check
+
 RATIOS = {
     # name: (summary key, is segserve's value the numerator)
     "aggregate_tokens_per_s": ("aggregate_tokens_per_s", True),
@@ -101,8 +103,6 @@ def _cell(value: dict) -> str:
 def goals(rows: list[dict], peer_name: str, minimums: dict[int, float]) -> list[dict]:
     """Aggregate tokens/s ratio at least `minimums[concurrency]` (the median round), and TTFT no worse than the
     peer's at every level measured."""
-    from segserve.bench.report import check
-
     out = []
     for row in rows:
         minimum = minimums.get(row["concurrency"])

@@ -216,8 +216,9 @@ def segserve_stack_config(config: ThroughputConfig, model_dir: Path, out: Path):
 
 def bench_side_by_side(config: ThroughputConfig, model_dir: Path, out: Path) -> dict[str, dict]:
     """{"segserve", "peer"}: the launched stack (or the one at config.segserve_url) and vLLM (`make vllm`;
-    speculating by config.vllm_speculative_config when config.speculation is on), both up at once, config.rounds alternated rounds of every level
-    (side_by_side.py); each system's levels are its median round's, every round is under "rounds"."""
+    speculating by config.vllm_speculative_config when config.speculation is on), both up at once, then
+    config.rounds alternated rounds of every level (side_by_side.py); each system's levels are its median round's,
+    every round is under "rounds"."""
     from segserve.launcher import Stack
 
     speculative = json.loads(config.vllm_speculative_config) if config.speculation else None

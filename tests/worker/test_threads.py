@@ -73,7 +73,8 @@ def test_local_workers_leave_one_cpu_to_the_rest_of_the_stack_from_four_on(monke
     ({0, 1, 2}, 3, 4, None),  # fewer CPUs than workers
     (set(range(8)), 2, 1, None),  # a cgroup quota below the mask
 ])
-def test_a_local_stack_pins_its_workers_apart_from_the_other_services_from_four_cpus_on(monkeypatch, cpus, quota, num_workers, expected):
+def test_a_local_stack_pins_its_workers_apart_from_the_other_services_from_four_cpus_on(monkeypatch, cpus, quota,
+                                                                                       num_workers, expected):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cpus)
     monkeypatch.setattr(launcher, "available_cpus", lambda: quota)
     assert launcher.local_cpu_sets(num_workers) == expected
