@@ -45,7 +45,7 @@ SERVICE_CPU_MIN_CPUS = 4
 machine at most); below it, the workers compute on every CPU and the services take turns with them. On the 2-core
 CPU, the default model through the router against vLLM on its default placement (one core for its engine, one for its
 API server), 2026-11-29: with one CPU kept, segserve 0.89x, 0.95x and 0.87x vLLM's tokens/s at 1, 16 and 64
-streams; computing on both, 1.26x, 1.31x and 1.33x (docs/performance/vllm.md)."""
+streams; computing on both, 1.19x, 1.30x and 1.27x (medians of three alternated rounds, docs/performance/vllm.md)."""
 
 
 def local_worker_threads(num_workers: int) -> int:
