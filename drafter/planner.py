@@ -17,12 +17,16 @@ A request with a corpus key (a structured output) is in the `schema` kind for it
 its sources are the key's corpora, scoped and bounded the same way (`keyed`, drafter/keyed.py), and
 its own history.
 Each source's scores are normalized to sum to 1 before merging, so a corpus's raw
-frequencies and a draft model's probabilities weigh the same.
+frequencies and a draft model's probabilities weigh the same; a lookup source's are then
+scaled by its match over the longest lookup match (`by_match`), so the guess founded on
+more context takes the tree's nodes first.
 Depth adapts to the match, as SuffixDecoding's does, for kinds with a spec_factor:
 a lookup continuation found after a match of n context tokens drafts at most
 spec_factor * n tokens, so a weak match (2 tokens) drafts little while a long one
 (text being copied: the request's own history follows a match back up to 64
 tokens) drafts past the kind's max_depth and max_nodes, up to the scheduler's budget.
+A corpus cuts key and continuation together at its trie depth; a lookup that matched a whole
+key drafts on from its own end (`chained`), so text learned whole drafts as deep as the budget.
 """
 
 from __future__ import annotations
@@ -152,12 +156,18 @@ class DraftPlanner:
         if budget <= 0:
             return CandidateTree(), kind.name
         max_len = max(kind.max_depth, max_nodes) if kind.spec_factor > 0 else kind.max_depth
-        continuations: list[Continuation] = []
+        proposals = []
         for source, context in self._sources(kind, state):
-            continuations.extend(_normalized(_propose(source, state, context, kind, max_len)))
+            found = _normalized(_propose(source, state, context, kind, max_len))
+            if kind.spec_factor > 0 and found:
+                found, _ = adaptive_depth(found, kind.spec_factor, kind.max_depth)
+                if not isinstance(source, RequestAwareSource):
+                    found[0] = chained(source, context, found[0], kind, max_nodes)
+            proposals.append(found)
+        continuations = by_match(proposals)
         depth = kind.max_depth
         if kind.spec_factor > 0:
-            continuations, depth = adaptive_depth(continuations, kind.spec_factor, kind.max_depth)
+            depth = max([depth, *(len(c.token_ids) for c in continuations)])
             budget = min(max_nodes, max(budget, depth))
         return build(kind.algorithm, continuations, budget, depth), kind.name
 
@@ -199,6 +209,38 @@ def adaptive_depth(continuations: list[Continuation], spec_factor: float, max_de
         length = max(1, int(spec_factor * c.match_len)) if c.match_len else max_depth
         adapted.append(Continuation(c.token_ids[:length], c.score, c.match_len))
     return adapted, max([max_depth, *(len(c.token_ids) for c in adapted)])
+
+
+def chained(source: ContinuationSource, context: Sequence[int], best: Continuation, kind: SegmentKind,
+            max_len: int) -> Continuation:
+    """`best`, a lookup's top continuation cut to its match (adaptive_depth), drafted on by looking its own end up
+    again while each lookup matches a whole key (kind.corpus.max_key tokens, the strongest evidence a corpus
+    gives): a corpus cuts a key and its continuation together at its trie depth, so text it learned whole (an
+    output repeated, a file edited again) would otherwise draft no deeper than that depth less the key, however
+    much of it is ahead. A lookup that matches less stops the chain; so does max_len."""
+    tokens = list(best.token_ids)
+    match_len = best.match_len
+    while kind.corpus.max_key <= match_len and len(tokens) < max_len:
+        found = source.propose([*context, *tokens], max_len - len(tokens), 1)
+        if not found or not found[0].token_ids:
+            break
+        match_len = found[0].match_len
+        tokens.extend(found[0].token_ids[: max(1, int(kind.spec_factor * match_len))])
+    return Continuation(tuple(tokens[:max_len]), best.score, best.match_len)
+
+
+def by_match(proposals: list[list[Continuation]]) -> list[Continuation]:
+    """Every source's continuations (each source's scores summing to 1) in one list, a lookup source's scores
+    scaled by its longest match over the longest of all lookups: a source that matched 4 tokens of the context
+    weighs half as much as one that matched 8, so the better-founded guess takes the tree's nodes first rather
+    than splitting them evenly. Sources that are no lookup (a draft model's) keep their weight."""
+    longest = max((c.match_len for found in proposals for c in found), default=0)
+    merged = []
+    for found in proposals:
+        match_len = max((c.match_len for c in found), default=0)
+        weight = match_len / longest if match_len else 1.0
+        merged.extend(Continuation(c.token_ids, c.score * weight, c.match_len) for c in found)
+    return merged
 
 
 def _normalized(continuations: list[Continuation]) -> list[Continuation]:

@@ -80,14 +80,20 @@ class SegmentStats:
         A tree of k nodes is at most k deep. Depths no tree reached so far
         count only when k exceeds every tree tried (a bigger budget may reach
         them), at a rate decaying geometrically from the deepest measured one,
-        so an unexplored budget looks promising enough to be tried once.
+        so an unexplored budget looks promising enough to be tried once. The
+        decay per depth is the one measured between the two deepest depths
+        (the chance that a draft accepted that deep is accepted one deeper),
+        the prior's before two are measured: text the drafter has learned is
+        accepted nearly whole however deep it drafts, and a fixed decay would
+        keep its budget at the depth first tried.
         """
         rates = self.ema_rate_by_depth[:num_nodes]
         expected = sum(rates)
         if num_nodes > max(len(rates), self.max_num_nodes):
             rate = rates[-1] if rates else 1.0
+            decay = min(1.0, rates[-1] / rates[-2]) if len(rates) >= 2 and rates[-2] > 0 else _PRIOR_RATE
             for _ in range(num_nodes - len(rates)):
-                rate *= _PRIOR_RATE
+                rate *= decay
                 expected += rate
         return expected
 

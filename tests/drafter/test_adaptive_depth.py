@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drafter.history import MAX_MATCH, HistorySource
-from drafter.planner import DraftPlanner, adaptive_depth
+from drafter.planner import DraftPlanner, adaptive_depth, by_match
 from drafter.segments import DEFAULT_SEGMENT, parse_segments
 from drafter.state import RequestStates
 from drafter.types import Continuation
@@ -58,3 +58,28 @@ def test_adaptive_depth_cuts_each_lookup_continuation_to_its_match(match_len, ke
 def test_spec_factor_is_checked():
     with pytest.raises(ValueError, match="spec_factor >= 0"):
         parse_segments({"default": {"spec_factor": -1.0}})
+
+
+def test_text_learned_whole_drafts_on_past_the_corpus_depth_by_chained_lookups():
+    """The corpus cuts key and continuation together at its depth (16): an 8-token key leaves 8 tokens, and the
+    draft goes on from its own end, as long as each lookup matches a whole key, up to the budget."""
+    planner, states = _planner(1.0)
+    planner.learn(DEFAULT_SEGMENT, TEXT)
+    state = states.update("r", [9, *TEXT[:10]], 11, 11)
+    tree, _ = planner.draft(state, max_nodes=24)
+    assert tree.token_ids == tuple(TEXT[10:34]) and tree.max_depth == 24
+    unchained, _ = planner.draft(state, max_nodes=8)
+    assert unchained.token_ids == tuple(TEXT[10:18])
+
+
+def test_the_source_with_the_longer_match_takes_the_trees_nodes_first():
+    """The corpus matches 8 tokens; the request's own text matches 4 (TEXT[6:10], once followed by 1, 2, 3). Scores
+    normalized per source alone would split the nodes evenly between the two guesses; scaled by match, the
+    corpus's whole chain comes first."""
+    planner, states = _planner(1.0)
+    planner.learn(DEFAULT_SEGMENT, TEXT)
+    state = states.update("r", [*TEXT[6:10], 1, 2, 3, *TEXT[:10]], 17, 17)
+    tree, _ = planner.draft(state, max_nodes=8)
+    assert tree.token_ids == tuple(TEXT[10:18])
+    assert by_match([[Continuation((1,), 1.0, 4)], [Continuation((2,), 1.0, 8)], [Continuation((3,), 1.0, 0)]]) == [
+        Continuation((1,), 0.5, 4), Continuation((2,), 1.0, 8), Continuation((3,), 1.0, 0)]

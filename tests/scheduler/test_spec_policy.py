@@ -331,3 +331,19 @@ def test_the_latest_budget_per_segment_and_the_gates_decision_are_kept_for_the_s
     policy.choose({"code": 1}, 1, 255)
     assert policy.last_budgets["prose"] == 0 and policy.gate.last_decision[0] == 1  # prose kept from before
     assert policy.gate.last_segments == {"code": (1, True), "prose": (4, True)}
+
+
+def test_a_budget_past_every_tree_tried_is_priced_at_the_decay_measured_between_the_deepest_depths():
+    """Learned text accepted nearly whole at every depth tried (8): the depths past it are expected to go on so,
+    not to halve at each, and a 16-node budget wins over 8 on the step costs of the 2-core CPU's default model
+    (a 9-token step 115 ms against 95 ms for one token, so 17 tokens about 135 ms)."""
+    learned = SegmentStats(num_verified=100, max_num_nodes=8, ema_rate_by_depth=[0.98 ** d for d in range(1, 9)])
+    assert learned.expected_accepted(16) == pytest.approx(sum(0.98 ** d for d in range(1, 17)))
+    policy = SpecPolicy(16, cost=fitted({1: 0.095, 9: 0.115}))
+    policy.acceptance.segments["default"] = learned
+    assert policy.choose({"default": 1}, 1, 255)["default"] == 16
+    # A steep fall between the two deepest depths decays as steeply past them; one measured depth keeps the prior.
+    steep = SegmentStats(num_verified=100, max_num_nodes=2, ema_rate_by_depth=[0.8, 0.2])
+    assert steep.expected_accepted(4) == pytest.approx(0.8 + 0.2 + 0.05 + 0.0125)
+    assert SegmentStats(num_verified=1, max_num_nodes=1, ema_rate_by_depth=[0.8]).expected_accepted(3) == \
+        pytest.approx(0.8 + 0.4 + 0.2)
