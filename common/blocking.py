@@ -16,8 +16,11 @@ goes to a thread (it may be slower per unit: a compiled worker compiles a new sh
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import TypeVar
 
 INLINE_MAX_S = 0.02
@@ -46,13 +49,22 @@ class CallCost:
             self.most_units = max(self.most_units, num_units)
 
 
-async def run_blocking(cost: CallCost, num_units: int, call: Callable[..., T], *args) -> tuple[T, float]:
-    """call(*args) on the loop if cost expects it short, else in a thread; its result and seconds (observed)."""
+async def run_blocking(cost: CallCost, num_units: int, call: Callable[..., T], *args,
+                       executor: Executor | None = None) -> tuple[T, float]:
+    """call(*args) on the loop if cost expects it short, else in a thread of `executor` (None: asyncio's default
+    one, as asyncio.to_thread), in this context (its trace span, say); its result and seconds (observed)."""
     start = time.perf_counter()
     if cost.is_short(num_units):
         result = call(*args)
     else:
-        result = await asyncio.to_thread(call, *args)
+        result = await in_thread(executor, call, *args)
     seconds = time.perf_counter() - start
     cost.observe(num_units, seconds)
     return result, seconds
+
+
+async def in_thread(executor: Executor | None, call: Callable[..., T], *args) -> T:
+    """call(*args) in a thread of `executor` (None: asyncio's default one), in this context: asyncio.to_thread with
+    an executor of the caller's choosing."""
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(context.run, call, *args))

@@ -16,6 +16,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common import tracing
+from common.blocking import in_thread
 from common.tls import internal_tls
 from worker.config import WorkerConfig
 from worker.follower import follow
@@ -39,7 +40,7 @@ class WorkerActor:
         tracing.setup("worker", config)
         self._server, port = await start_server(self._servicer, config.host, config.port, internal_tls(config))
         launch = launch_process if ray.util.get_current_placement_group() is None else launch_rank_actor
-        runner = await asyncio.to_thread(load_runner, config, launch)
+        runner = await in_thread(self._servicer.compute, load_runner, config, launch)
         self._servicer.attach(runner)
         await self._servicer.serving.set(True)
         host = ray.util.get_node_ip_address() if config.host in ("0.0.0.0", "::") else config.host

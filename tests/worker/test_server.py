@@ -312,3 +312,17 @@ async def test_a_short_step_runs_on_the_loop_and_a_long_one_lets_health_answer(s
         assert runner.threads[1] is not threading.current_thread() and answered_after < seconds / 2
     else:
         assert runner.threads[1] is threading.current_thread()
+
+
+async def test_long_steps_all_run_on_one_compute_thread(served):
+    """Every long step runs on the same thread, never the loop's: each thread that runs torch's parallel ops gets
+    an intra-op team of its own, so steps spread over an executor's threads would compute on several teams."""
+    servicer, stub = served
+    runner = _TimedRunner(0.03)
+    servicer.attach(runner)
+    step = worker_pb2.StepRequest(finished_seq_ids=["x"], sequences=[
+        worker_pb2.ScheduledSequence(seq_id="x", token_ids=[1], block_table=[0])])
+    for _ in range(8):  # three at a time: steps sent ahead wait behind the running one
+        await asyncio.gather(stub.Step(step), stub.Step(step), stub.Step(step))
+    assert len(runner.threads) == 24 and len(set(runner.threads)) == 1
+    assert runner.threads[0] is not threading.current_thread()
