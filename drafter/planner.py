@@ -206,9 +206,14 @@ def adaptive_depth(continuations: list[Continuation], spec_factor: float, max_de
     them and the tree depth they need (at least max_depth)."""
     adapted = []
     for c in continuations:
-        length = max(1, int(spec_factor * c.match_len)) if c.match_len else max_depth
+        length = match_depth(spec_factor, c.match_len) if c.match_len else max_depth
         adapted.append(Continuation(c.token_ids[:length], c.score, c.match_len))
     return adapted, max([max_depth, *(len(c.token_ids) for c in adapted)])
+
+
+def match_depth(spec_factor: float, match_len: int) -> int:
+    """Tokens a lookup continuation keeps after a match of match_len context tokens (at least one)."""
+    return max(1, int(spec_factor * match_len))
 
 
 def chained(source: ContinuationSource, context: Sequence[int], best: Continuation, kind: SegmentKind,
@@ -225,7 +230,7 @@ def chained(source: ContinuationSource, context: Sequence[int], best: Continuati
         if not found or not found[0].token_ids:
             break
         match_len = found[0].match_len
-        tokens.extend(found[0].token_ids[: max(1, int(kind.spec_factor * match_len))])
+        tokens.extend(found[0].token_ids[: match_depth(kind.spec_factor, match_len)])
     return Continuation(tuple(tokens[:max_len]), best.score, best.match_len)
 
 

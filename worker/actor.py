@@ -9,8 +9,6 @@ ranks 1..N-1 as RankActors in the others (worker/ranks.py says how they work tog
 
 from __future__ import annotations
 
-import asyncio
-
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
