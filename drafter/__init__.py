@@ -9,7 +9,7 @@ ids + parents, -1 = rooted at the last token) and its segment name, or needs_res
 
 Modules: types (Continuation, ContinuationSource), segments (TOML
 config of segment kinds), tracker (current segment over a token stream), corpus
-(suffix-trie lookup corpus bounded in bytes, save/load), keyed (corpora per corpus key and tenant,
+(suffix-array lookup corpus bounded in bytes, save/load), keyed (corpora per corpus key and tenant,
 bounded in keys and bytes), learner (adds learned
 segments to corpora on a background thread, a slice at a time), history (the
 request's own tokens as a source, bounded in bytes), trees (builder registry),

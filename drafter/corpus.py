@@ -1,34 +1,47 @@
-"""LookupCorpus: one segment kind's token-sequence -> continuation frequencies, as a suffix trie.
+"""LookupCorpus: one segment kind's token sequences -> continuation frequencies, as suffix arrays.
 
-In: token sequences (segments learned online, or text files). Out: continuations
-of a context, ranked by frequency.
+In: token sequences (segments learned online, or text files). Out: continuations of a context,
+ranked by frequency.
 
-Every suffix of every added sequence is inserted, cut at `max_depth` tokens; a
-node's count is how often its root path occurred. A query takes the LONGEST
-suffix of the context (max_key down to min_key tokens) that is a trie path with
-children, then returns the most frequent distinct continuations below it (each
-scored by how often that exact continuation followed the key).
+Storage. Every learned sequence is kept once, in flat int32 buffers, and indexed by suffix arrays
+over them. A *run* holds some sequences (each followed by a separator) and three arrays of
+positions: every token position sorted by the tokens from it on (forward, up to `max_depth`
+tokens), every position that has a next token sorted by the tokens up to it read backwards
+(backward, up to `max_key` tokens: where a key ends), and the running sum of the sequences' weights
+in forward order. About 20 bytes a token, counted from the arrays themselves (`num_bytes`), where
+a trie of Python objects holding every suffix took 280 bytes a node and ~2,500 a learned token.
 
-Memory bound (policy): the corpus holds at most `max_nodes` nodes, its byte budget
-(`max_bytes`) over the measured size of a node (and `max_entries` when set). When
-an add passes it, the least valuable nodes go until exactly 90% of the bound is
-left: lowest count first, the deeper first on equal counts, so a node never goes
-before its subtree (a child never outcounts its parent). Every count left is then
-multiplied by `decay`, so that what was seen long ago weighs less than what is
-seen next.
+Query. The longest suffix of the context (max_key down to min_key tokens) that some run holds
+followed by a token is found in one pass per run over the backward array, narrowing by binary
+search from the context's last token back. The key's occurrences are then one range of the forward
+array, sorted by what follows them: a continuation's count is the weight summed over its sub-range
+(two prefix sums), and the most frequent continuations are found best-first over those ranges,
+across runs. A key and its continuation together never pass max_depth (the forward sort's depth).
 
-Work comes in slices: `learn_steps` and `eviction_steps` are generators that do a
-bounded amount of work (about `slice_nodes` node operations) between yields, and
-each yield says whether the next slice mutates the trie (the caller holds the
-corpus lock for it, drafter/learner.py) or only reads it (a walk or a sort, which
-needs no lock as long as this caller is the trie's only writer). `add` and `evict`
-run them to the end at once (offline building, loading).
+Learning. A new sequence becomes a run of its own; while the newest run holds at least half as many
+tokens as the one before it, the two merge into one, rebuilt. So a corpus holds O(log n) runs and
+each token takes part in O(log n) builds (prefix doubling: a few argsorts of the run). Runs never
+change once built: a build reads the current runs, and the new tuple replaces the old in one
+assignment, so a reader sees one or the other whole. `learn_steps` and `eviction_steps` are
+generators whose yields say whether their next slice mutates the corpus (LOCKED: the caller holds
+the corpus lock, drafter/learner.py, for the swap) or only builds (UNLOCKED).
+
+Weights and the bound. A sequence starts at weight 1. The corpus holds at most max_bytes (and
+max_entries tokens when set); when an add passes it, the oldest sequences go (every sequence left
+has been decayed at least as often as an older one, so the oldest weigh least) until 90% of the
+bound is left, and every weight left is multiplied by `decay`, so that what was seen long ago weighs
+less than what is seen next.
+
+Snapshots: a versioned .npz of the sequences and their weights (v2); a v1 file (the suffix trie this
+replaced, in preorder) loads as its root-to-leaf paths weighted by their counts.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -38,47 +51,173 @@ from drafter.segments import CorpusLimits
 from drafter.types import Continuation
 
 FORMAT = "segserve-corpus"
-VERSION = 1
+VERSION = 2
+TRIE_VERSION = 1
+"""Snapshots of the suffix trie this corpus replaced; `load` migrates them."""
 LOW_WATER = 0.9
-# Memory per trie node, measured with tracemalloc on corpora of 10^5 nodes (CPython 3.11): the _Node, its
-# count, its children dict and its slot in its parent's dict. Turns the byte budget into a node bound.
-BYTES_PER_ENTRY = 280
-SLICE_NODES = 256
-"""Default work of one slice: about this many trie nodes visited or changed (about a millisecond)."""
+SEPARATOR = int(np.iinfo(np.int32).min)
+"""Ends every sequence in a run's buffer and pads it: below every token (keyed corpora learn -1, KEY_START)."""
 LOCKED, UNLOCKED = True, False
-"""What a step generator's yield says of its next slice: it mutates the trie, or only reads it."""
+"""What a step generator's yield says of its next slice: it mutates the corpus, or only builds."""
 
 
-class _Node:
-    __slots__ = ("count", "children")
+@dataclass(frozen=True)
+class _Run:
+    """Sequences and their suffix arrays; immutable (a new weight scale makes a new _Run over the same arrays)."""
 
-    def __init__(self) -> None:
-        self.count = 0.0
-        self.children: dict[int, _Node] = {}
+    tokens: np.ndarray
+    """int32: `pad` separators, then every sequence followed by a separator, then `pad` separators."""
+    forward: np.ndarray
+    """int32 positions of every token, sorted by the tokens from there on (max_depth of them)."""
+    backward: np.ndarray
+    """int32 positions (less `pad`) of every token followed by a token, sorted by the tokens up to there, read
+    backwards."""
+    weight_sums: np.ndarray
+    """float64, len(forward) + 1: weight_sums[i] = the weights of forward[:i]'s sequences, summed."""
+    starts: np.ndarray
+    """int64 position of each sequence's first token, oldest sequence first."""
+    weights: np.ndarray
+    """float64 weight of each sequence (before `scale`)."""
+    pad: int
+    """Separators before the first sequence and after the last (max_depth: a read never leaves the buffer)."""
+    scale: float = 1.0
+    views: tuple[memoryview, ...] = field(init=False, repr=False, compare=False)
+    """tokens, forward, backward and weight_sums as memoryviews: reads of one element as Python numbers, fast."""
 
+    def __post_init__(self) -> None:
+        views = tuple(memoryview(a) for a in (self.tokens, self.forward, self.backward, self.weight_sums))
+        object.__setattr__(self, "views", views)
 
-class LookupCorpus:
-    """A bounded suffix trie implementing ContinuationSource."""
-
-    def __init__(self, limits: CorpusLimits | None = None):
-        self.limits = limits or CorpusLimits()
-        self._root = _Node()
-        self.num_entries = 0
-        self.num_evictions = 0
-        """Times the bound was passed and nodes evicted."""
+    @property
+    def num_tokens(self) -> int:
+        return len(self.forward)
 
     @property
     def num_bytes(self) -> int:
-        """Estimated memory held by the trie."""
-        return self.num_entries * BYTES_PER_ENTRY
+        return sum(a.nbytes for a in (self.tokens, self.forward, self.backward, self.weight_sums, self.starts,
+                                      self.weights))
+
+    def sequences(self) -> list[np.ndarray]:
+        """Each sequence's tokens, oldest first."""
+        ends = [*self.starts[1:] - 1, len(self.tokens) - self.pad - 1]
+        return [self.tokens[start:end] for start, end in zip(self.starts.tolist(), ends)]
+
+
+    def match_length(self, context: Sequence[int], longest: int) -> int:
+        """How many of the context's last tokens (at most `longest`) this run holds followed by a token."""
+        tokens, _, backward, _ = self.views
+        lo, hi = 0, len(backward)
+        for depth in range(longest):
+            token = context[len(context) - 1 - depth]
+            read = tokens[self.pad - depth:].__getitem__  # backward holds positions less the padding
+            lo = bisect_left(backward, token, lo, hi, key=read)
+            hi = bisect_right(backward, token, lo, hi, key=read)
+            if lo == hi:
+                return depth
+        return longest
+
+    def key_range(self, key: Sequence[int]) -> tuple[int, int]:
+        """The range of `forward` whose positions start with `key` (empty: lo == hi)."""
+        tokens, forward, _, _ = self.views
+        lo, hi = 0, len(forward)
+        for depth, token in enumerate(key):
+            read = tokens[depth:].__getitem__
+            lo = bisect_left(forward, token, lo, hi, key=read)
+            hi = bisect_right(forward, token, lo, hi, key=read)
+            if lo == hi:
+                break
+        return lo, hi
+
+    def weight(self, lo: int, hi: int) -> float:
+        weight_sums = self.views[3]
+        return (weight_sums[hi] - weight_sums[lo]) * self.scale
+
+    def children(self, lo: int, hi: int, depth: int) -> Iterator[tuple[int, int, int]]:
+        """(token, lo, hi) for each token that follows forward[lo:hi]'s common prefix of `depth` tokens."""
+        tokens, forward, _, _ = self.views
+        read = tokens[depth:].__getitem__
+        while lo < hi:
+            token = read(forward[lo])
+            end = bisect_right(forward, token, lo, hi, key=read)
+            if token != SEPARATOR:
+                yield token, lo, end
+            lo = end
+
+    @classmethod
+    def build(cls, sequences: Sequence[np.ndarray], weights: np.ndarray, limits: CorpusLimits) -> "_Run":
+        """Index `sequences` (oldest first), each of weight `weights[i]`."""
+        pad = limits.max_depth
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        body = np.full(int(lengths.sum()) + len(sequences), SEPARATOR, dtype=np.int32)
+        ends = np.cumsum(lengths + 1)
+        starts = ends - lengths - 1
+        for sequence, start in zip(sequences, starts.tolist()):
+            body[start:start + len(sequence)] = sequence
+        is_token = body != SEPARATOR
+        separator_rank = np.cumsum(~is_token) - 1  # each separator ranks below every token, and apart
+        _, token_rank = np.unique(body, return_inverse=True)
+        ranks = np.where(is_token, token_rank.reshape(-1) + len(sequences), separator_rank)
+        forward = _sorted_positions(ranks, limits.max_depth)
+        forward = forward[is_token[forward]]
+        has_next = is_token & np.r_[is_token[1:], False]
+        backward = len(body) - 1 - _sorted_positions(ranks[::-1].copy(), limits.max_key)
+        backward = backward[has_next[backward]]
+        sequence_of = np.searchsorted(starts, forward, side="right") - 1
+        weight_sums = np.zeros(len(forward) + 1)
+        np.cumsum(weights[sequence_of], out=weight_sums[1:])
+        padded = np.concatenate([np.full(pad, SEPARATOR, np.int32), body, np.full(pad, SEPARATOR, np.int32)])
+        return cls(padded, (forward + pad).astype(np.int32), backward.astype(np.int32), weight_sums, starts + pad,
+                   np.asarray(weights, dtype=np.float64), pad)
+
+
+def _reading(tokens: memoryview, offset: int):
+    """A bisect key: the token `offset` positions from a suffix array entry."""
+    return lambda position: tokens[position + offset]
+
+
+def _sorted_positions(ranks: np.ndarray, depth: int) -> np.ndarray:
+    """Positions of `ranks` sorted by the `depth` (or more) ranks from each on (prefix doubling)."""
+    n = len(ranks)
+    rank = np.unique(ranks, return_inverse=True)[1].reshape(-1).astype(np.int64) + 1  # 0: past the end
+    order = np.argsort(rank, kind="stable")
+    width = 1
+    while width < depth and rank.max(initial=0) < n:  # stops early once every position ranks apart
+        following = np.zeros(n, dtype=np.int64)
+        following[: max(0, n - width)] = rank[width:]
+        key = rank * (n + 2) + following
+        order = np.argsort(key, kind="stable")
+        ordered = key[order]
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.cumsum(np.r_[True, ordered[1:] != ordered[:-1]])
+        width *= 2
+    return order
+
+
+class LookupCorpus:
+    """A bounded set of suffix-array runs implementing ContinuationSource (see the module docstring)."""
+
+    def __init__(self, limits: CorpusLimits | None = None):
+        self.limits = limits or CorpusLimits()
+        self._runs: tuple[_Run, ...] = ()
+        self.num_evictions = 0
+        """Times the bound was passed and the oldest sequences evicted."""
 
     @property
-    def max_nodes(self) -> int:
-        """The node bound: the byte budget over a node's size, and max_entries when set."""
-        return self.limits.max_nodes(BYTES_PER_ENTRY)
+    def num_entries(self) -> int:
+        """Learned tokens held."""
+        return sum(run.num_tokens for run in self._runs)
+
+    @property
+    def num_bytes(self) -> int:
+        """Memory held by the runs' arrays."""
+        return sum(run.num_bytes for run in self._runs)
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(len(run.starts) for run in self._runs)
 
     def add(self, token_ids: Sequence[int]) -> None:
-        """Count every suffix of token_ids (cut at max_depth), then evict if over the bound; all at once."""
+        """Learn token_ids, then evict if over the bound; all at once."""
         for _ in self.learn_steps(token_ids):
             pass
 
@@ -87,193 +226,193 @@ class LookupCorpus:
         for _ in self.eviction_steps():
             pass
 
-    def learn_steps(self, token_ids: Sequence[int], slice_nodes: int = SLICE_NODES) -> Iterator[bool]:
-        """`add` a slice at a time: each slice inserts the suffixes of about slice_nodes / max_depth positions.
-        The first slice mutates (the caller takes the lock before the first next())."""
-        tokens = list(token_ids)
-        depth = self.limits.max_depth
-        num_positions = max(1, slice_nodes // depth)
-        for start in range(0, len(tokens), num_positions):
-            if start:
-                yield LOCKED
-            self._insert(tokens, start, min(start + num_positions, len(tokens)), depth)
-        if self.num_entries > self.max_nodes:
+    def learn_steps(self, token_ids: Sequence[int]) -> Iterator[bool]:
+        """`add` a build at a time: the new sequence's run, each merge, then the swap (locked), then eviction.
+        The first slice (which the caller runs locked) does nothing."""
+        tokens = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        if not len(tokens):
+            return
+        yield UNLOCKED
+        runs = [*self._runs, _Run.build([tokens], np.ones(1), self.limits)]
+        while len(runs) >= 2 and 2 * runs[-1].num_tokens >= runs[-2].num_tokens:
+            runs[-2:] = [_merged(runs[-2:], self.limits)]
             yield UNLOCKED
-            yield from self.eviction_steps(slice_nodes)
+        yield LOCKED
+        self._runs = tuple(runs)
+        if self._is_over(self.num_bytes, self.num_entries):
+            yield UNLOCKED
+            yield from self.eviction_steps()
 
-    def _insert(self, tokens: list[int], start: int, stop: int, depth: int) -> None:
-        for begin in range(start, stop):
-            node = self._root
-            for token_id in tokens[begin : begin + depth]:
-                child = node.children.get(token_id)
-                if child is None:
-                    child = node.children[token_id] = _Node()
-                    self.num_entries += 1
-                child.count += 1.0
-                node = child
-
-    def eviction_steps(self, slice_nodes: int = SLICE_NODES) -> Iterator[bool]:
-        """Evict down to 90% of the bound, if over it, a slice at a time (see the module docstring).
-
-        A first walk (read only) counts the nodes per (count, -depth) key; the cutoff key is the one
-        below which, with some nodes at it, exactly num_entries - target nodes lie. A second walk
-        removes every child under the cutoff (its subtree lies under it too: a child never outcounts its
-        parent and is deeper) and the first ones at it, and decays the counts of the rest.
-        The first slice only reads.
-        """
-        target = int(self.max_nodes * LOW_WATER)
-        if self.num_entries <= target:
+    def eviction_steps(self) -> Iterator[bool]:
+        """Evict the oldest sequences down to 90% of the bound, if over it, then decay what is left. The
+        first slice only builds."""
+        if not self._is_over(self.num_bytes, self.num_entries):
             return
         self.num_evictions += 1
-        histogram: dict[tuple[float, int], int] = {}
-        stack = [(self._root, 0)]
-        num_visited = 0
-        while stack:
-            node, depth = stack.pop()
-            depth += 1
-            for child in node.children.values():
-                key = (child.count, -depth)
-                histogram[key] = histogram.get(key, 0) + 1
-                stack.append((child, depth))
-            num_visited += len(node.children) + 1
-            if num_visited >= slice_nodes and stack:
-                num_visited = 0
+        runs = list(self._runs)
+        max_bytes = int(self.limits.max_bytes * LOW_WATER)
+        max_entries = int(self.limits.max_entries * LOW_WATER)
+        num_bytes, num_entries = self.num_bytes, self.num_entries
+        while runs and (num_bytes > max_bytes or (max_entries and num_entries > max_entries)):
+            oldest = runs.pop(0)
+            num_bytes -= oldest.num_bytes
+            num_entries -= oldest.num_tokens
+            kept = min(len(oldest.starts) - 1,  # at least one goes, whatever the estimate says
+                       _newest_within(oldest, max_bytes - num_bytes, max_entries - num_entries if max_entries else 0))
+            if kept:
+                rebuilt = _Run.build(oldest.sequences()[-kept:], oldest.weights[-kept:] * oldest.scale, self.limits)
+                runs.insert(0, rebuilt)
+                num_bytes += rebuilt.num_bytes
+                num_entries += rebuilt.num_tokens
                 yield UNLOCKED
-        cutoff, num_at_cutoff = _cutoff(histogram, self.num_entries - target)
         yield LOCKED
-        decay = self.limits.decay
-        stack = [(self._root, 0)]
-        num_visited = 0
-        while stack:
-            node, depth = stack.pop()
-            depth += 1
-            for token_id, child in list(node.children.items()):
-                key = (child.count, -depth)
-                if key < cutoff or (key == cutoff and num_at_cutoff > 0):
-                    num_at_cutoff -= key == cutoff
-                    del node.children[token_id]
-                    num_removed = _subtree_size(child)
-                    self.num_entries -= num_removed
-                    num_visited += num_removed
-                else:
-                    child.count *= decay
-                    stack.append((child, depth))
-            num_visited += len(node.children) + 1
-            if num_visited >= slice_nodes and stack:
-                num_visited = 0
-                yield LOCKED
+        self._runs = tuple(replace(run, scale=run.scale * self.limits.decay) for run in runs)
+
+    def _is_over(self, num_bytes: int, num_entries: int) -> bool:
+        return num_bytes > self.limits.max_bytes or bool(self.limits.max_entries and num_entries >
+                                                         self.limits.max_entries)
 
     def propose(self, context: Sequence[int], max_len: int, max_candidates: int) -> list[Continuation]:
         """The most frequent continuations after the longest matching key, best first."""
-        node, key_len = self._longest_match(context)
-        if node is None or max_len <= 0 or max_candidates <= 0:
+        runs = self._runs
+        longest = min(self.limits.max_key, len(context), self.limits.max_depth - 1)
+        if not runs or max_len <= 0 or max_candidates <= 0 or longest < self.limits.min_key:
             return []
-        return [Continuation(c.token_ids, c.score, key_len) for c in _top_continuations(node, max_len, max_candidates)]
-
-    def _longest_match(self, context: Sequence[int]) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` (max_key down to min_key tokens) that has children, and the
-        suffix's length."""
-        longest = min(self.limits.max_key, len(context))
-        for key_len in range(longest, self.limits.min_key - 1, -1):
-            node: _Node | None = self._root
-            for token_id in context[len(context) - key_len :]:
-                node = node.children.get(token_id)
-                if node is None:
-                    break
-            if node is not None and node.children:
-                return node, key_len
-        return None, 0
+        matches = [run.match_length(context, longest) for run in runs]
+        key_len = max(matches)
+        if key_len < self.limits.min_key:
+            return []
+        key = context[len(context) - key_len:]
+        ranges = [(run, *run.key_range(key)) for run, match in zip(runs, matches) if match == key_len]
+        found = _top_continuations([(run, lo, hi) for run, lo, hi in ranges if lo < hi], key_len,
+                                   min(max_len, self.limits.max_depth - key_len), max_candidates)
+        return [Continuation(tokens, score, key_len) for tokens, score in found]
 
     def save(self, path: str | Path) -> None:
-        """Write the trie in preorder as a versioned .npz (tokens, counts, child counts)."""
-        tokens, counts, num_children = [], [], []
-        stack = [(-1, self._root)]
-        while stack:
-            token_id, node = stack.pop()
-            tokens.append(token_id)
-            counts.append(node.count)
-            num_children.append(len(node.children))
-            stack.extend(reversed(node.children.items()))
+        """Write the sequences (oldest first, each followed by a separator) and their weights as a versioned .npz."""
+        runs = self._runs
+        sequences = [s for run in runs for s in run.sequences()]
+        weights = np.concatenate([run.weights * run.scale for run in runs]) if runs else np.zeros(0)
+        tokens = np.concatenate([np.append(s, np.int32(SEPARATOR)) for s in sequences]) if sequences else []
         meta = {"format": FORMAT, "version": VERSION, "limits": self.limits.__dict__}
         with open(path, "wb") as f:
-            np.savez_compressed(
-                f,
-                meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                tokens=np.asarray(tokens, dtype=np.int64),
-                counts=np.asarray(counts, dtype=np.float32),
-                num_children=np.asarray(num_children, dtype=np.int64),
-            )
+            np.savez_compressed(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                                tokens=np.asarray(tokens, dtype=np.int32), weights=weights.astype(np.float64))
 
     @classmethod
     def load(cls, path: str | Path, limits: CorpusLimits | None = None) -> "LookupCorpus":
-        """Read a file written by save; `limits` (e.g. from the current config) override the saved ones."""
+        """Read a file written by save (or a v1 trie); `limits` (e.g. from the current config) override the
+        saved ones."""
         with np.load(path) as data:
             meta = json.loads(data["meta"].tobytes().decode())
-            if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-                raise ValueError(f"{path}: not a {FORMAT} v{VERSION} file: {meta.get('format')} v{meta.get('version')}")
+            version = meta.get("version")
+            if meta.get("format") != FORMAT or version not in (VERSION, TRIE_VERSION):
+                raise ValueError(f"{path}: not a {FORMAT} v{VERSION} (or v{TRIE_VERSION}) file: "
+                                 f"{meta.get('format')} v{version}")
             corpus = cls(limits or CorpusLimits(**meta["limits"]))
-            corpus._root, corpus.num_entries = _from_preorder(
-                data["tokens"].tolist(), data["counts"].tolist(), data["num_children"].tolist()
-            )
+            if version == TRIE_VERSION:
+                sequences, weights = _trie_paths(data["tokens"].tolist(), data["counts"].tolist(),
+                                                 data["num_children"].tolist())
+            else:
+                tokens = data["tokens"]
+                ends = np.flatnonzero(tokens == SEPARATOR)
+                sequences = [s for s in np.split(tokens, ends + 1) if len(s) > 1 or (len(s) and s[0] != SEPARATOR)]
+                sequences = [s[:-1] if s[-1] == SEPARATOR else s for s in sequences]
+                weights = data["weights"]
+        if sequences:
+            corpus._runs = (_Run.build(sequences, np.asarray(weights, dtype=np.float64), corpus.limits),)
         corpus.evict()
         return corpus
 
 
-def _top_continuations(node: _Node, max_len: int, max_candidates: int) -> list[Continuation]:
-    """Best-first over counts (a child never outcounts its parent): leaves pop in count order.
+def _merged(runs: Sequence[_Run], limits: CorpusLimits) -> _Run:
+    """One run holding the runs' sequences, oldest first, with their weights as they stand."""
+    sequences = [s for run in runs for s in run.sequences()]
+    return _Run.build(sequences, np.concatenate([run.weights * run.scale for run in runs]), limits)
 
-    A leaf is a path of max_len tokens or one that ends in the trie. Ties prefer
-    deeper paths, so equal counts finish one continuation before starting another.
+
+def _newest_within(run: _Run, max_bytes: int, max_entries: int) -> int:
+    """How many of the run's newest sequences a rebuilt run of them keeps within max_bytes (and max_entries
+    tokens when set). Estimated from the run's own bytes per token and per sequence."""
+    lengths = np.diff(np.r_[run.starts, len(run.tokens) - run.pad]) - 1
+    newest_first = np.cumsum(lengths[::-1])
+    per_token = run.num_bytes / max(1, run.num_tokens + len(run.starts))
+    fits = per_token * (newest_first + np.arange(1, len(lengths) + 1)) <= max_bytes
+    if max_entries:
+        fits &= newest_first <= max_entries
+    return int(np.argmin(fits)) if not fits.all() else len(lengths)
+
+
+def _top_continuations(ranges: list[tuple[_Run, int, int]], key_len: int, max_len: int, max_candidates: int
+                       ) -> list[tuple[tuple[int, ...], float]]:  # fmt: skip
+    """Best-first over counts (a continuation never outcounts its prefix): leaves pop in count order.
+
+    A leaf is a path of max_len tokens or one nothing follows. Ties prefer deeper paths, so equal counts
+    finish one continuation before starting another.
     """
-    out: list[Continuation] = []
+    out: list[tuple[tuple[int, ...], float]] = []
+    heap: list[tuple[float, int, int, tuple[int, ...], list[tuple[_Run, int, int]]]] = []
     serial = 0
-    heap: list[tuple[float, int, int, tuple[int, ...], _Node]] = []
-    for token_id, child in node.children.items():
-        heap.append((-child.count, -1, serial, (token_id,), child))
-        serial += 1
-    heapq.heapify(heap)
+
+    def push(path: tuple[int, ...], parent_ranges: list[tuple[_Run, int, int]]) -> None:
+        nonlocal serial
+        if len(parent_ranges) == 1:  # the usual case: one run holds the key
+            run, lo, hi = parent_ranges[0]
+            for token, child_lo, child_hi in run.children(lo, hi, key_len + len(path)):
+                heapq.heappush(heap, (-run.weight(child_lo, child_hi), -len(path) - 1, serial, (*path, token),
+                                      [(run, child_lo, child_hi)]))
+                serial += 1
+            return
+        grouped: dict[int, list[tuple[_Run, int, int]]] = {}
+        for run, lo, hi in parent_ranges:
+            for token, child_lo, child_hi in run.children(lo, hi, key_len + len(path)):
+                grouped.setdefault(token, []).append((run, child_lo, child_hi))
+        for token, child_ranges in grouped.items():
+            count = sum(run.weight(lo, hi) for run, lo, hi in child_ranges)
+            heapq.heappush(heap, (-count, -len(path) - 1, serial, (*path, token), child_ranges))
+            serial += 1
+
+    push((), ranges)
     budget = max_candidates * max_len * 8  # bounds the work on wide, flat subtrees
     while heap and len(out) < max_candidates and budget > 0:
         budget -= 1
-        neg_count, _, _, path, child = heapq.heappop(heap)
-        if len(path) >= max_len or not child.children:
-            out.append(Continuation(path, -neg_count))
-            continue
-        for token_id, grandchild in child.children.items():
-            heapq.heappush(heap, (-grandchild.count, -len(path) - 1, serial, path + (token_id,), grandchild))
-            serial += 1
+        neg_count, _, _, path, child_ranges = heapq.heappop(heap)
+        size = len(heap)
+        if len(path) < max_len:
+            push(path, child_ranges)
+        if len(heap) == size:  # max_len, or nothing follows
+            out.append((path, -neg_count))
     return out
 
 
-def _cutoff(histogram: dict[tuple[float, int], int], num_evicted: int) -> tuple[tuple[float, int], int]:
-    """The smallest key with num_evicted nodes at or under it, and how many at it go."""
-    num_below = 0
-    for key in sorted(histogram):
-        if num_below + histogram[key] >= num_evicted:
-            return key, num_evicted - num_below
-        num_below += histogram[key]
-    raise AssertionError("the histogram holds fewer nodes than num_entries")
+def _trie_paths(tokens: list[int], counts: list[float], num_children: list[int]
+                ) -> tuple[list[np.ndarray], np.ndarray]:  # fmt: skip
+    """A v1 snapshot (a suffix trie in preorder: token, count, number of children) as sequences: each path from
+    the root that ends a continuation (a leaf, or a node counted more often than its children together), weighted
+    by the count that ends there."""
+    sequences, weights = [], []
+    stack: list[list] = []  # [token, count, children left, children's counts]
+    path: list[int] = []
 
+    def close(entry: list) -> None:
+        ending = entry[1] - entry[3]
+        if ending > 1e-9 and path:
+            sequences.append(np.asarray(path, dtype=np.int32))
+            weights.append(ending)
 
-def _subtree_size(node: _Node) -> int:
-    size, stack = 0, [node]
+    for i, (token, count, children) in enumerate(zip(tokens, counts, num_children)):
+        while stack and stack[-1][2] == 0:
+            close(stack.pop())
+            if path:
+                path.pop()
+        if stack:
+            stack[-1][2] -= 1
+            stack[-1][3] += count
+        if i:
+            path.append(token)
+        stack.append([token, count, children, 0.0])
     while stack:
-        node = stack.pop()
-        size += 1
-        stack.extend(node.children.values())
-    return size
-
-
-def _from_preorder(tokens: list[int], counts: list[float], num_children: list[int]) -> tuple[_Node, int]:
-    root = _Node()
-    root.count = counts[0]
-    stack = [(root, num_children[0])]
-    for i in range(1, len(tokens)):
-        while stack[-1][1] == 0:
-            stack.pop()
-        parent, remaining = stack[-1]
-        stack[-1] = (parent, remaining - 1)
-        node = parent.children[tokens[i]] = _Node()
-        node.count = counts[i]
-        stack.append((node, num_children[i]))
-    return root, len(tokens) - 1
+        close(stack.pop())
+        if path:
+            path.pop()
+    return sequences, np.asarray(weights, dtype=np.float64)

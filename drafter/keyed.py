@@ -92,7 +92,7 @@ class KeyedCorpora:
         return corpus
 
     def sizes(self) -> tuple[int, int]:
-        """Trie nodes and bytes of every keyed corpus together."""
+        """Learned tokens and bytes of every keyed corpus together."""
         corpora = list(self._recency.values())
         return sum(c.num_entries for c in corpora), sum(c.num_bytes for c in corpora)
 

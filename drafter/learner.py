@@ -4,24 +4,17 @@ In: (corpus, tokens) jobs from the planner's learn() (segments closed here, reco
 replicas). Out: the corpora, changed a slice at a time under the CorpusGuard.
 
 The learner runs a corpus's step generators (drafter/corpus.py: learn_steps, which evict when the
-bound is passed) and takes the guard's lock for each slice that mutates the trie, about a
-millisecond of work, then steps aside: a reader (a Draft batch, a snapshot) that wants the lock
-gets it before the learner's next slice, so it waits at most one slice. Between slices the learner
-sleeps briefly, which hands the GIL to the event loop and the Draft thread. The learner is the
-corpora's only writer once it runs, so slices that only read (eviction's walk and sort) need no lock.
-Jobs wait in a queue bounded in tokens: past it new jobs are dropped and counted (learning is best
-effort; drafting never waits for it).
-
-Trie nodes are objects of the cyclic garbage collector, and a full collection over a corpus of
-10^5 nodes stalls every thread for 100 ms and more (measured: 40-250 ms while adding 2,000-token
-segments to corpora of 50k-240k nodes). A trie has no cycles, so while a job runs the collector is
-off and afterwards everything alive is moved out of its reach (gc.freeze); nodes are still freed by
-reference counting when evicted. The price: a cycle of garbage alive at a freeze is never collected.
+bound is passed). Slices that build suffix arrays only read the corpus and run without the lock;
+the slice that swaps the built runs in takes the guard's lock, then steps aside: a reader (a Draft
+batch, a snapshot) that wants the lock gets it before the learner's next slice, so it waits at most
+one slice. Between slices the learner sleeps briefly, which hands the GIL to the event loop and the
+Draft thread. The learner is the corpora's only writer once it runs. Jobs wait in a queue bounded in
+tokens: past it new jobs are dropped and counted (learning is best effort; drafting never waits
+for it).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -29,7 +22,7 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
-from drafter.corpus import SLICE_NODES, LookupCorpus
+from drafter.corpus import LookupCorpus
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +69,12 @@ class CorpusGuard:
 
 
 class Learner:
-    """A background thread adding learned segments to corpora, `slice_nodes` node operations per slice."""
+    """A background thread adding learned segments to corpora, a build at a time."""
 
-    def __init__(self, guard: CorpusGuard | None = None, slice_nodes: int = SLICE_NODES, pause_s: float = 0.0002,
-                 max_pending_tokens: int = 1 << 20):
-        if slice_nodes <= 0 or pause_s < 0 or max_pending_tokens <= 0:
-            raise ValueError("a learner needs slice_nodes > 0, pause_s >= 0 and max_pending_tokens > 0")
+    def __init__(self, guard: CorpusGuard | None = None, pause_s: float = 0.0002, max_pending_tokens: int = 1 << 20):
+        if pause_s < 0 or max_pending_tokens <= 0:
+            raise ValueError("a learner needs pause_s >= 0 and max_pending_tokens > 0")
         self.guard = guard or CorpusGuard()
-        self.slice_nodes = slice_nodes
         self.pause_s = pause_s
         self.max_pending_tokens = max_pending_tokens
         self.num_learned = 0
@@ -143,16 +134,10 @@ class Learner:
                     return
                 corpus, tokens = self._jobs.popleft()
                 self._is_busy = True
-            is_collecting = gc.isenabled()
-            gc.disable()
             try:
-                self._apply(corpus.learn_steps(tokens, self.slice_nodes))
+                self._apply(corpus.learn_steps(tokens))
             except Exception:  # a bug here must not stop learning for good
                 logger.exception("learning a segment failed")
-            finally:
-                gc.freeze()
-                if is_collecting:
-                    gc.enable()
             with self._changed:
                 self._is_busy = False
                 self._num_pending_tokens -= len(tokens)

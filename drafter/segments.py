@@ -52,12 +52,12 @@ class CorpusLimits:
     """Size and lookup limits of one segment kind's lookup corpus (drafter/corpus.py)."""
 
     max_bytes: int = 64 << 20
-    """Memory budget of the trie in bytes (nodes at a measured size each, drafter/corpus.py); past it the least
-    valuable nodes are evicted down to 90% of it."""
+    """Memory budget of the corpus's arrays in bytes (drafter/corpus.py, about 20 a learned token); past it the
+    oldest sequences are evicted down to 90% of it."""
     max_entries: int = 0
-    """An extra bound on trie nodes (0 = none: the byte budget alone)."""
+    """An extra bound on learned tokens held (0 = none: the byte budget alone)."""
     max_depth: int = 16
-    """Depth of the suffix trie: key length + continuation length never exceed it."""
+    """Depth of the suffix arrays' sort: key length + continuation length never exceed it."""
     max_key: int = 8
     """Longest key (context suffix) tried; the longest that matches wins."""
     min_key: int = 2
@@ -67,16 +67,11 @@ class CorpusLimits:
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0 or self.max_entries < 0 or self.max_depth < 2:
-            raise ValueError("corpus max_bytes must be > 0, max_entries >= 0 (0 = no node bound) and max_depth >= 2")
+            raise ValueError("corpus max_bytes must be > 0, max_entries >= 0 (0 = no token bound) and max_depth >= 2")
         if not 1 <= self.min_key <= self.max_key < self.max_depth:
             raise ValueError("corpus keys need 1 <= min_key <= max_key < max_depth")
         if not 0.0 < self.decay < 1.0:
             raise ValueError("corpus decay must be in (0, 1)")
-
-    def max_nodes(self, bytes_per_node: int) -> int:
-        """The node bound: max_bytes over a node's size, and max_entries when set (at least 1)."""
-        by_bytes = max(1, self.max_bytes // bytes_per_node)
-        return min(by_bytes, self.max_entries) if self.max_entries else by_bytes
 
 
 @dataclass(frozen=True)

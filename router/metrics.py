@@ -96,9 +96,9 @@ class SchedulerStatsCollector:
         yield gate
         live = GaugeMetricFamily("segserve:drafter_live", "1 if drafts go to the replica (0: backing off).",
                                  labels=["model_name", "address"])
-        entries = GaugeMetricFamily("segserve:drafter_corpus_entries", "Trie nodes in a replica's corpus.",
+        entries = GaugeMetricFamily("segserve:drafter_corpus_entries", "Learned tokens held in a replica's corpus.",
                                     labels=["model_name", "address", "segment"])
-        num_bytes = GaugeMetricFamily("segserve:drafter_corpus_bytes", "Estimated memory of a replica's corpus.",
+        num_bytes = GaugeMetricFamily("segserve:drafter_corpus_bytes", "Memory of a replica's corpus arrays.",
                                       labels=["model_name", "address", "segment"])
         for replica in load.drafters:
             live.add_metric([self.model_name, replica.address], float(replica.is_live))

@@ -145,7 +145,7 @@ def _corpus_build_command(args: argparse.Namespace) -> int:
         raise SystemExit("corpus build needs text files or --from-reflow DIR")
     counts = build_corpus(args.files, args.tokenizer, args.segments_config, args.out, args.from_reflow)
     for segment, num_entries in sorted(counts.items()):
-        print(f"{segment}: {num_entries} corpus nodes")
+        print(f"{segment}: {num_entries} corpus tokens")
     return 0
 
 

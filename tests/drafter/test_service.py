@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from drafter.build import build_corpus
-from drafter.corpus import BYTES_PER_ENTRY
 from drafter.config import DrafterConfig
 from drafter.segments import load_segments, parse_segments
 from drafter.memory import corpus_path, load_corpora, save_corpora
@@ -149,7 +148,8 @@ async def test_get_stats_counts_corpus_entries_and_requests_per_segment(servicer
     stats = DrafterStats.from_pb(await stub.GetStats(drafter_pb2.DrafterStatsRequest()))
     code, default = stats.segments
     assert code.segment == "code" and code.num_corpus_entries == servicer.planner.corpora["code"].num_entries > 0
-    assert code.num_corpus_bytes == code.num_corpus_entries * BYTES_PER_ENTRY
+    assert code.num_corpus_bytes == servicer.planner.corpora["code"].num_bytes > 0
+    assert code.num_corpus_entries == len(block)  # a corpus holds each learned token once
     assert code.num_learned_tokens == len(block) and stats.num_draft_calls == 3
     assert (default.segment, default.num_corpus_entries, default.num_learned_tokens) == ("default", 0, 0)
     # "b" is inside a code block; "a" (its block closed) and "c" are in the default segment.

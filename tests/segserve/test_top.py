@@ -14,7 +14,7 @@ import httpx
 import pytest
 from rich.console import Console
 
-from drafter.corpus import BYTES_PER_ENTRY, LookupCorpus
+from drafter.corpus import LookupCorpus
 from drafter.memory import save_corpora
 from segserve.top import render
 from tests.support.e2e_helpers import served_model_name, tiny_stack
@@ -42,7 +42,7 @@ def _wait_for_screen(session: str, *needles: str, timeout_s: float = 30) -> str:
 def test_segserve_top_shows_the_live_stack(tiny_gemma3_dir, tmp_path):
     assert shutil.which("tmux"), "install Debian's tmux (make test does, as root)"
     corpus = LookupCorpus()
-    corpus.add(range(100, 106))  # six distinct tokens: 6 + 5 + ... + 1 = 21 trie nodes
+    corpus.add(range(100, 200))  # 100 learned tokens
     save_corpora({"code": corpus}, tmp_path / "corpora")
     # a Draft deadline a loaded machine meets: one missed deadline backs the drafter off for the whole answer
     with tiny_stack(tiny_gemma3_dir, tmp_path, scheduler={"is_spec_adaptive": False, "draft_timeout_ms": 2000},
@@ -75,11 +75,11 @@ def test_segserve_top_shows_the_live_stack(tiny_gemma3_dir, tmp_path):
             # The fixed policy drafts every segment kind with the full budget; the gate never decides for it.
             assert "on, 16 nodes" in row, row
             assert "gate: no decision yet" in screen, screen
-            # The drafters table: the one replica, live, with the code corpus it loaded (21 entries, 21 * 280 B).
+            # The drafters table: the one replica, live, with the code corpus it loaded (100 tokens, its bytes).
             (drafter,) = status["drafters"]
             assert drafter["is_live"] and drafter["is_answering"], status["drafters"]
             code = next((line for line in lines if " code " in line and "KiB" in line), screen)
-            assert " 21 " in code and f"{21 * BYTES_PER_ENTRY / 1024:.1f} KiB" in code, code
+            assert " 100 " in code and f"{corpus.num_bytes / 1024:.1f} KiB" in code, code
             assert any(drafter["address"] in line and "live" in line for line in lines), screen
             # The view follows the stack: a second request shows in the segment's counts.
             httpx.post(stack.base_url + "/v1/completions", timeout=120, json={

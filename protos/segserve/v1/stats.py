@@ -19,9 +19,9 @@ class DrafterSegmentStats:
 
     segment: str
     num_corpus_entries: int = 0
-    """Trie nodes in the kind's lookup corpus."""
+    """Learned tokens held in the kind's lookup corpora."""
     num_corpus_bytes: int = 0
-    """Estimated memory of the corpus."""
+    """Memory of the corpora's arrays."""
     num_requests: int = 0
     num_learned_tokens: int = 0
     """Tokens learned into the kind's corpora since the drafter started."""
