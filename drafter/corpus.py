@@ -251,14 +251,15 @@ class LookupCorpus:
         self.num_evictions += 1
         runs = list(self._runs)
         max_bytes = int(self.limits.max_bytes * LOW_WATER)
-        max_entries = int(self.limits.max_entries * LOW_WATER)
+        max_entries = int(self.limits.max_entries * LOW_WATER) if self.limits.max_entries else None
         num_bytes, num_entries = self.num_bytes, self.num_entries
-        while runs and (num_bytes > max_bytes or (max_entries and num_entries > max_entries)):
+        while runs and (num_bytes > max_bytes or (max_entries is not None and num_entries > max_entries)):
             oldest = runs.pop(0)
             num_bytes -= oldest.num_bytes
             num_entries -= oldest.num_tokens
             kept = min(len(oldest.starts) - 1,  # at least one goes, whatever the estimate says
-                       _newest_within(oldest, max_bytes - num_bytes, max_entries - num_entries if max_entries else 0))
+                       _newest_within(oldest, max_bytes - num_bytes,
+                                      None if max_entries is None else max_entries - num_entries))
             if kept:
                 rebuilt = _Run.build(oldest.sequences()[-kept:], oldest.weights[-kept:] * oldest.scale, self.limits)
                 runs.insert(0, rebuilt)
@@ -331,14 +332,14 @@ def _merged(runs: Sequence[_Run], limits: CorpusLimits) -> _Run:
     return _Run.build(sequences, np.concatenate([run.weights * run.scale for run in runs]), limits)
 
 
-def _newest_within(run: _Run, max_bytes: int, max_entries: int) -> int:
+def _newest_within(run: _Run, max_bytes: int, max_entries: int | None) -> int:
     """How many of the run's newest sequences a rebuilt run of them keeps within max_bytes (and max_entries
-    tokens when set). Estimated from the run's own bytes per token and per sequence."""
+    tokens unless None). Estimated from the run's own bytes per token and per sequence."""
     lengths = np.diff(np.r_[run.starts, len(run.tokens) - run.pad]) - 1
     newest_first = np.cumsum(lengths[::-1])
     per_token = run.num_bytes / max(1, run.num_tokens + len(run.starts))
     fits = per_token * (newest_first + np.arange(1, len(lengths) + 1)) <= max_bytes
-    if max_entries:
+    if max_entries is not None:
         fits &= newest_first <= max_entries
     return int(np.argmin(fits)) if not fits.all() else len(lengths)
 
