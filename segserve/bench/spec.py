@@ -11,6 +11,12 @@ JSONL; their warm-up requests teach the drafters and only the held-out ones
 count. Each segserve system is a fresh local stack. Every system gets two short
 warm-up requests, then every workload's prompts in order (edit workloads: earlier
 requests teach the drafter).
+With --mixed-concurrency N the workloads run as a shared server sees them instead:
+their requests interleaved (one from each workload in turn) at N streams, each
+workload under a tenant of its own, warm-up requests first, then the held-out
+ones measured together as one row, `mixed` (servers only: no HF system).
+--workloads-file F.jsonl replaces the built-in workloads by anyone's own
+(spec_workloads.load_file's format: the peer workloads' JSONL).
 The whole run repeats --rounds times (3 by default) with fresh systems, each round
 starting at the next system; every number is reported as its median, min, max
 and per-round values. With
@@ -23,18 +29,21 @@ tables and the goals are printed, greedy-output mismatches loudly.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import spec_report as report
-from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, PEER_KINDS, WARMUP_PROMPT, Workload, \
-    build_workloads
+from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, MIXED, PEER_KINDS, WARMUP_PROMPT, \
+    Workload, build_workloads, load_file
 
 SYSTEMS = report.SYSTEMS
 SystemFactory = Callable[[], AbstractContextManager]
@@ -77,6 +86,11 @@ class SpecBenchConfig:
     """Directory for spec.json, spec.png, the rounds' own JSON and the services' logs."""
     rounds: int = 3
     """Whole runs, each with fresh systems; every number is reported with its spread over them."""
+    mixed_concurrency: int = 0
+    """0: each workload on its own, one stream; N: every workload's requests interleaved at N streams, a tenant per
+    workload, measured together (the `mixed` row)."""
+    workloads_file: str | None = None
+    """A JSONL file of requests (spec_workloads.load_file) run instead of the built-in workloads; None = those."""
 
     def __post_init__(self) -> None:
         self.systems, self.kinds = tuple(self.systems), tuple(self.kinds)
@@ -98,6 +112,12 @@ class SpecBenchConfig:
             raise ValueError("time limits must be > 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.mixed_concurrency < 0:
+            raise ValueError("mixed_concurrency must be >= 0 (0 = each workload on its own)")
+        if self.mixed_concurrency and {report.PLAIN, report.LOOKUP} & set(self.systems):
+            raise ValueError("the mixed mode runs servers side by side: leave hf_plain and hf_prompt_lookup out")
+        if self.workloads_file:
+            load_file(self.workloads_file)  # a bad file is named with its line before any system starts
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -128,6 +148,10 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
     parser.add_argument("--out", default=defaults.out, help="output directory (default: bench-results/spec)")
+    parser.add_argument("--mixed-concurrency", type=int, default=defaults.mixed_concurrency,
+                        help="N > 0: every workload's requests interleaved at N streams, a tenant each (row 'mixed')")
+    parser.add_argument("--workloads-file", default=defaults.workloads_file,
+                        help="a JSONL file of requests run instead of the built-in workloads")
     parser.add_argument("--rounds", type=int, default=defaults.rounds,
                         help="whole runs with fresh systems; numbers are reported with their spread (default: 3)")
 
@@ -181,16 +205,77 @@ def run_system(name: str, factory: SystemFactory, workloads: list[Workload], max
     return {"name": name, "workloads": runs}
 
 
+def run_mixed(name: str, factory: SystemFactory, workloads: list[Workload], max_tokens: int,
+              concurrency: int) -> dict:  # fmt: skip
+    """The mixed mode: every workload's warm-up requests interleaved at `concurrency` streams (they teach the
+    drafters), then the held-out ones, measured together: one `mixed` record of their tokens, wall time, counter
+    deltas (the servers' own) and the greedy workloads' outputs in order; a system that fails is reported."""
+    warmup, heldout = _interleaved(workloads, max_tokens)
+    try:
+        with factory() as complete:
+            for _ in range(2):
+                complete(WARMUP_PROMPT, min(16, max_tokens))
+            _side_by_side(complete, warmup, concurrency)
+            counters = getattr(complete, "counters", lambda: None)
+            before = counters()
+            started_at = time.perf_counter()
+            results = _side_by_side(complete, heldout, concurrency)
+            wall_s = time.perf_counter() - started_at
+            after = counters()
+    except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
+        return {"name": name, "error": f"{type(exc).__name__}: {exc}", "workloads": {}}
+    from segserve.bench.spec_systems import counter_delta
+
+    texts = [r["text"] for r, (workload, *_) in zip(results, heldout) if workload.is_greedy]
+    record = {"num_tokens": sum(r["num_tokens"] for r in results), "wall_s": wall_s, "text": "\n\x1e\n".join(texts),
+              "spec": counter_delta(before, after) if before and after else None, "concurrency": concurrency,
+              "requests": [{"kind": w.kind, "index": i, "num_tokens": r["num_tokens"], "wall_s": r["wall_s"]}
+                           for r, (w, i, *_) in zip(results, heldout)]}  # fmt: skip
+    print(f"[bench spec] {name} {MIXED} at {concurrency} streams: {record['num_tokens'] / wall_s:.1f} tok/s",
+          file=sys.stderr, flush=True)
+    return {"name": name, "workloads": {MIXED: [record]}}
+
+
+def _interleaved(workloads: list[Workload], max_tokens: int) -> tuple[list[tuple], list[tuple]]:
+    """(workload, index, prompt, max_tokens, seed) of every warm-up request, then of every held-out one, one from
+    each workload in turn."""
+    def requests(workload: Workload, warm: bool) -> list[tuple]:
+        indices = range(workload.num_warmup) if warm else range(workload.num_warmup, len(workload.prompts))
+        return [(workload, i, workload.prompts[i], workload.max_tokens or max_tokens,
+                 None if workload.is_greedy else workload.seed + i) for i in indices]
+
+    def merged(warm: bool) -> list[tuple]:
+        columns = itertools.zip_longest(*(requests(w, warm) for w in workloads))
+        return [request for column in columns for request in column if request is not None]
+
+    return merged(True), merged(False)
+
+
+def _side_by_side(complete, requests: list[tuple], concurrency: int) -> list[dict]:
+    """Every request, `concurrency` at a time, each under its workload's tenant; results in the requests' order."""
+    def send(request: tuple) -> dict:
+        workload, _, prompt, length, seed = request
+        return complete(prompt, length, workload.temperature, seed, tenant=workload.tenant or workload.kind,
+                        is_measured=False)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(send, requests))
+
+
 def run_round(config: SpecBenchConfig, factories: dict[str, SystemFactory], workloads: list[Workload],
               index: int = 0) -> dict:  # fmt: skip
-    """Every configured system once on every workload, round `index` starting at the index-th system (the order
-    rotates, so that machine drift does not always favour the same one): raw requests, summaries, speedups,
-    mismatches."""
-    warmup = {w.kind: w.num_warmup for w in workloads}
-    greedy = tuple(w.kind for w in workloads if w.is_greedy)
+    """Every configured system once on every workload (or on all of them mixed), round `index` starting at the
+    index-th system (the order rotates, so that machine drift does not always favour the same one): raw requests,
+    summaries, speedups, mismatches."""
+    warmup = {w.kind: w.num_warmup for w in workloads} | {MIXED: 0}
+    greedy = tuple(w.kind for w in workloads if w.is_greedy) + (MIXED,)
     start = index % len(config.systems)
     order = config.systems[start:] + config.systems[:start]
-    ran = {name: run_system(name, factories[name], workloads, config.max_tokens) for name in order}
+    if config.mixed_concurrency:
+        ran = {name: run_mixed(name, factories[name], workloads, config.max_tokens, config.mixed_concurrency)
+               for name in order}  # fmt: skip
+    else:
+        ran = {name: run_system(name, factories[name], workloads, config.max_tokens) for name in order}
     systems = {name: ran[name] for name in config.systems}
     runs = {name: system["workloads"] for name, system in systems.items()}
     summaries = {name: {kind: report.summarize(requests, warmup[kind]) for kind, requests in per.items()}
@@ -231,8 +316,8 @@ def run_benchmark(config: SpecBenchConfig, make_factories: MakeFactories, models
     spread, goals and mismatches per model; writes spec.json, spec.png and each round's JSON."""
     from segserve.bench.report import write_json
 
-    workloads = build_workloads(config.num_structured, config.num_structured_warmup, config.kinds,
-                                config.num_edits, config.temperature)  # fmt: skip
+    workloads = load_file(config.workloads_file) if config.workloads_file else build_workloads(
+        config.num_structured, config.num_structured_warmup, config.kinds, config.num_edits, config.temperature)
     rounds: dict[str, list[dict]] = {label: [] for label in models}
     for k in range(config.rounds):
         for label, model_dir in models.items():

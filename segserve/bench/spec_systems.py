@@ -17,7 +17,10 @@
 
 Each is a context manager factory yielding `complete(prompt, max_tokens,
 temperature=0.0, seed=None) -> {"num_tokens", "wall_s", "text", "spec"}` (spec:
-counter deltas, the drafter's among them, or None).
+counter deltas, the drafter's among them, or None). The servers' (`HttpSystem`) also
+take `tenant` (sent in TENANT_HEADER, which segserve's router trusts here) and
+`is_measured=False` (no counters around the call: calls running side by side), and
+have `counters()` for the deltas of a whole phase.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import copy
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -33,6 +37,8 @@ import httpx
 from segserve.bench.spec_report import SPEC_COUNTERS
 
 Complete = Callable[..., dict]
+TENANT_HEADER = "X-Segserve-Tenant"
+"""The header a request's tenant travels in (the bench's segserve stacks trust it)."""
 VLLM_SUFFIX_CONFIG = {"method": "suffix", "num_speculative_tokens": 5}
 """vLLM's SuffixDecoding as its docs start it."""
 SEGSERVE_MODES = ("off", "lookup", "suffix", "spec")
@@ -142,7 +148,7 @@ def stack_config(model_dir: Path, dtype: str, mode: str, log_dir: Path, startup_
     return StackConfig(
         worker=WorkerConfig(model=str(model_dir), dtype=dtype, port=0),
         scheduler=SchedulerConfig(port=0),
-        router=RouterConfig(port=0, grpc_port=0),  # 0: the launcher picks
+        router=RouterConfig(port=0, grpc_port=0, tenant_header=TENANT_HEADER),  # port 0: the launcher picks
         drafter=drafter,
         is_speculative=mode != "off",
         startup_timeout_s=startup_timeout_s,
@@ -164,8 +170,7 @@ def segserve_system(model_dir: Path, dtype: str, mode: str, log_dir: Path,
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         # trust_env=False: a proxy configured for package registries must never see loopback traffic.
         with httpx.Client(base_url=stack.base_url, timeout=request_timeout_s, trust_env=False) as client:
-            yield lambda prompt, max_tokens, temperature=0.0, seed=None: complete_http(
-                client, stub, prompt, max_tokens, temperature, seed)
+            yield HttpSystem(client, stub)
 
 
 @contextlib.contextmanager
@@ -178,14 +183,34 @@ def vllm_system(model_dir: Path, dtype: str, speculative_config: dict | None, lo
     server = VllmServe(model_dir, dtype=dtype, speculative_config=speculative_config,
                        startup_timeout_s=max(startup_timeout_s, 900.0), log_path=log_dir / "vllm.log")
     with server, httpx.Client(base_url=server.base_url, timeout=request_timeout_s, trust_env=False) as client:
-        yield lambda prompt, max_tokens, temperature=0.0, seed=None: complete_http(
-            client, None, prompt, max_tokens, temperature, seed, model=server.model_name)
+        yield HttpSystem(client, None, model=server.model_name)
+
+
+@dataclass
+class HttpSystem:
+    """A server's `complete` (see the module docstring); httpx's client may be shared by threads."""
+
+    client: httpx.Client
+    stub: object | None = None
+    """The scheduler's stub for counters (segserve), or None."""
+    model: str | None = None
+    """The body's model field, for a server that needs one."""
+
+    def __call__(self, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                 tenant: str = "", is_measured: bool = True) -> dict:  # fmt: skip
+        return complete_http(self.client, self.stub if is_measured else None, prompt, max_tokens, temperature, seed,
+                             self.model, tenant)
+
+    def counters(self) -> dict | None:
+        """The scheduler's counters now, or None for a server without them."""
+        return read_counters(self.stub) if self.stub else None
 
 
 def complete_http(client: httpx.Client, stub, prompt: str, max_tokens: int, temperature: float = 0.0,
-                  seed: int | None = None, model: str | None = None) -> dict:  # fmt: skip
+                  seed: int | None = None, model: str | None = None, tenant: str = "") -> dict:  # fmt: skip
     """One completion, EOS ignored, greedy or sampled with `seed`; `stub` (a SchedulerStub or None) gives the
-    counter deltas; `model`: the body's model field, for a server that needs one."""
+    counter deltas; `model`: the body's model field, for a server that needs one; `tenant` goes in
+    TENANT_HEADER."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
     if model is not None:
         body["model"] = model
@@ -193,7 +218,7 @@ def complete_http(client: httpx.Client, stub, prompt: str, max_tokens: int, temp
         body["seed"] = seed
     before = read_counters(stub) if stub else None
     started_at = time.perf_counter()
-    response = client.post("/v1/completions", json=body)
+    response = client.post("/v1/completions", json=body, headers={TENANT_HEADER: tenant} if tenant else None)
     wall_s = time.perf_counter() - started_at
     if response.status_code != 200:
         raise RuntimeError(f"the server answered HTTP {response.status_code}: {response.text[:300]}")

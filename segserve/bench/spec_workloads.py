@@ -35,12 +35,17 @@ The edit workloads carry the output each request is written to elicit
 (`expected`): not in its prompt, largely shared across requests. What the model
 really writes is measured by spec_report.output_sources.
 
+Anyone's own traffic: `load_file(path)` reads workloads from a JSONL file of requests in the peer
+workloads' format (one application per `kind`, any name).
+
 `build_workloads(...)` -> list[Workload]; pure, no model needed.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from segserve.bench.peer_workloads import PEER_KINDS, load
 
@@ -48,6 +53,10 @@ DEFAULT_KINDS = ("code_edit", "grounded", "structured", "open_ended", "months_ed
                  "months_edit_sampled", "months_json_sampled")
 KINDS = DEFAULT_KINDS + PEER_KINDS
 EDIT_KINDS = ("months_edit", "months_json")
+MIXED = "mixed"
+"""The row of the mixed mode: every workload's held-out requests interleaved, measured together."""
+FILE_KEYS = {"kind", "split", "prompt", "max_tokens"}
+FILE_OPTIONAL_KEYS = {"session", "turn", "tenant", "temperature", "seed"}
 SAMPLED_KINDS = ("months_edit_sampled", "months_json_sampled")
 
 _CODE = '''import math
@@ -163,10 +172,11 @@ def months_json(index: int) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Workload:
-    """One kind of work: prompts sent one after another, single stream."""
+    """One kind of work (an application): prompts sent one after another, single stream, or interleaved with the
+    other workloads' (the benchmark's mixed mode)."""
 
     kind: str
-    """One of KINDS."""
+    """One of KINDS, or an application named by a workloads file."""
     prompts: tuple[str, ...]
     """Requests, in the order they are sent."""
     num_warmup: int = 0
@@ -179,10 +189,12 @@ class Workload:
     """Tokens per request; None = the benchmark's max_tokens."""
     expected: tuple[str, ...] = ()
     """The output each prompt is written to elicit (edit workloads), or empty."""
+    tenant: str = ""
+    """The tenant its requests carry in the mixed mode ("": the workload's kind, one tenant per application)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}")
+        if not self.kind or self.kind == MIXED:
+            raise ValueError(f"a workload needs a kind other than {MIXED!r} (the mixed mode's own row)")
         if not self.prompts or not 0 <= self.num_warmup < len(self.prompts):
             raise ValueError("a workload needs prompts and 0 <= num_warmup < len(prompts)")
         if self.temperature < 0 or (self.max_tokens is not None and self.max_tokens < 1):
@@ -234,3 +246,45 @@ def peer_workload(kind: str) -> Workload:
         raise ValueError(f"{kind}: every warm-up request must come before the held-out ones")
     return Workload(kind, tuple(request["prompt"] for request in requests), num_warmup,
                     max_tokens=max(request["max_tokens"] for request in requests))
+
+
+def load_file(path: str | Path) -> list[Workload]:
+    """Workloads from a JSONL file: one request a line, {"kind", "split" ("warmup" or "heldout"), "prompt",
+    "max_tokens"} and optionally "tenant", "temperature" (0 = greedy), "seed", "session", "turn"; one workload per
+    kind, in the order kinds first appear, its warm-up requests before its held-out ones. ValueError naming the
+    line for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such workloads file")
+    by_kind: dict[str, list[dict]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not JSON ({error})") from None
+        if not isinstance(request, dict) or not FILE_KEYS <= set(request) <= FILE_KEYS | FILE_OPTIONAL_KEYS:
+            raise ValueError(f"{path}:{number}: a request needs the keys {sorted(FILE_KEYS)} and may have "
+                             f"{sorted(FILE_OPTIONAL_KEYS)}")
+        if request["split"] not in ("warmup", "heldout") or not isinstance(request["prompt"], str) or \
+                not isinstance(request["kind"], str) or type(request["max_tokens"]) is not int:
+            raise ValueError(f"{path}:{number}: split must be warmup or heldout, prompt and kind strings, "
+                             "max_tokens an integer")
+        by_kind.setdefault(request["kind"], []).append(request)
+    workloads = []
+    for kind, requests in by_kind.items():
+        first = requests[0]
+        same = {(r.get("tenant", ""), r.get("temperature", 0.0), r.get("seed", 1234)) for r in requests}
+        if len(same) > 1:
+            raise ValueError(f"{path}: the requests of {kind!r} differ in tenant, temperature or seed")
+        if all(r["split"] == "warmup" for r in requests):
+            raise ValueError(f"{path}: {kind!r} has only warm-up requests: nothing to measure (add held-out ones)")
+        ordered = [r for r in requests if r["split"] == "warmup"] + [r for r in requests if r["split"] == "heldout"]
+        workloads.append(Workload(kind, tuple(r["prompt"] for r in ordered),
+                                  sum(r["split"] == "warmup" for r in requests),
+                                  temperature=float(first.get("temperature", 0.0)), seed=int(first.get("seed", 1234)),
+                                  max_tokens=max(r["max_tokens"] for r in requests), tenant=first.get("tenant", "")))
+    if not workloads:
+        raise ValueError(f"{path}: no requests")
+    return workloads

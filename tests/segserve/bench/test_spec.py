@@ -17,8 +17,8 @@ import pytest
 from protos.segserve.v1 import scheduler_pb2
 from segserve.bench import peer_workloads, spec, spec_report, spec_systems
 from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SEG_LOOKUP, SPEC, SUFFIX, VLLM_PLAIN, VLLM_SUFFIX
-from segserve.bench.spec_workloads import (EDIT_KINDS, KINDS, MONTHS_JSON_REST, MONTHS_REST, SAMPLED_KINDS,
-                                           Workload, build_workloads, structured_prompt)
+from segserve.bench.spec_workloads import (EDIT_KINDS, KINDS, MIXED, MONTHS_JSON_REST, MONTHS_REST, SAMPLED_KINDS,
+                                           Workload, build_workloads, load_file, structured_prompt)
 from segserve.cli import build_parser
 
 
@@ -68,7 +68,9 @@ def test_workloads_reject_bad_shapes():
     with pytest.raises(ValueError):
         build_workloads(num_structured=2, num_structured_warmup=2)
     with pytest.raises(ValueError):
-        Workload("poetry", ("x",))
+        Workload("", ("x",))
+    with pytest.raises(ValueError):
+        Workload(MIXED, ("x",))  # the mixed mode's own row
     with pytest.raises(ValueError):
         Workload("structured", ("a",), num_warmup=1)
     with pytest.raises(ValueError):
@@ -297,7 +299,7 @@ def test_a_run_on_fakes_writes_every_systems_numbers_with_spread_goals_and_misma
     assert base["speedups"]["grounded"][f"{SPEC}_vs_{SUFFIX}_tokens_per_step"]["median"] == pytest.approx(2.0)
     assert base["summaries"][SUFFIX]["grounded"]["drafter_cpu_ms_per_call"]["median"] == pytest.approx(0.5)
     assert base["summaries"][SPEC]["grounded"]["drafter_bytes_per_learned_token"]["median"] == pytest.approx(100)
-    assert goals["grounded: full segserve vs SuffixDecoding, tok/s"] is True  # 1.6x >= the 0.95x floor
+    assert goals["grounded: full segserve vs SuffixDecoding, tok/s"] is True  # 1.6x >= the 1.0x floor
     assert goals["drafter memory per learned token: SuffixDecoding / full segserve"] is False  # 80 vs 100 bytes
     assert goals["greedy outputs equal plain decoding's"] is False
     # Every greedy output of the full system differs, in every round; sampled ones are not compared.
@@ -429,7 +431,7 @@ def test_peer_goals_hold_full_segserve_to_each_workloads_target_and_a_floor_ever
     goals = {g["name"]: g for g in spec_report.evaluate_goals(spec_report.speedups(_summaries(rates)))}
     assert goals["agentic: full segserve vs SuffixDecoding, tok/s"]["passed"] is False  # 1.1x < 1.2x
     assert goals["code_edits: full segserve vs SuffixDecoding, tok/s"]["passed"] is True  # 1.0x >= 1.0x
-    assert goals["chat: full segserve vs SuffixDecoding, tok/s"]["target"] == ">= 0.95x"
+    assert goals["chat: full segserve vs SuffixDecoding, tok/s"]["target"] == ">= 1.0x"
     assert goals["chat: full segserve vs SuffixDecoding, tok/s"]["passed"] is False  # 0.94x
     assert "agentic: full segserve vs SuffixDecoding, tokens/step" not in goals  # no steps measured: not listed
 
@@ -463,3 +465,105 @@ def test_peer_workloads_come_from_their_recorded_files_with_warmup_first():
         assert workload.prompts == tuple(r["prompt"] for r in requests)
         assert workload.num_warmup == sum(r["split"] == "warmup" for r in requests) > 0
         assert all(r["split"] == "heldout" for r in requests[workload.num_warmup:])
+
+
+def _write_jsonl(path, requests) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in requests))
+    return str(path)
+
+
+def test_a_workloads_file_gives_one_workload_per_application_warmup_first(tmp_path):
+    path = _write_jsonl(tmp_path / "mine.jsonl", [
+        {"kind": "triage", "split": "heldout", "prompt": "t2", "max_tokens": 8, "tenant": "support"},
+        {"kind": "sql", "split": "warmup", "prompt": "s1", "max_tokens": 16, "temperature": 0.5, "seed": 9},
+        {"kind": "triage", "split": "warmup", "prompt": "t1", "max_tokens": 12, "tenant": "support"},
+        {"kind": "sql", "split": "heldout", "prompt": "s2", "max_tokens": 16, "temperature": 0.5, "seed": 9}])
+    triage, sql = load_file(path)
+    assert (triage.kind, triage.prompts, triage.num_warmup, triage.max_tokens, triage.tenant) == \
+        ("triage", ("t1", "t2"), 1, 12, "support")
+    assert (sql.kind, sql.prompts, sql.temperature, sql.seed, sql.is_greedy) == ("sql", ("s1", "s2"), 0.5, 9, False)
+    for bad, message in (("not json", ":1: not JSON"), ({"kind": "x", "prompt": "p"}, ":1: a request needs the keys"),
+                         ({"kind": "x", "split": "train", "prompt": "p", "max_tokens": 4}, ":1: split must be"),
+                         ({"kind": "x", "split": "heldout", "prompt": "p", "max_tokens": "4"}, ":1: split must be")):
+        with pytest.raises(ValueError, match=message):
+            load_file(_write_jsonl(tmp_path / "bad.jsonl", [bad]))
+    with pytest.raises(ValueError, match="only warm-up requests"):  # a workload needs something to measure
+        load_file(_write_jsonl(tmp_path / "warm.jsonl", [{"kind": "x", "split": "warmup", "prompt": "p",
+                                                          "max_tokens": 4}]))
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):  # named before any system starts
+        spec.run_spec(build_parser().parse_args(["bench", "spec", "--workloads-file", str(tmp_path / "bad.jsonl")]))
+
+
+def test_complete_http_sends_the_tenant_header():
+    headers = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        headers.append(request.headers.get(spec_systems.TENANT_HEADER))
+        return httpx.Response(200, json={"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}})
+
+    with httpx.Client(transport=httpx.MockTransport(handler), base_url="http://127.0.0.1:1") as client:
+        system = spec_systems.HttpSystem(client)
+        system("p", 1, tenant="support")
+        system("p", 1)
+    assert headers == ["support", None] and system.counters() is None
+
+
+class _Clock:
+    """time.perf_counter for the mixed mode's phase: advanced by the fake systems' requests."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _mixed_fake(rate: float, calls: list, counters: list, clock: _Clock | None = None):
+    """A server-like system: tenant and is_measured taken, counters() read around the measured phase; each request
+    takes max_tokens / rate seconds of `clock`."""
+    @contextlib.contextmanager
+    def factory():
+        class System:
+            def __call__(self, prompt, max_tokens, temperature=0.0, seed=None, tenant="", is_measured=True):
+                calls.append((prompt, tenant, is_measured))
+                if clock is not None:
+                    clock.now += max_tokens / rate
+                return _request(max_tokens, max_tokens / rate, text=f"out of {prompt}")
+
+            def counters(self):
+                n = len(calls)
+                counters.append(n)
+                return {"num_steps": n, "num_verified": n, "num_draft_tokens": 4 * n, "num_accepted_tokens": 2 * n,
+                        "segments": {}}
+
+        yield System()
+
+    return factory
+
+
+def test_the_mixed_mode_interleaves_the_workloads_under_their_tenants_and_measures_them_together(monkeypatch):
+    workloads = [Workload("agent", ("a0", "a1", "a2", "a3"), num_warmup=1, max_tokens=10),
+                 Workload("json", ("j0", "j1"), num_warmup=1, max_tokens=20, tenant="team-j")]
+    calls, counters = [], []
+    system = spec.run_mixed("x", _mixed_fake(100.0, calls, counters), workloads, max_tokens=64, concurrency=1)
+    sent = [(prompt, tenant) for prompt, tenant, _ in calls[2:]]  # after the two warm-up calls
+    assert sent == [("a0", "agent"), ("j0", "team-j"), ("a1", "agent"), ("j1", "team-j"), ("a2", "agent"),
+                    ("a3", "agent")]  # warm-ups first, then one request from each workload in turn
+    assert not any(is_measured for _, _, is_measured in calls[2:])  # no counters around calls side by side
+    (record,) = system["workloads"][MIXED]
+    assert record["num_tokens"] == 10 + 20 + 10 + 10 and record["concurrency"] == 1
+    assert record["text"].split("\n\x1e\n") == ["out of a1", "out of j1", "out of a2", "out of a3"]
+    assert counters == [4, 8] and record["spec"]["num_steps"] == 4  # read before and after the held-out phase
+    assert [r["kind"] for r in record["requests"]] == ["agent", "json", "agent", "agent"]
+    # A round in the mixed mode: one row, full segserve against SuffixDecoding, its 1.2x goal.
+    config = spec.SpecBenchConfig(systems=(OFF, SUFFIX, SPEC), mixed_concurrency=4, rounds=1)
+    clock = _Clock()
+    monkeypatch.setattr(spec.time, "perf_counter", clock)
+    ran = spec.run_round(config, {OFF: _mixed_fake(10.0, [], [], clock), SUFFIX: _mixed_fake(20.0, [], [], clock),
+                                  SPEC: _mixed_fake(30.0, [], [], clock)}, workloads)
+    assert set(ran["summaries"][SPEC]) == {MIXED} and ran["mismatches"] == []
+    assert ran["speedups"][MIXED][f"{SPEC}_vs_{SUFFIX}"] == pytest.approx(1.5, rel=0.05)
+    goals = {g["name"]: g for g in spec_report.evaluate_goals(ran["speedups"])}
+    assert goals[f"{MIXED}: full segserve vs SuffixDecoding, tok/s"]["target"] == ">= 1.2x"
+    with pytest.raises(ValueError, match="leave hf_plain"):
+        spec.SpecBenchConfig(systems=(PLAIN, SPEC), mixed_concurrency=8)
