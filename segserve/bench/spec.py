@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import spec_report as report
-from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, MIXED, PEER_KINDS, WARMUP_PROMPT, \
-    Workload, build_workloads, load_file
+from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, MIXED, PEER_KINDS, PUBLIC_KINDS, \
+    WARMUP_PROMPT, Workload, build_workloads, load_file
 
 SYSTEMS = report.SYSTEMS
 SystemFactory = Callable[[], AbstractContextManager]
@@ -73,7 +73,8 @@ class SpecBenchConfig:
     segserve_spec, vllm_plain and vllm_suffix (`make vllm`'s, its SuffixDecoding with 5 speculative tokens); the
     first six by default."""
     kinds: tuple[str, ...] = DEFAULT_KINDS
-    """Workload kinds to run, a subset of spec_workloads.KINDS ("peer" on the command line: PEER_KINDS)."""
+    """Workload kinds to run, a subset of spec_workloads.KINDS ("peer" on the command line: PEER_KINDS, "public":
+    PUBLIC_KINDS)."""
     prompt_lookup_num_tokens: int = 10
     """prompt_lookup_num_tokens of the HF prompt-lookup system."""
     dtype: str = "auto"
@@ -121,9 +122,10 @@ class SpecBenchConfig:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    """Comma-separated names; "peer" stands for the peer workloads."""
+    """Comma-separated names; "peer" stands for the peer workloads, "public" for the public ones."""
+    groups = {"peer": PEER_KINDS, "public": PUBLIC_KINDS}
     names = (part.strip() for part in text.split(",") if part.strip())
-    return tuple(expanded for name in names for expanded in (PEER_KINDS if name == "peer" else (name,)))
+    return tuple(expanded for name in names for expanded in groups.get(name, (name,)))
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +144,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                         help="temperature of the sampled workloads (default: 0.7)")
     parser.add_argument("--systems", type=_names, default=defaults.systems, help="comma-separated: " + ",".join(SYSTEMS))
     parser.add_argument("--kinds", type=_names, default=defaults.kinds,
-                        help="comma-separated: " + ",".join(KINDS) + "; peer = " + ",".join(PEER_KINDS))
+                        help="comma-separated: " + ",".join(KINDS) + "; peer = " + ",".join(PEER_KINDS) +
+                        "; public = " + ",".join(PUBLIC_KINDS))
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=defaults.prompt_lookup_num_tokens)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=defaults.dtype)
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)

@@ -35,6 +35,10 @@ The edit workloads carry the output each request is written to elicit
 (`expected`): not in its prompt, largely shared across requests. What the model
 really writes is measured by spec_report.output_sources.
 
+The public workloads (PUBLIC_KINDS: humaneval, mtbench, tau2_airline, tau2_retail) are extracted
+once, with their licences, from datasets that registry packages bundle, rendered with the default
+(instruct) model's chat template (segserve/bench/public_workloads.py).
+
 Anyone's own traffic: `load_file(path)` reads workloads from a JSONL file of requests in the peer
 workloads' format (one application per `kind`, any name).
 
@@ -48,10 +52,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from segserve.bench.peer_workloads import PEER_KINDS, load
+from segserve.bench.public_workloads import DATA_DIR as PUBLIC_DIR
+from segserve.bench.public_workloads import PUBLIC_KINDS
 
 DEFAULT_KINDS = ("code_edit", "grounded", "structured", "open_ended", "months_edit", "months_json",
                  "months_edit_sampled", "months_json_sampled")
-KINDS = DEFAULT_KINDS + PEER_KINDS
+KINDS = DEFAULT_KINDS + PEER_KINDS + PUBLIC_KINDS
 EDIT_KINDS = ("months_edit", "months_json")
 MIXED = "mixed"
 """The row of the mixed mode: every workload's held-out requests interleaved, measured together."""
@@ -235,6 +241,9 @@ def build_workloads(num_structured: int = 4, num_structured_warmup: int = 1,
     for kind in PEER_KINDS:
         if kind in kinds:
             made[kind] = peer_workload(kind)
+    for kind in PUBLIC_KINDS:
+        if kind in kinds:
+            (made[kind],) = load_file(PUBLIC_DIR / f"{kind}.jsonl")
     return [made[kind] for kind in KINDS if kind in kinds]
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from protos.segserve.v1 import scheduler_pb2
-from segserve.bench import peer_workloads, spec, spec_report, spec_systems
+from segserve.bench import peer_workloads, public_workloads, spec, spec_report, spec_systems
 from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SEG_LOOKUP, SPEC, SUFFIX, VLLM_PLAIN, VLLM_SUFFIX
 from segserve.bench.spec_workloads import (EDIT_KINDS, KINDS, MIXED, MONTHS_JSON_REST, MONTHS_REST, SAMPLED_KINDS,
                                            Workload, build_workloads, load_file, structured_prompt)
@@ -567,3 +567,41 @@ def test_the_mixed_mode_interleaves_the_workloads_under_their_tenants_and_measur
     assert goals[f"{MIXED}: full segserve vs SuffixDecoding, tok/s"]["target"] == ">= 1.2x"
     with pytest.raises(ValueError, match="leave hf_plain"):
         spec.SpecBenchConfig(systems=(PLAIN, SPEC), mixed_concurrency=8)
+
+
+def test_public_workloads_come_from_their_extracted_files_with_licences():
+    args = build_parser().parse_args(["bench", "spec", "--kinds", "public,chat"])
+    config = spec.config_from_args(args)
+    assert config.kinds == (*public_workloads.PUBLIC_KINDS, "chat")
+    workloads = {w.kind: w for w in build_workloads(kinds=config.kinds)}
+    for kind in public_workloads.PUBLIC_KINDS:
+        workload = workloads[kind]
+        assert 0 < workload.num_warmup < len(workload.prompts) and workload.is_greedy
+        assert all(prompt.startswith("<|im_start|>") for prompt in workload.prompts)  # the instruct model's chat
+    assert all("<tools>" in p and "<tool_response>" in p for p in workloads["tau2_retail"].prompts[1:3])
+    for licence in ("LICENSE-human-eval", "LICENSE-mt-bench", "LICENSE-tau2", "SOURCES.md"):
+        assert (public_workloads.DATA_DIR / licence).stat().st_size > 0
+
+
+def test_tau2_tool_schemas_read_the_tools_signatures_and_docstrings():
+    source = '''
+class Tools:
+    @is_tool(ToolType.READ)
+    def get_order_details(self, order_id: str, verbose: bool) -> Order:
+        """
+        Get the status and details of an order.
+
+        Args:
+            order_id: The order id, such as '#W0000000'.
+            verbose: Whether to say more.
+        """
+
+    def _private(self, x: str) -> None:
+        """Not a tool."""
+'''
+    (tool,) = public_workloads.tool_schemas(source)
+    assert tool["function"]["name"] == "get_order_details"
+    assert tool["function"]["description"] == "Get the status and details of an order."
+    assert tool["function"]["parameters"]["properties"] == {
+        "order_id": {"type": "string", "description": "The order id, such as '#W0000000'."},
+        "verbose": {"type": "boolean", "description": "Whether to say more."}}
