@@ -40,14 +40,14 @@ from __future__ import annotations
 
 import heapq
 import json
-from bisect import bisect_left, bisect_right
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from drafter.segments import CorpusLimits
+from drafter.suffix_array import SEPARATOR, SuffixRun
 from drafter.types import Continuation
 
 FORMAT = "segserve-corpus"
@@ -55,142 +55,8 @@ VERSION = 2
 TRIE_VERSION = 1
 """Snapshots of the suffix trie this corpus replaced; `load` migrates them."""
 LOW_WATER = 0.9
-SEPARATOR = int(np.iinfo(np.int32).min)
-"""Ends every sequence in a run's buffer and pads it: below every token (keyed corpora learn -1, KEY_START)."""
 LOCKED, UNLOCKED = True, False
 """What a step generator's yield says of its next slice: it mutates the corpus, or only builds."""
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Sequences and their suffix arrays; immutable (a new weight scale makes a new _Run over the same arrays)."""
-
-    tokens: np.ndarray
-    """int32: `pad` separators, then every sequence followed by a separator, then `pad` separators."""
-    forward: np.ndarray
-    """int32 positions of every token, sorted by the tokens from there on (max_depth of them)."""
-    backward: np.ndarray
-    """int32 positions (less `pad`) of every token followed by a token, sorted by the tokens up to there, read
-    backwards."""
-    weight_sums: np.ndarray
-    """float64, len(forward) + 1: weight_sums[i] = the weights of forward[:i]'s sequences, summed."""
-    starts: np.ndarray
-    """int64 position of each sequence's first token, oldest sequence first."""
-    weights: np.ndarray
-    """float64 weight of each sequence (before `scale`)."""
-    pad: int
-    """Separators before the first sequence and after the last (max_depth: a read never leaves the buffer)."""
-    scale: float = 1.0
-    views: tuple[memoryview, ...] = field(init=False, repr=False, compare=False)
-    """tokens, forward, backward and weight_sums as memoryviews: reads of one element as Python numbers, fast."""
-
-    def __post_init__(self) -> None:
-        views = tuple(memoryview(a) for a in (self.tokens, self.forward, self.backward, self.weight_sums))
-        object.__setattr__(self, "views", views)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.forward)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.nbytes for a in (self.tokens, self.forward, self.backward, self.weight_sums, self.starts,
-                                      self.weights))
-
-    def sequences(self) -> list[np.ndarray]:
-        """Each sequence's tokens, oldest first."""
-        ends = [*self.starts[1:] - 1, len(self.tokens) - self.pad - 1]
-        return [self.tokens[start:end] for start, end in zip(self.starts.tolist(), ends)]
-
-
-    def match_length(self, context: Sequence[int], longest: int) -> int:
-        """How many of the context's last tokens (at most `longest`) this run holds followed by a token."""
-        tokens, _, backward, _ = self.views
-        lo, hi = 0, len(backward)
-        for depth in range(longest):
-            token = context[len(context) - 1 - depth]
-            read = tokens[self.pad - depth:].__getitem__  # backward holds positions less the padding
-            lo = bisect_left(backward, token, lo, hi, key=read)
-            hi = bisect_right(backward, token, lo, hi, key=read)
-            if lo == hi:
-                return depth
-        return longest
-
-    def key_range(self, key: Sequence[int]) -> tuple[int, int]:
-        """The range of `forward` whose positions start with `key` (empty: lo == hi)."""
-        tokens, forward, _, _ = self.views
-        lo, hi = 0, len(forward)
-        for depth, token in enumerate(key):
-            read = tokens[depth:].__getitem__
-            lo = bisect_left(forward, token, lo, hi, key=read)
-            hi = bisect_right(forward, token, lo, hi, key=read)
-            if lo == hi:
-                break
-        return lo, hi
-
-    def weight(self, lo: int, hi: int) -> float:
-        weight_sums = self.views[3]
-        return (weight_sums[hi] - weight_sums[lo]) * self.scale
-
-    def children(self, lo: int, hi: int, depth: int) -> Iterator[tuple[int, int, int]]:
-        """(token, lo, hi) for each token that follows forward[lo:hi]'s common prefix of `depth` tokens."""
-        tokens, forward, _, _ = self.views
-        read = tokens[depth:].__getitem__
-        while lo < hi:
-            token = read(forward[lo])
-            end = bisect_right(forward, token, lo, hi, key=read)
-            if token != SEPARATOR:
-                yield token, lo, end
-            lo = end
-
-    @classmethod
-    def build(cls, sequences: Sequence[np.ndarray], weights: np.ndarray, limits: CorpusLimits) -> "_Run":
-        """Index `sequences` (oldest first), each of weight `weights[i]`."""
-        pad = limits.max_depth
-        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
-        body = np.full(int(lengths.sum()) + len(sequences), SEPARATOR, dtype=np.int32)
-        ends = np.cumsum(lengths + 1)
-        starts = ends - lengths - 1
-        for sequence, start in zip(sequences, starts.tolist()):
-            body[start:start + len(sequence)] = sequence
-        is_token = body != SEPARATOR
-        separator_rank = np.cumsum(~is_token) - 1  # each separator ranks below every token, and apart
-        _, token_rank = np.unique(body, return_inverse=True)
-        ranks = np.where(is_token, token_rank.reshape(-1) + len(sequences), separator_rank)
-        forward = _sorted_positions(ranks, limits.max_depth)
-        forward = forward[is_token[forward]]
-        has_next = is_token & np.r_[is_token[1:], False]
-        backward = len(body) - 1 - _sorted_positions(ranks[::-1].copy(), limits.max_key)
-        backward = backward[has_next[backward]]
-        sequence_of = np.searchsorted(starts, forward, side="right") - 1
-        weight_sums = np.zeros(len(forward) + 1)
-        np.cumsum(weights[sequence_of], out=weight_sums[1:])
-        padded = np.concatenate([np.full(pad, SEPARATOR, np.int32), body, np.full(pad, SEPARATOR, np.int32)])
-        return cls(padded, (forward + pad).astype(np.int32), backward.astype(np.int32), weight_sums, starts + pad,
-                   np.asarray(weights, dtype=np.float64), pad)
-
-
-def _reading(tokens: memoryview, offset: int):
-    """A bisect key: the token `offset` positions from a suffix array entry."""
-    return lambda position: tokens[position + offset]
-
-
-def _sorted_positions(ranks: np.ndarray, depth: int) -> np.ndarray:
-    """Positions of `ranks` sorted by the `depth` (or more) ranks from each on (prefix doubling)."""
-    n = len(ranks)
-    rank = np.unique(ranks, return_inverse=True)[1].reshape(-1).astype(np.int64) + 1  # 0: past the end
-    order = np.argsort(rank, kind="stable")
-    width = 1
-    while width < depth and rank.max(initial=0) < n:  # stops early once every position ranks apart
-        following = np.zeros(n, dtype=np.int64)
-        following[: max(0, n - width)] = rank[width:]
-        key = rank * (n + 2) + following
-        order = np.argsort(key, kind="stable")
-        ordered = key[order]
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.cumsum(np.r_[True, ordered[1:] != ordered[:-1]])
-        width *= 2
-    return order
 
 
 class LookupCorpus:
@@ -198,7 +64,7 @@ class LookupCorpus:
 
     def __init__(self, limits: CorpusLimits | None = None):
         self.limits = limits or CorpusLimits()
-        self._runs: tuple[_Run, ...] = ()
+        self._runs: tuple[SuffixRun, ...] = ()
         self.num_evictions = 0
         """Times the bound was passed and the oldest sequences evicted."""
 
@@ -233,7 +99,7 @@ class LookupCorpus:
         if not len(tokens):
             return
         yield UNLOCKED
-        runs = [*self._runs, _Run.build([tokens], np.ones(1), self.limits)]
+        runs = [*self._runs, SuffixRun.build([tokens], np.ones(1), self.limits)]
         while len(runs) >= 2 and 2 * runs[-1].num_tokens >= runs[-2].num_tokens:
             runs[-2:] = [_merged(runs[-2:], self.limits)]
             yield UNLOCKED
@@ -261,7 +127,7 @@ class LookupCorpus:
                        _newest_within(oldest, max_bytes - num_bytes,
                                       None if max_entries is None else max_entries - num_entries))
             if kept:
-                rebuilt = _Run.build(oldest.sequences()[-kept:], oldest.weights[-kept:] * oldest.scale, self.limits)
+                rebuilt = SuffixRun.build(oldest.sequences()[-kept:], oldest.weights[-kept:] * oldest.scale, self.limits)
                 runs.insert(0, rebuilt)
                 num_bytes += rebuilt.num_bytes
                 num_entries += rebuilt.num_tokens
@@ -321,18 +187,18 @@ class LookupCorpus:
                 sequences = [s[:-1] if s[-1] == SEPARATOR else s for s in sequences]
                 weights = data["weights"]
         if sequences:
-            corpus._runs = (_Run.build(sequences, np.asarray(weights, dtype=np.float64), corpus.limits),)
+            corpus._runs = (SuffixRun.build(sequences, np.asarray(weights, dtype=np.float64), corpus.limits),)
         corpus.evict()
         return corpus
 
 
-def _merged(runs: Sequence[_Run], limits: CorpusLimits) -> _Run:
+def _merged(runs: Sequence[SuffixRun], limits: CorpusLimits) -> SuffixRun:
     """One run holding the runs' sequences, oldest first, with their weights as they stand."""
     sequences = [s for run in runs for s in run.sequences()]
-    return _Run.build(sequences, np.concatenate([run.weights * run.scale for run in runs]), limits)
+    return SuffixRun.build(sequences, np.concatenate([run.weights * run.scale for run in runs]), limits)
 
 
-def _newest_within(run: _Run, max_bytes: int, max_entries: int | None) -> int:
+def _newest_within(run: SuffixRun, max_bytes: int, max_entries: int | None) -> int:
     """How many of the run's newest sequences a rebuilt run of them keeps within max_bytes (and max_entries
     tokens unless None). Estimated from the run's own bytes per token and per sequence."""
     lengths = np.diff(np.r_[run.starts, len(run.tokens) - run.pad]) - 1
@@ -344,7 +210,7 @@ def _newest_within(run: _Run, max_bytes: int, max_entries: int | None) -> int:
     return int(np.argmin(fits)) if not fits.all() else len(lengths)
 
 
-def _top_continuations(ranges: list[tuple[_Run, int, int]], key_len: int, max_len: int, max_candidates: int
+def _top_continuations(ranges: list[tuple[SuffixRun, int, int]], key_len: int, max_len: int, max_candidates: int
                        ) -> list[tuple[tuple[int, ...], float]]:  # fmt: skip
     """Best-first over counts (a continuation never outcounts its prefix): leaves pop in count order.
 
@@ -352,10 +218,10 @@ def _top_continuations(ranges: list[tuple[_Run, int, int]], key_len: int, max_le
     finish one continuation before starting another.
     """
     out: list[tuple[tuple[int, ...], float]] = []
-    heap: list[tuple[float, int, int, tuple[int, ...], list[tuple[_Run, int, int]]]] = []
+    heap: list[tuple[float, int, int, tuple[int, ...], list[tuple[SuffixRun, int, int]]]] = []
     serial = 0
 
-    def push(path: tuple[int, ...], parent_ranges: list[tuple[_Run, int, int]]) -> None:
+    def push(path: tuple[int, ...], parent_ranges: list[tuple[SuffixRun, int, int]]) -> None:
         nonlocal serial
         if len(parent_ranges) == 1:  # the usual case: one run holds the key
             run, lo, hi = parent_ranges[0]
@@ -364,7 +230,7 @@ def _top_continuations(ranges: list[tuple[_Run, int, int]], key_len: int, max_le
                                       [(run, child_lo, child_hi)]))
                 serial += 1
             return
-        grouped: dict[int, list[tuple[_Run, int, int]]] = {}
+        grouped: dict[int, list[tuple[SuffixRun, int, int]]] = {}
         for run, lo, hi in parent_ranges:
             for token, child_lo, child_hi in run.children(lo, hi, key_len + len(path)):
                 grouped.setdefault(token, []).append((run, child_lo, child_hi))

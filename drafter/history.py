@@ -4,10 +4,13 @@ In: the request's tokens, appended incrementally. Out: continuations that follow
 earlier occurrences of the context's longest matching suffix (min_key..max_key
 tokens), identical ones merged and counted, ranked by count then recency.
 
-An index maps every n-gram (n in 1..max_key) to the positions right after its
-occurrences, so a query is max_key dict lookups, not a scan of the history.
+The prompt, which arrives whole, is indexed as a suffix array (drafter/suffix_array.py:
+built by a few numpy sorts, ~20 bytes a token); the tokens after it are indexed one by one
+in a dict mapping every n-gram (n in 1..max_key) ending at each to the positions right
+after its occurrences. A query narrows the prompt's array from the context's last token
+back (binary search) and looks the keys up in the dict, not a scan of the history.
 
-Memory bound: the index holds at most `max_bytes` (at a measured size per
+Memory bound: the dict holds at most `max_bytes` (at a measured size per
 indexed n-gram). It has two generations, each covering up to half the budget's
 tokens; when the newer one is full, the older one is dropped whole and the newer
 one takes its place, so the most recent half to whole budget stays indexed and
@@ -21,6 +24,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Sequence
 
+import numpy as np
+
+from drafter.segments import CorpusLimits
+from drafter.suffix_array import SuffixRun
 from drafter.types import Continuation
 
 # Memory per indexed n-gram, measured with tracemalloc over 20,000 random tokens of a 262k vocabulary
@@ -29,6 +36,8 @@ BYTES_PER_NGRAM = 200
 DEFAULT_MAX_BYTES = 64 << 20
 MAX_MATCH = 64
 """Longest match a continuation reports: a max_key match is followed back this far along the history."""
+PROMPT_TOKENS = 256
+"""A first extend at least this long (a prompt) goes to a suffix array, not the dict."""
 _EMPTY: list[int] = []
 
 
@@ -51,17 +60,26 @@ class HistorySource:
         self._num_indexed = 0  # tokens indexed in _index
         self._num_older = 0  # tokens indexed in _older
         self._generation_tokens = max(1, max_bytes // (2 * max_key * BYTES_PER_NGRAM))
+        self._prompt: SuffixRun | None = None
+        """The first extend's tokens when a prompt (PROMPT_TOKENS or more), as a suffix array."""
 
     @property
     def num_bytes(self) -> int:
-        """Estimated memory of the index (at most max_bytes)."""
-        return (self._num_indexed + self._num_older) * self.max_key * BYTES_PER_NGRAM
+        """Estimated memory of the index: the dict (at most max_bytes) and the prompt's arrays."""
+        prompt = self._prompt.num_bytes if self._prompt is not None else 0
+        return (self._num_indexed + self._num_older) * self.max_key * BYTES_PER_NGRAM + prompt
 
     def extend(self, token_ids: Iterable[int]) -> None:
         """Append tokens and index the n-grams ending at each."""
         if not self.is_indexed:
             self.tokens.extend(token_ids)
             return
+        token_ids = list(token_ids)
+        if not self.tokens and len(token_ids) >= PROMPT_TOKENS:
+            limits = CorpusLimits(max_depth=self.max_key + 1, max_key=self.max_key, min_key=self.min_key)
+            self._prompt = SuffixRun.build([np.asarray(token_ids, dtype=np.int32)], np.ones(1), limits)
+            self.tokens.extend(token_ids[:-1])  # its n-grams but those ending at its last token, which the dict
+            token_ids = token_ids[-1:]  # indexes (their continuations are the output's)
         for token_id in token_ids:
             self.tokens.append(token_id)
             if self._num_indexed >= self._generation_tokens:
@@ -79,13 +97,26 @@ class HistorySource:
         """Continuations of the longest suffix of `context` seen earlier in the history."""
         if max_len <= 0 or max_candidates <= 0:
             return []
-        for key_len in range(min(self.max_key, len(context)), self.min_key - 1, -1):
+        longest = min(self.max_key, len(context))
+        in_prompt = self._prompt.match_ranges(context, longest) if self._prompt is not None and longest else []
+        for key_len in range(longest, self.min_key - 1, -1):
             key = tuple(context[len(context) - key_len :])
             older, newer = self._older.get(key), self._index.get(key, _EMPTY)
-            found = self._continuations(older + newer if older else newer, max_len, context, key_len)
+            positions = older + newer if older else newer
+            if key_len <= len(in_prompt):  # the prompt's occurrences come first: they are the oldest
+                positions = self._prompt_positions(*in_prompt[key_len - 1]) + positions
+            found = self._continuations(positions, max_len, context, key_len)
             if found:
                 return found[:max_candidates]
         return []
+
+    def _prompt_positions(self, lo: int, hi: int) -> list[int]:
+        """Where the continuations of the prompt's occurrences in backward[lo:hi] start, the most recent
+        max_occurrences of them, oldest first."""
+        ends = np.asarray(self._prompt.backward[lo:hi]) + 1
+        if len(ends) > self.max_occurrences:
+            ends = np.partition(ends, len(ends) - self.max_occurrences)[-self.max_occurrences:]
+        return np.sort(ends).tolist()
 
     def _continuations(self, positions: Sequence[int], max_len: int, context: Sequence[int],
                        key_len: int) -> list[Continuation]:  # fmt: skip

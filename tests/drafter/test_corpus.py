@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter.corpus import LookupCorpus
-from drafter.history import HistorySource
+from drafter.history import PROMPT_TOKENS, HistorySource
 from drafter.segments import CorpusLimits
 
 
@@ -103,8 +103,9 @@ def _naive_longest_key(sequences: list[list[int]], context: list[int], limits: C
 def test_proposals_match_a_count_of_every_occurrence(sequences, contexts, max_depth, max_len, max_candidates):
     """Against counting by brute force, over corpora built a sequence at a time (runs merging as they go): the key
     is the longest suffix of the context that occurs followed by a token, each continuation's score is how often
-    key + continuation occurs, scores come best first, and a continuation ends at max_len, at max_depth with its
-    key, or where nothing follows. -1 is a token like any other (keyed corpora learn it)."""
+    key + continuation occurs, scores come best first (the first the most frequent of all such paths), and a
+    continuation ends at max_len, at max_depth with its key, or where nothing follows. -1 is a token like any
+    other (keyed corpora learn it)."""
     limits = CorpusLimits(max_depth=max_depth, max_key=3, min_key=1)
     corpus = LookupCorpus(limits)
     for seq in sequences:
@@ -122,9 +123,12 @@ def test_proposals_match_a_count_of_every_occurrence(sequences, contexts, max_de
             assert c.score == _occurrences(sequences, path, max_depth) > 0
             is_cut = len(c.token_ids) == min(max_len, max_depth - key_len)
             assert is_cut or all(_occurrences(sequences, [*path, t], max_depth) == 0 for t in range(-1, 5))
-        if found:  # the first continuation starts with the most frequent next token
-            best_next = max(_occurrences(sequences, [*key, t], max_depth) for t in range(-1, 5))
-            assert _occurrences(sequences, [*key, found[0].token_ids[0]], max_depth) == best_next
+        if found:  # best-first: the first continuation is the most frequent leaf (a path cut, or a dead end)
+            depth = min(max_len, max_depth - key_len)
+            paths = {tuple(seq[i + key_len:i + key_len + n]) for seq in sequences for i in range(len(seq))
+                     for n in range(1, depth + 1) if seq[i:i + key_len] == key and i + key_len + n <= len(seq)}
+            leaves = [p for p in paths if len(p) == depth or not any(q[:-1] == p for q in paths)]
+            assert found[0].score == max(_occurrences(sequences, [*key, *p], max_depth) for p in leaves)
 
 
 def test_memory_per_learned_token_is_a_few_words():
@@ -200,3 +204,25 @@ def test_history_is_incremental():
     assert history.propose(history.tokens, 3, 2) == []  # (5, 6) only occurs as the context itself
     history.extend([4, 5])
     assert history.propose(history.tokens, 3, 2)[0].token_ids == (6, 4, 5)
+
+
+def test_a_prompt_in_a_suffix_array_proposes_what_the_n_gram_index_proposes():
+    """A long first extend (a prompt) is indexed as a suffix array, the rest n-gram by n-gram: every proposal,
+    match lengths included, equals that of a history that indexed every token n-gram by n-gram."""
+    rng = random.Random(7)
+    words = [rng.randrange(50) for _ in range(40)]
+    prompt = [rng.choice(words) for _ in range(PROMPT_TOKENS + 300)]
+    output = [rng.choice(words) for _ in range(60)]
+    arrays, grams = HistorySource(max_key=6, min_key=1), HistorySource(max_key=6, min_key=1)
+    arrays.extend(prompt)
+    for start in range(0, len(prompt), 7):
+        grams.extend(prompt[start:start + 7])
+    assert arrays._prompt is not None and grams._prompt is None
+    for step in range(0, len(output), 3):
+        arrays.extend(output[step:step + 3])
+        grams.extend(output[step:step + 3])
+        for end in (len(arrays.tokens), rng.randrange(1, len(arrays.tokens))):
+            context = arrays.tokens[:end]
+            assert arrays.propose(context, 5, 4) == grams.propose(context, 5, 4)
+    assert arrays.tokens == grams.tokens
+    assert arrays.num_bytes < grams.num_bytes / 5  # the prompt at ~20 bytes a token, not max_key n-grams of 200

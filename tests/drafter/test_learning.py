@@ -149,8 +149,8 @@ def test_request_states_drop_the_least_recent_past_the_total_history_bytes():
     states = RequestStates(parse_segments(RAW), lambda name, tokens, tenant: None,
                            history_factory=lambda: HistorySource(max_bytes=per_request),
                            max_history_bytes=2 * per_request)
-    for rid in "abc":
-        states.update(rid, list(range(10, 300)), 290, 290)
+    for rid in "abc":  # 200 tokens: under PROMPT_TOKENS, so all of them go to the dict
+        states.update(rid, list(range(10, 210)), 200, 200)
         assert states.num_history_bytes <= 2 * per_request
     assert "a" not in states and "b" in states and "c" in states
     states.drop("b")
