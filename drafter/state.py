@@ -68,6 +68,10 @@ class RequestState:
             return []  # its one segment closes with the request (RequestStates.finish)
         first_new = max(self.num_prompt_tokens, num_known_tokens)
         learned = []
+        known = min(len(token_ids), max(0, first_new - position))
+        if known and not self.outside:  # prompt (or known) tokens: nothing of them is learned, so in one go
+            self.tracker.append(token_ids[:known])
+            token_ids, position = token_ids[known:], position + known
         for token_id in token_ids:
             was_outside = self.tracker.current == DEFAULT_SEGMENT
             for closed in self.tracker.append((token_id,)):

@@ -45,6 +45,8 @@ class SegmentTracker:
     def __init__(self, kinds: Sequence[SegmentKind]):
         self._kinds = [k for k in kinds if k.start]
         self._window = max((max(len(k.start), len(k.end)) for k in self._kinds), default=1)
+        self._last_tokens = {marker[-1] for k in self._kinds for marker in (k.start, k.end) if marker}
+        """Tokens some marker ends with: at any other token nothing opens or closes."""
         self._tail: list[int] = []  # the last `_window` tokens
         self._stack: list[_Open] = []
         self._last_close = -1
@@ -61,18 +63,22 @@ class SegmentTracker:
         return self._stack[-1].start if self._stack else None
 
     def append(self, token_ids: Iterable[int]) -> list[ClosedSegment]:
-        """Feed appended tokens; returns the segments they closed, in order."""
+        """Feed appended tokens; returns the segments they closed, in order. Only tokens that end some marker
+        are looked at (a prompt of thousands of tokens passes in a set lookup per token)."""
         closed: list[ClosedSegment] = []
-        for token_id in token_ids:
-            self._tail.append(token_id)
-            if len(self._tail) > self._window:
-                del self._tail[0]
-            segment = self._close()
-            if segment is not None:
-                closed.append(segment)
-            else:
-                self._open()
-            self.num_tokens += 1
+        stream = self._tail + list(token_ids)
+        start, first = len(self._tail), self.num_tokens - len(self._tail)
+        for i in range(start, len(stream)):
+            if stream[i] in self._last_tokens:
+                self._tail = stream[max(0, i + 1 - self._window) : i + 1]
+                self.num_tokens = first + i
+                segment = self._close()
+                if segment is not None:
+                    closed.append(segment)
+                else:
+                    self._open()
+        self._tail = stream[-self._window :]
+        self.num_tokens = first + len(stream)
         return closed
 
     def _ends_here(self, marker: tuple[int, ...]) -> bool:

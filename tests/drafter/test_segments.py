@@ -5,6 +5,8 @@ from __future__ import annotations
 import tomllib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from drafter.build import split_segments
 from drafter.segments import DEFAULT_CONFIG_PATH, DEFAULT_SEGMENT, load_segments, parse_segments
@@ -136,6 +138,21 @@ def test_tracker_is_incremental(segments):
     assert closed_whole == closed_pieces
     assert whole.current == pieces.current == "code"
     assert [c.name for c in closed_whole] == ["json", "think", "turn"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 10, 11]), max_size=60),
+       cuts=st.lists(st.integers(0, 60), max_size=6))
+def test_looking_only_at_tokens_that_end_a_marker_changes_nothing(tokens, cuts):
+    """The tracker skips tokens no marker ends with; one that looks at every token (the set of last tokens made
+    all-inclusive) closes the same segments at the same places and is in the same segment after every piece."""
+    kinds = parse_segments({**RAW, "segment": [*RAW["segment"], {"name": "tag", "start": [7, 10], "end": [11, 7]}]})
+    fast, every = SegmentTracker(kinds.kinds), SegmentTracker(kinds.kinds)
+    every._last_tokens = set(range(100))
+    bounds = sorted({0, len(tokens), *(c for c in cuts if c < len(tokens))})
+    for lo, hi in zip(bounds, bounds[1:]):
+        assert fast.append(tokens[lo:hi]) == every.append(tokens[lo:hi])
+        assert (fast.current, fast.current_start, fast.num_tokens) == (every.current, every.current_start, hi)
 
 
 def test_split_segments_for_corpus_building(segments):
