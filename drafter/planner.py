@@ -19,7 +19,11 @@ its own history.
 Each source's scores are normalized to sum to 1 before merging, so a corpus's raw
 frequencies and a draft model's probabilities weigh the same; a lookup source's are then
 scaled by its match over the longest lookup match (`by_match`), so the guess founded on
-more context takes the tree's nodes first.
+more context takes the tree's nodes first, and every source's by how well it has
+predicted in this segment kind (`SourceAcceptance`): each draft's best continuation per
+source is judged against the tokens the request's next update brings, so a kind's trees
+go to the sources that earn them there (a draft model that rarely agrees with the
+target in prose, history where the output copies its prompt).
 Depth adapts to the match, as SuffixDecoding's does, for kinds with a spec_factor:
 a lookup continuation found after a match of n context tokens drafts at most
 spec_factor * n tokens, so a weak match (2 tokens) drafts little while a long one
@@ -43,6 +47,35 @@ from drafter.state import RequestState
 from drafter.trees import build
 from drafter.types import Continuation, ContinuationSource, RequestAwareSource
 from protos.segserve.v1.tree import CandidateTree
+
+
+class SourceAcceptance:
+    """Per (segment kind, source): tokens of its best continuations judged against what the model wrote next,
+    and those that matched (each continuation's leading run)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], list[int]] = {}
+
+    def judge(self, state: RequestState) -> None:
+        """Score the state's last proposals against the tokens appended since, then forget them."""
+        new = state.tokens[state.proposed_at:]
+        if new and state.proposals:
+            for role, tokens in state.proposals.items():
+                judged = min(len(tokens), len(new))
+                matched = next((i for i in range(judged) if tokens[i] != new[i]), judged)
+                counts = self.counts.setdefault((state.proposed_kind, role), [0, 0])
+                counts[0] += judged
+                counts[1] += matched
+            state.proposals = {}
+
+    def weight(self, kind: str, role: str) -> float:
+        """The matched share, smoothed toward 1/2 by one of each (a source never judged weighs 1/2)."""
+        judged, matched = self.counts.get((kind, role), (0, 0))
+        return (matched + 1) / (judged + 2)
+
+    def of_kind(self, kind: str) -> dict[str, tuple[int, int]]:
+        """role -> (judged, matched) for one kind."""
+        return {role: (c[0], c[1]) for (k, role), c in sorted(self.counts.items()) if k == kind}
 
 
 class DraftPlanner:
@@ -77,6 +110,8 @@ class DraftPlanner:
         """Learns in the background (drafter/learner.py); None = learn() adds at once, on the caller's thread."""
         self.num_learned_tokens: Counter[str] = Counter()
         """Tokens learned per segment kind since start (the keyed corpora's under the schema kind's name)."""
+        self.acceptance = SourceAcceptance()
+        """How well each kind's sources predicted (their weight in by_match)."""
 
     def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "", corpus_key: str = "") -> None:
         """Online learning: a closed segment's tokens join the tenant's corpus of its kind (queued, with a learner);
@@ -151,44 +186,54 @@ class DraftPlanner:
     def draft(self, state: RequestState, max_nodes: int) -> tuple[CandidateTree, str]:
         """The tree for one request within min(max_nodes, the segment's budget); with the kind's spec_factor, a
         long match may take up to max_nodes (adaptive_depth)."""
+        self.acceptance.judge(state)
         kind = self.segments.schema if state.corpus_key else self.segments.kind(state.segment)
         budget = min(max_nodes, kind.max_nodes)
         if budget <= 0:
             return CandidateTree(), kind.name
         max_len = max(kind.max_depth, max_nodes) if kind.spec_factor > 0 else kind.max_depth
-        proposals = []
-        for source, context in self._sources(kind, state):
+        proposals, weights = [], []
+        state.proposals = {}
+        for role, source, context in self._sources(kind, state):
             found = _normalized(_propose(source, state, context, kind, max_len))
             if kind.spec_factor > 0 and found:
                 found, _ = adaptive_depth(found, kind.spec_factor, kind.max_depth)
                 if not isinstance(source, RequestAwareSource):
                     found[0] = chained(source, context, found[0], kind, max_nodes)
+            if found:
+                state.proposals[role] = found[0].token_ids
             proposals.append(found)
-        continuations = by_match(proposals)
+            weights.append(self.acceptance.weight(kind.name, role))
+        state.proposed_at, state.proposed_kind = len(state.tokens), kind.name
+        continuations = by_match(proposals, weights)
         depth = kind.max_depth
         if kind.spec_factor > 0:
             depth = max([depth, *(len(c.token_ids) for c in continuations)])
             budget = min(max_nodes, max(budget, depth))
         return build(kind.algorithm, continuations, budget, depth), kind.name
 
-    def _sources(self, kind: SegmentKind, state: RequestState) -> list[tuple[ContinuationSource, Sequence[int]]]:
-        """Each source with the context it is asked about (the request's tokens; a keyed corpus, its output's)."""
+    def _sources(self, kind: SegmentKind, state: RequestState
+                 ) -> list[tuple[str, ContinuationSource, Sequence[int]]]:  # fmt: skip
+        """Each source with its role (what SourceAcceptance judges it as) and the context it is asked about (the
+        request's tokens; a keyed corpus, its output's)."""
         if state.corpus_key:
             context = output_context(state.tokens, state.num_prompt_tokens, kind.corpus.max_key)
-            keyed = [(corpus, context) for corpus in self.keyed.lookup(state.tenant, state.corpus_key)]
-            return [*keyed, (state.history, state.tokens)]
+            corpora = self.keyed.lookup(state.tenant, state.corpus_key)
+            keyed = [(f"keyed{'' if i == 0 else f'_{i}'}", corpus, context) for i, corpus in enumerate(corpora)]
+            return [*keyed, ("history", state.history, state.tokens)]
         draft_model = self.draft_models.get(kind.name)
         is_replace = kind.draft_model is not None and kind.draft_model.mode == "replace"
         if draft_model is not None and is_replace:
-            return [(draft_model, state.tokens)]
-        sources: list[ContinuationSource] = [self.corpora[kind.name]]
+            return [("draft_model", draft_model, state.tokens)]
+        sources: list[tuple[str, ContinuationSource, Sequence[int]]] = [("corpus", self.corpora[kind.name],
+                                                                         state.tokens)]  # fmt: skip
         tenant_corpus = self.corpus_for(kind.name, state.tenant)
         if tenant_corpus is not None and tenant_corpus is not self.corpora[kind.name]:
-            sources.append(tenant_corpus)
-        sources.append(state.history)
+            sources.append(("tenant", tenant_corpus, state.tokens))
+        sources.append(("history", state.history, state.tokens))
         if draft_model is not None:
-            sources.append(draft_model)
-        return [(source, state.tokens) for source in sources]
+            sources.append(("draft_model", draft_model, state.tokens))
+        return sources
 
 
 def _propose(source: ContinuationSource, state: RequestState, context: Sequence[int], kind: SegmentKind,
@@ -234,16 +279,17 @@ def chained(source: ContinuationSource, context: Sequence[int], best: Continuati
     return Continuation(tuple(tokens[:max_len]), best.score, best.match_len)
 
 
-def by_match(proposals: list[list[Continuation]]) -> list[Continuation]:
+def by_match(proposals: list[list[Continuation]], weights: Sequence[float] | None = None) -> list[Continuation]:
     """Every source's continuations (each source's scores summing to 1) in one list, a lookup source's scores
     scaled by its longest match over the longest of all lookups: a source that matched 4 tokens of the context
     weighs half as much as one that matched 8, so the better-founded guess takes the tree's nodes first rather
-    than splitting them evenly. Sources that are no lookup (a draft model's) keep their weight."""
+    than splitting them evenly. Sources that are no lookup (a draft model's) keep their weight. Each source's
+    scores are scaled by its `weights` entry too (its measured acceptance, when given)."""
     longest = max((c.match_len for found in proposals for c in found), default=0)
     merged = []
-    for found in proposals:
+    for index, found in enumerate(proposals):
         match_len = max((c.match_len for c in found), default=0)
-        weight = match_len / longest if match_len else 1.0
+        weight = (match_len / longest if match_len else 1.0) * (weights[index] if weights is not None else 1.0)
         merged.extend(Continuation(c.token_ids, c.score * weight, c.match_len) for c in found)
     return merged
 

@@ -33,7 +33,7 @@ from drafter.state import RequestStates
 from drafter.suffix import SuffixPlanner
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.segserve.v1.info import Health
-from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
+from protos.segserve.v1.stats import DrafterSegmentStats, DrafterSourceStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
 from common import tracing
 from common.blocking import CallCost, run_blocking
@@ -134,7 +134,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         entries, num_bytes = self.planner.corpus_sizes()
         learned = self.planner.num_learned_tokens
         names = sorted({*self.planner.corpora, *entries, *requests})
-        segments = tuple(DrafterSegmentStats(name, entries[name], num_bytes[name], requests[name], learned[name])
+        acceptance = getattr(self.planner, "acceptance", None)  # the suffix backend judges no sources
+        segments = tuple(DrafterSegmentStats(name, entries[name], num_bytes[name], requests[name], learned[name],
+                                             tuple(DrafterSourceStats(role, judged, matched) for role, (judged, matched)
+                                                   in (acceptance.of_kind(name) if acceptance else {}).items()))
                          for name in names)  # fmt: skip
         return DrafterStats(segments, len(self.states), self.num_draft_calls, time.process_time(),
                             self.planner.backend)

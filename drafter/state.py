@@ -49,6 +49,12 @@ class RequestState:
     outside: list[int] = field(default_factory=list)
     """Generated tokens outside every segment since the last marker: a run of the default kind, learned when a
     segment opens or the request ends, as segments are when they close."""
+    proposals: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """The last draft's best continuation per source (drafter/planner.py judges them against what came next)."""
+    proposed_at: int = 0
+    """len(tokens) when they were proposed."""
+    proposed_kind: str = ""
+    """The segment kind they were proposed in."""
 
     @property
     def tokens(self) -> list[int]:

@@ -83,6 +83,14 @@ def summarize(requests: list[dict], num_warmup: int) -> dict:
         memory = drafter[-1]["memory"]
         summary["drafter_bytes_per_learned_token"] = ratio(memory["num_bytes"], memory["num_learned_tokens"])
         summary["drafter_learned_tokens"] = memory["num_learned_tokens"]
+        judged: dict[str, list[int]] = {}
+        for d in drafter:
+            for key, (num_judged, num_matched) in d.get("sources", {}).items():
+                counts = judged.setdefault(key, [0, 0])
+                counts[0] += num_judged
+                counts[1] += num_matched
+        if judged:  # segment kind/source -> the share of its judged tokens that matched what the model wrote
+            summary["source_acceptance"] = {key: ratio(m, j) for key, (j, m) in sorted(judged.items()) if j}
     return summary
 
 

@@ -109,6 +109,8 @@ def read_counters(stub) -> dict:
         counters["drafter"] = {"num_draft_calls": drafter.num_draft_calls, "cpu_seconds": drafter.cpu_seconds,
                                "memory": {"num_bytes": sum(s.num_corpus_bytes for s in drafter.segments),
                                           "num_learned_tokens": sum(s.num_learned_tokens for s in drafter.segments)},
+                               "sources": {f"{s.segment}/{source.source}": [source.num_judged, source.num_matched]
+                                           for s in drafter.segments for source in s.sources},
                                "backend": drafter.backend}  # fmt: skip
     return counters
 
@@ -125,6 +127,9 @@ def counter_delta(before: dict, after: dict) -> dict:
     if "drafter" in before and "drafter" in after:  # CPU and calls over the request; memory at its end
         delta["drafter"] = {name: after["drafter"][name] - before["drafter"][name]
                             for name in ("num_draft_calls", "cpu_seconds")}  # fmt: skip
+        old = before["drafter"].get("sources", {})
+        delta["drafter"]["sources"] = {key: [judged - old.get(key, [0, 0])[0], matched - old.get(key, [0, 0])[1]]
+                                       for key, (judged, matched) in after["drafter"].get("sources", {}).items()}
         delta["drafter"].update(memory=after["drafter"]["memory"], backend=after["drafter"]["backend"])
     return delta
 

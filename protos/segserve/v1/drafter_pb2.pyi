@@ -62,18 +62,30 @@ class DrafterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterSegmentStats(_message.Message):
-    __slots__ = ("segment", "num_corpus_entries", "num_corpus_bytes", "num_requests", "num_learned_tokens")
+    __slots__ = ("segment", "num_corpus_entries", "num_corpus_bytes", "num_requests", "num_learned_tokens", "sources")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NUM_CORPUS_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NUM_CORPUS_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEARNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     segment: str
     num_corpus_entries: int
     num_corpus_bytes: int
     num_requests: int
     num_learned_tokens: int
-    def __init__(self, segment: _Optional[str] = ..., num_corpus_entries: _Optional[int] = ..., num_corpus_bytes: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_learned_tokens: _Optional[int] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[DrafterSourceStats]
+    def __init__(self, segment: _Optional[str] = ..., num_corpus_entries: _Optional[int] = ..., num_corpus_bytes: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_learned_tokens: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[DrafterSourceStats, _Mapping]]] = ...) -> None: ...
+
+class DrafterSourceStats(_message.Message):
+    __slots__ = ("source", "num_judged", "num_matched")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_JUDGED_FIELD_NUMBER: _ClassVar[int]
+    NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    num_judged: int
+    num_matched: int
+    def __init__(self, source: _Optional[str] = ..., num_judged: _Optional[int] = ..., num_matched: _Optional[int] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
     __slots__ = ("segments", "num_requests", "num_draft_calls", "cpu_seconds", "backend")

@@ -14,6 +14,23 @@ from protos.segserve.v1 import drafter_pb2, scheduler_pb2
 
 
 @dataclass(frozen=True)
+class DrafterSourceStats:
+    """How well one source of a segment kind predicted what the model wrote (drafter/planner.py's judging)."""
+
+    source: str
+    num_judged: int = 0
+    num_matched: int = 0
+
+    def to_pb(self) -> drafter_pb2.DrafterSourceStats:
+        return drafter_pb2.DrafterSourceStats(source=self.source, num_judged=self.num_judged,
+                                              num_matched=self.num_matched)
+
+    @classmethod
+    def from_pb(cls, pb: drafter_pb2.DrafterSourceStats) -> DrafterSourceStats:
+        return cls(pb.source, pb.num_judged, pb.num_matched)
+
+
+@dataclass(frozen=True)
 class DrafterSegmentStats:
     """One segment kind's corpus, and the tracked requests in that segment now."""
 
@@ -25,16 +42,22 @@ class DrafterSegmentStats:
     num_requests: int = 0
     num_learned_tokens: int = 0
     """Tokens learned into the kind's corpora since the drafter started."""
+    sources: tuple[DrafterSourceStats, ...] = ()
+    """Each of the kind's sources, judged online."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sources", tuple(self.sources))
 
     def to_pb(self) -> drafter_pb2.DrafterSegmentStats:
         return drafter_pb2.DrafterSegmentStats(
             segment=self.segment, num_corpus_entries=self.num_corpus_entries,
             num_corpus_bytes=self.num_corpus_bytes, num_requests=self.num_requests,
-            num_learned_tokens=self.num_learned_tokens)
+            num_learned_tokens=self.num_learned_tokens, sources=[s.to_pb() for s in self.sources])
 
     @classmethod
     def from_pb(cls, pb: drafter_pb2.DrafterSegmentStats) -> DrafterSegmentStats:
-        return cls(pb.segment, pb.num_corpus_entries, pb.num_corpus_bytes, pb.num_requests, pb.num_learned_tokens)
+        return cls(pb.segment, pb.num_corpus_entries, pb.num_corpus_bytes, pb.num_requests, pb.num_learned_tokens,
+                   tuple(DrafterSourceStats.from_pb(s) for s in pb.sources))
 
 
 @dataclass(frozen=True)

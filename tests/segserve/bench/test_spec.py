@@ -605,3 +605,17 @@ class Tools:
     assert tool["function"]["parameters"]["properties"] == {
         "order_id": {"type": "string", "description": "The order id, such as '#W0000000'."},
         "verbose": {"type": "boolean", "description": "Whether to say more."}}
+
+
+def test_each_sources_acceptance_is_taken_over_the_requests():
+    def counters(judged, matched):
+        return {"num_steps": 0, "num_verified": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "segments": {},
+                "drafter": {"num_draft_calls": 0, "cpu_seconds": 0.0, "backend": "segserve",
+                            "memory": {"num_bytes": 0, "num_learned_tokens": 0},
+                            "sources": {"default/history": [judged, matched]}}}
+
+    first = spec_systems.counter_delta(counters(0, 0), counters(10, 8))
+    second = spec_systems.counter_delta(counters(10, 8), counters(30, 10))
+    assert second["drafter"]["sources"] == {"default/history": [20, 2]}
+    requests = [{"num_tokens": 4, "wall_s": 1.0, "text": "", "spec": delta} for delta in (first, second)]
+    assert spec_report.summarize(requests, 0)["source_acceptance"] == {"default/history": pytest.approx(10 / 30)}
