@@ -9,7 +9,9 @@ which adds them to that kind's corpus. A state built from the whole sequence
 drafter already received (num_known_tokens), so a resync never learns twice
 and a request first seen at its end is still learned. Generated text outside
 every segment is learned too, into the default kind, a run at a time: a run ends
-where a marker opens a segment, or with the request. A final update learns and
+where a marker opens a segment, or with the request. A segment still open when the
+request ends (cut by max_tokens, or opened by the prompt and never closed) is learned
+as if it closed there. A final update learns and
 drops the state; one for a request never seen indexes no history.
 Each state keeps its request's tenant, and the sink gets it with every closed
 segment. A state with a corpus key (drafter/keyed.py) tracks no markers: its whole
@@ -89,6 +91,12 @@ class RequestState:
                 self.outside.append(token_id)
             position += 1
         return learned
+
+    def end_open(self) -> list[tuple[str, list[int]]]:
+        """The request ended: each segment still open (cut by max_tokens, say) as a learned piece of its kind, from
+        its start marker to the end, as if it closed there; none whose generated part is under two tokens."""
+        return [(name, self.tokens[start:]) for name, start in self.tracker.open_segments
+                if len(self.tokens) - max(start, self.num_prompt_tokens) >= 2]
 
     def end_outside(self) -> list[tuple[str, list[int]]]:
         """The run of generated tokens outside every segment, as a learned piece of the default kind (none when
@@ -190,9 +198,11 @@ class RequestStates:
             self._on_segment_closed(name, tokens, state.tenant)
 
     def _learn_output(self, state: RequestState) -> None:
-        """A request ended: its last run outside every segment goes to the sink; a keyed request's output, the
-        schema kind's one segment, with the key."""
+        """A request ended: its last run outside every segment and each segment still open go to the sink; a keyed
+        request's output, the schema kind's one segment, with the key."""
         self._learn(state, state.end_outside())
+        if not state.corpus_key:
+            self._learn(state, state.end_open())
         output = state.tokens[state.num_prompt_tokens:]
         if state.corpus_key and output:
             self._on_segment_closed(SCHEMA_SEGMENT, output, state.tenant, corpus_key=state.corpus_key)

@@ -58,6 +58,11 @@ class SegmentTracker:
         return self._stack[-1].kind.name if self._stack else DEFAULT_SEGMENT
 
     @property
+    def open_segments(self) -> list[tuple[str, int]]:
+        """(name, stream position where its start marker begins) of every open segment, outermost first."""
+        return [(entry.kind.name, entry.start) for entry in self._stack]
+
+    @property
     def current_start(self) -> int | None:
         """Stream position where the current segment's start marker begins (None for the default)."""
         return self._stack[-1].start if self._stack else None

@@ -210,3 +210,19 @@ def test_generated_text_outside_every_segment_is_learned_into_the_default_kind_a
     states.update("b", [7], 1, 1)
     assert states.finish("b", [50, 1, 60, 1], 5, 1)  # a one-token run before the block: nothing of it
     assert learned == [("code", [1, 60, 1])]
+
+
+def test_segments_still_open_when_the_request_ends_are_learned_as_if_they_closed_there():
+    """A code block cut by max_tokens is learned; so is a segment the prompt opened, from its marker on; one with
+    fewer than two generated tokens is not."""
+    learned = []
+    states = RequestStates(parse_segments(RAW), on_segment_closed=lambda *args, **kw: learned.append(args[:2]))
+    states.update("a", [7, 8], 2, 2)
+    assert states.finish("a", [20, 1, 30, 31, 32], 7, 2)  # a run, then a block the request ends inside
+    assert learned == [("code", [1, 30, 31, 32])]  # the one-token run before it teaches nothing
+    learned.clear()
+    assert states.finish("b", [7, 1, 40, 41, 42], 5, 2)  # never seen: the prompt opened the block
+    assert learned == [("code", [1, 40, 41, 42])]
+    learned.clear()
+    assert states.finish("c", [7, 1, 40, 43], 4, 3)  # one generated token in the open block: nothing
+    assert learned == []
