@@ -78,10 +78,6 @@ class LookupCorpus:
         """Memory held by the runs' arrays."""
         return sum(run.num_bytes for run in self._runs)
 
-    @property
-    def num_sequences(self) -> int:
-        return sum(len(run.starts) for run in self._runs)
-
     def add(self, token_ids: Sequence[int]) -> None:
         """Learn token_ids, then evict if over the bound; all at once."""
         for _ in self.learn_steps(token_ids):
