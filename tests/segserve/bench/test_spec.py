@@ -619,3 +619,13 @@ def test_each_sources_acceptance_is_taken_over_the_requests():
     assert second["drafter"]["sources"] == {"default/history": [20, 2]}
     requests = [{"num_tokens": 4, "wall_s": 1.0, "text": "", "spec": delta} for delta in (first, second)]
     assert spec_report.summarize(requests, 0)["source_acceptance"] == {"default/history": pytest.approx(10 / 30)}
+
+
+def test_without_a_plain_decoding_system_no_output_is_said_to_be_compared(tmp_path, capsys):
+    config = spec.SpecBenchConfig(systems=(SUFFIX, SPEC), kinds=("grounded",), rounds=1, out=str(tmp_path))
+    results = spec.run_benchmark(config, _round_rates([{SUFFIX: 20.0, SPEC: 30.0}]), {"base": "m"}, tmp_path)
+    block = results["models"]["base"]
+    assert block["outputs_compared"] is False
+    assert not any(g["name"] == "greedy outputs equal plain decoding's" for g in block["goals"])
+    spec.print_results(results)
+    assert "greedy outputs: not compared" in capsys.readouterr().out
