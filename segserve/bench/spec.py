@@ -212,13 +212,14 @@ def run_mixed(name: str, factory: SystemFactory, workloads: list[Workload], max_
               concurrency: int) -> dict:  # fmt: skip
     """The mixed mode: every workload's warm-up requests interleaved at `concurrency` streams (they teach the
     drafters), then the held-out ones, measured together: one `mixed` record of their tokens, wall time, counter
-    deltas (the servers' own) and the greedy workloads' outputs in order; a system that fails is reported."""
+    deltas (the servers' own), the greedy workloads' outputs joined in order (what mismatches compare) and every
+    request's output, warm-ups too; a system that fails is reported."""
     warmup, heldout = _interleaved(workloads, max_tokens)
     try:
         with factory() as complete:
             for _ in range(2):
                 complete(WARMUP_PROMPT, min(16, max_tokens))
-            _side_by_side(complete, warmup, concurrency)
+            warmed = _side_by_side(complete, warmup, concurrency)
             counters = getattr(complete, "counters", lambda: None)
             before = counters()
             started_at = time.perf_counter()
@@ -232,8 +233,9 @@ def run_mixed(name: str, factory: SystemFactory, workloads: list[Workload], max_
     texts = [r["text"] for r, (workload, *_) in zip(results, heldout) if workload.is_greedy]
     record = {"num_tokens": sum(r["num_tokens"] for r in results), "wall_s": wall_s, "text": "\n\x1e\n".join(texts),
               "spec": counter_delta(before, after) if before and after else None, "concurrency": concurrency,
-              "requests": [{"kind": w.kind, "index": i, "num_tokens": r["num_tokens"], "wall_s": r["wall_s"]}
-                           for r, (w, i, *_) in zip(results, heldout)]}  # fmt: skip
+              "requests": [{"kind": w.kind, "index": i, "num_tokens": r["num_tokens"], "wall_s": r["wall_s"],
+                            "text": r["text"]} for r, (w, i, *_) in zip(results, heldout)],
+              "warmup": [{"kind": w.kind, "index": i, "text": r["text"]} for r, (w, i, *_) in zip(warmed, warmup)]}
     print(f"[bench spec] {name} {MIXED} at {concurrency} streams: {record['num_tokens'] / wall_s:.1f} tok/s",
           file=sys.stderr, flush=True)
     return {"name": name, "workloads": {MIXED: [record]}}

@@ -555,6 +555,7 @@ def test_the_mixed_mode_interleaves_the_workloads_under_their_tenants_and_measur
     assert record["text"].split("\n\x1e\n") == ["out of a1", "out of j1", "out of a2", "out of a3"]
     assert counters == [4, 8] and record["spec"]["num_steps"] == 4  # read before and after the held-out phase
     assert [r["kind"] for r in record["requests"]] == ["agent", "json", "agent", "agent"]
+    assert [(r["kind"], r["text"]) for r in record["warmup"]] == [("agent", "out of a0"), ("json", "out of j0")]
     # A round in the mixed mode: one row, full segserve against SuffixDecoding, its 1.2x goal.
     config = spec.SpecBenchConfig(systems=(OFF, SUFFIX, SPEC), mixed_concurrency=4, rounds=1)
     clock = _Clock()
