@@ -218,8 +218,9 @@ class DraftPlanner:
         request's tokens; a keyed corpus, its output's)."""
         if state.corpus_key:
             context = output_context(state.tokens, state.num_prompt_tokens, kind.corpus.max_key)
-            corpora = self.keyed.lookup(state.tenant, state.corpus_key)
-            keyed = [(f"keyed{'' if i == 0 else f'_{i}'}", corpus, context) for i, corpus in enumerate(corpora)]
+            shared = self.keyed.get("", state.corpus_key)
+            keyed = [("keyed" if corpus is shared else "keyed_tenant", corpus, context)
+                     for corpus in self.keyed.lookup(state.tenant, state.corpus_key)]
             return [*keyed, ("history", state.history, state.tokens)]
         draft_model = self.draft_models.get(kind.name)
         is_replace = kind.draft_model is not None and kind.draft_model.mode == "replace"

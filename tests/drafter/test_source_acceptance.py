@@ -56,3 +56,16 @@ def test_get_stats_shows_each_sources_judged_and_matched_tokens():
     servicer.draft_batch([Query("r", [C, D], len(prompt) + 2, len(prompt), 2)], [])
     (segment,) = servicer.stats().segments
     assert segment.sources == (DrafterSourceStats("history", 2, 2),)
+
+
+def test_a_schemas_shared_and_tenant_corpora_are_judged_apart():
+    segments = parse_segments(RAW)
+    planner = DraftPlanner(segments)
+    planner.learn("schema", [A, B, C, D], tenant="", corpus_key="person")
+    planner.learn("schema", [A, B, X, Y], tenant="t", corpus_key="person")
+    states = RequestStates(segments, on_segment_closed=lambda *a, **k: None)
+    state = states.update("r", [50, A, B], 3, 1, tenant="t", corpus_key="person")
+    planner.draft(state, max_nodes=2)
+    planner.draft(states.update("r", [C, D], 5, 1, tenant="t", corpus_key="person"), max_nodes=2)
+    judged = planner.acceptance.of_kind("schema")
+    assert judged["keyed"] == (2, 2) and judged["keyed_tenant"] == (2, 0)
