@@ -197,7 +197,7 @@ def _merged(runs: Sequence[SuffixRun], limits: CorpusLimits) -> SuffixRun:
 def _newest_within(run: SuffixRun, max_bytes: int, max_entries: int | None) -> int:
     """How many of the run's newest sequences a rebuilt run of them keeps within max_bytes (and max_entries
     tokens unless None). Estimated from the run's own bytes per token and per sequence."""
-    lengths = np.diff(np.r_[run.starts, len(run.tokens) - run.pad]) - 1
+    lengths = run.lengths
     newest_first = np.cumsum(lengths[::-1])
     per_token = run.num_bytes / max(1, run.num_tokens + len(run.starts))
     fits = per_token * (newest_first + np.arange(1, len(lengths) + 1)) <= max_bytes

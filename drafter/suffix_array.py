@@ -58,11 +58,15 @@ class SuffixRun:
         return sum(a.nbytes for a in (self.tokens, self.forward, self.backward, self.weight_sums, self.starts,
                                       self.weights))
 
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each sequence's number of tokens, oldest first (its separator not counted)."""
+        return np.diff(np.r_[self.starts, len(self.tokens) - self.pad]) - 1
+
     def sequences(self) -> list[np.ndarray]:
         """Each sequence's tokens, oldest first."""
-        ends = [*self.starts[1:] - 1, len(self.tokens) - self.pad - 1]
-        return [self.tokens[start:end] for start, end in zip(self.starts.tolist(), ends)]
-
+        return [self.tokens[start:start + length] for start, length in zip(self.starts.tolist(),
+                                                                             self.lengths.tolist())]
 
     def match_length(self, context: Sequence[int], longest: int) -> int:
         """How many of the context's last tokens (at most `longest`) this run holds followed by a token."""
