@@ -45,7 +45,7 @@ from drafter.learner import Learner
 from drafter.segments import SegmentKind, SegmentsConfig
 from drafter.state import RequestState
 from drafter.trees import build
-from drafter.types import Continuation, ContinuationSource, RequestAwareSource
+from drafter.types import Continuation, ContinuationSource, is_request_aware
 from protos.segserve.v1.tree import CandidateTree
 
 
@@ -180,12 +180,13 @@ class DraftPlanner:
         """A request ended (`final`: its last state, when it ended with a final update): per-request sources
         (draft-model caches) forget it."""
         for model in self.draft_models.values():
-            if isinstance(model, RequestAwareSource):
+            if is_request_aware(model):
                 model.release(request_id)
 
-    def draft(self, state: RequestState, max_nodes: int) -> tuple[CandidateTree, str]:
+    def draft(self, state: RequestState, max_nodes: int, min_node_prob: float = 0.0) -> tuple[CandidateTree, str]:
         """The tree for one request within min(max_nodes, the segment's budget); with the kind's spec_factor, a
-        long match may take up to max_nodes (adaptive_depth)."""
+        long match may take up to max_nodes (adaptive_depth). No node is less likely to be accepted than
+        min_node_prob (the scheduler's price of a draft token) or the kind's min_prob."""
         self.acceptance.judge(state)
         kind = self.segments.schema if state.corpus_key else self.segments.kind(state.segment)
         budget = min(max_nodes, kind.max_nodes)
@@ -198,7 +199,7 @@ class DraftPlanner:
             found = _normalized(_propose(source, state, context, kind, max_len))
             if kind.spec_factor > 0 and found:
                 found, _ = adaptive_depth(found, kind.spec_factor, kind.max_depth)
-                if not isinstance(source, RequestAwareSource):
+                if not is_request_aware(source):
                     found[0] = chained(source, context, found[0], kind, max_nodes)
             if found:
                 state.proposals[role] = found[0].token_ids
@@ -210,7 +211,7 @@ class DraftPlanner:
         if kind.spec_factor > 0:
             depth = max([depth, *(len(c.token_ids) for c in continuations)])
             budget = min(max_nodes, max(budget, depth))
-        return build(kind.algorithm, continuations, budget, depth), kind.name
+        return build(kind.algorithm, continuations, budget, depth, max(kind.min_prob, min_node_prob)), kind.name
 
     def _sources(self, kind: SegmentKind, state: RequestState
                  ) -> list[tuple[str, ContinuationSource, Sequence[int]]]:  # fmt: skip
@@ -239,7 +240,7 @@ class DraftPlanner:
 
 def _propose(source: ContinuationSource, state: RequestState, context: Sequence[int], kind: SegmentKind,
              max_len: int) -> list[Continuation]:  # fmt: skip
-    if isinstance(source, RequestAwareSource):  # keeps e.g. a draft model's KV cache per request
+    if is_request_aware(source):  # keeps e.g. a draft model's KV cache per request
         return source.propose_for(state.request_id, context, kind.max_depth, kind.max_candidates)
     return source.propose(context, max_len, kind.max_candidates)
 

@@ -11,6 +11,7 @@ Format (see drafter/segments/default.toml; a catalog model may have its own, dra
     max_depth = 6                  # longest path of a tree
     max_candidates = 8             # continuations asked of each source
     spec_factor = 1.0              # drafts as deep as spec_factor x the match (0 = fixed max_depth)
+    min_prob = 0.0                 # no node less likely to be accepted (the scheduler may ask more)
     corpus = { max_bytes = 67108864, max_depth = 16, max_key = 8, min_key = 2, decay = 0.5 }
 
     [[segment]]
@@ -126,6 +127,10 @@ class SegmentKind:
     """Match-length–adaptive depth (drafter/planner.py): a lookup's continuation after a match of n tokens drafts
     at most spec_factor * n tokens, and a long match may pass max_depth and max_nodes up to the scheduler's
     budget; 0 = fixed max_depth and max_nodes."""
+    min_prob: float = 0.0
+    """Nodes whose path is less probable than this (the share of the sources' weight behind it) are not drafted,
+    however much budget is left (SuffixDecoding's min_token_prob): a node rarely accepted costs a batch's step
+    more than it brings."""
     corpus: CorpusLimits = field(default_factory=CorpusLimits)
     """Limits of this kind's lookup corpus."""
     draft_model: DraftModelSpec | None = None
@@ -139,6 +144,8 @@ class SegmentKind:
         if self.max_nodes < 0 or self.max_depth <= 0 or self.max_candidates <= 0 or not self.spec_factor >= 0:
             raise ValueError(f"segment {self.name!r}: max_nodes >= 0, max_depth and max_candidates > 0, "
                              "spec_factor >= 0")
+        if not 0 <= self.min_prob < 1:
+            raise ValueError(f"segment {self.name!r}: min_prob must be in [0, 1), got {self.min_prob}")
         has_markers = (bool(self.start), bool(self.end))
         if has_markers != ((False, False) if self.name in (DEFAULT_SEGMENT, SCHEMA_SEGMENT) else (True, True)):
             raise ValueError(f"segment {self.name!r}: every segment but the default and schema needs start and end "

@@ -56,11 +56,14 @@ class Query:
     is_final: bool = False
     tenant: str = ""
     corpus_key: str = ""
+    min_node_prob: float = 0.0
+    """The scheduler's price of a draft token: nodes less likely to be accepted are left out."""
 
     @classmethod
     def from_pb(cls, pb: drafter_pb2.DraftQuery) -> "Query":
+        price = pb.min_node_prob if 0 <= pb.min_node_prob < 1 else 0.0  # out of range or NaN: no price
         return cls(pb.request_id, list(pb.new_token_ids), pb.num_tokens, pb.num_prompt_tokens, pb.max_nodes,
-                   pb.num_known_tokens, pb.is_final, pb.tenant, pb.corpus_key)
+                   pb.num_known_tokens, pb.is_final, pb.tenant, pb.corpus_key, price)
 
     @property
     def is_update_only(self) -> bool:
@@ -176,7 +179,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                    query.num_known_tokens, query.tenant, query.corpus_key)
         if state is None:
             return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=True)
-        tree, segment = self.planner.draft(state, query.max_nodes)
+        tree, segment = self.planner.draft(state, query.max_nodes, query.min_node_prob)
         problem = tree.problem(max_nodes=query.max_nodes)
         if problem is not None:  # never send garbage; an empty tree just means no speculation
             logger.error("dropping an invalid tree for %s: %s", query.request_id, problem)

@@ -85,8 +85,10 @@ class SuffixPlanner:
         global_tree = self.cache._global_tree  # the cache has no accessor; SuffixTree.estimate_memory is public
         return Counter({SEGMENT: len(self.cache.cached_requests)}), Counter({SEGMENT: global_tree.estimate_memory()})
 
-    def draft(self, state: RequestState, max_nodes: int) -> tuple[CandidateTree, str]:
-        """The request's tree within max_nodes (and the suffix trees' depth), labelled with its segment kind."""
+    def draft(self, state: RequestState, max_nodes: int, min_node_prob: float = 0.0) -> tuple[CandidateTree, str]:
+        """The request's tree within max_nodes (and the suffix trees' depth), labelled with its segment kind.
+        SuffixDecoding prunes by its own min_token_prob: the scheduler's price (min_node_prob) is not applied,
+        so the peer runs as vLLM configures it."""
         self._feed(state)
         segment = state.segment
         if max_nodes <= 0:

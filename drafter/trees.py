@@ -3,8 +3,11 @@
 In: `Continuation`s from any sources (scores comparable across the list). Out: a
 CandidateTree (protos.segserve.v1.tree: parents -1 = root) in topological order,
 with at most `max_nodes` nodes of depth at most `max_depth`. A trie node's weight
-is the sum of the scores of the continuations through it, so
-weight(node) / weight(all) estimates the probability of its path.
+is the sum of the scores of the continuations through it. The planner's scores
+are calibrated (each source's sum to its measured match share, drafter/planner.py),
+so a node's weight estimates the chance its path is accepted, and `min_prob`
+drops the nodes less likely than that whatever the budget left; a caller whose
+scores are plain frequencies passes 0.
 
 Builders live in `BUILDERS` (name -> function); a segment names one in its config.
 """
@@ -31,8 +34,9 @@ class _TrieNode:
         return sorted(self.children.values(), key=lambda c: -c.weight)
 
 
-def merge(continuations: list[Continuation], max_depth: int) -> _TrieNode:
-    """A trie of the continuations cut at max_depth; shared prefixes become shared nodes."""
+def merge(continuations: list[Continuation], max_depth: int, min_prob: float = 0.0) -> _TrieNode:
+    """A trie of the continuations cut at max_depth; shared prefixes become shared nodes. A node lighter than
+    min_prob (its path's estimated acceptance: see the module) is left out with everything under it."""
     root = _TrieNode(token_id=-1)
     for cont in sorted(continuations, key=lambda c: -c.score):
         if cont.score <= 0:
@@ -42,7 +46,18 @@ def merge(continuations: list[Continuation], max_depth: int) -> _TrieNode:
         for token_id in cont.token_ids[:max_depth]:
             node = node.children.setdefault(token_id, _TrieNode(token_id))
             node.weight += cont.score
+    if min_prob > 0:
+        _prune(root, min_prob)
     return root
+
+
+def _prune(root: _TrieNode, min_weight: float) -> None:
+    """Drop every node lighter than min_weight (its subtree is lighter still)."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        node.children = {t: c for t, c in node.children.items() if c.weight >= min_weight}
+        stack.extend(node.children.values())
 
 
 class _Emitter:
@@ -66,10 +81,11 @@ class _Emitter:
         return CandidateTree(tuple(self._token_ids), tuple(self._parents))
 
 
-def single_branch(continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
+def single_branch(continuations: list[Continuation], max_nodes: int, max_depth: int,
+                  min_prob: float = 0.0) -> CandidateTree:
     """One chain: the heaviest child at every level."""
     out = _Emitter()
-    node, parent = merge(continuations, max_depth), None
+    node, parent = merge(continuations, max_depth, min_prob), None
     for _ in range(min(max_nodes, max_depth)):
         if not node.children:
             break
@@ -79,10 +95,11 @@ def single_branch(continuations: list[Continuation], max_nodes: int, max_depth: 
     return out.tree()
 
 
-def multi_branch_dfs(continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
+def multi_branch_dfs(continuations: list[Continuation], max_nodes: int, max_depth: int,
+                     min_prob: float = 0.0) -> CandidateTree:
     """Depth-first, heaviest child first: the best chain in full, then its alternatives."""
     out = _Emitter()
-    for node, parent in _preorder(merge(continuations, max_depth)):
+    for node, parent in _preorder(merge(continuations, max_depth, min_prob)):
         if len(out) >= max_nodes:
             break
         out.emit(node, parent)
@@ -97,10 +114,11 @@ def _preorder(root: _TrieNode) -> Iterator[tuple[_TrieNode, _TrieNode | None]]:
         stack.extend((c, node) for c in reversed(node.ranked_children()))
 
 
-def multi_branch_bfs(continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
+def multi_branch_bfs(continuations: list[Continuation], max_nodes: int, max_depth: int,
+                     min_prob: float = 0.0) -> CandidateTree:
     """Breadth-first, heaviest child first: every alternative of depth d before depth d + 1."""
     out = _Emitter()
-    root = merge(continuations, max_depth)
+    root = merge(continuations, max_depth, min_prob)
     queue = deque((c, None) for c in root.ranked_children())
     while queue and len(out) < max_nodes:
         node, parent = queue.popleft()
@@ -109,14 +127,15 @@ def multi_branch_bfs(continuations: list[Continuation], max_nodes: int, max_dept
     return out.tree()
 
 
-def best_first(continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
+def best_first(continuations: list[Continuation], max_nodes: int, max_depth: int,
+               min_prob: float = 0.0) -> CandidateTree:
     """Most probable paths first: the nodes with the largest weight, whatever their depth.
 
     A child never outweighs its parent, and a node enters the queue only after its
     parent is emitted, so pop order is a topological order.
     """
     out = _Emitter()
-    root = merge(continuations, max_depth)
+    root = merge(continuations, max_depth, min_prob)
     counter = 0  # tie-break: earlier pushes (heavier siblings, shallower nodes) first
     heap: list[tuple[float, int, _TrieNode, _TrieNode | None]] = []
     for child in root.ranked_children():
@@ -132,7 +151,7 @@ def best_first(continuations: list[Continuation], max_nodes: int, max_depth: int
     return out.tree()
 
 
-TreeBuilder = Callable[[list[Continuation], int, int], CandidateTree]
+TreeBuilder = Callable[[list[Continuation], int, int, float], CandidateTree]
 
 BUILDERS: dict[str, TreeBuilder] = {
     "single_branch": single_branch,
@@ -142,8 +161,9 @@ BUILDERS: dict[str, TreeBuilder] = {
 }
 
 
-def build(algorithm: str, continuations: list[Continuation], max_nodes: int, max_depth: int) -> CandidateTree:
-    """Build a tree with the named algorithm (a key of BUILDERS)."""
+def build(algorithm: str, continuations: list[Continuation], max_nodes: int, max_depth: int,
+          min_prob: float = 0.0) -> CandidateTree:
+    """Build a tree with the named algorithm (a key of BUILDERS), of nodes weighing at least min_prob."""
     if max_nodes <= 0 or max_depth <= 0 or not continuations:
         return CandidateTree()
-    return BUILDERS[algorithm](continuations, max_nodes, max_depth)
+    return BUILDERS[algorithm](continuations, max_nodes, max_depth, min_prob)

@@ -8,6 +8,7 @@ protos.segserve.v1.tree.CandidateTree rooted at the context's last token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Protocol, Sequence, runtime_checkable
 
 
@@ -45,3 +46,14 @@ class RequestAwareSource(Protocol):
         """Forget a finished request."""
         ...
 
+
+
+def is_request_aware(source: object) -> bool:
+    """isinstance(source, RequestAwareSource), decided once per class: the Protocol's runtime check walks its
+    members on every call, and drafting asks it of every source of every query."""
+    return _is_request_aware_class(type(source))
+
+
+@cache
+def _is_request_aware_class(cls: type) -> bool:
+    return issubclass(cls, RequestAwareSource)

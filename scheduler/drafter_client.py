@@ -61,12 +61,15 @@ class DraftQuery:
     corpus_key: str = ""
     """A structured output's corpus (corpus_key()): the whole output is one segment, learned into and drafted
     from that key's corpus; empty = segments by markers."""
+    min_node_prob: float = 0.0
+    """The step's price of a draft token in accepted tokens (SpecPolicy.node_price): less likely nodes are left out."""
 
     def to_pb(self) -> drafter_pb2.DraftQuery:
         return drafter_pb2.DraftQuery(request_id=self.request_id, new_token_ids=self.new_token_ids,
                                       num_tokens=self.num_tokens, num_prompt_tokens=self.num_prompt_tokens,
                                       max_nodes=self.max_nodes, num_known_tokens=self.num_known_tokens,
-                                      is_final=self.is_final, tenant=self.tenant, corpus_key=self.corpus_key)
+                                      is_final=self.is_final, tenant=self.tenant, corpus_key=self.corpus_key,
+                                      min_node_prob=self.min_node_prob)
 
     @property
     def is_update_only(self) -> bool:

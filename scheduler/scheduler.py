@@ -422,7 +422,7 @@ class Scheduler:
         self.num_steps += 1
         plan = StepPlan(request, seqs)
         if self._drafting is not None:
-            plan.queries, plan.is_drafting, plan.decision = self._drafting.choose(
+            plan.queries, plan.is_drafting, plan.decision, plan.node_price = self._drafting.choose(
                 draft_candidates(request, self._steps.in_flight), request.num_scheduled_tokens,
                 self._draft_room(request))
         return plan

@@ -27,6 +27,7 @@ from scheduler.spec_gate import GateDecision, SpeculationGate
 
 _EMA = 0.1  # weight of a new observation; ~10 observations of memory
 _PRIOR_RATE = 0.5  # acceptance assumed before measuring, and its decay per unmeasured depth
+_MAX_PRICE = 0.9  # the most a draft token is priced at (SpecPolicy.node_price)
 
 
 def _ema(mean: float, value: float, is_first: bool) -> float:
@@ -274,6 +275,19 @@ class SpecPolicy:
             probe = min(4, self.max_nodes)
             budgets.update((s, probe) for s in allowed if not budgets[s] and groups[s] * probe <= token_room)
         return budgets
+
+    def node_price(self, budgets: Mapping[str, int], groups: Mapping[str, int], num_base_tokens: int) -> float:
+        """What a draft token costs the step that choose() planned, in accepted tokens: the step's expected tokens
+        per second times the seconds each of its draft tokens adds (the cost model's mean slope over them). A node
+        less likely to be accepted than this slows the step down, whatever the budget: near 0 where a step is
+        bound by reading the weights (one more token is free), higher in a batch that computes. At most
+        _MAX_PRICE (a node nearly sure to be accepted always pays); 0 when nothing is drafted or nothing measured."""
+        num_draft_tokens = sum(groups[s] * b for s, b in budgets.items())
+        if not num_draft_tokens or not self.cost.is_fitted:
+            return 0.0
+        added_s = self.cost.estimate(num_base_tokens + num_draft_tokens) - self.cost.estimate(num_base_tokens)
+        price = self._tokens_per_s(budgets, groups, num_base_tokens) * added_s / num_draft_tokens
+        return min(max(price, 0.0), _MAX_PRICE)
 
     def _tokens_per_s(self, budgets: Mapping[str, int], groups: Mapping[str, int], num_base_tokens: int) -> float:
         tokens = sum(groups[s] * (1.0 + self.acceptance.of(s).expected_accepted(b)) if b else groups[s]

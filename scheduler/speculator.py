@@ -182,7 +182,7 @@ class Speculator:
             if seq.request_id not in seqs:
                 seqs[seq.request_id] = seq
         try:
-            return await self._draft(plan.queries) if plan.queries else {}
+            return await self._draft(plan.queries, plan.node_price) if plan.queries else {}
         except Exception:  # a bug here must cost speed, never a request
             plan.decision = None
             self._count_error()
@@ -262,10 +262,11 @@ class Speculator:
                 return DraftChoice((), False, decision)
             self._num_steps_since_classify = 0
         queries = tuple((seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates)
-        return DraftChoice(queries, is_drafting, decision)
+        price = self.policy.node_price(budgets, groups, num_scheduled_tokens) if is_drafting else 0.0
+        return DraftChoice(queries, is_drafting, decision, price)
 
-    async def _draft(self, chosen: tuple[tuple[Seq, int], ...]) -> dict[str, CandidateTree]:
-        queries = [self._query(seq, max_nodes) for seq, max_nodes in chosen]
+    async def _draft(self, chosen: tuple[tuple[Seq, int], ...], node_price: float = 0.0) -> dict[str, CandidateTree]:
+        queries = [self._query(seq, max_nodes, node_price) for seq, max_nodes in chosen]
         self._num_classified.update((query.request_id, query.num_tokens) for query in queries)
         if self._finals:  # a reused id's old final update must not reach the drafter after its new first query
             queried = {query.request_id for query in queries}
@@ -304,11 +305,11 @@ class Speculator:
         """Segment kind -> how many of the candidates are in it."""
         return Counter(self._segments.get(seq.request_id, "") for seq in candidates)
 
-    def _query(self, seq: Seq, max_nodes: int) -> DraftQuery:
+    def _query(self, seq: Seq, max_nodes: int, node_price: float = 0.0) -> DraftQuery:
         num_synced = self._num_synced.setdefault(seq.request_id, 0)
         return DraftQuery(seq.request_id, seq.token_ids[num_synced:], seq.num_tokens, seq.num_prompt_tokens,
                           max_nodes, self._num_known.get(seq.request_id, 0) if num_synced == 0 else 0,
-                          tenant=seq.tenant, corpus_key=corpus_key(seq))
+                          tenant=seq.tenant, corpus_key=corpus_key(seq), min_node_prob=node_price if max_nodes else 0.0)
 
     def _accept_replies(self, candidates: list[Seq], queries: list[DraftQuery],
                         replies: dict[str, DraftReply]) -> dict[str, CandidateTree]:

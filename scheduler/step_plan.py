@@ -27,6 +27,9 @@ class DraftChoice(NamedTuple):
     step, as a drafter that found no tree this step may find one at the next, which several would skip."""
     decision: GateDecision | None = None
     """The speculation gate's decision for the step (None: the gate was not asked)."""
+    node_price: float = 0.0
+    """What one more draft token costs the step, in accepted tokens (SpecPolicy.node_price): the drafter leaves
+    out the nodes less likely to be accepted."""
 
 
 NO_DRAFTS = DraftChoice()
@@ -44,6 +47,8 @@ class StepPlan:
     """DraftChoice.queries: whom the drafter is asked about before the step goes."""
     is_drafting: bool = False
     """DraftChoice.is_drafting."""
+    node_price: float = 0.0
+    """DraftChoice.node_price."""
     decision: GateDecision | None = None
     """The gate's decision for the step, for the speculation policy's measure of whole cycles (None: the gate
     was not asked, or the drafter failed: the cycle is not the decision's)."""

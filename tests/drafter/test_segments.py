@@ -48,6 +48,8 @@ def test_parse_resolves_ids_and_defaults(segments):
     {"segment": [{"name": "x", "start": 1, "end": 2, "draft_model": {"kind": "model", "mode": "maybe"}}]},
     {"segment": [{"name": "x", "start": 1, "end": 2, "draft_model": {"kind": "big"}}]},
     {"segment": [{"name": "x", "start": 1, "end": 2, "corpus": {"decay": 1.5}}]},
+    {"segment": [{"name": "x", "start": 1, "end": 2, "min_prob": 1.0}]},
+    {"default": {"min_prob": -0.1}},
     {"segment": [{"name": "x", "start": "```", "end": 2}]},  # a string needs a tokenizer
     {"segments": []},
 ])

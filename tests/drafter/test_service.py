@@ -181,11 +181,23 @@ async def test_replies_round_trip_into_the_planners_trees(servicer, stub):
     CandidateTree((12,) * 9, (-1,) * 9),  # over the query's budget of 8
 ])
 async def test_an_invalid_tree_from_the_planner_is_never_sent(servicer, stub, bad):
-    servicer.planner.draft = lambda state, max_nodes: (bad, "default")
+    servicer.planner.draft = lambda state, max_nodes, min_node_prob: (bad, "default")
     request = drafter_pb2.DraftRequest(queries=[_query("a", PROMPT, len(PROMPT), len(PROMPT))])
     (reply,) = (await stub.Draft(request)).replies
     assert reply.request_id == "a" and reply.segment == "default" and not reply.needs_resync
     assert reply.HasField("tree") and CandidateTree.from_pb(reply.tree) == CandidateTree()
+
+
+@pytest.mark.parametrize("price,applied", [(0.4, 0.4), (0.0, 0.0), (1.0, 0.0), (-0.5, 0.0), (float("nan"), 0.0)])
+async def test_the_schedulers_price_reaches_the_planner_and_a_price_out_of_range_is_ignored(servicer, stub, price,
+                                                                                         applied):
+    asked = []
+    servicer.planner.draft = lambda state, max_nodes, min_node_prob: (asked.append(min_node_prob), (
+        CandidateTree(), "default"))[1]
+    query = _query("a", PROMPT, len(PROMPT), len(PROMPT))
+    query.min_node_prob = price
+    (reply,) = (await stub.Draft(drafter_pb2.DraftRequest(queries=[query]))).replies
+    assert not reply.needs_resync and asked == [pytest.approx(applied)]
 
 
 def test_corpora_save_and_load_by_segment(tmp_path):

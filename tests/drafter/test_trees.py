@@ -97,3 +97,19 @@ def test_empty_inputs_give_empty_trees():
 def test_trees_survive_the_wire(algorithm):
     tree = build(algorithm, CONTINUATIONS, 40, 10)
     assert CandidateTree.from_pb(tree.to_pb()) == tree
+
+
+@pytest.mark.parametrize("algorithm", sorted(BUILDERS))
+def test_min_prob_drops_improbable_paths_whatever_the_budget(algorithm):
+    # scores as the planner calibrates them (summing to at most 1), so a node's weight is its estimated acceptance:
+    # (1) 0.70, (1,2) 0.61, (1,2,3...) 0.43, (9...) 0.26, (1,2,7,8) 0.17, (1,12) 0.09, (13) 0.04
+    calibrated = [Continuation(c.token_ids, c.score / 11.5) for c in CONTINUATIONS]
+    tree = build(algorithm, calibrated, 40, 10, min_prob=0.1)
+    unpruned = build(algorithm, calibrated, 40, 10)
+    if algorithm != "single_branch":  # one chain: the best, which no threshold below 0.43 cuts
+        assert _paths(tree) == {p for p in _paths(unpruned) if p not in {(1, 12), (13,)}}
+    else:
+        assert tree == unpruned
+    assert _paths(build(algorithm, calibrated, 40, 10, min_prob=0.5)) == {(1,), (1, 2)}
+    assert build(algorithm, calibrated, 40, 10, min_prob=0.75) == CandidateTree()
+    assert _paths(build(algorithm, calibrated, 1, 10, min_prob=0.1)) == {(1,)}, "the budget still binds"

@@ -347,3 +347,18 @@ def test_a_budget_past_every_tree_tried_is_priced_at_the_decay_measured_between_
     assert steep.expected_accepted(4) == pytest.approx(0.8 + 0.2 + 0.05 + 0.0125)
     assert SegmentStats(num_verified=1, max_num_nodes=1, ema_rate_by_depth=[0.8]).expected_accepted(3) == \
         pytest.approx(0.8 + 0.4 + 0.2)
+
+
+def test_a_draft_token_is_priced_at_what_it_adds_to_the_step_in_accepted_tokens():
+    linear = {8: 0.1 + 8 * 0.005, 16: 0.1 + 16 * 0.005, 64: 0.1 + 64 * 0.005}  # 100 ms + 5 ms a token
+    policy = policy_with(0.9, linear)
+    budgets = {"code": 4}
+    expected_tokens = 8 * (1 + policy.acceptance.of("code").expected_accepted(4))
+    seconds = 0.1 + (8 + 32) * 0.005  # no draft call measured: no overhead
+    assert policy.node_price(budgets, {"code": 8}, 8) == pytest.approx(expected_tokens / seconds * 0.005)
+    # bound by the weights: a token more costs (nearly) nothing, so no node is too unlikely to verify
+    assert policy_with(0.9, GPU_LIKE_COSTS).node_price({"code": 4}, {"code": 1}, 1) < 0.01
+    assert policy.node_price({"code": 0}, {"code": 8}, 8) == 0.0
+    assert SpecPolicy(16).node_price(budgets, {"code": 8}, 8) == 0.0  # nothing measured yet
+    steep = policy_with(0.9, {8: 0.1, 16: 1.0})
+    assert steep.node_price(budgets, {"code": 2}, 8) == pytest.approx(0.9), "capped: a sure node always pays"

@@ -45,6 +45,7 @@ def gated_pair(drafter: FakeDrafter, is_code_open: bool, is_prose_open: bool | N
 async def test_a_new_request_learns_its_kind_at_its_first_decode_step_where_that_kind_may_draft():
     drafter = RecordingDrafter(RULE, VOCAB, 3, "code")
     scheduler, speculator = gated_pair(drafter, is_code_open=True)
+    speculator.policy.node_price = lambda budgets, groups, num_base_tokens: 0.25
     worker = FakeWorker(RULE, VOCAB, [EOS], num_kv_blocks=64, block_size=4)
     prompt = PROMPTS["a"]
     scheduler.add(Sequence("a", prompt, stopping=StoppingCriteria(20)))
@@ -62,6 +63,8 @@ async def test_a_new_request_learns_its_kind_at_its_first_decode_step_where_that
     assert (first.max_nodes, first.num_tokens) == (0, len(prompt) + 1)  # no tree, at its first decode step
     assert second.max_nodes > 0 and second.num_tokens == len(prompt) + 2
     assert speculator.acceptance.segments["code"].num_accepted_tokens > 0
+    # a tree is asked for at the step's price of a draft token (SpecPolicy.node_price); an update only, at none
+    assert first.min_node_prob == 0 and {q.min_node_prob for q in drafter.queries if q.max_nodes} == {0.25}
 
 
 async def test_an_output_that_opens_a_segment_drafts_in_its_kind_from_the_step_after_the_marker():

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.segserve.v1 import common_pb2 as protos_dot_segserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/segserve/v1/drafter.proto\x12\x0bsegserve.v1\x1a\x1fprotos/segserve/v1/common.proto\"\xc9\x01\n\nDraftQuery\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x11\n\tmax_nodes\x18\x05 \x01(\r\x12\x18\n\x10num_known_tokens\x18\x06 \x01(\r\x12\x10\n\x08is_final\x18\x07 \x01(\x08\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x12\n\ncorpus_key\x18\t \x01(\t\"V\n\x0c\x44raftRequest\x12(\n\x07queries\x18\x01 \x03(\x0b\x32\x17.segserve.v1.DraftQuery\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\"\x8b\x01\n\nDraftReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x04tree\x18\x02 \x01(\x0b\x32\x1a.segserve.v1.CandidateTree\x12\x0f\n\x07segment\x18\x03 \x01(\t\x12\x14\n\x0cneeds_resync\x18\x04 \x01(\x08\x12\x18\n\x10marker_token_ids\x18\x05 \x03(\x05\"9\n\rDraftResponse\x12(\n\x07replies\x18\x01 \x03(\x0b\x32\x17.segserve.v1.DraftReply\"\x15\n\x13\x44rafterStatsRequest\"\xc0\x01\n\x13\x44rafterSegmentStats\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x1a\n\x12num_corpus_entries\x18\x02 \x01(\x04\x12\x18\n\x10num_corpus_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x04 \x01(\r\x12\x1a\n\x12num_learned_tokens\x18\x05 \x01(\x04\x12\x30\n\x07sources\x18\x06 \x03(\x0b\x32\x1f.segserve.v1.DrafterSourceStats\"M\n\x12\x44rafterSourceStats\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x12\n\nnum_judged\x18\x02 \x01(\x04\x12\x13\n\x0bnum_matched\x18\x03 \x01(\x04\"\x97\x01\n\x0c\x44rafterStats\x12\x32\n\x08segments\x18\x01 \x03(\x0b\x32 .segserve.v1.DrafterSegmentStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x17\n\x0fnum_draft_calls\x18\x03 \x01(\x04\x12\x13\n\x0b\x63pu_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t2\xd5\x01\n\x07\x44rafter\x12>\n\x05\x44raft\x12\x19.segserve.v1.DraftRequest\x1a\x1a.segserve.v1.DraftResponse\x12\x41\n\x06Health\x12\x1a.segserve.v1.HealthRequest\x1a\x1b.segserve.v1.HealthResponse\x12G\n\x08GetStats\x12 .segserve.v1.DrafterStatsRequest\x1a\x19.segserve.v1.DrafterStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/segserve/v1/drafter.proto\x12\x0bsegserve.v1\x1a\x1fprotos/segserve/v1/common.proto\"\xe0\x01\n\nDraftQuery\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x11\n\tmax_nodes\x18\x05 \x01(\r\x12\x18\n\x10num_known_tokens\x18\x06 \x01(\r\x12\x10\n\x08is_final\x18\x07 \x01(\x08\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x12\n\ncorpus_key\x18\t \x01(\t\x12\x15\n\rmin_node_prob\x18\n \x01(\x02\"V\n\x0c\x44raftRequest\x12(\n\x07queries\x18\x01 \x03(\x0b\x32\x17.segserve.v1.DraftQuery\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\"\x8b\x01\n\nDraftReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x04tree\x18\x02 \x01(\x0b\x32\x1a.segserve.v1.CandidateTree\x12\x0f\n\x07segment\x18\x03 \x01(\t\x12\x14\n\x0cneeds_resync\x18\x04 \x01(\x08\x12\x18\n\x10marker_token_ids\x18\x05 \x03(\x05\"9\n\rDraftResponse\x12(\n\x07replies\x18\x01 \x03(\x0b\x32\x17.segserve.v1.DraftReply\"\x15\n\x13\x44rafterStatsRequest\"\xc0\x01\n\x13\x44rafterSegmentStats\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x1a\n\x12num_corpus_entries\x18\x02 \x01(\x04\x12\x18\n\x10num_corpus_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x04 \x01(\r\x12\x1a\n\x12num_learned_tokens\x18\x05 \x01(\x04\x12\x30\n\x07sources\x18\x06 \x03(\x0b\x32\x1f.segserve.v1.DrafterSourceStats\"M\n\x12\x44rafterSourceStats\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x12\n\nnum_judged\x18\x02 \x01(\x04\x12\x13\n\x0bnum_matched\x18\x03 \x01(\x04\"\x97\x01\n\x0c\x44rafterStats\x12\x32\n\x08segments\x18\x01 \x03(\x0b\x32 .segserve.v1.DrafterSegmentStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x17\n\x0fnum_draft_calls\x18\x03 \x01(\x04\x12\x13\n\x0b\x63pu_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t2\xd5\x01\n\x07\x44rafter\x12>\n\x05\x44raft\x12\x19.segserve.v1.DraftRequest\x1a\x1a.segserve.v1.DraftResponse\x12\x41\n\x06Health\x12\x1a.segserve.v1.HealthRequest\x1a\x1b.segserve.v1.HealthResponse\x12G\n\x08GetStats\x12 .segserve.v1.DrafterStatsRequest\x1a\x19.segserve.v1.DrafterStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.segserve.v1.drafter_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTQUERY']._serialized_start=83
-  _globals['_DRAFTQUERY']._serialized_end=284
-  _globals['_DRAFTREQUEST']._serialized_start=286
-  _globals['_DRAFTREQUEST']._serialized_end=372
-  _globals['_DRAFTREPLY']._serialized_start=375
-  _globals['_DRAFTREPLY']._serialized_end=514
-  _globals['_DRAFTRESPONSE']._serialized_start=516
-  _globals['_DRAFTRESPONSE']._serialized_end=573
-  _globals['_DRAFTERSTATSREQUEST']._serialized_start=575
-  _globals['_DRAFTERSTATSREQUEST']._serialized_end=596
-  _globals['_DRAFTERSEGMENTSTATS']._serialized_start=599
-  _globals['_DRAFTERSEGMENTSTATS']._serialized_end=791
-  _globals['_DRAFTERSOURCESTATS']._serialized_start=793
-  _globals['_DRAFTERSOURCESTATS']._serialized_end=870
-  _globals['_DRAFTERSTATS']._serialized_start=873
-  _globals['_DRAFTERSTATS']._serialized_end=1024
-  _globals['_DRAFTER']._serialized_start=1027
-  _globals['_DRAFTER']._serialized_end=1240
+  _globals['_DRAFTQUERY']._serialized_end=307
+  _globals['_DRAFTREQUEST']._serialized_start=309
+  _globals['_DRAFTREQUEST']._serialized_end=395
+  _globals['_DRAFTREPLY']._serialized_start=398
+  _globals['_DRAFTREPLY']._serialized_end=537
+  _globals['_DRAFTRESPONSE']._serialized_start=539
+  _globals['_DRAFTRESPONSE']._serialized_end=596
+  _globals['_DRAFTERSTATSREQUEST']._serialized_start=598
+  _globals['_DRAFTERSTATSREQUEST']._serialized_end=619
+  _globals['_DRAFTERSEGMENTSTATS']._serialized_start=622
+  _globals['_DRAFTERSEGMENTSTATS']._serialized_end=814
+  _globals['_DRAFTERSOURCESTATS']._serialized_start=816
+  _globals['_DRAFTERSOURCESTATS']._serialized_end=893
+  _globals['_DRAFTERSTATS']._serialized_start=896
+  _globals['_DRAFTERSTATS']._serialized_end=1047
+  _globals['_DRAFTER']._serialized_start=1050
+  _globals['_DRAFTER']._serialized_end=1263
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftQuery(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "num_tokens", "num_prompt_tokens", "max_nodes", "num_known_tokens", "is_final", "tenant", "corpus_key")
+    __slots__ = ("request_id", "new_token_ids", "num_tokens", "num_prompt_tokens", "max_nodes", "num_known_tokens", "is_final", "tenant", "corpus_key", "min_node_prob")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DraftQuery(_message.Message):
     IS_FINAL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CORPUS_KEY_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODE_PROB_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -27,7 +28,8 @@ class DraftQuery(_message.Message):
     is_final: bool
     tenant: str
     corpus_key: str
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_nodes: _Optional[int] = ..., num_known_tokens: _Optional[int] = ..., is_final: _Optional[bool] = ..., tenant: _Optional[str] = ..., corpus_key: _Optional[str] = ...) -> None: ...
+    min_node_prob: float
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_nodes: _Optional[int] = ..., num_known_tokens: _Optional[int] = ..., is_final: _Optional[bool] = ..., tenant: _Optional[str] = ..., corpus_key: _Optional[str] = ..., min_node_prob: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("queries", "finished_request_ids")
