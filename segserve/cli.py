@@ -13,6 +13,7 @@
     segserve watermark detect      test text for segserve's green-list watermark
     segserve bench throughput      the throughput benchmark (JSON + PNG)
     segserve bench spec            speculative decoding vs generate() and prompt lookup (JSON + PNG)
+    segserve bench spec-replay     a mixed spec run's traffic replayed through drafters, without a model (JSON)
     segserve bench structured      JSON schemas and forced tool calls: grammar-aware speculation vs generate()
                                    under xgrammar (JSON + PNG)
     segserve bench reflow          router latency with data reflow on vs off, consumer chunks/s (JSON + PNG)
@@ -232,6 +233,12 @@ def _bench_spec_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_spec_replay_command(args: argparse.Namespace) -> int:
+    from segserve.bench.spec_replay import run_replay
+
+    return run_replay(args)
+
+
 def _bench_structured_command(args: argparse.Namespace) -> int:
     from segserve.bench.structured import run_structured
 
@@ -389,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     if add_spec_args:
         add_spec_args(spec)
     spec.set_defaults(func=_bench_spec_command)
+    spec_replay = benches.add_parser("spec-replay", help="a mixed spec run's traffic replayed through drafters "
+                                     "in-process: tokens per step, acceptance, draft CPU, side by side")
+    from segserve.bench.spec_replay import add_replay_args
+
+    add_replay_args(spec_replay)
+    spec_replay.set_defaults(func=_bench_spec_replay_command)
     structured = benches.add_parser("structured", help="JSON schemas and forced tool calls: speculation on, off and "
                                     "without grammar drafts vs generate() under xgrammar")
     try:
