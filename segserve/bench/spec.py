@@ -14,7 +14,7 @@ requests teach the drafter).
 With --mixed-concurrency N the workloads run as a shared server sees them instead:
 their requests interleaved (one from each workload in turn) at N streams, each
 workload under a tenant of its own, warm-up requests first, then the held-out
-ones measured together as one row, `mixed` (servers only: no HF system).
+ones measured together as one row, `mixed` (servers only: no HF system; spec_mixed.py).
 --workloads-file F.jsonl replaces the built-in workloads by anyone's own
 (spec_workloads.load_file's format: the peer workloads' JSONL).
 The whole run repeats --rounds times (3 by default) with fresh systems, each round
@@ -29,24 +29,21 @@ tables and the goals are printed, greedy-output mismatches loudly.
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import os
 import shlex
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import spec_report as report
+from segserve.bench.spec_mixed import SystemFactory, run_mixed
 from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, MIXED, PEER_KINDS, PUBLIC_KINDS, \
     WARMUP_PROMPT, Workload, build_workloads, load_file
 
 SYSTEMS = report.SYSTEMS
-SystemFactory = Callable[[], AbstractContextManager]
 MakeFactories = Callable[[str, Path, Path], dict[str, SystemFactory]]  # (model label, model dir, out) -> factories
 
 
@@ -206,65 +203,6 @@ def run_system(name: str, factory: SystemFactory, workloads: list[Workload], max
     except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
         return {"name": name, "error": f"{type(exc).__name__}: {exc}", "workloads": runs}
     return {"name": name, "workloads": runs}
-
-
-def run_mixed(name: str, factory: SystemFactory, workloads: list[Workload], max_tokens: int,
-              concurrency: int) -> dict:  # fmt: skip
-    """The mixed mode: every workload's warm-up requests interleaved at `concurrency` streams (they teach the
-    drafters), then the held-out ones, measured together: one `mixed` record of their tokens, wall time, counter
-    deltas (the servers' own), the greedy workloads' outputs joined in order (what mismatches compare) and every
-    request's output, warm-ups too; a system that fails is reported."""
-    warmup, heldout = _interleaved(workloads, max_tokens)
-    try:
-        with factory() as complete:
-            for _ in range(2):
-                complete(WARMUP_PROMPT, min(16, max_tokens))
-            warmed = _side_by_side(complete, warmup, concurrency)
-            counters = getattr(complete, "counters", lambda: None)
-            before = counters()
-            started_at = time.perf_counter()
-            results = _side_by_side(complete, heldout, concurrency)
-            wall_s = time.perf_counter() - started_at
-            after = counters()
-    except Exception as exc:  # a benchmark reports a system that would not run; it does not crash
-        return {"name": name, "error": f"{type(exc).__name__}: {exc}", "workloads": {}}
-    from segserve.bench.spec_systems import counter_delta
-
-    texts = [r["text"] for r, (workload, *_) in zip(results, heldout) if workload.is_greedy]
-    record = {"num_tokens": sum(r["num_tokens"] for r in results), "wall_s": wall_s, "text": "\n\x1e\n".join(texts),
-              "spec": counter_delta(before, after) if before and after else None, "concurrency": concurrency,
-              "requests": [{"kind": w.kind, "index": i, "num_tokens": r["num_tokens"], "wall_s": r["wall_s"],
-                            "text": r["text"]} for r, (w, i, *_) in zip(results, heldout)],
-              "warmup": [{"kind": w.kind, "index": i, "text": r["text"]} for r, (w, i, *_) in zip(warmed, warmup)]}
-    print(f"[bench spec] {name} {MIXED} at {concurrency} streams: {record['num_tokens'] / wall_s:.1f} tok/s",
-          file=sys.stderr, flush=True)
-    return {"name": name, "workloads": {MIXED: [record]}}
-
-
-def _interleaved(workloads: list[Workload], max_tokens: int) -> tuple[list[tuple], list[tuple]]:
-    """(workload, index, prompt, max_tokens, seed) of every warm-up request, then of every held-out one, one from
-    each workload in turn."""
-    def requests(workload: Workload, warm: bool) -> list[tuple]:
-        indices = range(workload.num_warmup) if warm else range(workload.num_warmup, len(workload.prompts))
-        return [(workload, i, workload.prompts[i], workload.max_tokens or max_tokens,
-                 None if workload.is_greedy else workload.seed + i) for i in indices]
-
-    def merged(warm: bool) -> list[tuple]:
-        columns = itertools.zip_longest(*(requests(w, warm) for w in workloads))
-        return [request for column in columns for request in column if request is not None]
-
-    return merged(True), merged(False)
-
-
-def _side_by_side(complete, requests: list[tuple], concurrency: int) -> list[dict]:
-    """Every request, `concurrency` at a time, each under its workload's tenant; results in the requests' order."""
-    def send(request: tuple) -> dict:
-        workload, _, prompt, length, seed = request
-        return complete(prompt, length, workload.temperature, seed, tenant=workload.tenant or workload.kind,
-                        is_measured=False)
-
-    with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(send, requests))
 
 
 def run_round(config: SpecBenchConfig, factories: dict[str, SystemFactory], workloads: list[Workload],

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from protos.segserve.v1 import scheduler_pb2
-from segserve.bench import peer_workloads, public_workloads, spec, spec_report, spec_systems
+from segserve.bench import peer_workloads, public_workloads, spec, spec_mixed, spec_report, spec_systems
 from segserve.bench.spec_report import LOOKUP, OFF, PLAIN, SEG_LOOKUP, SPEC, SUFFIX, VLLM_PLAIN, VLLM_SUFFIX
 from segserve.bench.spec_workloads import (EDIT_KINDS, KINDS, MIXED, MONTHS_JSON_REST, MONTHS_REST, SAMPLED_KINDS,
                                            Workload, build_workloads, load_file, structured_prompt)
@@ -545,7 +545,7 @@ def test_the_mixed_mode_interleaves_the_workloads_under_their_tenants_and_measur
     workloads = [Workload("agent", ("a0", "a1", "a2", "a3"), num_warmup=1, max_tokens=10),
                  Workload("json", ("j0", "j1"), num_warmup=1, max_tokens=20, tenant="team-j")]
     calls, counters = [], []
-    system = spec.run_mixed("x", _mixed_fake(100.0, calls, counters), workloads, max_tokens=64, concurrency=1)
+    system = spec_mixed.run_mixed("x", _mixed_fake(100.0, calls, counters), workloads, max_tokens=64, concurrency=1)
     sent = [(prompt, tenant) for prompt, tenant, _ in calls[2:]]  # after the two warm-up calls
     assert sent == [("a0", "agent"), ("j0", "team-j"), ("a1", "agent"), ("j1", "team-j"), ("a2", "agent"),
                     ("a3", "agent")]  # warm-ups first, then one request from each workload in turn
