@@ -175,17 +175,19 @@ def _query(request: _Request, budget: int, node_price: float = 0.0):
 def new_servicer(backend: str, tokenizer_dir: str):
     """A fresh drafter (empty corpora) of `backend`, as `segserve serve` builds it for the model; "segserve:F"
     is the segserve backend with the segments file F instead of the model's own, "suffix:P" SuffixDecoding with
-    min_token_prob P instead of vLLM's."""
+    min_token_prob P instead of vLLM's. A segments file that gives a kind a draft model loads it (on the CPU)."""
     from drafter.config import DrafterConfig
     from drafter.segments import load_segments
-    from drafter.server import build_servicer, load_tokenizer
+    from drafter.server import build_servicer, load_draft_models, load_tokenizer
 
     backend, _, option = backend.partition(":")
     config = DrafterConfig(port=0, backend=backend, tokenizer=tokenizer_dir)
     if option:
         config = dataclasses.replace(config, **({"suffix_min_token_prob": float(option)} if backend == "suffix"
                                                 else {"segments_config": option}))
-    return build_servicer(config, load_segments(config.segments_config, load_tokenizer(tokenizer_dir)))
+    segments = load_segments(config.segments_config, load_tokenizer(tokenizer_dir))
+    draft_models = load_draft_models(segments, tokenizer_dir) if backend == "segserve" else None
+    return build_servicer(config, segments, draft_models)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -194,8 +196,10 @@ def run_replay(args: argparse.Namespace) -> int:
     model_dir = args.model or _round_record(Path(args.result))["model"]
     tokenizer = load_tokenizer(model_dir)
     requests = load_requests(Path(args.result), args.system, tokenizer)
+    if args.kinds:
+        requests = [r for r in requests if r.kind in args.kinds]
     results = {"benchmark": "spec-replay", "command": " ".join(sys.argv), "result": args.result,
-               "system": args.system, "concurrency": args.concurrency, "runs": []}
+               "system": args.system, "concurrency": args.concurrency, "kinds": args.kinds, "runs": []}
     for budget, price, backend in itertools.product(args.budgets, args.node_prices, args.backends):
         if price and backend.startswith("suffix"):
             continue  # SuffixDecoding prunes by its own min_token_prob only
@@ -222,4 +226,6 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-prices", type=lambda s: [float(p) for p in s.split(",")], default=[0.0],
                         help="the scheduler's price of a draft token (DraftQuery.min_node_prob) to replay at")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--kinds", type=lambda s: s.split(","), default=None,
+                        help="replay only these workloads' requests (default: all)")
     parser.add_argument("--out", default="bench-results/spec-replay")

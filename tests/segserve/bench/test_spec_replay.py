@@ -84,5 +84,6 @@ def test_the_requests_come_from_a_mixed_record_in_the_order_they_were_sent(tmp_p
     with pytest.raises(KeyError, match="segserve_spec"):
         spec_replay.load_requests(tmp_path, "segserve_spec", Tokenizer())
     args = build_parser().parse_args(["bench", "spec-replay", str(tmp_path), "--budgets", "4,8",
-                                      "--node-prices", "0,0.5", "--backends", "segserve,suffix:0.3"])
+                                      "--node-prices", "0,0.5", "--backends", "segserve,suffix:0.3", "--kinds", "json"])
     assert (args.budgets, args.node_prices, args.backends) == ([4, 8], [0.0, 0.5], ["segserve", "suffix:0.3"])
+    assert args.kinds == ["json"]
