@@ -278,15 +278,20 @@ class SpecPolicy:
 
     def node_price(self, budgets: Mapping[str, int], groups: Mapping[str, int], num_base_tokens: int) -> float:
         """What a draft token costs the step that choose() planned, in accepted tokens: the step's expected tokens
-        per second times the seconds each of its draft tokens adds (the cost model's mean slope over them). A node
-        less likely to be accepted than this slows the step down, whatever the budget: near 0 where a step is
-        bound by reading the weights (one more token is free), higher in a batch that computes. At most
-        _MAX_PRICE (a node nearly sure to be accepted always pays); 0 when nothing is drafted or nothing measured."""
+        per second times the seconds one more draft token adds there. A node less likely to be accepted than this
+        slows the step down, whatever the budget: near 0 where a step is bound by reading the weights (one more
+        token is free), higher in a batch that computes. The seconds are the cost model's slope across the
+        planned drafts (from half of them to half again as many), within steps that draft: the step from none to
+        some also pays a round trip (a drafting step is never sent ahead), once, whatever the tree's size, which
+        is the budget's business (choose()), not a node's. At most _MAX_PRICE (a node nearly sure to be accepted
+        always pays); 0 when nothing is drafted or nothing measured."""
         num_draft_tokens = sum(groups[s] * b for s, b in budgets.items())
         if not num_draft_tokens or not self.cost.is_fitted:
             return 0.0
-        added_s = self.cost.estimate(num_base_tokens + num_draft_tokens) - self.cost.estimate(num_base_tokens)
-        price = self._tokens_per_s(budgets, groups, num_base_tokens) * added_s / num_draft_tokens
+        half = max(1, num_draft_tokens // 2)
+        low, high = num_base_tokens + half, num_base_tokens + num_draft_tokens + half
+        slope = (self.cost.estimate(high) - self.cost.estimate(low)) / (high - low)
+        price = self._tokens_per_s(budgets, groups, num_base_tokens) * slope
         return min(max(price, 0.0), _MAX_PRICE)
 
     def _tokens_per_s(self, budgets: Mapping[str, int], groups: Mapping[str, int], num_base_tokens: int) -> float:

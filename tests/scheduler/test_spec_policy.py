@@ -360,5 +360,13 @@ def test_a_draft_token_is_priced_at_what_it_adds_to_the_step_in_accepted_tokens(
     assert policy_with(0.9, GPU_LIKE_COSTS).node_price({"code": 4}, {"code": 1}, 1) < 0.01
     assert policy.node_price({"code": 0}, {"code": 8}, 8) == 0.0
     assert SpecPolicy(16).node_price(budgets, {"code": 8}, 8) == 0.0  # nothing measured yet
-    steep = policy_with(0.9, {8: 0.1, 16: 1.0})
+    steep = policy_with(0.9, {8: 0.1, 16: 1.0, 64: 20.0})
     assert steep.node_price(budgets, {"code": 2}, 8) == pytest.approx(0.9), "capped: a sure node always pays"
+
+
+def test_the_round_trip_that_drafting_adds_once_is_not_priced_into_each_draft_token():
+    # a plain step of 8 tokens goes ahead (0.1 s); any drafting step is a round trip (+0.1 s), then 5 ms a token
+    costs = {8: 0.1, 12: 0.2 + 12 * 0.005, 24: 0.2 + 24 * 0.005, 48: 0.2 + 48 * 0.005}
+    policy = policy_with(0.9, costs)
+    rate = policy._tokens_per_s({"code": 2}, {"code": 8}, 8)
+    assert policy.node_price({"code": 2}, {"code": 8}, 8) == pytest.approx(rate * 0.005)
