@@ -284,9 +284,9 @@ class SpecPolicy:
         planned drafts (from half of them to half again as many), within steps that draft: the step from none to
         some also pays a round trip (a drafting step is never sent ahead), once, whatever the tree's size, which
         is the budget's business (choose()), not a node's. At most _MAX_PRICE (a node nearly sure to be accepted
-        always pays); 0 when nothing is drafted or nothing measured."""
+        always pays); 0 when nothing is drafted, nothing measured, or the policy is fixed (it drafts the maximum)."""
         num_draft_tokens = sum(groups[s] * b for s, b in budgets.items())
-        if not num_draft_tokens or not self.cost.is_fitted:
+        if not num_draft_tokens or not self.cost.is_fitted or not self.is_adaptive:
             return 0.0
         half = max(1, num_draft_tokens // 2)
         low, high = num_base_tokens + half, num_base_tokens + num_draft_tokens + half

@@ -360,6 +360,7 @@ def test_a_draft_token_is_priced_at_what_it_adds_to_the_step_in_accepted_tokens(
     assert policy_with(0.9, GPU_LIKE_COSTS).node_price({"code": 4}, {"code": 1}, 1) < 0.01
     assert policy.node_price({"code": 0}, {"code": 8}, 8) == 0.0
     assert SpecPolicy(16).node_price(budgets, {"code": 8}, 8) == 0.0  # nothing measured yet
+    assert policy_with(0.9, linear, is_adaptive=False).node_price(budgets, {"code": 8}, 8) == 0.0  # drafts the max
     steep = policy_with(0.9, {8: 0.1, 16: 1.0, 64: 20.0})
     assert steep.node_price(budgets, {"code": 2}, 8) == pytest.approx(0.9), "capped: a sure node always pays"
 
