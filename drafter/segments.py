@@ -128,9 +128,9 @@ class SegmentKind:
     at most spec_factor * n tokens, and a long match may pass max_depth and max_nodes up to the scheduler's
     budget; 0 = fixed max_depth and max_nodes."""
     min_prob: float = 0.0
-    """Nodes whose path is less probable than this (the share of the sources' weight behind it) are not drafted,
-    however much budget is left (SuffixDecoding's min_token_prob): a node rarely accepted costs a batch's step
-    more than it brings."""
+    """Nodes less likely to be accepted than this (their weight in the merged trie: drafter/trees.py) are not
+    drafted, however much budget is left (SuffixDecoding's min_token_prob): a node rarely accepted costs a batch's
+    step more than it brings. The scheduler's price of a draft token may ask more (DraftQuery.min_node_prob)."""
     corpus: CorpusLimits = field(default_factory=CorpusLimits)
     """Limits of this kind's lookup corpus."""
     draft_model: DraftModelSpec | None = None

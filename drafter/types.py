@@ -47,7 +47,6 @@ class RequestAwareSource(Protocol):
         ...
 
 
-
 def is_request_aware(source: object) -> bool:
     """isinstance(source, RequestAwareSource), decided once per class: the Protocol's runtime check walks its
     members on every call, and drafting asks it of every source of every query."""

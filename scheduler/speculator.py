@@ -262,7 +262,7 @@ class Speculator:
                 return DraftChoice((), False, decision)
             self._num_steps_since_classify = 0
         queries = tuple((seq, budgets[self._segments.get(seq.request_id, "")]) for seq in candidates)
-        price = self.policy.node_price(budgets, groups, num_scheduled_tokens) if is_drafting else 0.0
+        price = self.policy.node_price(budgets, groups, num_scheduled_tokens)  # 0 where nothing is drafted
         return DraftChoice(queries, is_drafting, decision, price)
 
     async def _draft(self, chosen: tuple[tuple[Seq, int], ...], node_price: float = 0.0) -> dict[str, CandidateTree]:

@@ -125,12 +125,10 @@ def replay(servicer, requests: list[_Request], budget: int, concurrency: int, no
     """Every request through `servicer` (a fresh DrafterServicer), `concurrency` at a time, each asked for trees
     of `budget` nodes at `node_price` (DraftQuery.min_node_prob): the measured requests' tallies per segment kind
     and in all, and the drafter's CPU time per tree asked for."""
-    from drafter.service import Query
-
     queue = [dataclasses.replace(r) for r in requests]
     queue.reverse()
     running: list[_Request] = []
-    finals: list[Query] = []
+    finals = []  # the final updates of the requests that ended, sent with the next step's queries
     total, by_segment, by_kind = _Tally(), defaultdict(_Tally), defaultdict(_Tally)
     cpu_s, num_queries = 0.0, 0
     while queue or running or finals:
@@ -172,20 +170,20 @@ def _query(request: _Request, budget: int, node_price: float = 0.0):
                  tenant=request.tenant, min_node_prob=node_price)
 
 
-def new_servicer(backend: str, tokenizer_dir: str):
+def new_servicer(backend: str, tokenizer_dir: str, tokenizer):
     """A fresh drafter (empty corpora) of `backend`, as `segserve serve` builds it for the model; "segserve:F"
     is the segserve backend with the segments file F instead of the model's own, "suffix:P" SuffixDecoding with
     min_token_prob P instead of vLLM's. A segments file that gives a kind a draft model loads it (on the CPU)."""
     from drafter.config import DrafterConfig
     from drafter.segments import load_segments
-    from drafter.server import build_servicer, load_draft_models, load_tokenizer
+    from drafter.server import build_servicer, load_draft_models
 
     backend, _, option = backend.partition(":")
     config = DrafterConfig(port=0, backend=backend, tokenizer=tokenizer_dir)
     if option:
         config = dataclasses.replace(config, **({"suffix_min_token_prob": float(option)} if backend == "suffix"
                                                 else {"segments_config": option}))
-    segments = load_segments(config.segments_config, load_tokenizer(tokenizer_dir))
+    segments = load_segments(config.segments_config, tokenizer)
     draft_models = load_draft_models(segments, tokenizer_dir) if backend == "segserve" else None
     return build_servicer(config, segments, draft_models)
 
@@ -203,7 +201,7 @@ def run_replay(args: argparse.Namespace) -> int:
     for budget, price, backend in itertools.product(args.budgets, args.node_prices, args.backends):
         if price and backend.startswith("suffix"):
             continue  # SuffixDecoding prunes by its own min_token_prob only
-        run = replay(new_servicer(backend, model_dir), requests, budget, args.concurrency, price)
+        run = replay(new_servicer(backend, model_dir, tokenizer), requests, budget, args.concurrency, price)
         results["runs"].append({"backend": backend, "budget": budget, "node_price": price, **run})
         t = run["total"]
         print(f"[spec-replay] {backend:12s} budget {budget:3d} price {price:.2f}: {t['tokens_per_step']:.2f} "
