@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from common.tls import internal_tls
 from common.tracing import settings_of
+from drafter.history import ITEM_BYTES
 
 BACKENDS = ("segserve", "suffix")
 """The proposers behind the Draft interface: segment corpora (drafter/planner.py), or SuffixDecoding's suffix trees
@@ -51,8 +52,8 @@ class DrafterConfig:
     """Shortest such suffix; shorter matches propose nothing. With adaptive depth (a kind's spec_factor) a one-token
     match drafts one token, as SuffixDecoding's does."""
     history_max_bytes: int = 64 << 20
-    """Memory of one request's own-history index (about 1.6 KB per token with history_max_key 8: 64 MiB keep
-    the latest 20k-40k tokens indexed); past it the older half of the index is dropped."""
+    """Memory of one request's own-history search array (8 bytes a token: 64 MiB search the latest 4M-8M
+    tokens); past it the older half is no longer searched."""
     history_total_bytes: int = 2 << 30
     """Memory of every request's history index together; past it the least recently queried requests are
     dropped (they resync later)."""
@@ -102,8 +103,9 @@ class DrafterConfig:
             raise ValueError("max_requests and max_corpus_keys must be > 0")
         if not 1 <= self.history_min_key <= self.history_max_key:
             raise ValueError("history keys need 1 <= history_min_key <= history_max_key")
-        if not 0 < self.history_max_bytes <= self.history_total_bytes:
-            raise ValueError("history bytes need 0 < history_max_bytes <= history_total_bytes")
+        if not ITEM_BYTES * (self.history_max_key + 2) <= self.history_max_bytes <= self.history_total_bytes:
+            raise ValueError(f"history bytes need {ITEM_BYTES} * (history_max_key + 2) <= history_max_bytes <= "
+                             "history_total_bytes")
         if self.log_poll_interval_s <= 0 or self.snapshot_interval_s <= 0:
             raise ValueError("log_poll_interval_s and snapshot_interval_s must be > 0")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

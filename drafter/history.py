@@ -4,19 +4,18 @@ In: the request's tokens, appended incrementally. Out: continuations that follow
 earlier occurrences of the context's longest matching suffix (min_key..max_key
 tokens), identical ones merged and counted, ranked by count then recency.
 
-The prompt, which arrives whole, is indexed as a suffix array (drafter/suffix_array.py:
-built by a few numpy sorts, ~20 bytes a token); the tokens after it are indexed one by one
-in a dict mapping every n-gram (n in 1..max_key) ending at each to the positions right
-after its occurrences. A query narrows the prompt's array from the context's last token
-back (binary search) and looks the keys up in the dict, not a scan of the history.
+Storage: the tokens in one flat int64 array (grown by doubling), after max_key padding
+slots that match no token. Appending costs a copy into it, nothing per n-gram.
+A query finds where the context's last token occurs (one vectorized compare over the
+array), then keeps, one step back at a time, the occurrences whose previous token
+matches the context's too, while any do: the survivors of the last step are the longest
+key's occurrences (at most max_key steps, each over the survivors only).
 
-Memory bound: the dict holds at most `max_bytes` (at a measured size per
-indexed n-gram). It has two generations, each covering up to half the budget's
-tokens; when the newer one is full, the older one is dropped whole and the newer
-one takes its place, so the most recent half to whole budget stays indexed and
-dropping costs no scan. The token list itself is the request's sequence (bounded
-by the model's context); matches found in the index read their continuations
-there, however old.
+Memory bound: the array holds at most `max_bytes`; when a request's tokens pass it, the
+older half of the searched tokens goes (a match never reaches before what is kept), so
+the most recent half to whole budget stays searchable. The token list itself is the
+request's sequence (bounded by the model's context); a match found in the array reads
+its continuation there, and a full-key match is followed back along it (MAX_MATCH).
 """
 
 from __future__ import annotations
@@ -26,19 +25,15 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from drafter.segments import CorpusLimits
-from drafter.suffix_array import SuffixRun
 from drafter.types import Continuation
 
-# Memory per indexed n-gram, measured with tracemalloc over 20,000 random tokens of a 262k vocabulary
-# (CPython 3.11, max_key 8: 1,600 bytes per token): its key tuple, its positions list, its dict slot.
-BYTES_PER_NGRAM = 200
+ITEM_BYTES = 8
+"""Bytes per searched token (int64: a uint32 token id and the padding's -1 both fit)."""
 DEFAULT_MAX_BYTES = 64 << 20
 MAX_MATCH = 64
 """Longest match a continuation reports: a max_key match is followed back this far along the history."""
-PROMPT_TOKENS = 256
-"""A first extend at least this long (a prompt) goes to a suffix array, not the dict."""
-_EMPTY: list[int] = []
+_PAD = -1
+_INITIAL_SLOTS = 256
 
 
 class HistorySource:
@@ -46,83 +41,74 @@ class HistorySource:
 
     def __init__(self, max_key: int = 8, min_key: int = 2, max_occurrences: int = 16,
                  max_bytes: int = DEFAULT_MAX_BYTES, is_indexed: bool = True):
-        if not 1 <= min_key <= max_key or max_occurrences <= 0 or max_bytes <= 0:
-            raise ValueError("history needs 1 <= min_key <= max_key, max_occurrences > 0 and max_bytes > 0")
+        if not 1 <= min_key <= max_key or max_occurrences <= 0:
+            raise ValueError("history needs 1 <= min_key <= max_key and max_occurrences > 0")
+        if max_bytes < ITEM_BYTES * (max_key + 2):
+            raise ValueError(f"history max_bytes must hold at least max_key + 2 tokens ({ITEM_BYTES} bytes each)")
         self.max_key = max_key
         self.min_key = min_key
         self.max_occurrences = max_occurrences
         self.max_bytes = max_bytes
         self.is_indexed = is_indexed
-        """False: keep the tokens only (a state about to be dropped needs no index)."""
+        """False: keep the tokens only (a state about to be dropped needs no search array)."""
         self.tokens: list[int] = []
-        self._index: dict[tuple[int, ...], list[int]] = {}
-        self._older: dict[tuple[int, ...], list[int]] = {}
-        self._num_indexed = 0  # tokens indexed in _index
-        self._num_older = 0  # tokens indexed in _older
-        self._generation_tokens = max(1, max_bytes // (2 * max_key * BYTES_PER_NGRAM))
-        self._prompt: SuffixRun | None = None
-        """The first extend's tokens when a prompt (PROMPT_TOKENS or more), as a suffix array."""
+        self._window = max_bytes // ITEM_BYTES - max_key
+        """Most tokens the array holds after its padding."""
+        self._array = np.full(max_key, _PAD, dtype=np.int64) if is_indexed else None
+        self._used = max_key
+        """Slots of the array in use, the padding's included."""
+        self._first = 0
+        """Index in `tokens` of the array's first token (the slot after the padding)."""
 
     @property
     def num_bytes(self) -> int:
-        """Estimated memory of the index: the dict (at most max_bytes) and the prompt's arrays."""
-        prompt = self._prompt.num_bytes if self._prompt is not None else 0
-        return (self._num_indexed + self._num_older) * self.max_key * BYTES_PER_NGRAM + prompt
+        """Memory of the search array (at most max_bytes)."""
+        return self._array.nbytes if self._array is not None else 0
 
     def extend(self, token_ids: Iterable[int]) -> None:
-        """Append tokens and index the n-grams ending at each."""
-        if not self.is_indexed:
-            self.tokens.extend(token_ids)
-            return
+        """Append tokens (and copy them into the search array)."""
         token_ids = list(token_ids)
-        if not self.tokens and len(token_ids) >= PROMPT_TOKENS:
-            limits = CorpusLimits(max_depth=self.max_key + 1, max_key=self.max_key, min_key=self.min_key)
-            self._prompt = SuffixRun.build([np.asarray(token_ids, dtype=np.int32)], np.ones(1), limits)
-            self.tokens.extend(token_ids[:-1])  # its n-grams but those ending at its last token, which the dict
-            token_ids = token_ids[-1:]  # indexes (their continuations are the output's)
-        for token_id in token_ids:
-            self.tokens.append(token_id)
-            if self._num_indexed >= self._generation_tokens:
-                self._older, self._num_older = self._index, self._num_indexed
-                self._index, self._num_indexed = {}, 0
-            self._num_indexed += 1
-            end = len(self.tokens)
-            for n in range(1, min(self.max_key, end) + 1):
-                positions = self._index.setdefault(tuple(self.tokens[end - n : end]), [])
-                positions.append(end)
-                if len(positions) > 2 * self.max_occurrences:
-                    del positions[: self.max_occurrences]  # keep the recent ones, amortized
+        self.tokens.extend(token_ids)
+        if self._array is None or not token_ids:
+            return
+        end = self._used + len(token_ids)
+        if end <= len(self._array):
+            self._array[self._used:end] = token_ids
+            self._used = end
+            return
+        num_held = end - self.max_key
+        if num_held > self._window:  # the most recent half of the window stays (all of it, if this extend is more)
+            num_held = max(self._window // 2, min(len(token_ids), self._window))
+        self._array = np.full(self.max_key + min(self._window, max(2 * num_held, _INITIAL_SLOTS)), _PAD,
+                              dtype=np.int64)
+        self._first = len(self.tokens) - num_held
+        self._array[self.max_key:self.max_key + num_held] = self.tokens[self._first:]
+        self._used = self.max_key + num_held
 
     def propose(self, context: Sequence[int], max_len: int, max_candidates: int) -> list[Continuation]:
-        """Continuations of the longest suffix of `context` seen earlier in the history."""
-        if max_len <= 0 or max_candidates <= 0:
-            return []
+        """Continuations of the longest suffix of `context` (min_key..max_key tokens) seen earlier in the history."""
         longest = min(self.max_key, len(context))
-        in_prompt = self._prompt.match_ranges(context, longest) if self._prompt is not None and longest else []
-        for key_len in range(longest, self.min_key - 1, -1):
-            key = tuple(context[len(context) - key_len :])
-            older, newer = self._older.get(key), self._index.get(key, _EMPTY)
-            positions = older + newer if older else newer
-            if key_len <= len(in_prompt):  # the prompt's occurrences come first: they are the oldest
-                positions = self._prompt_positions(*in_prompt[key_len - 1]) + positions
-            found = self._continuations(positions, max_len, context, key_len)
-            if found:
-                return found[:max_candidates]
-        return []
+        if max_len <= 0 or max_candidates <= 0 or longest < self.min_key or self._array is None:
+            return []
+        searched = self._array[:self._used]
+        # Slots right after an occurrence of the last token, that a token follows (the padding matches nothing).
+        ends = np.flatnonzero(searched[:-1] == context[-1]) + 1
+        key_len = 1
+        while len(ends) and key_len < longest:
+            longer = ends[searched[ends - key_len - 1] == context[-key_len - 1]]
+            if not len(longer):
+                break
+            ends, key_len = longer, key_len + 1
+        if not len(ends) or key_len < self.min_key:
+            return []
+        recent = (ends[: -self.max_occurrences - 1 : -1] + (self._first - self.max_key)).tolist()
+        return self._continuations(recent, max_len, context, key_len)[:max_candidates]
 
-    def _prompt_positions(self, lo: int, hi: int) -> list[int]:
-        """Where the continuations of the prompt's occurrences in backward[lo:hi] start, the most recent
-        max_occurrences of them, oldest first."""
-        ends = np.asarray(self._prompt.backward[lo:hi]) + 1
-        if len(ends) > self.max_occurrences:
-            ends = np.partition(ends, len(ends) - self.max_occurrences)[-self.max_occurrences:]
-        return np.sort(ends).tolist()
-
-    def _continuations(self, positions: Sequence[int], max_len: int, context: Sequence[int],
+    def _continuations(self, recent: list[int], max_len: int, context: Sequence[int],
                        key_len: int) -> list[Continuation]:  # fmt: skip
-        """What followed the most recent occurrences of the key, merged and counted; each with the longest match
-        among its occurrences (past key_len when the key is max_key long)."""
-        recent = [p for p in reversed(positions) if p < len(self.tokens)][: self.max_occurrences]
+        """What followed the key's occurrences (where continuations start in `tokens`, most recent first), merged
+        and counted; each with the longest match among its occurrences (past key_len when the key is max_key
+        long)."""
         counts: Counter[tuple[int, ...]] = Counter()
         matched: dict[tuple[int, ...], int] = {}
         for p in recent:

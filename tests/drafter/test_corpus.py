@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter.corpus import LookupCorpus
-from drafter.history import PROMPT_TOKENS, HistorySource
+from drafter.history import MAX_MATCH, HistorySource
 from drafter.segments import CorpusLimits
 
 
@@ -206,23 +206,42 @@ def test_history_is_incremental():
     assert history.propose(history.tokens, 3, 2)[0].token_ids == (6, 4, 5)
 
 
-def test_a_prompt_in_a_suffix_array_proposes_what_the_n_gram_index_proposes():
-    """A long first extend (a prompt) is indexed as a suffix array, the rest n-gram by n-gram: every proposal,
-    match lengths included, equals that of a history that indexed every token n-gram by n-gram."""
+def _scanned(tokens: list[int], context: list[int], history: HistorySource, max_len: int, first: int = 0) -> list:
+    """What HistorySource.propose should answer, by scanning `tokens` from `first` on for the context's longest
+    suffix (min_key..max_key tokens) that a token follows: the most recent max_occurrences occurrences'
+    continuations, counted, most frequent first, ties most recent first, each with its longest match."""
+    for key_len in range(min(history.max_key, len(context)), history.min_key - 1, -1):
+        key = context[len(context) - key_len:]
+        ends = [e for e in range(first + key_len, len(tokens)) if tokens[e - key_len:e] == key]
+        if not ends:
+            continue
+        counts, matched = {}, {}
+        for e in reversed(ends[-history.max_occurrences:]):
+            continuation = tuple(tokens[e:e + max_len])
+            counts[continuation] = counts.get(continuation, 0) + 1
+            match_len = key_len
+            if key_len == history.max_key:
+                limit = min(MAX_MATCH, e, len(context))
+                match_len = max(m for m in range(key_len, limit + 1) if tokens[e - m:e] == context[len(context) - m:])
+            matched[continuation] = max(matched.get(continuation, 0), match_len)
+        ranked = sorted(counts, key=lambda c: -counts[c])
+        return [(c, float(counts[c]), matched[c]) for c in ranked]
+    return []
+
+
+@pytest.mark.parametrize(("max_key", "min_key", "max_bytes"), [(6, 1, 1 << 20), (3, 2, 1 << 20), (6, 1, 40 * 8)])
+def test_history_proposes_what_a_scan_of_its_tokens_finds(max_key, min_key, max_bytes):
+    """Every proposal, counts and match lengths included, equals a plain scan's over the tokens the history still
+    searches (all of them; with a small max_bytes, the most recent ones)."""
     rng = random.Random(7)
-    words = [rng.randrange(50) for _ in range(40)]
-    prompt = [rng.choice(words) for _ in range(PROMPT_TOKENS + 300)]
-    output = [rng.choice(words) for _ in range(60)]
-    arrays, grams = HistorySource(max_key=6, min_key=1), HistorySource(max_key=6, min_key=1)
-    arrays.extend(prompt)
-    for start in range(0, len(prompt), 7):
-        grams.extend(prompt[start:start + 7])
-    assert arrays._prompt is not None and grams._prompt is None
-    for step in range(0, len(output), 3):
-        arrays.extend(output[step:step + 3])
-        grams.extend(output[step:step + 3])
-        for end in (len(arrays.tokens), rng.randrange(1, len(arrays.tokens))):
-            context = arrays.tokens[:end]
-            assert arrays.propose(context, 5, 4) == grams.propose(context, 5, 4)
-    assert arrays.tokens == grams.tokens
-    assert arrays.num_bytes < grams.num_bytes / 5  # the prompt at ~20 bytes a token, not max_key n-grams of 200
+    words = [rng.randrange(50) for _ in range(30)]
+    history = HistorySource(max_key=max_key, min_key=min_key, max_occurrences=4, max_bytes=max_bytes)
+    history.extend([rng.choice(words) for _ in range(300)])  # a prompt
+    for step in range(30):
+        history.extend([rng.choice(words) for _ in range(rng.randrange(1, 4))])
+        first = history._first  # the oldest token still searched
+        assert history.num_bytes <= max_bytes
+        for end in (len(history.tokens), rng.randrange(1, len(history.tokens))):
+            context = history.tokens[:end]
+            found = [(c.token_ids, c.score, c.match_len) for c in history.propose(context, 5, 8)]
+            assert found == _scanned(history.tokens, context, history, 5, first), (step, end)

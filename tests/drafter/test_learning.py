@@ -7,10 +7,11 @@ import random
 import time
 
 import grpc
+import pytest
 
 from drafter.config import DrafterConfig
 from drafter.corpus import LookupCorpus
-from drafter.history import BYTES_PER_NGRAM, HistorySource
+from drafter.history import ITEM_BYTES, HistorySource
 from drafter.learner import Learner
 from drafter.segments import CorpusLimits, parse_segments
 from drafter.server import build_servicer, start_server
@@ -131,7 +132,7 @@ def test_a_reader_waits_for_at_most_one_slice_of_the_learner():
 
 
 def test_history_is_bounded_in_bytes_and_keeps_the_recent_tokens():
-    history = HistorySource(max_key=4, min_key=2, max_bytes=1000 * 4 * BYTES_PER_NGRAM)
+    history = HistorySource(max_key=4, min_key=2, max_bytes=1000 * ITEM_BYTES)
     rng = random.Random(4)
     tokens = [rng.randrange(1000, 100_000) for _ in range(20_000)]
     for start in range(0, len(tokens), 100):
@@ -140,16 +141,23 @@ def test_history_is_bounded_in_bytes_and_keeps_the_recent_tokens():
     assert history.num_bytes >= history.max_bytes // 2
     recent, old = tokens[-300:-296], tokens[100:104]
     assert history.propose(recent[:2], 2, 1)[0].token_ids == tuple(recent[2:4])
-    assert history.propose(old[:2], 2, 1) == []  # out of the index: its bytes went
+    assert history.propose(old[:2], 2, 1) == []  # out of the search array: its bytes went
     assert len(history.tokens) == 20_000
 
 
+@pytest.mark.parametrize("max_bytes", [0, ITEM_BYTES * 9, 3 << 30])
+def test_a_history_budget_that_cannot_hold_a_key_or_passes_the_total_is_refused(max_bytes):
+    with pytest.raises(ValueError, match="history_max_bytes"):
+        DrafterConfig(history_max_key=8, history_max_bytes=max_bytes, history_total_bytes=2 << 30)
+    DrafterConfig(history_max_key=8, history_max_bytes=ITEM_BYTES * 10)  # a key and a token after it fit
+
+
 def test_request_states_drop_the_least_recent_past_the_total_history_bytes():
-    per_request = 100 * 8 * BYTES_PER_NGRAM
+    per_request = 300 * ITEM_BYTES
     states = RequestStates(parse_segments(RAW), lambda name, tokens, tenant: None,
                            history_factory=lambda: HistorySource(max_bytes=per_request),
                            max_history_bytes=2 * per_request)
-    for rid in "abc":  # 200 tokens: under PROMPT_TOKENS, so all of them go to the dict
+    for rid in "abc":  # 200 tokens: the search array grows to its bound, 300 slots (the key's padding included)
         states.update(rid, list(range(10, 210)), 200, 200)
         assert states.num_history_bytes <= 2 * per_request
     assert "a" not in states and "b" in states and "c" in states
