@@ -80,6 +80,11 @@ class RequestState:
         if known and not self.outside:  # prompt (or known) tokens: nothing of them is learned, so in one go
             self.tracker.append(token_ids[:known])
             token_ids, position = token_ids[known:], position + known
+        if self.tracker.ends_no_marker(token_ids):  # the usual step: no segment opens or closes, in one go
+            if self.tracker.current == DEFAULT_SEGMENT:
+                self.outside.extend(token_ids[max(0, first_new - position):])
+            self.tracker.append(token_ids)
+            return learned
         for token_id in token_ids:
             was_outside = self.tracker.current == DEFAULT_SEGMENT
             for closed in self.tracker.append((token_id,)):

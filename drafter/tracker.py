@@ -86,6 +86,10 @@ class SegmentTracker:
         self.num_tokens = first + len(stream)
         return closed
 
+    def ends_no_marker(self, token_ids: Sequence[int]) -> bool:
+        """None of token_ids ends a marker: appending them opens and closes nothing."""
+        return self._last_tokens.isdisjoint(token_ids)
+
     def _ends_here(self, marker: tuple[int, ...]) -> bool:
         n = len(marker)
         return n <= len(self._tail) and tuple(self._tail[-n:]) == marker

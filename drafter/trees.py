@@ -23,7 +23,7 @@ from drafter.types import Continuation
 from protos.segserve.v1.tree import ROOT, CandidateTree
 
 
-@dataclass
+@dataclass(slots=True)
 class _TrieNode:
     token_id: int
     weight: float = 0.0
