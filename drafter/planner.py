@@ -172,6 +172,10 @@ class DraftPlanner:
         """Hold the corpora still while drafting or saving (the learner waits; it never holds them long)."""
         return self.learner.guard.reading() if self.learner is not None else nullcontext()
 
+    def source_stats(self, kind: str) -> dict[str, tuple[int, int]]:
+        """How well each of the kind's sources predicted (SourceAcceptance)."""
+        return self.acceptance.of_kind(kind)
+
     def wait_learned(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued segment is in its corpus (never call it while reading()); False on timeout."""
         return self.learner is None or self.learner.wait_idle(timeout_s)

@@ -1,8 +1,8 @@
 """The Drafter gRPC servicer: batched Draft (state updates + trees), Health and GetStats.
 
-Protobuf is converted here only: queries become `Query`s, the planner's
-CandidateTrees leave as drafter_pb2.DraftReply (tree via CandidateTree.to_pb), and
-Health answers with protos.segserve.v1.info.Health. A tree that fails
+Protobuf is converted here only, through the contracts the scheduler uses too
+(protos/segserve/v1/draft.py): queries arrive as DraftQuery, the proposer's trees leave
+in a DraftReply, and Health answers with protos.segserve.v1.info.Health. A tree that fails
 CandidateTree.problem() is never sent: the reply carries an empty tree. A batch
 expected to take long runs in a worker thread (corpus lookups and any draft model are
 CPU work) so that Health stays responsive, a short one on the event loop
@@ -23,15 +23,14 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from drafter.memory import SharedMemory
-from drafter.planner import DraftPlanner
+from drafter.proposer import Proposer
 from drafter.state import RequestStates
-from drafter.suffix import SuffixPlanner
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.segserve.v1.draft import DraftQuery, DraftReply
 from protos.segserve.v1.info import Health
 from protos.segserve.v1.stats import DrafterSegmentStats, DrafterSourceStats, DrafterStats
 from protos.segserve.v1.tree import CandidateTree
@@ -41,34 +40,6 @@ from common.health import Serving
 
 logger = logging.getLogger(__name__)
 _UPDATE_PIECE_TOKENS = 4096
-
-
-@dataclass(frozen=True)
-class Query:
-    """One DraftQuery, off the wire."""
-
-    request_id: str
-    new_token_ids: list[int]
-    num_tokens: int
-    num_prompt_tokens: int
-    max_nodes: int
-    num_known_tokens: int = 0
-    is_final: bool = False
-    tenant: str = ""
-    corpus_key: str = ""
-    min_node_prob: float = 0.0
-    """The scheduler's price of a draft token: nodes less likely to be accepted are left out."""
-
-    @classmethod
-    def from_pb(cls, pb: drafter_pb2.DraftQuery) -> "Query":
-        price = pb.min_node_prob if 0 <= pb.min_node_prob < 1 else 0.0  # out of range or NaN: no price
-        return cls(pb.request_id, list(pb.new_token_ids), pb.num_tokens, pb.num_prompt_tokens, pb.max_nodes,
-                   pb.num_known_tokens, pb.is_final, pb.tenant, pb.corpus_key, price)
-
-    @property
-    def is_update_only(self) -> bool:
-        """No tree asked for."""
-        return self.is_final or self.max_nodes == 0
 
 
 def _status_errors(method):
@@ -86,9 +57,9 @@ def _status_errors(method):
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    """Serves a DraftPlanner over per-request states."""
+    """Serves a Proposer over per-request states."""
 
-    def __init__(self, planner: DraftPlanner | SuffixPlanner, states: RequestStates,
+    def __init__(self, planner: Proposer, states: RequestStates,
                  memory: SharedMemory | None = None):
         self.planner = planner
         """The proposer: segment corpora (DraftPlanner), or SuffixDecoding's trees (SuffixPlanner)."""
@@ -109,7 +80,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     @_status_errors
     async def Draft(self, request, context):
         self.num_draft_calls += 1
-        queries = [Query.from_pb(q) for q in request.queries]
+        queries = [DraftQuery.from_pb(q) for q in request.queries]
         finished = list(request.finished_request_ids)
         replies = []
         parent = tracing.from_call(context)  # a traced step's scheduler span
@@ -136,11 +107,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         requests = self.states.count_by_segment()
         entries, num_bytes = self.planner.corpus_sizes()
         learned = self.planner.num_learned_tokens
-        names = sorted({*self.planner.corpora, *entries, *requests})
-        acceptance = getattr(self.planner, "acceptance", None)  # the suffix backend judges no sources
+        names = sorted({*entries, *requests})
         segments = tuple(DrafterSegmentStats(name, entries[name], num_bytes[name], requests[name], learned[name],
                                              tuple(DrafterSourceStats(role, judged, matched) for role, (judged, matched)
-                                                   in (acceptance.of_kind(name) if acceptance else {}).items()))
+                                                   in self.planner.source_stats(name).items()))
                          for name in names)  # fmt: skip
         return DrafterStats(segments, len(self.states), self.num_draft_calls, time.process_time(),
                             self.planner.backend)
@@ -158,7 +128,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             async with self._lock:
                 await asyncio.to_thread(self.memory.snapshot)
 
-    def draft_batch(self, queries: list[Query], finished: list[str]) -> list[drafter_pb2.DraftReply]:
+    def draft_batch(self, queries: list[DraftQuery], finished: list[str]) -> list[drafter_pb2.DraftReply]:
         """Drop finished requests, then update and draft each query in order: one reply per query."""
         for request_id in finished:
             self.states.drop(request_id)
@@ -166,34 +136,34 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with self.planner.reading():
             return [self._finish_one(q) if q.is_final else self._draft_one(q) for q in queries]
 
-    def _finish_one(self, query: Query) -> drafter_pb2.DraftReply:
+    def _finish_one(self, query: DraftQuery) -> drafter_pb2.DraftReply:
         """A request's last tokens: learn what they close, forget the request."""
         final = self.states.finish(query.request_id, query.new_token_ids, query.num_tokens, query.num_prompt_tokens,
                                    query.num_known_tokens, query.tenant, query.corpus_key)
         self.planner.release(query.request_id, final)
-        return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=final is None)
+        return DraftReply(needs_resync=final is None).to_pb(query.request_id)
 
-    def _draft_one(self, query: Query) -> drafter_pb2.DraftReply:
+    def _draft_one(self, query: DraftQuery) -> drafter_pb2.DraftReply:
         """Update the request's state, then its tree (or needs_resync with no tree)."""
         state = self.states.update(query.request_id, query.new_token_ids, query.num_tokens, query.num_prompt_tokens,
                                    query.num_known_tokens, query.tenant, query.corpus_key)
         if state is None:
-            return drafter_pb2.DraftReply(request_id=query.request_id, needs_resync=True)
+            return DraftReply(needs_resync=True).to_pb(query.request_id)
         tree, segment = self.planner.draft(state, query.max_nodes, query.min_node_prob)
         problem = tree.problem(max_nodes=query.max_nodes)
         if problem is not None:  # never send garbage; an empty tree just means no speculation
             logger.error("dropping an invalid tree for %s: %s", query.request_id, problem)
             tree = CandidateTree()
-        return drafter_pb2.DraftReply(request_id=query.request_id, tree=tree.to_pb(), segment=segment,
-                                      marker_token_ids=self.planner.segments.marker_token_ids)
+        reply = DraftReply(tree, segment, marker_token_ids=self.planner.segments.marker_token_ids)
+        return reply.to_pb(query.request_id)
 
 
-def _pieces(queries: list[Query], finished: list[str]) -> list[tuple[list[Query], list[str]]]:
+def _pieces(queries: list[DraftQuery], finished: list[str]) -> list[tuple[list[DraftQuery], list[str]]]:
     """The batch as one piece when it asks for a tree; else pieces of at most _UPDATE_PIECE_TOKENS new tokens
     (a query is never split), the finished ids with the first."""
     if not queries or any(not q.is_update_only for q in queries):
         return [(queries, finished)]
-    pieces: list[tuple[list[Query], list[str]]] = [([], finished)]
+    pieces: list[tuple[list[DraftQuery], list[str]]] = [([], finished)]
     num_tokens = 0
     for query in queries:
         if pieces[-1][0] and num_tokens + len(query.new_token_ids) > _UPDATE_PIECE_TOKENS:

@@ -58,8 +58,6 @@ class SuffixPlanner:
         self.config = config or DrafterConfig()
         """SuffixDecoding's parameters (its suffix_* fields) and max_requests."""
         self.cache = new_cache(self.config)
-        self.corpora: dict = {}
-        """No segment corpora: the global tree is reported as the kind SEGMENT."""
         self.num_learned_tokens: Counter[str] = Counter()
         """Response tokens added to the global tree since start, under SEGMENT."""
         self._max_requests = self.config.max_requests
@@ -79,6 +77,12 @@ class SuffixPlanner:
 
     def reading(self) -> AbstractContextManager:
         return nullcontext()  # nothing learns in the background
+
+    def wait_learned(self, timeout_s: float | None = None) -> bool:
+        return True  # learn() adds at once
+
+    def source_stats(self, kind: str) -> dict[str, tuple[int, int]]:
+        return {}  # one proposer, judged by the scheduler's acceptance only
 
     def corpus_sizes(self) -> tuple[Counter[str], Counter[str]]:
         """Responses in the global tree and its estimated memory, under SEGMENT."""

@@ -49,10 +49,10 @@ from collections.abc import Callable, Container, Sequence
 from contextvars import Context
 from typing import Protocol
 
+from protos.segserve.v1.draft import DraftQuery, DraftReply
 from protos.segserve.v1.step import StepRequest
 from protos.segserve.v1.step_result import StepResult, output_problem
 from protos.segserve.v1.tree import CandidateTree
-from scheduler.drafter_client import DraftQuery, DraftReply
 from scheduler.sequence import Sequence as Seq
 from scheduler.spec_gate import GateDecision
 from scheduler.spec_policy import AcceptanceStats, SpecPolicy

@@ -138,9 +138,7 @@ def replay(servicer, requests: list[_Request], budget: int, concurrency: int, no
         finals = []
         started = time.process_time()
         replies = servicer.draft_batch(queries, [])
-        learner = getattr(servicer.planner, "learner", None)
-        if learner is not None:
-            learner.wait_idle()  # what a request closed is learned before the next step, as in a quiet drafter
+        servicer.planner.wait_learned()  # what a request closed is learned before the next step, as in a quiet drafter
         cpu_s += time.process_time() - started
         num_queries += len(running)
         for request, reply in zip(running, replies[len(queries) - len(running):]):
@@ -163,10 +161,10 @@ def replay(servicer, requests: list[_Request], budget: int, concurrency: int, no
 
 
 def _query(request: _Request, budget: int, node_price: float = 0.0):
-    from drafter.service import Query
+    from protos.segserve.v1.draft import DraftQuery
 
     tokens = request.tokens
-    return Query(request.request_id, tokens[request.num_sent :], len(tokens), len(request.prompt), budget,
+    return DraftQuery(request.request_id, tokens[request.num_sent :], len(tokens), len(request.prompt), budget,
                  tenant=request.tenant, min_node_prob=node_price)
 
 

@@ -14,9 +14,9 @@ from drafter.planner import DraftPlanner
 from drafter.segment_log import DirectorySegmentLog, LearnedSegment, RedisSegmentLog
 from drafter.segments import SCHEMA_SEGMENT, CorpusLimits, parse_segments
 from drafter.server import build_servicer, start_server
-from drafter.service import Query
 from drafter.state import RequestStates
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.segserve.v1.draft import DraftQuery
 from protos.segserve.v1.stats import DrafterStats
 from protos.segserve.v1.tree import CandidateTree
 from tests.support.reflow_helpers import redis_server
@@ -176,8 +176,9 @@ def test_a_key_past_its_length_bound_is_ignored():
 def test_the_corpus_key_round_trips_in_the_draft_query():
     pb = drafter_pb2.DraftQuery(request_id="r", new_token_ids=[1, 2], num_tokens=2, tenant="t", corpus_key=PERSON)
     wire = drafter_pb2.DraftQuery.FromString(pb.SerializeToString())
-    assert wire.corpus_key == PERSON and Query.from_pb(wire) == Query("r", [1, 2], 2, 0, 0, 0, False, "t", PERSON)
-    assert Query.from_pb(drafter_pb2.DraftQuery(request_id="r")).corpus_key == ""
+    assert wire.corpus_key == PERSON
+    assert DraftQuery.from_pb(wire) == DraftQuery("r", [1, 2], 2, 0, 0, 0, False, "t", PERSON)
+    assert DraftQuery.from_pb(drafter_pb2.DraftQuery(request_id="r")).corpus_key == ""
 
 
 async def test_the_key_arrives_over_grpc_and_the_stats_count_the_schema_kind():

@@ -7,7 +7,7 @@ from drafter.config import DrafterConfig
 from drafter.planner import DraftPlanner, SourceAcceptance
 from drafter.segments import DEFAULT_SEGMENT, parse_segments
 from drafter.server import build_servicer
-from drafter.service import Query
+from protos.segserve.v1.draft import DraftQuery
 from drafter.state import RequestStates
 from protos.segserve.v1.stats import DrafterSourceStats
 
@@ -52,8 +52,8 @@ def test_the_source_that_predicts_what_the_model_writes_takes_the_trees_nodes():
 def test_get_stats_shows_each_sources_judged_and_matched_tokens():
     servicer = build_servicer(DrafterConfig(), parse_segments(RAW))
     prompt = [A, B, C, D, 50, A, B]
-    servicer.draft_batch([Query("r", prompt, len(prompt), len(prompt), 2)], [])
-    servicer.draft_batch([Query("r", [C, D], len(prompt) + 2, len(prompt), 2)], [])
+    servicer.draft_batch([DraftQuery("r", prompt, len(prompt), len(prompt), 2)], [])
+    servicer.draft_batch([DraftQuery("r", [C, D], len(prompt) + 2, len(prompt), 2)], [])
     (segment,) = servicer.stats().segments
     assert segment.sources == (DrafterSourceStats("history", 2, 2),)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from drafter.config import DrafterConfig
+from drafter.proposer import Proposer
 from drafter.segments import parse_segments
 from drafter.server import build_servicer, start_server
 from drafter.state import RequestStates
@@ -30,6 +31,13 @@ RESPONSE = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
 
 def states() -> RequestStates:
     return RequestStates(SEGMENTS, on_segment_closed=lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("backend", ["segserve", "suffix"])
+def test_each_backend_serves_through_the_one_proposer_interface(backend):
+    servicer = build_servicer(DrafterConfig(backend=backend), SEGMENTS)
+    assert isinstance(servicer.planner, Proposer) and servicer.planner.backend == backend
+    assert servicer.stats().backend == backend
 
 
 def test_a_request_drafts_from_its_own_prompt_and_grows_the_draft_with_the_match():

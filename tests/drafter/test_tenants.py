@@ -152,17 +152,16 @@ class _WireDrafter:
         self.servicer = build_servicer(DrafterConfig(), parse_segments(segments))
 
     async def draft(self, queries, finished_ids):
-        from drafter.service import Query
-        from scheduler.drafter_client import DraftReply
+        from protos.segserve.v1.draft import DraftQuery, DraftReply
 
-        replies = self.servicer.draft_batch([Query.from_pb(q.to_pb()) for q in queries], list(finished_ids))
+        replies = self.servicer.draft_batch([DraftQuery.from_pb(q.to_pb()) for q in queries], list(finished_ids))
         return {reply.request_id: DraftReply.from_pb(reply) for reply in replies}
 
     def proposal(self, context: list[int], tenant: str) -> list[int]:
-        from drafter.service import Query
+        from protos.segserve.v1.draft import DraftQuery
 
         assert self.servicer.planner.wait_learned(10)
-        (reply,) = self.servicer.draft_batch([Query("later", context, len(context), 1, 8, tenant=tenant)], [])
+        (reply,) = self.servicer.draft_batch([DraftQuery("later", context, len(context), 1, 8, tenant=tenant)], [])
         return list(reply.tree.token_ids)
 
 

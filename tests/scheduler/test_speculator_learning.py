@@ -11,9 +11,8 @@ import pytest
 from drafter.config import DrafterConfig
 from drafter.segments import parse_segments
 from drafter.server import build_servicer
-from drafter.service import Query
 from protos.segserve.v1.sampling import StoppingCriteria
-from scheduler.drafter_client import DraftQuery, DraftReply
+from protos.segserve.v1.draft import DraftQuery, DraftReply
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecPolicy
 from scheduler.speculator import Speculator
@@ -33,15 +32,13 @@ class InProcessDrafter:
 
     async def draft(self, queries, finished_ids) -> dict[str, DraftReply]:
         self.queries += queries
-        replies = self.servicer.draft_batch([Query(q.request_id, list(q.new_token_ids), q.num_tokens,
-                                                   q.num_prompt_tokens, q.max_nodes, q.num_known_tokens, q.is_final)
-                                             for q in queries], list(finished_ids))
+        replies = self.servicer.draft_batch(list(queries), list(finished_ids))
         return {reply.request_id: DraftReply.from_pb(reply) for reply in replies}
 
     def proposal(self, context: list[int]) -> list[int]:
         """What a later request whose tokens end with `context` gets drafted."""
         assert self.servicer.planner.wait_learned(10)
-        (reply,) = self.servicer.draft_batch([Query("later", context, len(context), 1, 8)], [])
+        (reply,) = self.servicer.draft_batch([DraftQuery("later", context, len(context), 1, 8)], [])
         return list(reply.tree.token_ids)
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from protos.segserve.v1.draft import DraftQuery, DraftReply
 from protos.segserve.v1.stats import DrafterSegmentStats, DrafterStats
 from protos.segserve.v1.tree import ROOT, CandidateTree
-from scheduler.drafter_client import DraftQuery, DraftReply
 from tests.support.fakes import Rule
 
 

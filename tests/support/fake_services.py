@@ -9,8 +9,8 @@ import dataclasses
 import grpc
 
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc, worker_pb2_grpc
+from protos.segserve.v1.draft import DraftQuery
 from protos.segserve.v1.step import StepRequest
-from scheduler.drafter_client import DraftQuery
 from tests.support.fake_drafter import FakeDrafter
 from tests.support.fakes import FakeWorker, InjectedFailure
 from worker.step_order import StepOrder
@@ -80,15 +80,10 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.is_garbage = False
 
     async def Draft(self, request, context):
-        queries = [DraftQuery(q.request_id, list(q.new_token_ids), q.num_tokens, q.num_prompt_tokens, q.max_nodes,
-                              q.num_known_tokens, q.is_final) for q in request.queries]
+        queries = [DraftQuery.from_pb(q) for q in request.queries]
         replies = await self.drafter.draft(queries, list(request.finished_request_ids))
         return drafter_pb2.DraftResponse(replies=[
-            drafter_pb2.DraftReply(request_id="someone-else" if self.is_garbage else q.request_id,
-                                   tree=replies[q.request_id].tree.to_pb(), segment=replies[q.request_id].segment,
-                                   needs_resync=replies[q.request_id].needs_resync,
-                                   marker_token_ids=replies[q.request_id].marker_token_ids)
-            for q in queries])
+            replies[q.request_id].to_pb("someone-else" if self.is_garbage else q.request_id) for q in queries])
 
     async def GetStats(self, request, context):
         if self.drafter.mode == "down":
