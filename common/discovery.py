@@ -9,6 +9,11 @@ must carry; common/tls.py).
 `rendezvous` places a key (e.g. `affinity_key` of a prompt) on one replica of a set (highest random weight hashing): every key
 keeps its replica when replicas join or leave, except the keys of a replica that left and the
 share a new replica takes over, about 1/n of them.
+
+Every replica set of the stack (the router's schedulers, a scheduler's workers, its drafters) is kept with
+these: `parse_targets` reads its flag, `membership_changes` says who joined and left at each refresh, and
+`place` puts a prompt on its affinity replica unless that one is busier than the least busy by more than a
+slack.
 """
 
 from __future__ import annotations
@@ -16,9 +21,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 DNS_SCHEME = "dns:///"
+
+
+def parse_targets(text: str, flag: str) -> list[str]:
+    """The comma-separated targets of an address flag; ValueError naming the flag when it names none."""
+    targets = [part.strip() for part in text.split(",") if part.strip()]
+    if not targets:
+        raise ValueError(f"{flag} names no replica")
+    return targets
 
 
 def is_dns_target(target: str) -> bool:
@@ -62,6 +75,14 @@ async def resolve_names(targets: Sequence[str]) -> dict[str, str | None]:
     return addresses
 
 
+async def membership_changes(targets: Sequence[str], known: Collection[str]
+                             ) -> tuple[dict[str, str | None], list[str]]:  # fmt: skip
+    """Resolve the targets again: the addresses not in `known` (each with the DNS name it came from, as
+    resolve_names gives it) and the known ones no target names any more, both sorted."""
+    names = await resolve_names(targets)
+    return {a: names[a] for a in sorted(names) if a not in known}, sorted(set(known) - set(names))
+
+
 def _weight(key: str, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{replica}\x00{key}".encode(), digest_size=8).digest(), "big")
 
@@ -85,3 +106,14 @@ def affinity_key(prompt_token_ids: Sequence[int]) -> str:
     if length >= AFFINITY_ALIGN:
         length -= length % AFFINITY_ALIGN
     return ",".join(map(str, prompt_token_ids[:length]))
+
+
+def place(prompt_token_ids: Sequence[int], loads: Mapping[str, tuple[int, ...]], slack: int) -> str | None:
+    """The replica for a prompt among `loads` (address -> its load, smaller is less loaded, the first entry in
+    requests): its affinity replica (rendezvous on affinity_key), unless that one has more than `slack` requests
+    more than the least loaded, which then takes it. None when `loads` is empty."""
+    if not loads:
+        return None
+    preferred = rendezvous(affinity_key(prompt_token_ids), list(loads))
+    least = min(loads, key=loads.__getitem__)
+    return preferred if loads[preferred][0] <= loads[least][0] + slack else least

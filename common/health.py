@@ -1,9 +1,11 @@
 """The standard gRPC health protocol and server reflection, as every segserve gRPC server serves them.
 
-A leaf module (stdlib and grpc only), so every service may import it. `add_health_and_reflection`
+Every service may import it (grpc and common/tls.py only). `add_health_and_reflection`
 registers grpc.health.v1.Health and reflection on a server; `Serving` sets the overall status ("")
 and each named service's together: NOT_SERVING while a worker loads its model or any server shuts
-down, SERVING in between. Kubernetes probes (`grpc:` probes) and grpcurl read these.
+down, SERVING in between. Kubernetes probes (`grpc:` probes) and grpcurl read these. `start_serving`
+does what every service's server does before its first call: health and reflection, the port
+(over TLS when given), the start.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from common.tls import TlsFiles, add_port
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -43,3 +47,16 @@ def add_health_and_reflection(server: grpc.aio.Server, serving: Serving) -> None
     """Serve `serving`'s health and reflection of its services (plus health and reflection themselves)."""
     health_pb2_grpc.add_HealthServicer_to_server(serving.servicer, server)
     reflection.enable_server_reflection((*serving.service_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+
+
+async def start_serving(server: grpc.aio.Server, serving: Serving, address: str, tls: TlsFiles | None,
+                        what: str) -> int:
+    """Add health and reflection to `server` (its services already added), bind `address` (port 0: any free one;
+    over TLS with `tls`, common/tls.py's add_port) and start it; returns the bound port. OSError naming `what`
+    when the address cannot be bound."""
+    add_health_and_reflection(server, serving)
+    port = add_port(server, address, tls)
+    if port == 0:
+        raise OSError(f"cannot bind {what} to {address}")
+    await server.start()
+    return port

@@ -34,9 +34,9 @@ from drafter.types import ContinuationSource
 from protos.segserve.v1 import drafter_pb2_grpc
 from common import tracing
 from common.checkpoint import resolve_model
-from common.health import add_health_and_reflection
+from common.health import start_serving
 from common.heap import freeze_startup_heap
-from common.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
+from common.tls import EXCLUSIVE_PORT, TlsFiles, internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +132,7 @@ async def start_server(servicer: DrafterServicer, host: str, port: int,
     (common.tls.internal_tls of the config), clients must present a certificate its CA signed."""
     server = grpc.aio.server(options=[EXCLUSIVE_PORT])
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-    add_health_and_reflection(server, servicer.serving)
-    bound = add_port(server, f"{host}:{port}", tls)
-    if bound == 0:
-        raise OSError(f"cannot bind the drafter to {host}:{port}")
-    await server.start()
+    bound = await start_serving(server, servicer.serving, f"{host}:{port}", tls, "the drafter")
     await servicer.set_serving(True)
     return server, bound
 
@@ -166,7 +162,7 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
         await server.stop(grace=1.0)
         if servicer.memory is not None:
             servicer.memory.snapshot()  # SIGTERM and Ctrl-C end here too (it waits for queued learning)
-            servicer.planner.learner.close()
+            servicer.memory.planner.learner.close()
             if servicer.memory.log is not None:
                 servicer.memory.log.close()
         tracing.shutdown()

@@ -70,8 +70,8 @@ from router.state import RouterState
 from router.stop import stop_at_strings
 from router.structured import check_compiles
 from router.traces import grpc_span
-from common.health import Serving, add_health_and_reflection
-from common.tls import EXCLUSIVE_PORT, add_port
+from common.health import Serving, start_serving
+from common.tls import EXCLUSIVE_PORT
 
 logger = logging.getLogger(__name__)
 
@@ -331,12 +331,7 @@ async def start_grpc_server(state: RouterState, config: RouterConfig) -> GrpcApi
     server = grpc.aio.server(options=server_options(config))
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
     serving = Serving([SERVICE_NAME])
-    add_health_and_reflection(server, serving)
-    address = f"{config.host}:{config.grpc_port}"
-    port = add_port(server, address, config.tls)
-    if port == 0:
-        raise RuntimeError(f"cannot bind the gRPC API to {address}")
-    await server.start()
+    port = await start_serving(server, serving, f"{config.host}:{config.grpc_port}", config.tls, "the gRPC API")
     await serving.set(True)
     logger.info("public gRPC API on %s:%d (%s)", config.host, port, "TLS" if config.tls else "plaintext")
     return GrpcApi(server, serving, port)

@@ -33,21 +33,14 @@ from protos.segserve.v1.generate import GenerateError, GenerateEvent, GenerateRe
 from protos.segserve.v1.info import Health, WorkerInfo
 from router.scheduler_client import SchedulerApi, SchedulerClient, SchedulerLoad, SegmentLoad, SpecTotals
 from router.scheduler_streams import ReadyStream, RequestStream, terminal_index
-from common.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
+from common.backoff import Backoff
+from common.discovery import is_dns_target, membership_changes, place
 from common.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 RETRIED_CODES = ("overloaded", "unavailable")
-_RETRY_BACKOFF_S = (0.1, 1.0)
-"""The first wait before an unavailable request is tried again, and the longest (doubling in between)."""
-
-
-def parse_targets(text: str) -> list[str]:
-    """The comma-separated scheduler targets of --scheduler-address."""
-    targets = [part.strip() for part in text.split(",") if part.strip()]
-    if not targets:
-        raise ValueError("scheduler_address names no scheduler")
-    return targets
+_RETRY_BACKOFF = Backoff(0.1, 1.0)
+"""The waits before an unavailable request tries every scheduler again: 0.1 s, doubling, at most 1 s."""
 
 
 class SchedulerPool(SchedulerApi):
@@ -98,12 +91,7 @@ class SchedulerPool(SchedulerApi):
         left."""
         candidates = [a for a in self._live if a in self._clients and a not in exclude]
         candidates = candidates or [a for a in self._clients if a not in exclude]
-        if not candidates:
-            return None
-        key = affinity_key(prompt_token_ids)
-        preferred = rendezvous(key, candidates)
-        least = min(candidates, key=self._busy)
-        return preferred if self._busy(preferred) <= self._busy(least) + self.slack else least
+        return place(prompt_token_ids, {a: (self._busy(a),) for a in candidates}, self.slack)
 
     def _busy(self, address: str) -> int:
         load = self._loads.get(address)
@@ -195,12 +183,11 @@ class SchedulerPool(SchedulerApi):
         """Resolve the DNS targets again; add new schedulers, drop gone ones."""
         if not any(is_dns_target(t) for t in self.targets):
             return
-        names = await resolve_names(self.targets)
-        addresses = set(names)
-        for address in addresses - set(self._clients):
-            self._clients[address] = SchedulerClient(address, self.tls, names[address])
+        joined, left = await membership_changes(self.targets, self._clients)
+        for address, name in joined.items():
+            self._clients[address] = SchedulerClient(address, self.tls, name)
             self._live.add(address)
-        for address in set(self._clients) - addresses:
+        for address in left:
             if self._in_flight[address] == 0:
                 self._live.discard(address)
                 await self._clients.pop(address).close()
@@ -216,7 +203,8 @@ class _PoolStream:
         self._timeout_s = timeout_s
         self._tried: set[str] = set()
         self._retry_deadline = time.monotonic() + pool.retry_s
-        self._backoff_s = _RETRY_BACKOFF_S[0]
+        self._num_waits = 0
+        """Times this request waited to try every scheduler again."""
         self._is_started = False
         self._address: str | None = None
         """The scheduler of the current attempt, counted in flight there until it is closed."""
@@ -258,11 +246,11 @@ class _PoolStream:
 
     async def _wait_to_retry(self) -> bool:
         """Back off before trying every scheduler again; False once retry_s is spent."""
-        wait_s = min(self._backoff_s, self._retry_deadline - time.monotonic())
+        self._num_waits += 1
+        wait_s = min(_RETRY_BACKOFF.delay_s(self._num_waits), self._retry_deadline - time.monotonic())
         if wait_s <= 0:
             return False
         await asyncio.sleep(wait_s)
-        self._backoff_s = min(_RETRY_BACKOFF_S[1], 2 * self._backoff_s)
         return True
 
     async def _close_attempt(self) -> None:

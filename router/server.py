@@ -26,8 +26,9 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.drain import Drain
 from router.grpc_api import GrpcApi, start_grpc_server
-from router.scheduler_pool import SchedulerPool, parse_targets
+from router.scheduler_pool import SchedulerPool
 from common import tracing
+from common.discovery import parse_targets
 from common.heap import freeze_startup_heap
 from common.tls import internal_tls
 
@@ -59,7 +60,7 @@ async def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     if tokenizer is None:
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
         config = await asyncio.to_thread(with_model_card, config)
-    client = SchedulerPool(parse_targets(config.scheduler_address), tls=internal_tls(config),
+    client = SchedulerPool(parse_targets(config.scheduler_address, "--scheduler-address"), tls=internal_tls(config),
                            retry_s=config.scheduler_retry_s)
     logger.info("waiting for a scheduler at %s", config.scheduler_address)
     try:

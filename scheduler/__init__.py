@@ -15,7 +15,7 @@ Layers, outermost first:
 - engine.py: the async step loop (schedule -> draft -> worker step ->
   postprocess -> deliver; with async scheduling a pipelined variant, chosen once);
   worker_link.py: connecting to the worker, the idle health check, the record of a
-  lost worker; request_stream.py: per-request event streams.
+  lost worker; request_events.py: per-request event queues.
 - worker_client.py, drafter_client.py: gRPC clients to the worker and the
   drafter replicas (protobuf converted here).
 - traces.py: a traced request's admission, queue and step spans, and the step's trace

@@ -25,15 +25,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from protos.segserve.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.segserve.v1.draft import DraftQuery, DraftReply
 from protos.segserve.v1.stats import DrafterReplicaStats, DrafterStats
-from protos.segserve.v1.tree import CandidateTree
 from common import tracing
-from common.discovery import is_dns_target, rendezvous, resolve_names
+from common.backoff import Backoff
+from common.discovery import is_dns_target, membership_changes, rendezvous
 from common.tls import TlsFiles, open_channel
 
 logger = logging.getLogger(__name__)
@@ -41,56 +41,6 @@ logger = logging.getLogger(__name__)
 _LOG_EVERY = 100
 _MAX_BACKOFF_S = 60.0
 _MAX_PENDING_FINISHED = 4096
-
-
-@dataclass(frozen=True)
-class DraftQuery:
-    """One request's state update and its ask for a tree (drafter.proto's DraftQuery)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    num_tokens: int
-    num_prompt_tokens: int
-    max_nodes: int
-    num_known_tokens: int = 0
-    """With the whole sequence: tokens some drafter already received (segments closing within them are learned)."""
-    is_final: bool = False
-    """The request ended with these tokens: learn, then drop its state; no tree."""
-    tenant: str = ""
-    """Whose request: the drafter learns its segments into this tenant's corpora."""
-    corpus_key: str = ""
-    """A structured output's corpus (corpus_key()): the whole output is one segment, learned into and drafted
-    from that key's corpus; empty = segments by markers."""
-    min_node_prob: float = 0.0
-    """The step's price of a draft token in accepted tokens (SpecPolicy.node_price): less likely nodes are left out."""
-
-    def to_pb(self) -> drafter_pb2.DraftQuery:
-        return drafter_pb2.DraftQuery(request_id=self.request_id, new_token_ids=self.new_token_ids,
-                                      num_tokens=self.num_tokens, num_prompt_tokens=self.num_prompt_tokens,
-                                      max_nodes=self.max_nodes, num_known_tokens=self.num_known_tokens,
-                                      is_final=self.is_final, tenant=self.tenant, corpus_key=self.corpus_key,
-                                      min_node_prob=self.min_node_prob)
-
-    @property
-    def is_update_only(self) -> bool:
-        return self.is_final or self.max_nodes == 0
-
-
-@dataclass(frozen=True)
-class DraftReply:
-    """A replica's answer for one query (drafter.proto's DraftReply): a tree, or a request to resend
-    the whole sequence. The tree is unchecked: call tree.problem() before using it."""
-
-    tree: CandidateTree
-    segment: str = ""
-    """The segment kind the request is in."""
-    needs_resync: bool = False
-    marker_token_ids: tuple[int, ...] = ()
-    """Every token of the replica's segment markers: the request's segment may change where one comes."""
-
-    @classmethod
-    def from_pb(cls, pb: drafter_pb2.DraftReply) -> DraftReply:
-        return cls(CandidateTree.from_pb(pb.tree), pb.segment, pb.needs_resync, tuple(pb.marker_token_ids))
 
 
 class _Replica:
@@ -121,6 +71,8 @@ class DrafterClient:
         self.update_timeout_s = max(update_timeout_s, timeout_s)
         """Deadline of a call that asks for no tree (it is off the step's path)."""
         self.retry_s = retry_s
+        self.backoff = Backoff(min(retry_s, _MAX_BACKOFF_S), _MAX_BACKOFF_S)
+        """A failed replica's wait before it is tried again, doubling per consecutive failure."""
         self.clock = clock
         self.refresh_s = refresh_s
         self.tls = tls
@@ -201,12 +153,11 @@ class DrafterClient:
         if self.clock() < self._next_refresh:
             return
         self._next_refresh = self.clock() + self.refresh_s
-        names = await resolve_names(self.targets)
-        addresses = set(names)
-        for address in addresses - set(self._replicas):
-            self._replicas[address] = _Replica(address, self.tls, names[address])
+        joined, left = await membership_changes(self.targets, self._replicas)
+        for address, name in joined.items():
+            self._replicas[address] = _Replica(address, self.tls, name)
             logger.info("drafter replica %s joined (%d replicas)", address, len(self._replicas))
-        for address in set(self._replicas) - addresses:
+        for address in left:
             replica = self._replicas.pop(address)
             await replica.channel.close()
             logger.info("drafter replica %s left (%d replicas)", address, len(self._replicas))
@@ -229,7 +180,7 @@ class DrafterClient:
     def _record_failure(self, replica: _Replica, exc: Exception) -> None:
         replica.num_failures += 1
         replica.num_consecutive_failures += 1
-        backoff = min(_MAX_BACKOFF_S, self.retry_s * 2 ** (replica.num_consecutive_failures - 1))
+        backoff = self.backoff.delay_s(replica.num_consecutive_failures)
         replica.retry_at = self.clock() + backoff
         if replica.num_failures % _LOG_EVERY == 1:
             what = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)

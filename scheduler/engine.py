@@ -31,7 +31,7 @@ from protos.segserve.v1.step_result import StepResult
 from scheduler import traces
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import RequestEvent
-from scheduler.request_stream import RequestStream
+from scheduler.request_events import RequestEvents
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SegmentStats
@@ -84,7 +84,7 @@ async def _settle(task: asyncio.Task | None) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
-LostHandler = Callable[["Engine", list[tuple[Sequence, RequestStream]], str], None]
+LostHandler = Callable[["Engine", list[tuple[Sequence, RequestEvents]], str], None]
 """Called when an engine's worker is lost, with the sequences it held (reset for recomputation), their streams
 and the reason."""
 
@@ -109,7 +109,7 @@ class Engine:
         self._step_ids = itertools.count(random.getrandbits(48) + 1)
         """Step ids for async scheduling, from a random start so that a restarted scheduler's never meet
         the ids a worker remembers from before."""
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestEvents] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -136,18 +136,18 @@ class Engine:
             return Health(False, "not connected to the worker yet")
         return await self.worker.health()
 
-    def add_request(self, request: GenerateRequest) -> RequestStream:
+    def add_request(self, request: GenerateRequest) -> RequestEvents:
         """Queue a validated request; raises EngineNotReady, QueueFull (retry later), or RequestRejected."""
         if self.scheduler is None:
             raise EngineNotReady(f"the worker at {self.address} has not answered yet")
         seq = Sequence.of(request)
         seq.trace = traces.request_trace(request)
         self.scheduler.add(seq)
-        stream = self._streams[request.request_id] = RequestStream(request.request_id)
+        stream = self._streams[request.request_id] = RequestEvents(request.request_id)
         self._wakeup.set()
         return stream
 
-    def adopt(self, seq: Sequence, stream: RequestStream) -> None:
+    def adopt(self, seq: Sequence, stream: RequestEvents) -> None:
         """Go on with a request another engine's lost worker held (its stream keeps every token sent so far)."""
         if self.scheduler is None:
             raise EngineNotReady(f"the worker at {self.address} is not connected")
@@ -155,7 +155,7 @@ class Engine:
         self._streams[seq.request_id] = stream
         self._wakeup.set()
 
-    def evict_all(self) -> list[tuple[Sequence, RequestStream]]:
+    def evict_all(self) -> list[tuple[Sequence, RequestEvents]]:
         """Every live request leaves this engine, reset for another worker (Scheduler.evict_all), with its stream.
         Should the worker come back, it releases them (WorkerLink.stale_ids)."""
         evicted = self.scheduler.evict_all()

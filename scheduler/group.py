@@ -30,22 +30,14 @@ from protos.segserve.v1.generate import GenerateError, GenerateRequest
 from protos.segserve.v1.info import Health, WorkerInfo
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine, EngineNotReady, EngineStats
-from scheduler.request_stream import RequestStream
+from scheduler.request_events import RequestEvents
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SegmentStats
 from scheduler.speculator import Drafter
 from scheduler.worker_link import Worker
-from common.discovery import affinity_key, is_dns_target, rendezvous, resolve_names
+from common.discovery import is_dns_target, membership_changes, parse_targets, place
 
 logger = logging.getLogger(__name__)
-
-
-def parse_targets(text: str) -> list[str]:
-    """The comma-separated worker targets of --worker-address."""
-    targets = [part.strip() for part in text.split(",") if part.strip()]
-    if not targets:
-        raise ValueError("worker_address names no worker")
-    return targets
 
 
 class EngineGroup:
@@ -58,7 +50,7 @@ class EngineGroup:
         self.drafter = drafter
         self.refresh_s = refresh_s
         self.slack = slack
-        self.targets = parse_targets(config.worker_address)
+        self.targets = parse_targets(config.worker_address, "--worker-address")
         self.engines: dict[str, Engine] = {}
         self._owner: dict[str, Engine] = {}
         """Request id -> the engine running it."""
@@ -104,7 +96,7 @@ class EngineGroup:
             if close is not None:
                 await close()
 
-    def add_request(self, request: GenerateRequest) -> RequestStream:
+    def add_request(self, request: GenerateRequest) -> RequestEvents:
         """Queue a validated request on the worker chosen for it; raises EngineNotReady when none is connected."""
         engine = self._place(request.prompt_token_ids)
         if engine is None:
@@ -161,14 +153,11 @@ class EngineGroup:
                            spec_budgets=budgets, gate_decision=gate, gate_segments=gates)
 
     def _place(self, prompt_token_ids: Seq[int], exclude: Engine | None = None) -> Engine | None:
-        candidates = {e.address: e for e in self.connected if e is not exclude}
-        if not candidates:
-            return None
-        preferred = candidates[rendezvous(affinity_key(prompt_token_ids), list(candidates))]
-        least = min(candidates.values(), key=_load)
-        return preferred if _load(preferred)[0] <= _load(least)[0] + self.slack else least
+        loads = {e.address: _load(e) for e in self.connected if e is not exclude}
+        address = place(prompt_token_ids, loads, self.slack)
+        return None if address is None else self.engines[address]
 
-    def _on_lost(self, lost: Engine, items: list[tuple[Sequence, RequestStream]], reason: str) -> None:
+    def _on_lost(self, lost: Engine, items: list[tuple[Sequence, RequestEvents]], reason: str) -> None:
         """Give a lost worker's requests to the others; fail them when there is none."""
         for seq, stream in items:
             engine = self._place(seq.prompt_token_ids, exclude=lost)
@@ -200,11 +189,10 @@ class EngineGroup:
 
     async def _refresh_forever(self) -> None:
         while True:
-            names = await resolve_names(self.targets)
-            addresses = set(names)
-            for address in sorted(addresses - set(self.engines)):
-                self._add_engine(address, names[address])
-            for address in sorted(set(self.engines) - addresses):
+            joined, left = await membership_changes(self.targets, self.engines)
+            for address, name in joined.items():
+                self._add_engine(address, name)
+            for address in left:
                 await self._remove_engine(address)
             await asyncio.sleep(self.refresh_s)
 

@@ -28,8 +28,8 @@ from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
 from scheduler.streams import StreamsCall
 from scheduler.worker_client import WorkerClient
-from common.health import Serving, add_health_and_reflection
-from common.tls import EXCLUSIVE_PORT, add_port, internal_tls
+from common.health import Serving, start_serving
+from common.tls import EXCLUSIVE_PORT, internal_tls
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +141,15 @@ async def start_server(config: SchedulerConfig, engine: Engine | EngineGroup | N
     server = grpc.aio.server(options=[EXCLUSIVE_PORT])
     servicer = SchedulerServicer(engine)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    add_health_and_reflection(server, servicer.serving)
-    port = add_port(server, f"{config.host}:{config.port}", tls)
-    if port == 0:
+    try:
+        port = await start_serving(server, servicer.serving, f"{config.host}:{config.port}", tls,
+                                   "the scheduler's gRPC server")
+    except OSError:
         await engine.stop()
-        raise RuntimeError(f"cannot bind the scheduler's gRPC server to {config.host}:{config.port}")
+        raise
     server.bound_port = port
     server.serving = servicer.serving
     server.servicer = servicer
-    await server.start()
     await servicer.serving.set(True)
     server.health_watch = asyncio.create_task(servicer.watch_workers())
     logger.info("scheduler listening on %s:%d%s", config.host, port, " (mutual TLS)" if tls else "")

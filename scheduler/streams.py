@@ -3,7 +3,7 @@
 In: the call's StreamsRequests (start a request, with an optional deadline; cancel one). Out: StreamsResponses,
 each holding every event produced since the previous one for this call's requests (a step's, as SGLang's
 scheduler sends one batched output per step), tagged with their request ids. No task per request: each
-request's RequestStream has a listener that appends to the call's outbox, and one writer takes the whole outbox
+request's RequestEvents has a listener that appends to the call's outbox, and one writer takes the whole outbox
 per message. Admission is Generate's (validate_request, then the engine), its refusals an error event. When
 the call ends, every request of it still live is aborted: no slot or KV block outlives its connection.
 """
@@ -29,7 +29,7 @@ from protos.segserve.v1.generate import (
 from protos.segserve.v1.sampling import InvalidParameter
 from scheduler import traces
 from scheduler.engine import Engine, EngineNotReady
-from scheduler.request_stream import is_terminal
+from scheduler.request_events import is_terminal
 from scheduler.group import EngineGroup
 from scheduler.scheduler import QueueFull
 
@@ -170,7 +170,7 @@ class StreamsCall:
             waiter.set_result(None)
 
     def _on_event(self, request_id: str, event: GenerateEvent) -> None:
-        """A request's RequestStream listener (called from the engine's step loop)."""
+        """A request's RequestEvents listener (called from the engine's step loop)."""
         if request_id not in self._live:
             return  # ended here already (its deadline, a cancel in transit): the engine's late event is dropped
         if is_terminal(event):

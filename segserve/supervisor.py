@@ -34,6 +34,7 @@ from typing import Protocol
 
 import psutil
 
+from common.backoff import Backoff
 from segserve.launcher import last_exception
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,13 @@ class RestartPolicy:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError("max_restarts must be >= 0")
-        if self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
-            raise ValueError("window_s must be > 0 and 0 <= backoff_s <= max_backoff_s")
+        if self.window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        Backoff(self.backoff_s, self.max_backoff_s)  # checks 0 <= backoff_s <= max_backoff_s
 
     def delay_s(self, num_recent_restarts: int) -> float:
         """The back-off before the next restart of a service restarted `num_recent_restarts` times in the window."""
-        return min(self.max_backoff_s, self.backoff_s * 2 ** num_recent_restarts)
+        return Backoff(self.backoff_s, self.max_backoff_s).delay_s(num_recent_restarts + 1)
 
 
 class Services(Protocol):

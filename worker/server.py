@@ -31,9 +31,9 @@ from protos.segserve.v1.step import MalformedStep, StepRequest
 from protos.segserve.v1.step_result import StepResult
 from common import tracing
 from common.blocking import CallCost, in_thread, run_blocking
-from common.health import Serving, add_health_and_reflection
+from common.health import Serving, start_serving
 from common.heap import freeze_startup_heap
-from common.tls import EXCLUSIVE_PORT, TlsFiles, add_port, internal_tls
+from common.tls import EXCLUSIVE_PORT, TlsFiles, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.ranks import Launch, launch_process
@@ -182,11 +182,7 @@ async def start_server(servicer: WorkerServicer, host: str, port: int,
         ("grpc.max_send_message_length", 64 * 2**20),
     ])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    add_health_and_reflection(server, servicer.serving)
-    bound = add_port(server, f"{host}:{port}", tls)
-    if bound == 0:
-        raise OSError(f"cannot bind the worker to {host}:{port}")
-    await server.start()
+    bound = await start_serving(server, servicer.serving, f"{host}:{port}", tls, "the worker")
     await servicer.serving.set(servicer.is_ready)
     return server, bound
 

@@ -3,16 +3,17 @@
 UNAVAILABLE (no scheduler, a connection that failed) and RESOURCE_EXHAUSTED (a full queue) are transient, so
 they are retried, at most `max_attempts` calls in all and never past the call's deadline. The wait before
 retry k (1, 2, ...) is the server's `retry-after-ms` when it sent one, spread by up to `jitter` of it beyond
-(never sooner than asked); otherwise exponential backoff, min(initial * multiplier^(k-1), max), less up to
-`jitter` of it, so that callers refused together do not all come back together. A stream is retried only
-before its first event: after that a retry would repeat text the caller already has.
+(never sooner than asked); otherwise exponential backoff (common/backoff.py), min(initial * multiplier^(k-1),
+max), less up to `jitter` of it, so that callers refused together do not all come back together. A stream is
+retried only before its first event: after that a retry would repeat text the caller already has.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from common.backoff import Backoff
 from segserve.client.errors import SegserveError
 
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
@@ -34,23 +35,21 @@ class RetryPolicy:
     """Fraction of the wait drawn at random, in [0, 1]."""
     retryable_codes: frozenset[str] = RETRYABLE_CODES
     """gRPC status names retried."""
+    _backoff: Backoff = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        if not 0 < self.initial_backoff_s <= self.max_backoff_s:
-            raise ValueError("initial_backoff_s must be > 0 and <= max_backoff_s")
-        if self.multiplier < 1:
-            raise ValueError("multiplier must be >= 1")
-        if not 0 <= self.jitter <= 1:
-            raise ValueError("jitter must be in [0, 1]")
+        if self.initial_backoff_s <= 0:
+            raise ValueError("initial_backoff_s must be > 0")
+        object.__setattr__(self, "_backoff", Backoff(self.initial_backoff_s, self.max_backoff_s, self.multiplier,
+                                                     self.jitter))  # checks the rest
 
     def delay_s(self, retry_number: int, retry_after_s: float | None, draw: float) -> float:
         """The wait before retry `retry_number` (1 = the first), `draw` uniform in [0, 1)."""
         if retry_after_s is not None:
             return retry_after_s * (1 + self.jitter * draw)
-        backoff = min(self.initial_backoff_s * self.multiplier ** (retry_number - 1), self.max_backoff_s)
-        return backoff * (1 - self.jitter * draw)
+        return self._backoff.delay_s(retry_number, draw)
 
     def next_delay_s(self, error: SegserveError, num_attempts: int, remaining_s: float | None,
                      rng: random.Random) -> float | None:

@@ -17,17 +17,18 @@ import logging
 import threading
 import time
 
+from common.backoff import Backoff
+from common.redact import redact_record
 from router.reflow.chunks import Chunk
 from router.reflow.queue import ChunkQueue, open_queue
 from segserve.reflow.assembly import Assembler
 from segserve.reflow.config import ConsumerConfig
-from common.redact import redact_record
 from segserve.reflow.sink import SessionSink, open_sink
 
 log = logging.getLogger(__name__)
 
 _IDLE_SLEEP_S = 0.05
-_MAX_BACKOFF_S = 5.0
+_SINK_BACKOFF = Backoff(0.1, 5.0)
 
 
 class Consumer:
@@ -40,6 +41,9 @@ class Consumer:
         self.num_bad_chunks = 0
         self.num_sink_failures = 0
         self._backoff_s = 0.0
+        """The wait before the next try of a sink write that failed (0 after one that worked)."""
+        self._num_failed_writes = 0
+        """Sink writes that failed in a row."""
 
     def step(self) -> bool:
         """Claim, reassemble, write what is ready. True when it made progress."""
@@ -79,10 +83,11 @@ class Consumer:
             self.sink.write(records)
         except Exception as exc:  # the records stay held, their chunks stay unacked
             self.num_sink_failures += 1
-            self._backoff_s = min(_MAX_BACKOFF_S, max(0.1, self._backoff_s * 2))
+            self._num_failed_writes += 1
+            self._backoff_s = _SINK_BACKOFF.delay_s(self._num_failed_writes)
             log.warning("reflow sink write failed (%s); retrying in %.1f s", exc, self._backoff_s)
             return False
-        self._backoff_s = 0.0
+        self._backoff_s, self._num_failed_writes = 0.0, 0
         self.queue.ack([delivery_id for _, delivery_ids in ready for delivery_id in delivery_ids])
         self.assembler.remove([record["request_id"] for record, _ in ready])
         self.num_records_written += len(ready)

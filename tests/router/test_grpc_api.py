@@ -301,7 +301,7 @@ def test_a_taken_grpc_port_stops_a_second_router(router):
     taken = int(router[1].rsplit(":", 1)[1])
     config = RouterConfig(host="127.0.0.1", grpc_port=taken)
     state = SimpleNamespace(config=config, scheduler=None, metrics=RouterMetrics("tiny"))
-    with pytest.raises(RuntimeError, match=f"cannot bind the gRPC API to 127.0.0.1:{taken}"):
+    with pytest.raises(OSError, match=f"cannot bind the gRPC API to 127.0.0.1:{taken}"):
         asyncio.run(start_grpc_server(state, config))
 
 

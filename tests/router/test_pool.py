@@ -8,7 +8,8 @@ import pytest
 
 from protos.segserve.v1.generate import GenerateComplete, GenerateError, GenerateRequest, TokenChunk
 from protos.segserve.v1.sampling import SamplingParams, StoppingCriteria
-from router.scheduler_pool import SchedulerPool, parse_targets
+from common.discovery import parse_targets
+from router.scheduler_pool import SchedulerPool
 from tests.support.fake_scheduler import start_fake_scheduler
 from tests.router.test_server import tokenizer  # noqa: F401 (fixture)
 
@@ -141,6 +142,6 @@ async def test_a_new_request_waits_for_a_restarting_scheduler_within_retry_s(tok
 
 
 def test_scheduler_targets_are_comma_separated():
-    assert parse_targets("a:1, dns:///s:2") == ["a:1", "dns:///s:2"]
-    with pytest.raises(ValueError):
-        parse_targets(" , ")
+    assert parse_targets("a:1, dns:///s:2", "--scheduler-address") == ["a:1", "dns:///s:2"]
+    with pytest.raises(ValueError, match="--scheduler-address names no replica"):
+        parse_targets(" , ", "--scheduler-address")

@@ -8,7 +8,8 @@ from drafter.config import DrafterConfig
 from drafter.segments import parse_segments
 from drafter.server import build_servicer, start_server
 from common.discovery import rendezvous, resolve
-from scheduler.drafter_client import DrafterClient, DraftQuery
+from protos.segserve.v1.draft import DraftQuery
+from scheduler.drafter_client import DrafterClient
 
 RAW = {"default": {"algorithm": "best_first", "max_nodes": 6}, "segment": [{"name": "code", "start": 1, "end": 1}]}
 PROMPT = [10, 11, 12, 13, 14, 15, 10, 11]
@@ -87,7 +88,7 @@ async def test_requests_of_a_dead_replica_move_to_a_live_one_and_resync_there():
 
 
 async def test_a_dns_target_is_resolved_again_and_a_new_replica_joins(monkeypatch):
-    import scheduler.drafter_client as drafter_client
+    import common.discovery as discovery
 
     answers = [["10.0.0.1:9"], ["10.0.0.1:9", "10.0.0.2:9"]]
 
@@ -96,7 +97,7 @@ async def test_a_dns_target_is_resolved_again_and_a_new_replica_joins(monkeypatc
         return dict.fromkeys(answers[0] if len(answers) == 1 else answers.pop(0), "drafter")
 
     now = [0.0]
-    monkeypatch.setattr(drafter_client, "resolve_names", fake_resolve_names)
+    monkeypatch.setattr(discovery, "resolve_names", fake_resolve_names)
     client = DrafterClient(["dns:///drafter:9"], timeout_s=0.01, clock=lambda: now[0], refresh_s=10.0)
     assert client.is_available() and client.addresses == []
     await client.draft([], [])

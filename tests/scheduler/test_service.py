@@ -395,7 +395,7 @@ async def test_a_taken_port_stops_a_second_scheduler():
     server, engine = await start_server(config)
     taken = server.bound_port
     try:
-        with pytest.raises(RuntimeError, match=f"cannot bind the scheduler's gRPC server to 127.0.0.1:{taken}"):
+        with pytest.raises(OSError, match=f"cannot bind the scheduler's gRPC server to 127.0.0.1:{taken}"):
             await start_server(SchedulerConfig(worker_address=config.worker_address, port=taken))
     finally:
         await stop_server(server, engine)

@@ -16,7 +16,7 @@ def is_terminal(event: GenerateEvent) -> bool:
     return not isinstance(event, TokenChunk)
 
 
-class RequestStream:
+class RequestEvents:
     """Async iterator over one request's events; ends after its terminal event. With a listener (listen()),
     each event goes to it instead, as it is put: no task waits on the stream (GenerateStreams). The listener
     lives on the stream, so it follows the request when an EngineGroup moves it to another engine."""
