@@ -1,8 +1,9 @@
 """Offline corpus building (`segserve corpus build`): texts (or token sequences) in, saved corpora out.
 
-Each text is tokenized and split by the SegmentTracker: every closed segment goes
-to its kind's corpus, and each run of tokens outside every segment to the default
-corpus. Existing corpora in out_dir are extended, not replaced. The texts are
+Each text is tokenized and split as a request's output is online (drafter/state.py's
+split_segments): every closed segment goes to its kind's corpus, each run of two tokens
+or more outside every segment to the default corpus, and a segment still open at the
+end to its kind's. Existing corpora in out_dir are extended, not replaced. The texts are
 text files' contents and whatever texts the caller passes; reading them from
 data-reflow logs is segserve's job (segserve/corpus_build.py), not the drafter's.
 """
@@ -14,28 +15,9 @@ from typing import Iterable, Sequence
 
 from drafter.memory import load_corpora, save_corpora
 from drafter.planner import DraftPlanner
-from drafter.segments import DEFAULT_SEGMENT, SegmentsConfig, load_segments
+from drafter.segments import SegmentsConfig, load_segments
 from drafter.server import load_tokenizer
-from drafter.tracker import SegmentTracker
-
-
-def split_segments(token_ids: Sequence[int], segments: SegmentsConfig) -> list[tuple[str, list[int]]]:
-    """(segment name, tokens) pieces: closed segments, and runs outside every segment."""
-    tracker = SegmentTracker(segments.kinds)
-    pieces: list[tuple[str, list[int]]] = []
-    outside: list[int] = []
-    for token_id in token_ids:
-        is_outside = tracker.current == DEFAULT_SEGMENT
-        for closed in tracker.append([token_id]):
-            pieces.append((closed.name, list(token_ids[closed.start : closed.end])))
-        if is_outside and tracker.current == DEFAULT_SEGMENT:
-            outside.append(token_id)
-        elif outside:
-            pieces.append((DEFAULT_SEGMENT, outside))
-            outside = []
-    if outside:
-        pieces.append((DEFAULT_SEGMENT, outside))
-    return pieces
+from drafter.state import split_segments
 
 
 def learn_token_ids(planner: DraftPlanner, segments: SegmentsConfig, token_ids: Sequence[int]) -> None:

@@ -225,3 +225,11 @@ class RequestStates:
         self.num_history_bytes += state.history.num_bytes
         self._bound()
         return state
+
+
+def split_segments(token_ids: Sequence[int], segments: SegmentsConfig) -> list[tuple[str, list[int]]]:
+    """(segment kind, tokens) of what a request whose every token was generated teaches, in order: its closed
+    segments, its runs outside every segment (of two tokens or more) and each segment still open at its end. The
+    online rule (RequestState), applied offline (`segserve corpus build`)."""
+    state = RequestState("", 0, SegmentTracker(segments.kinds), HistorySource(is_indexed=False))
+    return [*state.extend(token_ids), *state.end_outside(), *state.end_open()]

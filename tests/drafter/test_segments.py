@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drafter.build import split_segments
+from drafter.state import RequestStates, split_segments
 from drafter.segments import DEFAULT_CONFIG_PATH, DEFAULT_SEGMENT, load_segments, parse_segments
 from drafter.tracker import ClosedSegment, SegmentTracker
 
@@ -157,6 +157,16 @@ def test_looking_only_at_tokens_that_end_a_marker_changes_nothing(tokens, cuts):
         assert (fast.current, fast.current_start, fast.num_tokens) == (every.current, every.current_start, hi)
 
 
-def test_split_segments_for_corpus_building(segments):
-    pieces = split_segments([10, 11, 1, 12, 1, 13, 3, 14, 4], segments)
-    assert pieces == [("default", [10, 11]), ("code", [1, 12, 1]), ("default", [13]), ("turn", [3, 14, 4])]
+@pytest.mark.parametrize(("tokens", "pieces"), [
+    ([10, 11, 1, 12, 1, 13, 3, 14, 4], [("default", [10, 11]), ("code", [1, 12, 1]), ("turn", [3, 14, 4])]),
+    ([10, 11, 1, 12, 1, 13, 15, 3, 14], [("default", [10, 11]), ("code", [1, 12, 1]), ("default", [13, 15]),
+                                         ("turn", [3, 14])]),
+])
+def test_corpus_building_splits_a_text_as_a_request_learns_its_output(segments, tokens, pieces):
+    """Offline (`segserve corpus build`) and online, one rule: closed segments, runs outside every segment of two
+    tokens or more (one token, 13 in the first, is no key a lookup could use), a segment still open at the end."""
+    assert split_segments(tokens, segments) == pieces
+    learned = []
+    states = RequestStates(segments, lambda name, token_ids, tenant: learned.append((name, list(token_ids))))
+    states.finish("r", tokens, len(tokens), 0)
+    assert learned == pieces
