@@ -19,7 +19,8 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from protos.segserve.v1.generate import GenerateError
-from router.generation import KEEPALIVE, Delta, KeepAlive, Usage
+from protos.segserve.v1.usage import Usage
+from router.generation import KEEPALIVE, Delta, KeepAlive
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,9 @@ async def merge_choices(
                 prompt = 0 if prompts is None else prompts[index]
                 prompt_tokens[prompt] = event.usage.prompt_tokens
                 num_completion_tokens += event.usage.completion_tokens
-                cached_tokens[prompt] = max(cached_tokens.get(prompt, 0), event.usage.cached_tokens or 0)
+                cached_tokens[prompt] = max(cached_tokens.get(prompt, 0), event.usage.cached_tokens)
                 if not num_running:
-                    usage = Usage(sum(prompt_tokens.values()), num_completion_tokens,
-                                  sum(cached_tokens.values()) or None)
+                    usage = Usage(sum(prompt_tokens.values()), num_completion_tokens, sum(cached_tokens.values()))
             yield dataclasses.replace(event, index=index, usage=usage)
     finally:
         for pump in pumps:

@@ -32,6 +32,7 @@ from protos.segserve.v1.generate import (
     TokenChunk,
 )
 from protos.segserve.v1.step_result import PromptLogprobs
+from protos.segserve.v1.usage import Usage
 from router.detokenizer import IncrementalDetokenizer
 from router.scheduler_client import SchedulerApi
 from router.scheduler_streams import StreamObserver
@@ -63,18 +64,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int | None = None
-    """Prompt tokens served from the prefix cache; None when none were."""
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 @dataclass
@@ -142,7 +131,7 @@ def to_logprobs(chunk: TokenChunk, num_top: int) -> list[TokenLogprob]:
 
 def finish_delta(done: GenerateComplete, job: GenerationJob, text: str) -> Delta:
     usage = Usage(done.num_prompt_tokens or len(job.prompt_token_ids), done.num_generated_tokens,
-                  done.num_cached_prompt_tokens or None)
+                  done.num_cached_prompt_tokens)
     return Delta(text=text, finish_reason=OPENAI_FINISH_REASONS[done.finish_reason], usage=usage, complete=done)
 
 

@@ -43,7 +43,7 @@ from protos.segserve.v1.step_result import PromptLogprobs
 from router.admission import check_request
 from router.choices import MAX_CHOICES
 from router.errors import APIError, bad_request
-from router.generation import Delta, GenerationJob, TokenLogprob, Usage
+from router.generation import Delta, GenerationJob, TokenLogprob
 from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
 from router.protocol import MAX_STOP_STRINGS, choice_seed, sampling_temperature
 from router.responses import by_choice
@@ -291,7 +291,7 @@ class Renderer:
             event.finish_reason = finish_reason(delta)
             event.error_message = _error_message(delta)
         if delta.usage is not None:
-            event.usage.CopyFrom(usage_pb(delta.usage))
+            event.usage.CopyFrom(delta.usage.to_pb())
         return event
 
     def response(self, deltas: list[Delta]) -> pb.GenerationResponse:
@@ -311,7 +311,7 @@ class Renderer:
             if last.index == 0:
                 answer.prompt_logprobs.extend(lp for d in choice for lp in self._prompt_logprobs(d))
         if deltas[-1].usage is not None:
-            answer.usage.CopyFrom(usage_pb(deltas[-1].usage))
+            answer.usage.CopyFrom(deltas[-1].usage.to_pb())
         return answer
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
@@ -334,11 +334,6 @@ class Renderer:
             out.append(pb.PromptTokenLogprob(
                 position=position, token=self._token_logprob(self.prompt_ids[position], logprob, alternatives)))
         return out
-
-
-def usage_pb(usage: Usage) -> pb.GenerationUsage:
-    return pb.GenerationUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                              cached_tokens=usage.cached_tokens or 0)
 
 
 def _error_message(delta: Delta) -> str:

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel, SerializeAsAny
 
 from protos.segserve.v1.step_result import PromptLogprobs
+from protos.segserve.v1.usage import Usage
 from router.detokenizer import TokenTexts
 from router.generation import Delta, TokenLogprob
-from router.generation import Usage as UsageCounts
 from router.tools import CallReader, ToolCallDeltaOut, ToolCallOut
 
 # JSON has no -inf; clients get a very small number instead (as vLLM does).
@@ -53,7 +53,7 @@ class PromptTokensDetails(BaseModel):
     """Prompt tokens whose KV came from the prefix cache (0 when none did)."""
 
 
-class Usage(BaseModel):
+class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -61,10 +61,10 @@ class Usage(BaseModel):
     """Always present, as OpenAI's: `cached_tokens` is 0 when nothing came from the prefix cache."""
 
     @classmethod
-    def of(cls, counts: UsageCounts) -> Usage:
+    def of(cls, counts: Usage) -> UsageInfo:
         return cls(prompt_tokens=counts.prompt_tokens, completion_tokens=counts.completion_tokens,
                    total_tokens=counts.total_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens or 0))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):
@@ -108,7 +108,7 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[SerializeAsAny[CompletionChoice]]
-    usage: Usage | None = None
+    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
@@ -145,7 +145,7 @@ class ChatCompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
+    usage: UsageInfo | None = None
 
 
 class ChatDelta(BaseModel):
@@ -167,7 +167,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
+    usage: UsageInfo | None = None
 
 
 _TEXT_SLOT = "\u0000segserve-text-slot\u0000"
@@ -318,9 +318,9 @@ class CompletionRenderer(_Renderer):
                            for t, (v, rank) in entries.items()})
         return listed
 
-    def _body(self, choices: list[CompletionChoice], usage: UsageCounts | None = None) -> CompletionResponse:
+    def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=choices,
-                                  usage=Usage.of(usage) if usage else None)
+                                  usage=UsageInfo.of(usage) if usage else None)
 
     def chunk(self, delta: Delta) -> CompletionResponse | str | None:
         """The stream's chunk for `delta` (as JSON text when it is only text), None when it has nothing to send.
@@ -350,7 +350,7 @@ class CompletionRenderer(_Renderer):
             tokens += [(lp.token_id, lp.logprob, lp.top) for d in deltas for lp in d.logprobs]
         return text, tokens
 
-    def usage_chunk(self, usage: UsageCounts) -> CompletionResponse:
+    def usage_chunk(self, usage: Usage) -> CompletionResponse:
         return self._body([], usage)
 
     def response(self, deltas: list[Delta]) -> CompletionResponse:
@@ -401,9 +401,9 @@ class ChatRenderer(_Renderer):
             content.append(ChatLogprob(token=token, logprob=_clean(lp.logprob), bytes=raw, top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageCounts | None = None) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=choices,
-                                   usage=Usage.of(usage) if usage else None)
+                                   usage=UsageInfo.of(usage) if usage else None)
 
     def start(self) -> list[BaseModel]:
         return [self._chunk([ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
@@ -438,7 +438,7 @@ class ChatRenderer(_Renderer):
                                   finish_reason=self._finish_reason(delta.index, delta.finish_reason))
         return self._chunk([choice])
 
-    def usage_chunk(self, usage: UsageCounts) -> ChatCompletionChunk:
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
     def _message(self, index: int, text: str) -> ChatMessageOut:
@@ -459,4 +459,4 @@ class ChatRenderer(_Renderer):
         ]
         last = deltas[-1]
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=choices, usage=Usage.of(last.usage) if last.usage else None)
+                                      choices=choices, usage=UsageInfo.of(last.usage) if last.usage else None)

@@ -25,7 +25,8 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from protos.segserve.v1.generate import GenerateError
-from router.generation import Delta, TokenLogprob, Usage
+from protos.segserve.v1.usage import Usage
+from router.generation import Delta, TokenLogprob
 
 STOP_FINISH_REASON = "stop"
 

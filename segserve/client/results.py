@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos.segserve.v1 import generation_pb2 as pb
+from protos.segserve.v1.usage import Usage
 
 _FINISH_PREFIX = "GENERATION_FINISH_REASON_"
 
@@ -62,20 +63,6 @@ def _logprobs(messages) -> tuple[TokenLogprob, ...]:
 
 def _prompt_logprobs(messages) -> tuple[PromptTokenLogprob, ...]:
     return tuple(PromptTokenLogprob(message.position, TokenLogprob.from_pb(message.token)) for message in messages)
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts of a finished request, every choice together."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    """Prompt tokens whose KV came from the prefix cache."""
-
-    @classmethod
-    def from_pb(cls, message: pb.GenerationUsage) -> Usage:
-        return cls(message.prompt_tokens, message.completion_tokens, message.cached_tokens)
 
 
 @dataclass(frozen=True)

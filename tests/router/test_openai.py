@@ -15,8 +15,9 @@ import openai
 import pytest
 
 from protos.segserve.v1.generate import GenerateError
+from protos.segserve.v1.usage import Usage
 from router.choices import merge_choices
-from router.generation import KEEPALIVE, Delta, Usage
+from router.generation import KEEPALIVE, Delta
 from tests.support.fake_scheduler import OUTPUT_TEXT, TOP_LOGPROB
 from tests.router.test_server import MODEL, router_url, scheduler, tokenizer  # noqa: F401
 

@@ -17,7 +17,8 @@ import pytest
 
 from protos.segserve.v1.generate import FinishReason, GenerateComplete, GenerateError, GenerateRequest
 from protos.segserve.v1.sampling import SamplingParams, StructuredKind, StructuredOutput
-from router.generation import Delta, GenerationJob, Usage
+from protos.segserve.v1.usage import Usage
+from router.generation import Delta, GenerationJob
 from router.output_validation import output_problem, validated_outputs
 from tests.router.test_server import MODEL, router_url, scheduler, tokenizer  # noqa: F401
 

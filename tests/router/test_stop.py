@@ -7,7 +7,8 @@ import random
 import pytest
 
 from protos.segserve.v1.generate import GenerateError
-from router.generation import Delta, TokenLogprob, Usage
+from protos.segserve.v1.usage import Usage
+from router.generation import Delta, TokenLogprob
 from router.stop import StopMatcher, stop_at_strings
 
 TEXT = "Hello 🙂 東京 Übermäßig!\n    def add(a, b):\n        return a + b\n"
