@@ -16,7 +16,7 @@ Out:
 Modules:
   config           WorkerConfig, the typed configuration.
   validation       per-sequence checks (a failing sequence gets an error output) and InvalidRequest.
-  planning         sequence state; a StepRequest becomes a StepPlan of Works.
+  planning         sequence state; a StepRequest becomes a ForwardPlan of Works.
   work             Work: one sequence's tokens as the forward runs them (trees expanded to nodes).
   kv_cache         PagedKVCache: per-layer [num_blocks, block_size, kv_heads, head_dim] K and V.
   attention        the "segserve_paged" attention function under the stock transformers model.

@@ -1,6 +1,6 @@
 """A step's grammar masks: the rows of constrained sequences with every forbidden token at -inf, before sampling.
 
-In: the step's works, the indices of those under a grammar (worker/planning.py's StepPlan.constrained), their
+In: the step's works, the indices of those under a grammar (worker/planning.py's ForwardPlan.constrained), their
 sequences' states (worker/grammar.py's GrammarState on each), and the logits. Out: those rows masked in place, for
 worker/verify.py's sample_works (`constrainer` is its Constrainer), and the works whose output broke their grammar.
 

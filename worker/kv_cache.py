@@ -66,7 +66,7 @@ NO_ATTENTION_LAYERS = frozenset({"conv", "mamba", "linear_attention"})
 attention layers."""
 
 
-def num_blocks_for(shape: KVCacheShape, block_size: int, dtype: torch.dtype, kv_cache_gb: float) -> int:
+def num_blocks_in_gb(shape: KVCacheShape, block_size: int, dtype: torch.dtype, kv_cache_gb: float) -> int:
     """How many blocks fit in kv_cache_gb GiB."""
     return max(1, int(kv_cache_gb * 2**30) // shape.bytes_per_block(block_size, dtype))
 

@@ -46,13 +46,13 @@ from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import MAX_DECODE_STEPS, NewSequence, ScheduledSequence, StepRequest, multi_step_problem
 from protos.segserve.v1.step_result import PromptLogprobs, SequenceOutput, TopLogprobs
 from worker.config import WorkerConfig
-from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_for
+from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_in_gb
 from worker.lean_decoder import LEAN_DECODERS, lean_decoder
 from worker.loading import load, max_model_len, prepare_linears, resolve_device_dtype
 from worker.fused_norm import fuse_rms_norms
 from worker.grammar import GrammarEngine
 from worker.grammar_masks import GrammarMasks, constrainer, fill_masks
-from worker.planning import SequenceState, StepPlan, plan_step
+from worker.planning import ForwardPlan, SequenceState, plan_step
 from worker.threads import cpu_threads, threads_for
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.ranks import Launch, launch_process
@@ -131,7 +131,7 @@ class ModelRunner:
         num_layers = self.model.config.get_text_config().num_hidden_layers
         shape = (self.latent.cache_shape(num_layers) if self.latent is not None
                  else KVCacheShape.from_model_config(self.model.config))
-        num_blocks = config.num_kv_blocks or num_blocks_for(shape, config.block_size, self.dtype, config.kv_cache_gb)
+        num_blocks = config.num_kv_blocks or num_blocks_in_gb(shape, config.block_size, self.dtype, config.kv_cache_gb)
         num_scratch = 1 if is_graphs else 0  # a block the scheduler never gets, for the graphs' padding
         self.kv_cache = PagedKVCache(shape, num_blocks + num_scratch, config.block_size, self.dtype, self.device)
         self.limits = StepLimits(num_blocks=num_blocks, block_size=config.block_size,
@@ -286,7 +286,7 @@ class ModelRunner:
             raise InvalidRequest("; ".join(plan.rejected.values()))
         return self.execute(plan)[:plan.num_sample_rows]
 
-    def update_states(self, request: StepRequest) -> StepPlan:
+    def update_states(self, request: StepRequest) -> ForwardPlan:
         """Apply the request to the sequence states and return what to run (worker/planning.py).
 
         Nothing changes when the request as a whole is invalid (InvalidRequest)."""
@@ -302,7 +302,7 @@ class ModelRunner:
         return plan
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: ForwardPlan) -> torch.Tensor:
         """One forward over every scheduled token. Returns float32 logits [N + R, V]: first the N
         sample indices, then the R rows kept for prompt log-probabilities, each in work order. Just
         before a long CPU forward, the grammar masks of the constrained rows start filling on the
@@ -348,7 +348,7 @@ class ModelRunner:
         self._lap("forward")
         return logits
 
-    def _start_masks(self, plan: StepPlan) -> None:
+    def _start_masks(self, plan: ForwardPlan) -> None:
         """Just before the forward: start filling the masks of the plan's constrained rows on the grammar thread,
         where that pays (OVERLAP_MIN_FORWARD_S; worker/grammar_masks.py). Nothing without constrained rows."""
         if plan.constrained and self.device.type == "cpu" and self._forward_s >= OVERLAP_MIN_FORWARD_S:
@@ -366,7 +366,7 @@ class ModelRunner:
         self._lap_start = now
 
     @torch.inference_mode()
-    def postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[SequenceOutput]:
+    def postprocess(self, plan: ForwardPlan, logits: torch.Tensor) -> list[SequenceOutput]:
         """Check the logits, sample, score prompt tokens, keep accepted tree KV; one output per
         sequence that has something to say, in request order. logits: [N + R, V] from execute()."""
         works = plan.works
@@ -408,7 +408,7 @@ class ModelRunner:
             self.sequence_states.accept(accepted)  # the trees' accepted paths into the sequences' states
         return outputs
 
-    def _forcing(self, plan: StepPlan) -> set[int]:
+    def _forcing(self, plan: ForwardPlan) -> set[int]:
         """The constrained works whose outputs carry a forced span (NewSequence.is_drafting_forced_spans)."""
         return {i for i in plan.constrained if self._states[plan.works[i].seq_id].is_drafting_forced_spans}
 
@@ -432,7 +432,7 @@ class ModelRunner:
         return SequenceOutput(seq_id, tuple(sampled.token_ids), tuple(sampled.scores), tops, prompt,
                               forced_token_ids=forced)
 
-    def _prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor, failed: dict[int, str]
+    def _prompt_logprobs(self, plan: ForwardPlan, logits: torch.Tensor, failed: dict[int, str]
                          ) -> dict[int, PromptLogprobs]:
         """Work index -> PromptLogprobs for every work that scores prompt tokens and did not fail.
         logits: [R, V], the prompt rows of every work in turn."""

@@ -1,7 +1,7 @@
 """From a StepRequest to the work of one forward: sequence state, validation, expansion.
 
 In: a `StepRequest` (protos/segserve/v1/step.py) and the worker's sequence states.
-Out: a `StepPlan` (the `Work`s to run, their prompt log-probability plans, the sequences left out
+Out: a `ForwardPlan` (the `Work`s to run, their prompt log-probability plans, the sequences left out
 with the reason) and the new states. A sequence that fails its checks is left out with its state
 untouched; a step malformed as a whole raises InvalidRequest and changes nothing.
 
@@ -63,7 +63,7 @@ class SequenceState:
 
 
 @dataclass
-class StepPlan:
+class ForwardPlan:
     """One step, validated: what runs, and what was left out."""
 
     works: list[Work] = field(default_factory=list)
@@ -96,7 +96,7 @@ GrammarError where it cannot have one."""
 
 
 def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: StepLimits, tables: BlockTables,
-              start_grammar: GrammarStarter | None = None) -> tuple[dict[str, SequenceState], StepPlan]:
+              start_grammar: GrammarStarter | None = None) -> tuple[dict[str, SequenceState], ForwardPlan]:
     """Forget finished sequences, register new ones, check every sequence, then record the tokens
     of those that run. Returns the new states (`states` itself is not modified) and the plan.
 
@@ -124,7 +124,7 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
     if len(set(seq_ids)) != len(seq_ids):
         twice = next(s for s in seq_ids if seq_ids.count(s) > 1)
         raise InvalidRequest(f"sequence {twice!r} is scheduled twice in one step")
-    step_plan = StepPlan(seq_ids=seq_ids)
+    forward = ForwardPlan(seq_ids=seq_ids)
     runnable = []
     for seq in request.sequences:
         state = states.get(seq.seq_id)
@@ -145,26 +145,26 @@ def plan_step(request: StepRequest, states: dict[str, SequenceState], limits: St
         if problem is None:
             runnable.append(seq)
         else:
-            step_plan.rejected[seq.seq_id] = problem
+            forward.rejected[seq.seq_id] = problem
     tables.flush()
     for seq in runnable:
         state = states[seq.seq_id]
         prompt_plan = None if state.prompt is None else plan(seq, state.num_prompt_tokens, state.prompt)
         if state.grammar is not None and seq.is_sampled:  # at its last token, or every node of its tree
-            step_plan.constrained.append(len(step_plan.works))
-        step_plan.works.append(expand(seq, () if prompt_plan is None else prompt_plan.offsets))
-        step_plan.prompt_plans.append(prompt_plan)
+            forward.constrained.append(len(forward.works))
+        forward.works.append(expand(seq, () if prompt_plan is None else prompt_plan.offsets))
+        forward.prompt_plans.append(prompt_plan)
     if runnable:
-        step_plan.layout = step_layout(step_plan.works, [tables.row(seq.seq_id) for seq in runnable], tables.host,
+        forward.layout = step_layout(forward.works, [tables.row(seq.seq_id) for seq in runnable], tables.host,
                                        limits.block_size)
-        if has_overlapping_slots(step_plan.layout.slots):
+        if has_overlapping_slots(forward.layout.slots):
             raise InvalidRequest("two scheduled tokens would write the same KV-cache slot (overlapping block tables)")
     for seq in runnable:  # the step is accepted: record its tokens
         state = states[seq.seq_id]
         del state.history[seq.num_computed_tokens:]
         state.history.extend(seq.token_ids)
         state.last_sampled = None  # until this step samples
-    return states, step_plan
+    return states, forward
 
 
 def _start_grammar(seq_id: str, state: SequenceState, structured: StructuredOutput,
