@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from segserve.bench.harness import figure
+
 PARTS = ("schedule", "draft", "wire", "metadata", "forward", "sample", "output")
 """The parts of one engine step, in step order (draft runs between schedule and metadata)."""
 
@@ -93,38 +95,29 @@ def markdown_table(results: dict) -> str:
 
 def plot(path: Path, results: dict) -> Path:
     """Stacked bars of the median parts per batch size, and each part's share of the step (Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = results["batches"]
     labels = [str(b["batch_size"]) for b in batches]
     positions = list(range(len(batches)))  # numeric x with batch-size tick labels (no categorical axis)
-    fig, (absolute, share) = plt.subplots(1, 2, figsize=(13, 4.8))
-    bottoms, share_bottoms = [0.0] * len(batches), [0.0] * len(batches)
-    for color, part in enumerate(PARTS):
-        values = [b["parts"][part]["median_ms"] for b in batches]
-        totals = [sum(b["parts"][p]["median_ms"] for p in PARTS) or 1.0 for b in batches]
-        shares = [100 * v / t for v, t in zip(values, totals)]
-        absolute.bar(positions, values, bottom=bottoms, color=f"C{color}", label=part)
-        share.bar(positions, shares, bottom=share_bottoms, color=f"C{color}", label=part)
-        bottoms = [b + v for b, v in zip(bottoms, values)]
-        share_bottoms = [b + s for b, s in zip(share_bottoms, shares)]
-    hf = [(x, b["hf_compiled"]["median_ms"]) for x, b in zip(positions, batches)
-          if (b.get("hf_compiled") or {}).get("median_ms") is not None]
-    if hf:
-        absolute.plot([x for x, _ in hf], [y for _, y in hf], "k*", markersize=12, label="HF generate, compiled")
-    absolute.set_title("ms per engine step (median)")
-    share.set_title("share of the step (%)")
-    for axis in (absolute, share):
-        axis.set_xlabel("batch size")
-        axis.set_xticks(positions, labels)
-        axis.grid(True, axis="y", alpha=0.3)
-    absolute.legend(fontsize=8)
-    fig.suptitle(f"segserve bench engine: {results.get('model', '')} on {results.get('device', '')}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 2, (13, 4.8)) as (fig, (absolute, share)):
+        bottoms, share_bottoms = [0.0] * len(batches), [0.0] * len(batches)
+        for color, part in enumerate(PARTS):
+            values = [b["parts"][part]["median_ms"] for b in batches]
+            totals = [sum(b["parts"][p]["median_ms"] for p in PARTS) or 1.0 for b in batches]
+            shares = [100 * v / t for v, t in zip(values, totals)]
+            absolute.bar(positions, values, bottom=bottoms, color=f"C{color}", label=part)
+            share.bar(positions, shares, bottom=share_bottoms, color=f"C{color}", label=part)
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+            share_bottoms = [b + s for b, s in zip(share_bottoms, shares)]
+        hf = [(x, b["hf_compiled"]["median_ms"]) for x, b in zip(positions, batches)
+              if (b.get("hf_compiled") or {}).get("median_ms") is not None]
+        if hf:
+            absolute.plot([x for x, _ in hf], [y for _, y in hf], "k*", markersize=12, label="HF generate, compiled")
+        absolute.set_title("ms per engine step (median)")
+        share.set_title("share of the step (%)")
+        for axis in (absolute, share):
+            axis.set_xlabel("batch size")
+            axis.set_xticks(positions, labels)
+            axis.grid(True, axis="y", alpha=0.3)
+        absolute.legend(fontsize=8)
+        fig.suptitle(f"segserve bench engine: {results.get('model', '')} on {results.get('device', '')}")
     return path

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from statistics import median
 
+from segserve.bench.harness import figure
+
 ON, OFF = "prefix_cache_on", "prefix_cache_off"
 GOAL_RATIO = 8.0
 QUESTIONS = ("Which functions in the document above read files? Answer in one sentence.",
@@ -208,25 +210,17 @@ def markdown_table(results: dict) -> str:
 
 def plot(path: Path, results: dict) -> Path:
     """TTFT median per turn with min-max bars, cache on vs off (Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for offset, name in ((-0.2, ON), (0.2, OFF)):
-        summary = results["systems"][name]["summary"]
-        turns = [s["turn"] + offset for s in summary]
-        medians = [s["ttft_ms_median"] for s in summary]
-        spread = [[m - s["ttft_ms_min"] for m, s in zip(medians, summary)],
-                  [s["ttft_ms_max"] - m for m, s in zip(medians, summary)]]
-        ax.bar(turns, medians, width=0.4, yerr=spread, capsize=4, label=name)
-    ax.set(xlabel="turn", ylabel="TTFT (ms), median with min-max", title="Multi-turn chat: prefix caching")
-    ax.set_xticks([s["turn"] for s in results["systems"][ON]["summary"]])
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path) as (fig, ax):
+        for offset, name in ((-0.2, ON), (0.2, OFF)):
+            summary = results["systems"][name]["summary"]
+            turns = [s["turn"] + offset for s in summary]
+            medians = [s["ttft_ms_median"] for s in summary]
+            spread = [[m - s["ttft_ms_min"] for m, s in zip(medians, summary)],
+                      [s["ttft_ms_max"] - m for m, s in zip(medians, summary)]]
+            ax.bar(turns, medians, width=0.4, yerr=spread, capsize=4, label=name)
+        ax.set(xlabel="turn", ylabel="TTFT (ms), median with min-max", title="Multi-turn chat: prefix caching")
+        ax.set_xticks([s["turn"] for s in results["systems"][ON]["summary"]])
+        ax.legend()
     return path
 
 

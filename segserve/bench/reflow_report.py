@@ -12,6 +12,7 @@ from pathlib import Path
 from statistics import median
 
 from segserve.bench import report
+from segserve.bench.harness import figure, goals_table
 
 LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
 GOAL_KEYS = ("ttft_ms_p99", "itl_ms_p99")
@@ -61,47 +62,36 @@ def markdown_table(results: dict) -> str:
               "|---|---:|---:|---:|---:|---:|",
               f"| `segserve.reflow.consumer`, SQLite -> JSONL | {drain['num_chunks']} | {drain['num_records']} "
               f"| {_fmt(drain['seconds'])} | {_fmt(drain['chunks_per_s'], 0)} | {_fmt(drain['records_per_s'], 0)} |"]
-    lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
-    for goal in results["goals"]:
-        verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
-        lines.append(f"| {goal['name']} | {goal['target']} | {_fmt(goal['measured_ms'])} ms | {verdict} |")
+    lines += goals_table(results["goals"], lambda goal: f"{_fmt(goal['measured_ms'])} ms")
     return "\n".join(lines)
 
 
 def plot(path: Path, results: dict) -> Path:
     """Pooled p50/p99 off vs on, and p99 per round (the noise the pooled number sits in)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    keys = list(results["added"])
-    xs = range(len(keys))
-    for offset, mode, color in ((-0.2, "off", "C0"), (0.2, "on", "C1")):
-        values = [results["added"][key][mode] for key in keys]
-        axes[0].bar([x + offset for x in xs], [math.nan if v is None else v for v in values], width=0.4,
-                    color=color, label=f"reflow {mode}")
-    axes[0].set_xticks(list(xs), [key.replace("_ms_", " ") for key in keys])
-    axes[0].set_title("latency, all rounds pooled (ms)")
-    rounds = results["rounds"]
-    for axis, key in ((axes[1], "ttft_ms_p99"), (axes[2], "itl_ms_p99")):
-        for mode, color in (("off", "C0"), ("on", "C1")):
-            ys = [r[mode]["summary"][key] for r in rounds]
-            axis.plot(range(1, len(rounds) + 1), [math.nan if y is None else y for y in ys], marker="o",
-                      color=color, label=f"reflow {mode}")
-        axis.set_title(f"{key.replace('_ms_', ' ')} per round (ms)")
-        axis.set_xlabel("round")
-    for axis in axes:
-        axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=8)
-    drain = results["consumer"]
-    fig.suptitle(f"segserve bench reflow: {results['config']['concurrency']} streams, token every "
-                 f"{results['config']['token_interval_ms']:g} ms; consumer {_fmt(drain['chunks_per_s'], 0)} chunks/s")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 3, (16, 4.5)) as (fig, axes):
+        keys = list(results["added"])
+        xs = range(len(keys))
+        for offset, mode, color in ((-0.2, "off", "C0"), (0.2, "on", "C1")):
+            values = [results["added"][key][mode] for key in keys]
+            axes[0].bar([x + offset for x in xs], [math.nan if v is None else v for v in values], width=0.4,
+                        color=color, label=f"reflow {mode}")
+        axes[0].set_xticks(list(xs), [key.replace("_ms_", " ") for key in keys])
+        axes[0].set_title("latency, all rounds pooled (ms)")
+        rounds = results["rounds"]
+        for axis, key in ((axes[1], "ttft_ms_p99"), (axes[2], "itl_ms_p99")):
+            for mode, color in (("off", "C0"), ("on", "C1")):
+                ys = [r[mode]["summary"][key] for r in rounds]
+                axis.plot(range(1, len(rounds) + 1), [math.nan if y is None else y for y in ys], marker="o",
+                          color=color, label=f"reflow {mode}")
+            axis.set_title(f"{key.replace('_ms_', ' ')} per round (ms)")
+            axis.set_xlabel("round")
+        for axis in axes:
+            axis.grid(True, alpha=0.3)
+            axis.legend(fontsize=8)
+        drain = results["consumer"]
+        fig.suptitle(f"segserve bench reflow: {results['config']['concurrency']} streams, token every "
+                     f"{results['config']['token_interval_ms']:g} ms; consumer "
+                     f"{_fmt(drain['chunks_per_s'], 0)} chunks/s")
     return path
 
 

@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 from statistics import median
 
+from segserve.bench.harness import figure, goals_table
 from segserve.bench.loadgen import RequestRecord
 
 
@@ -223,11 +224,8 @@ def markdown_table(results: dict) -> str:
                          f"{_fmt(level['max'], 2)}] | {', '.join(_fmt(v, 2) for v in level['overhead_ms_per_token'])} "
                          f"| {_fmt(cpu.get('router'), 3)} / {_fmt(cpu.get('grpc'), 3)} |")
     lines += decode_rounds_table(results.get("decode_rounds"))
-    lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
-    for goal in results.get("goals", []):
-        verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
-        measured = "n/a" if goal["measured"] is None else f"{goal['measured']:.2f}x"
-        lines.append(f"| {goal['name']} | {goal['target']} | {measured} | {verdict} |")
+    lines += goals_table(results.get("goals", []),
+                         lambda goal: "n/a" if goal["measured"] is None else f"{goal['measured']:.2f}x")
     return "\n".join(lines)
 
 
@@ -267,41 +265,32 @@ def write_json(path: Path, results: dict) -> Path:
 
 def plot(path: Path, results: dict) -> Path:
     """Aggregate tokens/s, TTFT, ITL and time per token against concurrency, one line per system (Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-    panels = [
-        (axes[0], "aggregate tokens/s", [("aggregate_tokens_per_s", "")]),
-        (axes[1], "TTFT (ms)", [("ttft_ms_p50", " p50"), ("ttft_ms_p99", " p99")]),
-        (axes[2], "inter-token latency (ms)", [("itl_ms_p50", " p50"), ("itl_ms_p99", " p99")]),
-        (axes[3], "time per output token, mean (ms)", [("tpot_ms_mean", "")]),
-    ]
-    systems = [system for system in results.get("systems", {}).values() if system.get("levels")]
-    ticks = sorted({level["concurrency"] for system in systems for level in system["levels"]})
-    for axis, title, keys in panels:
-        for color, system in enumerate(systems):
-            xs = [level["concurrency"] for level in system["levels"]]
-            for key, suffix in keys:
-                ys = [level["summary"][key] for level in system["levels"]]
-                ys = [math.nan if y is None else y for y in ys]
-                axis.plot(xs, ys, marker="o", color=f"C{color}", linestyle="--" if suffix == " p99" else "-",
-                          label=system["name"] + suffix)  # fmt: skip
-        axis.set_title(title)
-        axis.set_xlabel("concurrent streams")
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(ticks, [str(t) for t in ticks])
-        axis.grid(True, alpha=0.3)
-    baseline = results.get("baseline")
-    if baseline and baseline.get("tokens_per_s"):
-        axes[0].axhline(baseline["tokens_per_s"], color="grey", linestyle=":", label="plain generate()")
-    for axis in axes:
-        axis.legend(fontsize=8)
-    fig.suptitle(f"segserve bench throughput: {results.get('model', '')}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 4, (20, 4.5)) as (fig, axes):
+        panels = [
+            (axes[0], "aggregate tokens/s", [("aggregate_tokens_per_s", "")]),
+            (axes[1], "TTFT (ms)", [("ttft_ms_p50", " p50"), ("ttft_ms_p99", " p99")]),
+            (axes[2], "inter-token latency (ms)", [("itl_ms_p50", " p50"), ("itl_ms_p99", " p99")]),
+            (axes[3], "time per output token, mean (ms)", [("tpot_ms_mean", "")]),
+        ]
+        systems = [system for system in results.get("systems", {}).values() if system.get("levels")]
+        ticks = sorted({level["concurrency"] for system in systems for level in system["levels"]})
+        for axis, title, keys in panels:
+            for color, system in enumerate(systems):
+                xs = [level["concurrency"] for level in system["levels"]]
+                for key, suffix in keys:
+                    ys = [level["summary"][key] for level in system["levels"]]
+                    ys = [math.nan if y is None else y for y in ys]
+                    axis.plot(xs, ys, marker="o", color=f"C{color}", linestyle="--" if suffix == " p99" else "-",
+                              label=system["name"] + suffix)  # fmt: skip
+            axis.set_title(title)
+            axis.set_xlabel("concurrent streams")
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(ticks, [str(t) for t in ticks])
+            axis.grid(True, alpha=0.3)
+        baseline = results.get("baseline")
+        if baseline and baseline.get("tokens_per_s"):
+            axes[0].axhline(baseline["tokens_per_s"], color="grey", linestyle=":", label="plain generate()")
+        for axis in axes:
+            axis.legend(fontsize=8)
+        fig.suptitle(f"segserve bench throughput: {results.get('model', '')}")
     return path

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from segserve.bench import loadgen, report
+from segserve.bench.harness import figure
 from segserve.bench.prompts import PROMPTS
 
 ENDPOINTS = ("completions", "chat")
@@ -329,35 +330,26 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 def plot(path: Path, results: dict) -> Path:
     """Router CPU ms per token per round, one series per endpoint (Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(7, 4))
-    for color, (endpoint, summary) in enumerate(results["endpoints"].items()):
-        values = summary["cpu_ms_per_token_rounds"]
-        axis.plot(range(1, len(values) + 1), values, marker="o", color=f"C{color}", label=_PATHS[endpoint])
-        if TRACED in results:
-            values = results[TRACED]["endpoints"][endpoint]["cpu_ms_per_token_rounds"]
-            axis.plot(range(1, len(values) + 1), values, marker="s", linestyle="--", color=f"C{color}",
-                      label=_PATHS[endpoint] + ", tracing on")
-    floor = (results.get("grpc_client_floor") or {}).get("cpu_ms_per_token")
-    if floor is not None:
-        axis.axhline(floor, color="grey", linestyle=":", label="gRPC receive alone")
-    axis.set_xticks(range(1, len(results["rounds"]) + 1))
-    axis.set_xlabel("round")
-    axis.set_ylabel("router CPU ms per token")
-    axis.set_ylim(bottom=0)
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    config = results["config"]
-    axis.set_title(f"segserve bench router: {config['concurrency']} streams, a token every "
-                   f"{config['token_interval_ms']:g} ms")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, figsize=(7, 4)) as (fig, axis):
+        for color, (endpoint, summary) in enumerate(results["endpoints"].items()):
+            values = summary["cpu_ms_per_token_rounds"]
+            axis.plot(range(1, len(values) + 1), values, marker="o", color=f"C{color}", label=_PATHS[endpoint])
+            if TRACED in results:
+                values = results[TRACED]["endpoints"][endpoint]["cpu_ms_per_token_rounds"]
+                axis.plot(range(1, len(values) + 1), values, marker="s", linestyle="--", color=f"C{color}",
+                          label=_PATHS[endpoint] + ", tracing on")
+        floor = (results.get("grpc_client_floor") or {}).get("cpu_ms_per_token")
+        if floor is not None:
+            axis.axhline(floor, color="grey", linestyle=":", label="gRPC receive alone")
+        axis.set_xticks(range(1, len(results["rounds"]) + 1))
+        axis.set_xlabel("round")
+        axis.set_ylabel("router CPU ms per token")
+        axis.set_ylim(bottom=0)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+        config = results["config"]
+        axis.set_title(f"segserve bench router: {config['concurrency']} streams, a token every "
+                       f"{config['token_interval_ms']:g} ms")
     return path
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from segserve.bench.harness import figure, goals_table
 from segserve.bench.report import check, ratio
 from segserve.bench.spec_workloads import EDIT_KINDS, KINDS
 
@@ -300,10 +301,7 @@ def markdown_table(block: dict) -> str:
                  " / ".join(_fmt_spread(a) for a in acceptance),
                  " / ".join(_fmt_spread(n) for n in per_step)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| goal | target | measured (median) | result |", "|---|---|---:|---|"]
-    for goal in block["goals"]:
-        verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
-        lines.append(f"| {goal['name']} | {goal['target']} | {_fmt(goal['measured'])} | {verdict} |")
+    lines += goals_table(block["goals"], lambda goal: _fmt(goal["measured"]), "measured (median)")
     return "\n".join(lines)
 
 
@@ -361,11 +359,6 @@ def plot(path: Path, results: dict) -> Path:
     """Left: each speculative system's speedup over its own engine's plain decoding per workload (first
     model). Then, for what was run: full segserve over prompt lookup only on the same engine, per workload and
     model; full segserve over SuffixDecoding on the same engine, per workload (first model)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = results["models"]
     first = next(iter(models.values()))
     kinds = list(first["speedups"])
@@ -377,35 +370,31 @@ def plot(path: Path, results: dict) -> Path:
     has_ablation = any(measured(block, f"{SPEC}_vs_{SEG_LOOKUP}") for block in models.values())
     has_peer = measured(first, f"{SPEC}_vs_{SUFFIX}")
     num_panels = 1 + has_ablation + has_peer
-    fig, panels = plt.subplots(1, num_panels, figsize=(7 * num_panels, 5), squeeze=False)
-    left, *others = panels[0]
-    _bars(left, kinds, [(f"{SYSTEM_LABELS[s]} vs {SYSTEM_LABELS[PLAIN_OF[s]]}",
-                         [first["speedups"][k].get(f"{s}_vs_own_plain") for k in kinds])
-                        for s in (LOOKUP, SEG_LOOKUP, SUFFIX, SPEC)
-                        if measured(first, f"{s}_vs_own_plain")])  # fmt: skip
-    left.set_ylabel("speedup over the same engine's plain decoding (x)")
-    left.set_title(f"{Path(first.get('model', '')).name}: median, min-max and each round", fontsize=10)
-    if has_ablation:
-        axes = others.pop(0)
-        _bars(axes, kinds, [(f"{label}: {Path(block.get('model', '')).name}, {measure}",
-                             [block["speedups"].get(k, {}).get(f"{SPEC}_vs_{SEG_LOOKUP}{suffix}") for k in kinds])
-                            for label, block in models.items() for measure, suffix in measures])  # fmt: skip
-        axes.axhline(EDIT_GOAL, color="red", linewidth=1, linestyle=":")
-        axes.set_ylabel("full segserve / prompt lookup only (x)")
-        axes.set_title(f"segment corpora's own gain (goal on edit workloads: {EDIT_GOAL}x)", fontsize=10)
-    if has_peer:
-        axes = others.pop(0)
-        _bars(axes, kinds, [(f"{Path(first.get('model', '')).name}, {measure}",
-                             [first["speedups"][k].get(f"{SPEC}_vs_{SUFFIX}{suffix}") for k in kinds])
-                            for measure, suffix in measures])  # fmt: skip
-        axes.axhline(PEER_FLOOR, color="red", linewidth=1, linestyle=":")
-        axes.set_ylabel("full segserve / SuffixDecoding, same engine (x)")
-        axes.set_title("against SuffixDecoding (goals 1.2x agentic, extraction and mixed, 1.0x floor)",
-                       fontsize=10)
-    num_rounds = results.get("config", {}).get("rounds", "")
-    fig.suptitle(f"segserve bench spec, single stream, {num_rounds} rounds")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, num_panels, (7 * num_panels, 5), squeeze=False) as (fig, panels):
+        left, *others = panels[0]
+        _bars(left, kinds, [(f"{SYSTEM_LABELS[s]} vs {SYSTEM_LABELS[PLAIN_OF[s]]}",
+                             [first["speedups"][k].get(f"{s}_vs_own_plain") for k in kinds])
+                            for s in (LOOKUP, SEG_LOOKUP, SUFFIX, SPEC)
+                            if measured(first, f"{s}_vs_own_plain")])  # fmt: skip
+        left.set_ylabel("speedup over the same engine's plain decoding (x)")
+        left.set_title(f"{Path(first.get('model', '')).name}: median, min-max and each round", fontsize=10)
+        if has_ablation:
+            axes = others.pop(0)
+            _bars(axes, kinds, [(f"{label}: {Path(block.get('model', '')).name}, {measure}",
+                                 [block["speedups"].get(k, {}).get(f"{SPEC}_vs_{SEG_LOOKUP}{suffix}") for k in kinds])
+                                for label, block in models.items() for measure, suffix in measures])  # fmt: skip
+            axes.axhline(EDIT_GOAL, color="red", linewidth=1, linestyle=":")
+            axes.set_ylabel("full segserve / prompt lookup only (x)")
+            axes.set_title(f"segment corpora's own gain (goal on edit workloads: {EDIT_GOAL}x)", fontsize=10)
+        if has_peer:
+            axes = others.pop(0)
+            _bars(axes, kinds, [(f"{Path(first.get('model', '')).name}, {measure}",
+                                 [first["speedups"][k].get(f"{SPEC}_vs_{SUFFIX}{suffix}") for k in kinds])
+                                for measure, suffix in measures])  # fmt: skip
+            axes.axhline(PEER_FLOOR, color="red", linewidth=1, linestyle=":")
+            axes.set_ylabel("full segserve / SuffixDecoding, same engine (x)")
+            axes.set_title("against SuffixDecoding (goals 1.2x agentic, extraction and mixed, 1.0x floor)",
+                           fontsize=10)
+        num_rounds = results.get("config", {}).get("rounds", "")
+        fig.suptitle(f"segserve bench spec, single stream, {num_rounds} rounds")
     return path

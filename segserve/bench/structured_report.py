@@ -32,6 +32,7 @@ from pathlib import Path
 
 import jsonschema
 
+from segserve.bench.harness import figure, goals_table
 from segserve.bench.report import check, ratio
 from segserve.bench.spec_report import summarize as rate_summary
 from segserve.bench.structured_workloads import KINDS
@@ -201,10 +202,7 @@ def markdown_table(results: dict) -> str:
     lines += ["", "| ratio | " + " | ".join(kinds) + " |", "|---" + "|---:" * len(kinds) + "|"]
     for key, (*_, label) in RATIOS.items():
         lines.append(f"| {label} | " + " | ".join(_fmt_spread(table[k].get(key), suffix="x") for k in kinds) + " |")
-    lines += ["", "| goal | target | measured | result |", "|---|---|---:|---|"]
-    for goal in results["goals"]:
-        verdict = {True: "pass", False: "FAIL", None: "not measured"}[goal["passed"]]
-        lines.append(f"| {goal['name']} | {goal['target']} | {_fmt(goal['measured'])} | {verdict} |")
+    lines += goals_table(results["goals"], lambda goal: _fmt(goal["measured"]))
     return "\n".join(lines)
 
 
@@ -230,24 +228,15 @@ def _bars(axes, kinds: list[str], summaries: dict, key: str) -> None:
 
 def plot(path: Path, results: dict) -> Path:
     """Left: tok/s per system per workload; right: tokens per step (median, min-max and each round)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summaries = results["summaries"]
     kinds = [k for k in KINDS if any(k in per for per in summaries.values())]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    _bars(left, kinds, summaries, "tokens_per_s")
-    left.set_ylabel("completion tokens / s")
-    _bars(right, kinds, summaries, "tokens_per_step")
-    right.axhline(1.0, color="gray", linewidth=1, linestyle="--")  # plain decoding: one token per step
-    right.set_ylabel("completion tokens per scheduler step")
-    model, num_rounds = Path(results.get("model", "")).name, results.get("config", {}).get("rounds", 0)
-    fig.suptitle(f"segserve bench structured, {model}, {num_rounds} round{'' if num_rounds == 1 else 's'}: "
-                 "median, min-max and each round")  # fmt: skip
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 2, (13, 5)) as (fig, (left, right)):
+        _bars(left, kinds, summaries, "tokens_per_s")
+        left.set_ylabel("completion tokens / s")
+        _bars(right, kinds, summaries, "tokens_per_step")
+        right.axhline(1.0, color="gray", linewidth=1, linestyle="--")  # plain decoding: one token per step
+        right.set_ylabel("completion tokens per scheduler step")
+        model, num_rounds = Path(results.get("model", "")).name, results.get("config", {}).get("rounds", 0)
+        fig.suptitle(f"segserve bench structured, {model}, {num_rounds} round{'' if num_rounds == 1 else 's'}: "
+                     "median, min-max and each round")  # fmt: skip
     return path

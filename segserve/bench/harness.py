@@ -1,0 +1,45 @@
+"""What every `segserve bench` report shares: its figure (matplotlib, headless) and its table of goals.
+
+`figure` gives a row of axes and, when the block ends without error, lays them out, makes the folder and
+saves the figure; it closes it in any case. `goals_table` renders each goal as one row (pass, FAIL, or not
+measured when nothing measured it), the measured value as the caller formats it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+VERDICTS = {True: "pass", False: "FAIL", None: "not measured"}
+"""A goal's `passed` (None: not measured) as its table says it."""
+
+
+@contextmanager
+def figure(path: Path, ncols: int = 1, figsize: tuple[float, float] = (7.0, 4.5), **subplots: Any
+           ) -> Iterator[tuple[Any, Any]]:  # fmt: skip
+    """(figure, axes) of 1 x ncols plots (matplotlib's subplots, `subplots` passed on) saved to `path` at 100 dpi
+    when the block ends without error, closed in any case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=figsize, **subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def goals_table(goals: Iterable[dict], measured: Callable[[dict], str], measured_header: str = "measured"
+                ) -> list[str]:  # fmt: skip
+    """The goals' markdown table after a blank line: name, target, `measured(goal)`, verdict (VERDICTS)."""
+    lines = ["", f"| goal | target | {measured_header} | result |", "|---|---|---:|---|"]
+    for goal in goals:
+        lines.append(f"| {goal['name']} | {goal['target']} | {measured(goal)} | {VERDICTS[goal['passed']]} |")
+    return lines
