@@ -46,11 +46,6 @@ def non_finite_tokens(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(key[0]).all(dim=2) & torch.isfinite(value[0]).all(dim=2)).all(dim=0)
 
 
-def non_finite_rows(logits: torch.Tensor) -> list[bool]:
-    """non_finite_mask on the host (one transfer of its own)."""
-    return non_finite_mask(logits).tolist()
-
-
 def sample_isolated(logits: torch.Tensor, rows: Sequence[SampleRow], uniform: torch.Tensor | None,
                     groups: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, SamplerOutput]], dict[int, str]]:
     """Sample rows [N, V] together; when that raises, each group of rows [start, end) (one sequence's) alone.

@@ -111,16 +111,6 @@ def _rate(requests: list[dict]) -> float | None:
     return ratio(sum(r["num_tokens"] for r in requests), wall_s)
 
 
-def progression(requests: list[dict]) -> list[dict]:
-    """Per request, in order: tokens/s and tokens per step (the corpus learning shows here)."""
-    rows = []
-    for index, request in enumerate(requests):
-        steps = (request.get("spec") or {}).get("num_steps")
-        rows.append({"index": index, "tokens_per_s": _rate([request]),
-                     "tokens_per_step": ratio(request["num_tokens"], steps)})  # fmt: skip
-    return rows
-
-
 def speedups(summaries: dict[str, dict[str, dict]]) -> dict[str, dict[str, float | None]]:
     """summaries[system][kind] -> per kind: each system's steady tokens/s over HF plain, over its own engine's
     plain decoding (`<system>_vs_own_plain`), full segserve over HF prompt lookup and over prompt lookup only, and

@@ -57,13 +57,6 @@ def structured_stack_config(model_dir: Path, dtype: str, system: str, log_dir: P
     return replace(config, scheduler=replace(config.scheduler, **overrides))
 
 
-def is_runnable(system: str) -> bool:
-    """Whether this scheduler has every field `system` sets (HF's system has none)."""
-    from scheduler.config import SchedulerConfig
-
-    return set(SCHEDULER_OVERRIDES.get(system, {})) <= {f.name for f in fields(SchedulerConfig)}
-
-
 @contextlib.contextmanager
 def segserve_chat_system(model_dir: Path, dtype: str, system: str, log_dir: Path, startup_timeout_s: float = 300.0,
                          request_timeout_s: float = 600.0,

@@ -166,15 +166,15 @@ def test_a_faulty_sequence_fails_alone(runner, solo, monkeypatch, kind, sampling
     assert drive(runner, SEQ_IDS, params) == (solo[sampling], {})
 
 
-def test_non_finite_rows_flags_rows_that_cannot_be_sampled():
+def test_the_non_finite_mask_flags_rows_that_cannot_be_sampled():
     logits = torch.randn(6, 300)
     logits[1, 3] = float("nan")
     logits[2, 0] = float("-inf")  # one token masked out, as some models do: a normal row
     logits[3, 299] = float("inf")
     logits[4, 1], logits[4, 2] = float("inf"), float("-inf")
     logits[5, :] = float("-inf")  # nothing left to sample
-    assert worker.faults.non_finite_rows(logits) == [False, True, False, True, True, True]
-    assert worker.faults.non_finite_rows(torch.empty(0, 300)) == []
+    assert worker.faults.non_finite_mask(logits).tolist() == [False, True, False, True, True, True]
+    assert worker.faults.non_finite_mask(torch.empty(0, 300)).tolist() == []
 
 
 def test_isolation_keeps_greedy_batch_on_its_fast_path(runner, monkeypatch):

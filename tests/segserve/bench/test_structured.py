@@ -206,13 +206,9 @@ def test_each_segserve_system_gets_its_stack_config(tmp_path):
     spec = config(tmp_path / "m", "float32", SPEC, tmp_path / "s", scheduler={"num_decode_steps": 1})
     assert not off.is_speculative and spec.is_speculative and spec.drafter.segments_config is None
     assert spec.scheduler.num_decode_steps == 1 and off.scheduler.num_decode_steps == SchedulerConfig().num_decode_steps
-    if structured_systems.is_runnable(NO_GRAMMAR):
-        no_grammar = config(tmp_path / "m", "float32", NO_GRAMMAR, tmp_path / "n")
-        assert no_grammar.is_speculative and no_grammar.scheduler.is_grammar_drafts is False
-        assert spec.scheduler.is_grammar_drafts is True
-    else:  # the scheduler has no switch yet: the system says so instead of running as something else
-        with pytest.raises(ValueError, match="is_grammar_drafts"):
-            config(tmp_path / "m", "float32", NO_GRAMMAR, tmp_path / "n")
+    no_grammar = config(tmp_path / "m", "float32", NO_GRAMMAR, tmp_path / "n")
+    assert no_grammar.is_speculative and no_grammar.scheduler.is_grammar_drafts is False
+    assert spec.scheduler.is_grammar_drafts is True
     with pytest.raises(ValueError, match="system"):
         config(tmp_path / "m", "float32", HF, tmp_path / "h")
 
@@ -321,8 +317,8 @@ def _strictly_valid(text: str, schema: dict) -> bool:
 def test_a_tiny_real_run_writes_json_and_png_and_counts_validity_and_mismatches(tiny_gemma3_dir, tmp_path, capsys):
     # Three systems keep the test under a minute and a half (each stack takes ~20 s to start on a busy 2-core
     # CPU). Spec off's stack is bench spec's own; the one without grammar drafts is new, so it runs here (and
-    # is the reference of greedy equality), unless this scheduler has no switch for it.
-    reference = NO_GRAMMAR if structured_systems.is_runnable(NO_GRAMMAR) else OFF
+    # is the reference of greedy equality).
+    reference = NO_GRAMMAR
     systems = [HF, reference, SPEC]
     out = tmp_path / "out"
     args = build_parser().parse_args([
