@@ -75,11 +75,11 @@ class WorkerConfig:
     """Largest step bucket compiled in the warm-up, with is_compiled. The buckets up to this many tokens (1, 2, 4, ...)
     are compiled before the worker is ready; a larger step compiles its bucket when it first comes. The scheduler's
     max_num_batched_tokens (256 by default) is the most a step holds."""
-    is_skip_self_check: bool = False
-    """Skip the start-up check of the worker's logits against transformers'. The self-check (worker/self_check.py)
-    runs a prompt, decode steps and a draft tree through the worker's path and transformers' eager forward; logits
-    apart beyond the dtype's tolerance refuse the start, naming why. For operators who have checked the model's
-    output themselves."""
+    is_self_check: bool = True
+    """Check the worker's logits against transformers' at start-up (--no-self-check: skip it, for operators who
+    have checked the model's output themselves). The self-check (worker/self_check.py) runs a prompt, decode steps
+    and a draft tree through the worker's path and transformers' eager forward; logits apart beyond the dtype's
+    tolerance refuse the start, naming why."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (tensor parallelism). Its attention heads, MLP columns, vocabulary and KV cache
     are divided among N processes (worker/tensor_parallel.py), one device each (cuda:0..N-1 on a GPU machine, gloo between

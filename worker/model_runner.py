@@ -205,7 +205,7 @@ class ModelRunner:
             self._states.pop(_WARMUP_SEQ_ID, None)
             if output.error:
                 raise RuntimeError(f"the warm-up step failed: {output.error}")
-        if not self.config.is_skip_self_check and self.config.tensor_parallel_size == 1:
+        if self.config.is_self_check and self.config.tensor_parallel_size == 1:
             self_check.run(self)  # SelfCheckFailed: this model would be served wrong
         self.is_ready = True
 

@@ -12,7 +12,7 @@ architecture, the first position and the first decoder layer where the paths par
 each layer), and why that usually is.
 
 Costs: the worker's four steps and two reference forwards of 17 tokens or fewer, a few hundred milliseconds on the
-default model on a CPU (the log says); a refusal replays the tokens once more. `--skip-self-check` skips
+default model on a CPU (the log says); a refusal replays the tokens once more. `--no-self-check` skips
 it. A tensor-parallel worker skips it: its architectures are the lean decoders', which
 tests/worker/test_tensor_parallel.py holds to one device's logits.
 """
@@ -198,7 +198,7 @@ def _diagnosis(runner, blocks: tuple[int, ...], position: int, difference: float
     else:
         why = "its layers compute something the worker's path does not (an unsupported attention variant)"
     return (f"{name} is not served: {why}; {where} (the self-check against transformers' eager forward; "
-            "--skip-self-check skips it)")
+            "--no-self-check skips it)")
 
 
 def _has_attention(layer: torch.nn.Module) -> bool:

@@ -128,7 +128,7 @@ def test_an_unsupported_architecture_is_refused_at_start_up_saying_why(name, tmp
 
 
 def test_the_self_check_can_be_skipped(tmp_path):
-    runner = runner_of(build_architecture("bloom", tmp_path / "bloom"), is_skip_self_check=True)
+    runner = runner_of(build_architecture("bloom", tmp_path / "bloom"), is_self_check=False)
     assert runner.is_ready
 
 

@@ -193,15 +193,15 @@ def test_a_growing_context_passes_few_graph_keys(tiny_gemma3_dir):
     assert [key[:2] for key in runner.graphs.keys] == [(rows, 64), (rows, 128), (rows, 256)]
 
 
-@pytest.mark.parametrize("is_skip_self_check", [True, False])
-def test_the_warm_up_runs_a_step_on_the_graphs(tiny_gemma3_dir, counted, is_skip_self_check):
+@pytest.mark.parametrize("is_self_check", [False, True])
+def test_the_warm_up_runs_a_step_on_the_graphs(tiny_gemma3_dir, counted, is_self_check):
     """So that on a GPU a capture that cannot work fails the worker's start, not a request; the self-check's two
     decode steps run on them too (worker/self_check.py), checked against transformers'."""
     runner = ModelRunner(WorkerConfig(model=str(tiny_gemma3_dir), num_kv_blocks=8, block_size=4, dtype="float32",
-                                      device=TEST_DEVICE, is_cuda_graphs=True, is_skip_self_check=is_skip_self_check))
+                                      device=TEST_DEVICE, is_cuda_graphs=True, is_self_check=is_self_check))
     calls = counted(runner)
     runner.warm_up()
-    assert calls[0] == (1 if is_skip_self_check else 3) and runner.is_ready
+    assert calls[0] == (3 if is_self_check else 1) and runner.is_ready
 
 
 def test_graphs_are_on_by_default_on_a_gpu_with_a_lean_decoder(tiny_gemma3_dir):
