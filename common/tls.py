@@ -68,8 +68,23 @@ class TlsFiles:
         return channel_credentials(self.ca_file or None, self.cert_file or None, self.key_file or None)
 
 
+@dataclass
+class InternalTlsFields:
+    """The internal hops' mutual TLS: fields every service's config has (it derives from this class)."""
+
+    internal_tls_cert_file: str = ""
+    """PEM certificate this service presents on the internal hops. It shows it as a server to its callers and as a
+    client to the services it dials; with internal_tls_key_file and internal_tls_ca_file it turns on mutual TLS
+    (all three empty = plaintext)."""
+    internal_tls_key_file: str = ""
+    """PEM private key of internal_tls_cert_file."""
+    internal_tls_ca_file: str = ""
+    """PEM CA bundle that signs this service's peers. A caller must present a certificate it signed, and so must a
+    service this one dials."""
+
+
 INTERNAL_FIELDS = ("internal_tls_cert_file", "internal_tls_key_file", "internal_tls_ca_file")
-"""The config fields of the internal hops' mutual TLS, the same in every service's config."""
+"""InternalTlsFields' fields."""
 
 
 def internal_tls(config: object) -> TlsFiles | None:

@@ -33,8 +33,23 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 logger = logging.getLogger(__name__)
 
+
+
+@dataclass
+class TracingFields:
+    """Tracing: fields every service's config has (it derives from this class)."""
+
+    otlp_traces_endpoint: str = ""
+    """OTLP gRPC endpoint this service's spans go to (e.g. http://localhost:4317); empty = no tracing.
+    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
+    trace_sample_ratio: float = 1.0
+    """Share of the traces this service starts, in [0, 1] (with otlp_traces_endpoint). The router starts one per
+    request (a request with a `traceparent` follows its sampled flag instead); the other services continue the
+    router's (ParentBased), so the router's ratio is the one that counts."""
+
+
 FIELDS = ("otlp_traces_endpoint", "trace_sample_ratio")
-"""The config fields of tracing, the same in every service's config (see e.g. router/config.py)."""
+"""TracingFields' fields."""
 
 SERVICE_PREFIX = "segserve-"
 """A process's service.name is this and its service: segserve-router, -scheduler, -worker, -drafter."""

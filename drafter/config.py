@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.tls import internal_tls
-from common.tracing import settings_of
+from common.tls import InternalTlsFields, internal_tls
+from common.tracing import TracingFields, settings_of
 from drafter.history import ITEM_BYTES
 
 BACKENDS = ("segserve", "suffix")
@@ -14,24 +14,11 @@ BACKENDS = ("segserve", "suffix")
 
 
 @dataclass
-class DrafterConfig:
+class DrafterConfig(InternalTlsFields, TracingFields):
     host: str = "127.0.0.1"
     """Address the gRPC server binds to (localhost by default)."""
     port: int = 50071
     """gRPC port (0 = any free port)."""
-    internal_tls_cert_file: str = ""
-    """PEM certificate the drafter's gRPC server presents; with internal_tls_key_file and internal_tls_ca_file it
-    turns on mutual TLS (all three empty = plaintext)."""
-    internal_tls_key_file: str = ""
-    """PEM private key of internal_tls_cert_file."""
-    internal_tls_ca_file: str = ""
-    """PEM CA bundle: a client (the scheduler) must present a certificate it signed."""
-    otlp_traces_endpoint: str = ""
-    """OTLP gRPC endpoint the drafter's spans go to (e.g. http://localhost:4317); empty = no tracing.
-    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
-    trace_sample_ratio: float = 1.0
-    """Sampling ratio in [0, 1] of the traces this service would start; it only continues the router's, which
-    keep the router's decision (ParentBased), so the router's ratio is the one that counts."""
     segments_config: str | None = None
     """Segments TOML file; None = the one shipped for the model. That is drafter/segments/<name>.toml for a
     catalog model that has one, else drafter/segments/default.toml."""

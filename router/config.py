@@ -6,13 +6,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.tls import TlsFiles, internal_tls
-from common.tracing import settings_of
+from common.tls import InternalTlsFields, TlsFiles, internal_tls
+from common.tracing import TracingFields, settings_of
 from router.tool_parsers import PARSERS
 
 
 @dataclass
-class RouterConfig:
+class RouterConfig(InternalTlsFields, TracingFields):
     model: str | None = None
     """Model the tokenizer (and chat template) is loaded from: a catalog name
     (qwen2.5-coder-0.5b-instruct, gemma-3-270m) or a transformers model directory; None = the default model."""
@@ -70,19 +70,6 @@ class RouterConfig:
     served over TLS only (both empty = plaintext)."""
     tls_key_file: str = ""
     """PEM private key of tls_cert_file."""
-    internal_tls_cert_file: str = ""
-    """PEM certificate the router presents to the schedulers; with internal_tls_key_file and internal_tls_ca_file it
-    turns on mutual TLS to them (all three empty = plaintext)."""
-    internal_tls_key_file: str = ""
-    """PEM private key of internal_tls_cert_file."""
-    internal_tls_ca_file: str = ""
-    """PEM CA bundle the schedulers' certificates must be signed by."""
-    otlp_traces_endpoint: str = ""
-    """OTLP gRPC endpoint the router's spans go to (e.g. http://localhost:4317); empty = no tracing.
-    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
-    trace_sample_ratio: float = 1.0
-    """Share of requests traced, in [0, 1] (with otlp_traces_endpoint). A request with a `traceparent`
-    follows its sampled flag instead."""
     max_request_body_bytes: int = 4 * 1024 * 1024
     """Largest request body accepted; a larger one gets 413 before it is parsed."""
     reflow_queue_url: str = ""

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from protos.segserve.v1.step import MAX_DECODE_STEPS
-from common.tls import internal_tls
-from common.tracing import settings_of
+from common.tls import InternalTlsFields, internal_tls
+from common.tracing import TracingFields, settings_of
 
 AUTO_MAX_NUM_SEQS_RANGE = (16, 256)
 """The least and the most sequences the automatic max_num_seqs picks: the top is vLLM's default max_num_seqs;
@@ -33,7 +33,7 @@ def auto_max_num_seqs(num_kv_blocks: int, block_size: int, max_model_len: int) -
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(InternalTlsFields, TracingFields):
     worker_address: str = "127.0.0.1:50061"
     """gRPC address of the worker; several comma-separated (data parallel: each has its own KV pool), or
     dns:///name:port for every address a name resolves to, re-resolved every 10 s."""
@@ -104,20 +104,6 @@ class SchedulerConfig:
     """Seconds for Ray's start and the scheduler actor's (placed, serving gRPC); past them the process exits with
     code 1, for its supervisor (the launcher, Kubernetes) to start it again, rather than hang unready. Raise it
     for a cluster that must first scale up to place the actor."""
-    internal_tls_cert_file: str = ""
-    """PEM certificate the scheduler presents. It serves the router and dials the workers and drafters with it;
-    with internal_tls_key_file and internal_tls_ca_file it turns on mutual TLS (all three empty = plaintext)."""
-    internal_tls_key_file: str = ""
-    """PEM private key of internal_tls_cert_file."""
-    internal_tls_ca_file: str = ""
-    """PEM CA bundle that signs the scheduler's peers. Clients (the router) must present a certificate it signed,
-    and so must the workers and drafters the scheduler dials."""
-    otlp_traces_endpoint: str = ""
-    """OTLP gRPC endpoint the scheduler's spans go to (e.g. http://localhost:4317); empty = no tracing.
-    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
-    trace_sample_ratio: float = 1.0
-    """Sampling ratio in [0, 1] of the traces this service would start; it only continues the router's, which
-    keep the router's decision (ParentBased), so the router's ratio is the one that counts."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:

@@ -36,14 +36,17 @@ T = TypeVar("T")
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal under each field) of a dataclass."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """Attribute docstrings (the string literal under each field) of a dataclass, its dataclass bases' included
+    (a field a subclass declares again takes the subclass's)."""
     docs = {}
-    for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
-            if isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
-                docs[node.target.id] = " ".join(following.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, following in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+                if isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+                    docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 
@@ -154,7 +157,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozens
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     group = parser.add_argument_group(f"{title or cls.__name__.removesuffix('Config').lower()} ({cls.__name__})")
-    for field in dataclasses.fields(cls):
+    own = vars(cls).get("__annotations__", {})
+    for field in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):  # the class's own fields first
         if field.name in skip or is_env_only(field):
             continue
         dest = rename.get(field.name, field.name)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.tls import internal_tls
-from common.tracing import settings_of
+from common.tls import InternalTlsFields, internal_tls
+from common.tracing import TracingFields, settings_of
 from worker.threads import parse_cpu_list
 
 
 @dataclass
-class WorkerConfig:
+class WorkerConfig(InternalTlsFields, TracingFields):
     model: str | None = None
     """A catalog name (qwen2.5-coder-0.5b-instruct, gemma-3-270m: common/catalog.py) or a transformers
     causal-LM directory; None serves the default model, qwen2.5-coder-0.5b-instruct."""
@@ -90,19 +90,6 @@ class WorkerConfig:
     """Address the gRPC server binds to (localhost by default)."""
     port: int = 50061
     """gRPC port."""
-    internal_tls_cert_file: str = ""
-    """PEM certificate the worker's gRPC server presents; with internal_tls_key_file and internal_tls_ca_file it
-    turns on mutual TLS (all three empty = plaintext)."""
-    internal_tls_key_file: str = ""
-    """PEM private key of internal_tls_cert_file."""
-    internal_tls_ca_file: str = ""
-    """PEM CA bundle: a client (the scheduler) must present a certificate it signed."""
-    otlp_traces_endpoint: str = ""
-    """OTLP gRPC endpoint the worker's spans go to (e.g. http://localhost:4317); empty = no tracing.
-    http://host:port is plaintext, https://host:port TLS (OTEL_EXPORTER_OTLP_CERTIFICATE names a CA)."""
-    trace_sample_ratio: float = 1.0
-    """Sampling ratio in [0, 1] of the traces this service would start; it only continues the router's, which
-    keep the router's decision (ParentBased), so the router's ratio is the one that counts."""
 
     def uses_cuda_graphs(self, device_type: str, has_lean_decoder: bool) -> bool:
         """is_cuda_graphs with its default resolved, for a worker on `device_type` whose model has a lean decoder
