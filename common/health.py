@@ -5,12 +5,14 @@ registers grpc.health.v1.Health and reflection on a server; `Serving` sets the o
 and each named service's together: NOT_SERVING while a worker loads its model or any server shuts
 down, SERVING in between. Kubernetes probes (`grpc:` probes) and grpcurl read these. `start_serving`
 does what every service's server does before its first call: health and reflection, the port
-(over TLS when given), the start.
+(over TLS when given), the start. `status_errors` ends a unary call that raised with the status its
+service's `abort` picks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,3 +62,23 @@ async def start_serving(server: grpc.aio.Server, serving: Serving, address: str,
         raise OSError(f"cannot bind {what} to {address}")
     await server.start()
     return port
+
+
+Abort = Callable[[grpc.aio.ServicerContext, str, Exception], Awaitable[None]]
+"""abort(context, the method's name, what it raised): ends the call with a status (context.abort)."""
+
+
+def status_errors(abort: Abort) -> Callable:
+    """A decorator of unary servicer methods: whatever one raises ends its call through `abort`."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        async def wrapper(self, request, context: grpc.aio.ServicerContext):
+            try:
+                return await method(self, request, context)
+            except Exception as exc:
+                await abort(context, method.__name__, exc)
+
+        return wrapper
+
+    return decorate

@@ -20,7 +20,6 @@ carries a scheduler step's trace context runs in a drafter.draft span under it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 
@@ -36,24 +35,19 @@ from protos.segserve.v1.stats import DrafterSegmentStats, DrafterSourceStats, Dr
 from protos.segserve.v1.tree import CandidateTree
 from common import tracing
 from common.blocking import CallCost, run_blocking
-from common.health import Serving
+from common.health import Serving, status_errors
 
 logger = logging.getLogger(__name__)
 _UPDATE_PIECE_TOKENS = 4096
 
 
-def _status_errors(method):
-    """Map unexpected exceptions to INTERNAL (the scheduler then drafts nothing this step)."""
+async def _abort(context: grpc.aio.ServicerContext, what: str, exc: Exception) -> None:
+    """Unexpected exceptions are INTERNAL (the scheduler then drafts nothing this step)."""
+    logger.error("drafter %s failed", what, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        try:
-            return await method(self, request, context)
-        except Exception as exc:
-            logger.exception("drafter %s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    return wrapper
+_status_errors = status_errors(_abort)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +30,7 @@ from protos.segserve.v1.step import MalformedStep, StepRequest
 from protos.segserve.v1.step_result import StepResult
 from common import tracing
 from common.blocking import CallCost, in_thread, run_blocking
-from common.health import Serving, start_serving
+from common.health import Serving, start_serving, status_errors
 from common.heap import freeze_startup_heap
 from common.tls import EXCLUSIVE_PORT, TlsFiles, internal_tls
 from worker.config import WorkerConfig
@@ -72,17 +71,8 @@ async def _read_into(request_iterator, received: asyncio.Queue) -> None:
         received.put_nowait(None)
 
 
-def _status_errors(method):
-    """A unary method whose exceptions become status codes (_abort)."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        try:
-            return await method(self, request, context)
-        except Exception as exc:
-            await _abort(context, method.__name__, exc)
-
-    return wrapper
+_status_errors = status_errors(_abort)
+"""A unary method whose exceptions become status codes (_abort)."""
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

@@ -2,12 +2,13 @@
 
 `figure` gives a row of axes and, when the block ends without error, lays them out, makes the folder and
 saves the figure; it closes it in any case. `goals_table` renders each goal as one row (pass, FAIL, or not
-measured when nothing measured it), the measured value as the caller formats it.
+measured when nothing measured it), the measured value as the caller formats it. `check_runs` refuses the
+settings every bench of systems over workloads shares, when they cannot run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -43,3 +44,18 @@ def goals_table(goals: Iterable[dict], measured: Callable[[dict], str], measured
     for goal in goals:
         lines.append(f"| {goal['name']} | {goal['target']} | {measured(goal)} | {VERDICTS[goal['passed']]} |")
     return lines
+
+
+def check_runs(config: Any, systems: Collection[str], kinds: Collection[str]) -> None:
+    """ValueError unless `config`'s systems and kinds are non-empty subsets of these, its rounds >= 1, its
+    startup and request time limits > 0 and its dtype one a stack takes."""
+    if not config.systems or set(config.systems) - set(systems):
+        raise ValueError(f"systems must be a non-empty subset of {tuple(systems)}")
+    if not config.kinds or set(config.kinds) - set(kinds):
+        raise ValueError(f"kinds must be a non-empty subset of {tuple(kinds)}")
+    if config.rounds < 1:
+        raise ValueError("rounds must be >= 1")
+    if min(config.startup_timeout_s, config.request_timeout_s) <= 0:
+        raise ValueError("time limits must be > 0")
+    if config.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype {config.dtype!r}")

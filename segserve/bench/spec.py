@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import spec_report as report
+from segserve.bench.harness import check_runs
 from segserve.bench.spec_mixed import SystemFactory, run_mixed
 from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, MIXED, PEER_KINDS, PUBLIC_KINDS, \
     WARMUP_PROMPT, Workload, build_workloads, load_file
@@ -100,16 +101,7 @@ class SpecBenchConfig:
             raise ValueError("num_edits must be >= 2 (the first one is a warm-up)")
         if not self.temperature > 0:
             raise ValueError("temperature must be > 0")
-        if not self.systems or set(self.systems) - set(SYSTEMS):
-            raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}")
-        if not self.kinds or set(self.kinds) - set(KINDS):
-            raise ValueError(f"kinds must be a non-empty subset of {KINDS}")
-        if self.rounds < 1:
-            raise ValueError("rounds must be >= 1")
-        if min(self.startup_timeout_s, self.request_timeout_s) <= 0:
-            raise ValueError("time limits must be > 0")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        check_runs(self, SYSTEMS, KINDS)
         if self.mixed_concurrency < 0:
             raise ValueError("mixed_concurrency must be >= 0 (0 = each workload on its own)")
         if self.mixed_concurrency and {report.PLAIN, report.LOOKUP} & set(self.systems):

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import structured_report as report
+from segserve.bench.harness import check_runs
 from segserve.bench.spec_report import medians, spread
 from segserve.bench.structured_workloads import (CHATS, EXTRACTIONS, KINDS, WARMUP, call_schemas, follow_up,
                                                  schema_requests, tool_body, tool_chats)  # fmt: skip
@@ -85,18 +86,9 @@ class StructuredBenchConfig:
             raise ValueError(f"num_records must be in [1, {min(len(e.records) for e in EXTRACTIONS)}]")
         if not 1 <= self.num_chats <= len(CHATS) or not 1 <= self.num_turns <= min(map(len, CHATS)):
             raise ValueError(f"num_chats must be in [1, {len(CHATS)}] and num_turns in [1, {min(map(len, CHATS))}]")
-        if not self.systems or set(self.systems) - set(SYSTEMS):
-            raise ValueError(f"systems must be a non-empty subset of {SYSTEMS}")
-        if not self.kinds or set(self.kinds) - set(KINDS):
-            raise ValueError(f"kinds must be a non-empty subset of {KINDS}")
-        if self.rounds < 1:
-            raise ValueError("rounds must be >= 1")
-        if min(self.startup_timeout_s, self.request_timeout_s) <= 0:
-            raise ValueError("time limits must be > 0")
+        check_runs(self, SYSTEMS, KINDS)
         if self.num_decode_steps is not None and self.num_decode_steps < 1:
             raise ValueError("num_decode_steps must be >= 1")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
 
 
 def _names(text: str) -> tuple[str, ...]:
