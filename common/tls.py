@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import grpc
@@ -83,8 +83,8 @@ class InternalTlsFields:
     service this one dials."""
 
 
-INTERNAL_FIELDS = ("internal_tls_cert_file", "internal_tls_key_file", "internal_tls_ca_file")
-"""InternalTlsFields' fields."""
+INTERNAL_FIELDS = tuple(field.name for field in fields(InternalTlsFields))
+"""InternalTlsFields' fields, in order: certificate, key, CA."""
 
 
 def internal_tls(config: object) -> TlsFiles | None:

@@ -24,7 +24,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from urllib.parse import urlparse
 
 from opentelemetry import context as otel_context
@@ -48,7 +48,7 @@ class TracingFields:
     router's (ParentBased), so the router's ratio is the one that counts."""
 
 
-FIELDS = ("otlp_traces_endpoint", "trace_sample_ratio")
+FIELDS = tuple(field.name for field in fields(TracingFields))
 """TracingFields' fields."""
 
 SERVICE_PREFIX = "segserve-"

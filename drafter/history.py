@@ -49,12 +49,12 @@ class HistorySource:
         self.min_key = min_key
         self.max_occurrences = max_occurrences
         self.max_bytes = max_bytes
-        self.is_indexed = is_indexed
-        """False: keep the tokens only (a state about to be dropped needs no search array)."""
         self.tokens: list[int] = []
         self._window = max_bytes // ITEM_BYTES - max_key
         """Most tokens the array holds after its padding."""
         self._array = np.full(max_key, _PAD, dtype=np.int64) if is_indexed else None
+        """The searched tokens after max_key padding; None when not is_indexed (a state about to be dropped keeps
+        its tokens only)."""
         self._used = max_key
         """Slots of the array in use, the padding's included."""
         self._first = 0

@@ -39,22 +39,17 @@ from drafter.config import DrafterConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from segserve.finetune_cli import add_finetune_commands
-from segserve.flags import HelpFormatter, add_dataclass_args, flag, from_args
+from segserve.flags import HelpFormatter, add_dataclass_args, from_args
 from segserve.reflow.config import ConsumerConfig
 from segserve.supervisor import RestartPolicy
 from common.catalog import CATALOG, DEFAULT_MODEL
-from common.tls import INTERNAL_FIELDS
-from common.tracing import FIELDS as TRACING_FIELDS
+from common.tls import INTERNAL_FIELDS, InternalTlsFields
+from common.tracing import FIELDS as TRACING_FIELDS, TracingFields
 from worker.config import WorkerConfig
 
 # `serve` takes every service's flags; the names that clash get a service prefix, and the internal hops' TLS
 # files and tracing are one set of flags for every service (each config's from_args reads the same values).
 _SERVE_SHARED = frozenset(INTERNAL_FIELDS) | frozenset(TRACING_FIELDS)
-_SERVE_SHARED_HELP = (
-    "PEM certificate every service presents on the internal gRPC hops, as server and as client",
-    "PEM private key of --internal-tls-cert-file",
-    "PEM CA bundle that signed every service's certificate (all three files: mutual TLS)",
-)
 _SERVE_WORKER_RENAME = {"host": "worker_host", "port": "worker_port"}
 _SERVE_SCHEDULER_RENAME = {"host": "scheduler_host", "port": "scheduler_port",
                            "drain_timeout_s": "scheduler_drain_timeout_s"}
@@ -304,15 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(serve, SchedulerConfig, skip=_SERVE_SCHEDULER_SKIP, rename=_SERVE_SCHEDULER_RENAME)
     add_dataclass_args(serve, DrafterConfig, skip=_SERVE_DRAFTER_SKIP, rename=_SERVE_DRAFTER_RENAME)
     add_dataclass_args(serve, RouterConfig, skip=_SERVE_ROUTER_SKIP)
-    internal_tls = serve.add_argument_group("internal TLS (the same files for every service's config)")
-    for name, help_text in zip(INTERNAL_FIELDS, _SERVE_SHARED_HELP):
-        internal_tls.add_argument(flag(name), dest=name, default=None, metavar="FILE", help=help_text)
-    tracing = serve.add_argument_group("tracing (the same for every service's config)")
-    tracing.add_argument(flag("otlp_traces_endpoint"), dest="otlp_traces_endpoint", default=None, metavar="URL",
-                         help="OTLP gRPC endpoint of every service's spans, e.g. http://localhost:4317 "
-                              "(default: none)")
-    tracing.add_argument(flag("trace_sample_ratio"), dest="trace_sample_ratio", type=float, default=None, metavar="X",
-                         help="share of requests traced, in [0, 1] (default: 1.0)")
+    add_dataclass_args(serve, InternalTlsFields, title="internal TLS, the same files for every service")
+    add_dataclass_args(serve, TracingFields, title="tracing, the same for every service")
     serve.set_defaults(func=_serve_command)
 
     for name, cls, func in (("worker", WorkerConfig, _worker_command),
