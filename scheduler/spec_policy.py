@@ -20,12 +20,19 @@ and without drafting, per segment kind and batch size, with hysteresis.
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from scheduler.spec_gate import GateDecision, SpeculationGate
 
 _EMA = 0.1  # weight of a new observation; ~10 observations of memory
+_BUCKET_MEMORY = 32  # steps per bucket of token counts the cost model fits
+_PER_SEQ_RIDGE = 1e-3  # how firmly the cost model holds per_seq at 0, per unit of its steps' weight
 _PRIOR_RATE = 0.5  # acceptance assumed before measuring, and its decay per unmeasured depth
 _MAX_PRICE = 0.9  # the most a draft token is priced at (SpecPolicy.node_price)
 
@@ -117,17 +124,26 @@ class AcceptanceStats:
 
 
 class StepCostModel:
-    """Worker step time as a function of tokens computed, fitted from measured steps.
+    """Worker step time as a function of the tokens it computes and of the sequences they belong to, fitted from
+    measured steps: seconds = g(tokens) + per_seq * sequences.
 
-    Measurements go into buckets (exact up to 8 tokens, then powers of two),
-    each an EMA of (tokens, seconds); estimates interpolate between buckets.
-    Below the smallest measurement time scales down with tokens (a pessimistic
-    guess for speculation, so plain steps get measured); above the largest it
-    extends the last slope (flat with one point, so larger trees get tried).
+    g is piecewise linear between knots, one per bucket of token counts (exact up to 8 tokens, then powers of
+    two) at the mean count measured in it; below the smallest knot it scales down with tokens (a pessimistic guess
+    for speculation, so plain steps get measured), above the largest it extends the last slope (flat with one
+    knot, so larger trees get tried). per_seq is what a sequence costs whatever its tokens (on a CPU its
+    attention reads its own cache, and it is sampled on its own): on two cores a plain step of 8 sequences takes
+    twice one of 1, while 8 sequences' draft tokens add a few ms each. A model of tokens alone reads the first
+    slope as every token's, and prices a draft token, which adds no sequence, several times over. The two are
+    fitted together by least squares over each bucket's latest _BUCKET_MEMORY steps, a step _EMA less weighty per
+    newer one in its bucket; per_seq is held at 0 unless steps of equal tokens and different sequences (drafts)
+    tell it apart, and never goes below 0.
     """
 
     def __init__(self) -> None:
-        self._points: dict[int, list[float]] = {}  # bucket -> [tokens, seconds]
+        self._steps: dict[int, deque[tuple[float, float, float]]] = {}  # bucket -> (tokens, sequences, seconds)
+        self._knots: list[tuple[float, float]] = []  # (tokens, g) ascending, after _fit()
+        self._per_seq_s = 0.0
+        self._is_stale = False
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:
@@ -135,33 +151,92 @@ class StepCostModel:
 
     @property
     def is_fitted(self) -> bool:
-        return bool(self._points)
+        return bool(self._steps)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, num_seqs: int = 0) -> None:
+        """A step of num_tokens tokens over num_seqs sequences (0: not counted) took seconds."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        point = self._points.get(self._bucket(num_tokens))
-        if point is None:
-            self._points[self._bucket(num_tokens)] = [float(num_tokens), seconds]
-        else:
-            point[0] += _EMA * (num_tokens - point[0])
-            point[1] += _EMA * (seconds - point[1])
+        steps = self._steps.setdefault(self._bucket(num_tokens), deque(maxlen=_BUCKET_MEMORY))
+        steps.append((float(num_tokens), float(num_seqs), seconds))
+        self._is_stale = True
 
-    def estimate(self, num_tokens: int) -> float:
-        """Seconds for a step of num_tokens; needs is_fitted."""
-        points = sorted(self._points.values())
-        (x0, y0), (xn, yn) = points[0], points[-1]
+    @property
+    def per_seq_s(self) -> float:
+        """Seconds a sequence adds to a step whatever its tokens; needs is_fitted."""
+        if self._is_stale:
+            self._fit()
+        return self._per_seq_s
+
+    def estimate(self, num_tokens: float, num_seqs: int = 0) -> float:
+        """Seconds for a step of num_tokens over num_seqs sequences; needs is_fitted."""
+        return self.per_seq_s * num_seqs + self._g(num_tokens)
+
+    def _g(self, num_tokens: float) -> float:
+        knots = self._knots
+        (x0, y0), (xn, yn) = knots[0], knots[-1]
         if num_tokens <= x0:
             return y0 * num_tokens / x0
         if num_tokens >= xn:
-            if len(points) == 1:
+            if len(knots) == 1:
                 return yn
-            (xa, ya) = points[-2]
+            (xa, ya) = knots[-2]
             return yn + max(0.0, (yn - ya) / (xn - xa)) * (num_tokens - xn)
-        for (xa, ya), (xb, yb) in zip(points, points[1:]):
-            if xa <= num_tokens <= xb:
-                return ya + (yb - ya) * (num_tokens - xa) / (xb - xa)
-        return yn  # unreachable: the points cover [x0, xn]
+        index = bisect.bisect_left(knots, (num_tokens, -math.inf))
+        (xa, ya), (xb, yb) = knots[index - 1], knots[index]
+        return ya + (yb - ya) * (num_tokens - xa) / (xb - xa)
+
+    def _fit(self) -> None:
+        self._is_stale = False
+        tokens, num_seqs, seconds, weights, index, positions = [], [], [], [], [], []
+        for bucket_index, bucket in enumerate(sorted(self._steps)):
+            steps = np.array(self._steps[bucket])
+            recency = (1 - _EMA) ** np.arange(len(steps) - 1, -1, -1)
+            positions.append(float(recency @ steps[:, 0] / recency.sum()))
+            tokens.append(steps[:, 0])
+            num_seqs.append(steps[:, 1])
+            seconds.append(steps[:, 2])
+            weights.append(recency)
+            index.append(np.full(len(steps), bucket_index))
+        root = np.sqrt(np.concatenate(weights))
+        features = np.vstack([
+            np.column_stack([_knot_weights(np.array(positions), np.concatenate(index), np.concatenate(tokens)),
+                             np.concatenate(num_seqs)]) * root[:, None],
+            np.zeros(len(positions) + 1),
+        ])
+        features[-1, -1] = math.sqrt(_PER_SEQ_RIDGE * root @ root)  # per_seq stays 0 where nothing tells it
+        targets = np.append(np.concatenate(seconds) * root, 0.0)
+        solution = np.linalg.lstsq(features, targets, rcond=None)[0]
+        if solution[-1] < 0:  # more sequences never make a step faster
+            solution = np.append(np.linalg.lstsq(features[:-1, :-1], targets[:-1], rcond=None)[0], 0.0)
+        self._per_seq_s = float(solution[-1])
+        self._knots = list(zip(positions, map(float, solution[:-1])))
+
+
+def _knot_weights(positions: np.ndarray, index: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """How steps of `tokens`, each measured in bucket `index`, read g's knot values (StepCostModel._g's rule):
+    one row of weights per step."""
+    rows = np.arange(len(tokens))
+    weights = np.zeros((len(tokens), len(positions)))
+    x = positions[index]
+    below, above = tokens < x, tokens > x
+    first_below = below & (index == 0)  # g scales down with tokens
+    last_above = above & (index == len(positions) - 1)  # g extends the last slope (flat with one knot)
+    between = (below | above) & ~first_below & ~last_above
+    at = ~(below | above)
+    weights[rows[at], index[at]] = 1.0
+    weights[rows[first_below], 0] = tokens[first_below] / x[first_below]
+    if len(positions) == 1:
+        weights[rows[last_above], 0] = 1.0
+    else:
+        r, i = rows[last_above], index[last_above]
+        slope = (tokens[r] - x[r]) / (x[r] - positions[i - 1])
+        weights[r, i], weights[r, i - 1] = 1 + slope, -slope
+    r, i = rows[between], index[between]
+    other = np.where(below[r], i - 1, i + 1)
+    share = (tokens[r] - positions[other]) / (x[r] - positions[other])
+    weights[r, i], weights[r, other] = share, 1 - share
+    return weights
 
 
 def budget_options(max_nodes: int) -> list[int]:
@@ -200,18 +275,18 @@ class SpecPolicy:
     """The gate's decision at the latest choose(), for observe_cycle() once that step is done (None: the gate
     was not asked: a fixed policy, or a cost model not fitted yet)."""
 
-    def observe_step(self, num_tokens: int, compute_s: float, seconds: float | None) -> None:
-        """A worker step of `num_tokens` tokens: its compute time at the worker and its round trip, or None for a
-        step sent ahead, which waited at the worker for the step before it. The cost model prices steps as round
-        trips (a drafting step always is one), so a step ahead counts as its compute time plus the rest of a
-        round trip as measured on the steps that were not sent ahead."""
+    def observe_step(self, num_tokens: int, compute_s: float, seconds: float | None, num_seqs: int = 0) -> None:
+        """A worker step of `num_tokens` tokens over `num_seqs` sequences: its compute time at the worker and its
+        round trip, or None for a step sent ahead, which waited at the worker for the step before it. The cost
+        model prices steps as round trips (a drafting step always is one), so a step ahead counts as its compute
+        time plus the rest of a round trip as measured on the steps that were not sent ahead."""
         if seconds is None:
             seconds = compute_s + self.round_trip_extra_s
         else:
             extra = max(seconds - compute_s, 0.0)
             self.round_trip_extra_s = _ema(self.round_trip_extra_s, extra, self.num_round_trips == 0)
             self.num_round_trips += 1
-        self.cost.observe(num_tokens, seconds)
+        self.cost.observe(num_tokens, seconds, num_seqs)
 
     def observe_cycle(self, decision: GateDecision | None, num_tokens: int, seconds: float) -> None:
         """A whole scheduler step (schedule, draft, worker, postprocess), the tokens it generated and the gate's
@@ -290,7 +365,7 @@ class SpecPolicy:
             return 0.0
         half = max(1, num_draft_tokens // 2)
         low, high = num_base_tokens + half, num_base_tokens + num_draft_tokens + half
-        slope = (self.cost.estimate(high) - self.cost.estimate(low)) / (high - low)
+        slope = (self.cost.estimate(high) - self.cost.estimate(low)) / (high - low)  # the sequences' cost cancels
         price = self._tokens_per_s(budgets, groups, num_base_tokens) * slope
         return min(max(price, 0.0), _MAX_PRICE)
 
@@ -298,7 +373,8 @@ class SpecPolicy:
         tokens = sum(groups[s] * (1.0 + self.acceptance.of(s).expected_accepted(b)) if b else groups[s]
                      for s, b in budgets.items())
         num_draft_tokens = sum(groups[s] * b for s, b in budgets.items())
-        seconds = self.cost.estimate(num_base_tokens + num_draft_tokens)
+        # the step's decode sequences (a prefill's sequence is left out: the same for every budget compared)
+        seconds = self.cost.estimate(num_base_tokens + num_draft_tokens, sum(groups.values()))
         if num_draft_tokens:
             seconds += self.draft_overhead_s
         return tokens / seconds if seconds > 0 else 0.0

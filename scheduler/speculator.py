@@ -229,7 +229,7 @@ class Speculator:
         # a request of several decode steps is priced as that many steps (each computes the same tokens)
         num_steps = request.num_steps
         self.policy.observe_step(request.num_scheduled_tokens, result.compute_us / 1e6 / num_steps,
-                                 None if seconds is None else seconds / num_steps)
+                                 None if seconds is None else seconds / num_steps, len(request.sequences))
         outputs = {output.seq_id: output for output in result.outputs}
         for work in request.sequences:
             output = outputs.get(work.seq_id)

@@ -365,6 +365,31 @@ def test_a_draft_token_is_priced_at_what_it_adds_to_the_step_in_accepted_tokens(
     assert steep.node_price(budgets, {"code": 2}, 8) == pytest.approx(0.9), "capped: a sure node always pays"
 
 
+def test_what_a_sequence_costs_is_told_apart_from_what_a_token_costs_and_a_draft_token_pays_only_its_own():
+    """Measured on two cores: a plain step of 8 sequences takes about twice one of 1, while 8 sequences' draft
+    tokens add a few ms each. A model of tokens alone would price a draft token at a sequence's cost."""
+    model = StepCostModel()
+    for _ in range(4):
+        for num_seqs in range(1, 9):
+            for drafts_each in (0, 1, 2, 4):
+                num_tokens = num_seqs * (1 + drafts_each)
+                model.observe(num_tokens, 0.1 + 0.018 * num_seqs + 0.004 * num_tokens, num_seqs)
+    assert model.per_seq_s == pytest.approx(0.018, rel=1e-3)
+    assert model.estimate(24, 8) - model.estimate(8, 8) == pytest.approx(16 * 0.004, rel=1e-3)
+    assert model.estimate(3, 3) == pytest.approx(0.1 + 3 * 0.022, rel=1e-3)
+    policy = SpecPolicy(16, cost=model)
+    policy.acceptance.segments["code"] = SegmentStats(num_verified=100, max_num_nodes=16,
+                                                      ema_rate_by_depth=[0.9 ** d for d in range(1, 17)])
+    rate = policy._tokens_per_s({"code": 2}, {"code": 8}, 8)
+    assert policy.node_price({"code": 2}, {"code": 8}, 8) == pytest.approx(rate * 0.004, rel=1e-2)
+    # plain steps alone cannot tell a sequence from a token: every second is the tokens' (as before)
+    plain = StepCostModel()
+    for num_seqs in range(1, 9):
+        plain.observe(num_seqs, 0.1 + 0.022 * num_seqs, num_seqs)
+    assert plain.per_seq_s == pytest.approx(0.0, abs=1e-9)
+    assert plain.estimate(6) == pytest.approx(0.1 + 0.022 * 6)
+
+
 def test_the_round_trip_that_drafting_adds_once_is_not_priced_into_each_draft_token():
     # a plain step of 8 tokens goes ahead (0.1 s); any drafting step is a round trip (+0.1 s), then 5 ms a token
     costs = {8: 0.1, 12: 0.2 + 12 * 0.005, 24: 0.2 + 24 * 0.005, 48: 0.2 + 48 * 0.005}
