@@ -33,6 +33,7 @@ from scheduler.spec_gate import GateDecision, SpeculationGate
 _EMA = 0.1  # weight of a new observation; ~10 observations of memory
 _BUCKET_MEMORY = 32  # steps per bucket of token counts the cost model fits
 _PER_SEQ_RIDGE = 1e-3  # how firmly the cost model holds per_seq at 0, per unit of its steps' weight
+_MAX_SEQ_SHARE = 0.9  # the most of a bucket's mean time its sequences may take
 _PRIOR_RATE = 0.5  # acceptance assumed before measuring, and its decay per unmeasured depth
 _MAX_PRICE = 0.9  # the most a draft token is priced at (SpecPolicy.node_price)
 
@@ -131,12 +132,13 @@ class StepCostModel:
     two) at the mean count measured in it; below the smallest knot it scales down with tokens (a pessimistic guess
     for speculation, so plain steps get measured), above the largest it extends the last slope (flat with one
     knot, so larger trees get tried). per_seq is what a sequence costs whatever its tokens (on a CPU its
-    attention reads its own cache, and it is sampled on its own): on two cores a plain step of 8 sequences takes
-    twice one of 1, while 8 sequences' draft tokens add a few ms each. A model of tokens alone reads the first
-    slope as every token's, and prices a draft token, which adds no sequence, several times over. The two are
-    fitted together by least squares over each bucket's latest _BUCKET_MEMORY steps, a step _EMA less weighty per
-    newer one in its bucket; per_seq is held at 0 unless steps of equal tokens and different sequences (drafts)
-    tell it apart, and never goes below 0.
+    attention reads its own cache, and it is sampled on its own): on two cores, at 8 streams of the default
+    model, a step took 78 ms + 17 ms a sequence + 5 ms a token, so a plain step of 8 sequences takes twice one of
+    1. A model of tokens alone reads that first slope as every token's, and prices a draft token, which adds no
+    sequence, several times over. The fit keeps each bucket's latest _BUCKET_MEMORY steps, a step _EMA less
+    weighty per newer one in its bucket: per_seq is the sequences' coefficient of a straight line fitted to them
+    all by least squares (held at 0 unless drafts tell sequences from tokens; never below 0, never most of a
+    bucket's time), and g's knot in a bucket is its steps' mean time less their sequences' share.
     """
 
     def __init__(self) -> None:
@@ -188,55 +190,20 @@ class StepCostModel:
 
     def _fit(self) -> None:
         self._is_stale = False
-        tokens, num_seqs, seconds, weights, index, positions = [], [], [], [], [], []
-        for bucket_index, bucket in enumerate(sorted(self._steps)):
-            steps = np.array(self._steps[bucket])
-            recency = (1 - _EMA) ** np.arange(len(steps) - 1, -1, -1)
-            positions.append(float(recency @ steps[:, 0] / recency.sum()))
-            tokens.append(steps[:, 0])
-            num_seqs.append(steps[:, 1])
-            seconds.append(steps[:, 2])
-            weights.append(recency)
-            index.append(np.full(len(steps), bucket_index))
-        root = np.sqrt(np.concatenate(weights))
-        features = np.vstack([
-            np.column_stack([_knot_weights(np.array(positions), np.concatenate(index), np.concatenate(tokens)),
-                             np.concatenate(num_seqs)]) * root[:, None],
-            np.zeros(len(positions) + 1),
-        ])
-        features[-1, -1] = math.sqrt(_PER_SEQ_RIDGE * root @ root)  # per_seq stays 0 where nothing tells it
-        targets = np.append(np.concatenate(seconds) * root, 0.0)
-        solution = np.linalg.lstsq(features, targets, rcond=None)[0]
-        if solution[-1] < 0:  # more sequences never make a step faster
-            solution = np.append(np.linalg.lstsq(features[:-1, :-1], targets[:-1], rcond=None)[0], 0.0)
-        self._per_seq_s = float(solution[-1])
-        self._knots = list(zip(positions, map(float, solution[:-1])))
-
-
-def _knot_weights(positions: np.ndarray, index: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """How steps of `tokens`, each measured in bucket `index`, read g's knot values (StepCostModel._g's rule):
-    one row of weights per step."""
-    rows = np.arange(len(tokens))
-    weights = np.zeros((len(tokens), len(positions)))
-    x = positions[index]
-    below, above = tokens < x, tokens > x
-    first_below = below & (index == 0)  # g scales down with tokens
-    last_above = above & (index == len(positions) - 1)  # g extends the last slope (flat with one knot)
-    between = (below | above) & ~first_below & ~last_above
-    at = ~(below | above)
-    weights[rows[at], index[at]] = 1.0
-    weights[rows[first_below], 0] = tokens[first_below] / x[first_below]
-    if len(positions) == 1:
-        weights[rows[last_above], 0] = 1.0
-    else:
-        r, i = rows[last_above], index[last_above]
-        slope = (tokens[r] - x[r]) / (x[r] - positions[i - 1])
-        weights[r, i], weights[r, i - 1] = 1 + slope, -slope
-    r, i = rows[between], index[between]
-    other = np.where(below[r], i - 1, i + 1)
-    share = (tokens[r] - positions[other]) / (x[r] - positions[other])
-    weights[r, i], weights[r, other] = share, 1 - share
-    return weights
+        buckets = [np.array(self._steps[bucket]) for bucket in sorted(self._steps)]
+        recency = [(1 - _EMA) ** np.arange(len(steps) - 1, -1, -1) for steps in buckets]
+        steps, weights = np.concatenate(buckets), np.concatenate(recency)
+        # per_seq: a straight line over every step (sequences, tokens, 1), held at 0 where nothing tells them apart
+        root = np.sqrt(weights)
+        features = np.vstack([np.column_stack([steps[:, 1], steps[:, 0], np.ones(len(steps))]) * root[:, None],
+                              [math.sqrt(_PER_SEQ_RIDGE * weights.sum()), 0.0, 0.0]])
+        targets = np.append(steps[:, 2] * root, 0.0)
+        per_seq = max(float(np.linalg.lstsq(features, targets, rcond=None)[0][0]), 0.0)
+        # g: each bucket's recent mean, its sequences' share taken out (never most of a bucket's time)
+        means = [(w @ b[:, 0] / w.sum(), w @ b[:, 1] / w.sum(), w @ b[:, 2] / w.sum()) for b, w in zip(buckets, recency)]
+        per_seq = min([per_seq, *(_MAX_SEQ_SHARE * y / n for _, n, y in means if n > 0)])
+        self._per_seq_s = float(per_seq)
+        self._knots = sorted((float(t), float(y - per_seq * n)) for t, n, y in means)
 
 
 def budget_options(max_nodes: int) -> list[int]:
