@@ -44,7 +44,8 @@ from drafter.keyed import KEY_START, KeyedCorpora, Scope, output_context
 from drafter.learner import Learner
 from drafter.segments import SegmentKind, SegmentsConfig
 from drafter.state import RequestState
-from drafter.trees import build
+from drafter.calibration import NodeCalibration
+from drafter.trees import grow, merge
 from drafter.types import Continuation, ContinuationSource, is_request_aware
 from protos.segserve.v1.tree import CandidateTree
 
@@ -112,6 +113,9 @@ class DraftPlanner:
         """Tokens learned per segment kind since start (the keyed corpora's under the schema kind's name)."""
         self.acceptance = SourceAcceptance()
         """How well each kind's sources predicted (their weight in by_match)."""
+        self.calibration = NodeCalibration()
+        """How likely each kind's nodes turned out to be accepted, by depth and weight (what min_node_prob and
+        the tree builders read)."""
 
     def learn(self, segment: str, token_ids: Sequence[int], tenant: str = "", corpus_key: str = "") -> None:
         """Online learning: a closed segment's tokens join the tenant's corpus of its kind (queued, with a learner);
@@ -192,6 +196,9 @@ class DraftPlanner:
         long match may take up to max_nodes (adaptive_depth). No node is less likely to be accepted than
         min_node_prob (the scheduler's price of a draft token) or the kind's min_prob."""
         self.acceptance.judge(state)
+        if state.trie is not None:
+            self.calibration.judge(state.proposed_kind, state.trie, state.tokens[state.proposed_at:])
+            state.trie = None
         kind = self.segments.schema if state.corpus_key else self.segments.kind(state.segment)
         budget = min(max_nodes, kind.max_nodes)
         if budget <= 0:
@@ -215,7 +222,10 @@ class DraftPlanner:
         if kind.spec_factor > 0:
             depth = max([depth, *(len(c.token_ids) for c in continuations)])
             budget = min(max_nodes, max(budget, depth))
-        return build(kind.algorithm, continuations, budget, depth, max(kind.min_prob, min_node_prob)), kind.name
+        state.trie = merge(continuations, depth)
+        tree = grow(kind.algorithm, state.trie, budget, max(kind.min_prob, min_node_prob),
+                    self.calibration.calibrate(kind.name))
+        return tree, kind.name
 
     def _sources(self, kind: SegmentKind, state: RequestState
                  ) -> list[tuple[str, ContinuationSource, Sequence[int]]]:  # fmt: skip

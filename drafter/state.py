@@ -29,6 +29,7 @@ from drafter.history import HistorySource
 from drafter.keyed import kept_key
 from drafter.segments import DEFAULT_SEGMENT, SCHEMA_SEGMENT, SegmentsConfig
 from drafter.tracker import SegmentTracker
+from drafter.trees import TrieNode
 
 SegmentSink = Callable[..., None]
 """sink(segment kind, tokens, tenant) of every closed segment ("" = the default tenant); a keyed request's output
@@ -57,6 +58,8 @@ class RequestState:
     """len(tokens) when they were proposed."""
     proposed_kind: str = ""
     """The segment kind they were proposed in."""
+    trie: TrieNode | None = None
+    """The last draft's merged trie, whole (drafter/calibration.py judges its nodes against what came next)."""
 
     @property
     def tokens(self) -> list[int]:

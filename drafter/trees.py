@@ -3,11 +3,11 @@
 In: `Continuation`s from any sources (scores comparable across the list). Out: a
 CandidateTree (protos.segserve.v1.tree: parents -1 = root) in topological order,
 with at most `max_nodes` nodes of depth at most `max_depth`. A trie node's weight
-is the sum of the scores of the continuations through it. The planner's scores
-are calibrated (each source's sum to its measured match share, drafter/planner.py),
-so a node's weight estimates the chance its path is accepted, and `min_prob`
-drops the nodes less likely than that whatever the budget left; a caller whose
-scores are plain frequencies passes 0.
+is the sum of the scores of the continuations through it. A node's chance of being
+accepted is its weight, or, given a `calibrate` (what the drafter measured of its
+nodes' fate, drafter/calibration.py), the product of its path's calibrated chances;
+builders take the likeliest nodes, and `min_prob` drops the nodes less likely than
+that whatever the budget left (a caller whose scores are plain frequencies passes 0).
 
 Builders live in `BUILDERS` (name -> function); a segment names one in its config.
 """
@@ -15,49 +15,63 @@ Builders live in `BUILDERS` (name -> function); a segment names one in its confi
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from drafter.types import Continuation
 from protos.segserve.v1.tree import ROOT, CandidateTree
 
 
+Calibrate = Callable[[int, float, float], float]
+"""(depth, weight, its parent's weight) -> the chance a node at that depth is accepted once its parent is (at most
+1): a drafter that measures how its nodes fare (drafter/calibration.py) turns weights into acceptance this way."""
+
+
 @dataclass(slots=True)
-class _TrieNode:
+class TrieNode:
     token_id: int
     weight: float = 0.0
-    children: dict[int, "_TrieNode"] = field(default_factory=dict)
+    children: dict[int, "TrieNode"] = field(default_factory=dict)
+    prob: float = 1.0
+    """Its path's estimated chance of acceptance (_Ranker): the weight, or the calibrated chances multiplied."""
+    kept: list["TrieNode"] | None = None
+    """Its children at least min_prob likely, the likeliest first (ties keep insertion order); None = not ranked."""
 
-    def ranked_children(self) -> list["_TrieNode"]:
-        """Heaviest first; ties keep insertion order (earlier = better-ranked continuation)."""
-        return sorted(self.children.values(), key=lambda c: -c.weight)
 
-
-def merge(continuations: list[Continuation], max_depth: int, min_prob: float = 0.0) -> _TrieNode:
-    """A trie of the continuations cut at max_depth; shared prefixes become shared nodes. A node lighter than
-    min_prob (its path's estimated acceptance: see the module) is left out with everything under it."""
-    root = _TrieNode(token_id=-1)
+def merge(continuations: list[Continuation], max_depth: int) -> TrieNode:
+    """A trie of the continuations cut at max_depth; shared prefixes become shared nodes."""
+    root = TrieNode(token_id=-1)
     for cont in sorted(continuations, key=lambda c: -c.score):
         if cont.score <= 0:
             continue
         node = root
         root.weight += cont.score
         for token_id in cont.token_ids[:max_depth]:
-            node = node.children.setdefault(token_id, _TrieNode(token_id))
+            node = node.children.setdefault(token_id, TrieNode(token_id))
             node.weight += cont.score
-    if min_prob > 0:
-        _prune(root, min_prob)
     return root
 
 
-def _prune(root: _TrieNode, min_weight: float) -> None:
-    """Drop every node lighter than min_weight (its subtree is lighter still)."""
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        node.children = {t: c for t, c in node.children.items() if c.weight >= min_weight}
-        stack.extend(node.children.values())
+@dataclass(frozen=True)
+class _Ranker:
+    """Ranks a node's children once the builder reaches it, leaving out those less likely than min_prob (and
+    everything under them). A node's chance is its weight, or with `calibrate` its parent's chance times its own
+    given the parent; a child is never likelier than its parent either way, so the trie itself is never cut and
+    stays whole for judging (drafter/calibration.py)."""
+
+    min_prob: float = 0.0
+    calibrate: Calibrate | None = None
+
+    def kept(self, node: TrieNode, depth: int) -> list[TrieNode]:
+        """node's ranked children; node is at `depth` (the root at 0)."""
+        if node.kept is None:
+            for child in node.children.values():
+                child.prob = (child.weight if self.calibrate is None
+                              else node.prob * self.calibrate(depth + 1, child.weight, node.weight))
+            node.kept = sorted((c for c in node.children.values() if c.prob >= self.min_prob), key=lambda c: -c.prob)
+        return node.kept
 
 
 class _Emitter:
@@ -71,7 +85,7 @@ class _Emitter:
     def __len__(self) -> int:
         return len(self._token_ids)
 
-    def emit(self, node: _TrieNode, parent: _TrieNode | None) -> None:
+    def emit(self, node: TrieNode, parent: TrieNode | None) -> None:
         """Append node as a child of parent (None = the root); parent must be emitted already."""
         self._index[id(node)] = len(self._token_ids)
         self._token_ids.append(node.token_id)
@@ -81,77 +95,59 @@ class _Emitter:
         return CandidateTree(tuple(self._token_ids), tuple(self._parents))
 
 
-def single_branch(continuations: list[Continuation], max_nodes: int, max_depth: int,
-                  min_prob: float = 0.0) -> CandidateTree:
-    """One chain: the heaviest child at every level."""
+def single_branch(root: TrieNode, max_nodes: int, ranker: _Ranker) -> CandidateTree:
+    """One chain: the likeliest child at every level."""
     out = _Emitter()
-    node, parent = merge(continuations, max_depth, min_prob), None
-    for _ in range(min(max_nodes, max_depth)):
-        if not node.children:
-            break
-        child = node.ranked_children()[0]
+    node, parent, depth = root, None, 0
+    while len(out) < max_nodes and ranker.kept(node, depth):
+        child = ranker.kept(node, depth)[0]
         out.emit(child, parent)
         node = parent = child
+        depth += 1
     return out.tree()
 
 
-def multi_branch_dfs(continuations: list[Continuation], max_nodes: int, max_depth: int,
-                     min_prob: float = 0.0) -> CandidateTree:
-    """Depth-first, heaviest child first: the best chain in full, then its alternatives."""
+def multi_branch_dfs(root: TrieNode, max_nodes: int, ranker: _Ranker) -> CandidateTree:
+    """Depth-first, likeliest child first: the best chain in full, then its alternatives."""
     out = _Emitter()
-    for node, parent in _preorder(merge(continuations, max_depth, min_prob)):
-        if len(out) >= max_nodes:
-            break
+    stack: list[tuple[TrieNode, TrieNode | None, int]] = [(c, None, 1) for c in reversed(ranker.kept(root, 0))]
+    while stack and len(out) < max_nodes:
+        node, parent, depth = stack.pop()
         out.emit(node, parent)
+        stack.extend((c, node, depth + 1) for c in reversed(ranker.kept(node, depth)))
     return out.tree()
 
 
-def _preorder(root: _TrieNode) -> Iterator[tuple[_TrieNode, _TrieNode | None]]:
-    stack: list[tuple[_TrieNode, _TrieNode | None]] = [(c, None) for c in reversed(root.ranked_children())]
-    while stack:
-        node, parent = stack.pop()
-        yield node, parent
-        stack.extend((c, node) for c in reversed(node.ranked_children()))
-
-
-def multi_branch_bfs(continuations: list[Continuation], max_nodes: int, max_depth: int,
-                     min_prob: float = 0.0) -> CandidateTree:
-    """Breadth-first, heaviest child first: every alternative of depth d before depth d + 1."""
+def multi_branch_bfs(root: TrieNode, max_nodes: int, ranker: _Ranker) -> CandidateTree:
+    """Breadth-first, likeliest child first: every alternative of depth d before depth d + 1."""
     out = _Emitter()
-    root = merge(continuations, max_depth, min_prob)
-    queue = deque((c, None) for c in root.ranked_children())
+    queue = deque((c, None, 1) for c in ranker.kept(root, 0))
     while queue and len(out) < max_nodes:
-        node, parent = queue.popleft()
+        node, parent, depth = queue.popleft()
         out.emit(node, parent)
-        queue.extend((c, node) for c in node.ranked_children())
+        queue.extend((c, node, depth + 1) for c in ranker.kept(node, depth))
     return out.tree()
 
 
-def best_first(continuations: list[Continuation], max_nodes: int, max_depth: int,
-               min_prob: float = 0.0) -> CandidateTree:
-    """Most probable paths first: the nodes with the largest weight, whatever their depth.
+def best_first(root: TrieNode, max_nodes: int, ranker: _Ranker) -> CandidateTree:
+    """Most probable paths first: the likeliest nodes, whatever their depth.
 
-    A child never outweighs its parent, and a node enters the queue only after its
+    A child is never likelier than its parent, and a node enters the queue only after its
     parent is emitted, so pop order is a topological order.
     """
     out = _Emitter()
-    root = merge(continuations, max_depth, min_prob)
-    counter = 0  # tie-break: earlier pushes (heavier siblings, shallower nodes) first
-    heap: list[tuple[float, int, _TrieNode, _TrieNode | None]] = []
-    for child in root.ranked_children():
-        heap.append((-child.weight, counter, child, None))
-        counter += 1
+    counter = itertools.count()  # tie-break: earlier pushes (likelier siblings, shallower nodes) first
+    heap = [(-c.prob, next(counter), c, None, 1) for c in ranker.kept(root, 0)]
     heapq.heapify(heap)
     while heap and len(out) < max_nodes:
-        _, _, node, parent = heapq.heappop(heap)
+        _, _, node, parent, depth = heapq.heappop(heap)
         out.emit(node, parent)
-        for child in node.ranked_children():
-            heapq.heappush(heap, (-child.weight, counter, child, node))
-            counter += 1
+        for child in ranker.kept(node, depth):
+            heapq.heappush(heap, (-child.prob, next(counter), child, node, depth + 1))
     return out.tree()
 
 
-TreeBuilder = Callable[[list[Continuation], int, int, float], CandidateTree]
+TreeBuilder = Callable[[TrieNode, int, _Ranker], CandidateTree]
 
 BUILDERS: dict[str, TreeBuilder] = {
     "single_branch": single_branch,
@@ -164,6 +160,13 @@ BUILDERS: dict[str, TreeBuilder] = {
 def build(algorithm: str, continuations: list[Continuation], max_nodes: int, max_depth: int,
           min_prob: float = 0.0) -> CandidateTree:
     """Build a tree with the named algorithm (a key of BUILDERS), of nodes weighing at least min_prob."""
-    if max_nodes <= 0 or max_depth <= 0 or not continuations:
+    return grow(algorithm, merge(continuations, max_depth), max_nodes, min_prob)
+
+
+def grow(algorithm: str, root: TrieNode, max_nodes: int, min_prob: float = 0.0,
+         calibrate: Calibrate | None = None) -> CandidateTree:
+    """The tree the named algorithm picks from a merged trie (merge()), of nodes at least min_prob likely (their
+    weight, or their calibrated chance with `calibrate`)."""
+    if max_nodes <= 0 or not root.children:
         return CandidateTree()
-    return BUILDERS[algorithm](continuations, max_nodes, max_depth, min_prob)
+    return BUILDERS[algorithm](root, max_nodes, _Ranker(min_prob, calibrate))
