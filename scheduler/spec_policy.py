@@ -235,6 +235,9 @@ class SpecPolicy:
     round_trip_extra_s: float = 0.0
     """EMA of a step's round trip less its compute time, over the steps not sent ahead (async scheduling)."""
     num_round_trips: int = 0
+    cycle_tokens: float = 0.0
+    """EMA of the tokens a whole decode step generated (observe_cycle), over cycle_seconds: its goodput."""
+    cycle_seconds: float = 0.0
     num_steps: int = 0
     last_budgets: dict[str, int] = field(default_factory=dict)
     """Segment kind -> its budget at the latest step that had it (0 = drafting off for it), for the stats."""
@@ -259,6 +262,10 @@ class SpecPolicy:
         """A whole scheduler step (schedule, draft, worker, postprocess), the tokens it generated and the gate's
         decision for it (last_gate_decision after its choose()); the gate attributes the step to that decision.
         A step without decode sequences had no choose() and counts for nothing."""
+        if decision is not None and seconds > 0:
+            is_first = not self.cycle_seconds
+            self.cycle_tokens = _ema(self.cycle_tokens, num_tokens, is_first)
+            self.cycle_seconds = _ema(self.cycle_seconds, seconds, is_first)
         if self.is_adaptive and decision is not None:
             self.gate.observe(decision, num_tokens, seconds)
 
@@ -319,8 +326,12 @@ class SpecPolicy:
         return budgets
 
     def node_price(self, budgets: Mapping[str, int], groups: Mapping[str, int], num_base_tokens: int) -> float:
-        """What a draft token costs the step that choose() planned, in accepted tokens: the step's expected tokens
-        per second times the seconds one more draft token adds there. A node less likely to be accepted than this
+        """What a draft token costs the step that choose() planned, in accepted tokens: tokens per second times the
+        seconds one more draft token adds there. The tokens per second are what the recent decode steps delivered
+        (observe_cycle), or before any is measured the step's expected: the model's sum of acceptance by depth,
+        each measured on the trees that reached that depth, runs optimistic (at 8 streams on two cores it
+        expected about twice what the steps delivered, and priced a draft token at 0.5 where it costs 0.2). A node
+        less likely to be accepted than this
         slows the step down, whatever the budget: near 0 where a step is bound by reading the weights (one more
         token is free), higher in a batch that computes. The seconds are the cost model's slope across the
         planned drafts (from half of them to half again as many), within steps that draft: the step from none to
@@ -333,8 +344,11 @@ class SpecPolicy:
         half = max(1, num_draft_tokens // 2)
         low, high = num_base_tokens + half, num_base_tokens + num_draft_tokens + half
         slope = (self.cost.estimate(high) - self.cost.estimate(low)) / (high - low)  # the sequences' cost cancels
-        price = self._tokens_per_s(budgets, groups, num_base_tokens) * slope
-        return min(max(price, 0.0), _MAX_PRICE)
+        if self.cycle_seconds:
+            tokens_per_s = self.cycle_tokens / self.cycle_seconds
+        else:
+            tokens_per_s = self._tokens_per_s(budgets, groups, num_base_tokens)
+        return min(max(tokens_per_s * slope, 0.0), _MAX_PRICE)
 
     def _tokens_per_s(self, budgets: Mapping[str, int], groups: Mapping[str, int], num_base_tokens: int) -> float:
         tokens = sum(groups[s] * (1.0 + self.acceptance.of(s).expected_accepted(b)) if b else groups[s]

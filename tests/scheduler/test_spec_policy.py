@@ -390,6 +390,20 @@ def test_what_a_sequence_costs_is_told_apart_from_what_a_token_costs_and_a_draft
     assert plain.estimate(6) == pytest.approx(0.1 + 0.022 * 6)
 
 
+def test_a_draft_token_is_priced_at_the_tokens_per_second_the_decode_steps_delivered_once_measured():
+    linear = {8: 0.1 + 8 * 0.005, 16: 0.1 + 16 * 0.005, 64: 0.1 + 64 * 0.005}
+    policy = policy_with(0.9, linear)
+    expected = policy.node_price({"code": 4}, {"code": 8}, 8)
+    assert expected == pytest.approx(policy._tokens_per_s({"code": 4}, {"code": 8}, 8) * 0.005)
+    decision = policy.gate.decide({"code": 8})
+    for _ in range(30):
+        policy.observe_cycle(decision, 12, 0.3)  # 40 tokens/s delivered, well below what the model expects
+    assert policy.node_price({"code": 4}, {"code": 8}, 8) == pytest.approx(40 * 0.005)
+    assert policy.node_price({"code": 4}, {"code": 8}, 8) < expected
+    policy.observe_cycle(None, 100, 0.01)  # a step without decode sequences tells nothing
+    assert policy.node_price({"code": 4}, {"code": 8}, 8) == pytest.approx(40 * 0.005)
+
+
 def test_the_round_trip_that_drafting_adds_once_is_not_priced_into_each_draft_token():
     # a plain step of 8 tokens goes ahead (0.1 s); any drafting step is a round trip (+0.1 s), then 5 ms a token
     costs = {8: 0.1, 12: 0.2 + 12 * 0.005, 24: 0.2 + 24 * 0.005, 48: 0.2 + 48 * 0.005}
