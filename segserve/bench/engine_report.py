@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import statistics
+from functools import partial
 from pathlib import Path
 
-from segserve.bench.harness import figure
+from segserve.bench.harness import figure, fmt
 
 PARTS = ("schedule", "draft", "wire", "metadata", "forward", "sample", "output")
 """The parts of one engine step, in step order (draft runs between schedule and metadata)."""
@@ -51,8 +52,7 @@ def summarize_hf(batch_size: int, ms_per_step: list[float]) -> dict:
     return {**total, "tokens_per_s": 1000 * batch_size / total["median_ms"] if total["median_ms"] > 0 else None}
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+_fmt = partial(fmt, missing="-")
 
 
 def markdown_table(results: dict) -> str:

@@ -1,7 +1,8 @@
-"""What every `segserve bench` report shares: its figure (matplotlib, headless) and its table of goals.
+"""What every `segserve bench` report shares: its figure (matplotlib, headless), its numbers and its table of goals.
 
 `figure` gives a row of axes and, when the block ends without error, lays them out, makes the folder and
-saves the figure; it closes it in any case. `goals_table` renders each goal as one row (pass, FAIL, or not
+saves the figure; it closes it in any case. `fmt` writes a number for a table (n/a when there is none), and
+`fmt_spread` a median over rounds with its min-max. `goals_table` renders each goal as one row (pass, FAIL, or not
 measured when nothing measured it), the measured value as the caller formats it. `check_runs` refuses the
 settings every bench of systems over workloads shares, when they cannot run.
 """
@@ -35,6 +36,21 @@ def figure(path: Path, ncols: int = 1, figsize: tuple[float, float] = (7.0, 4.5)
         fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)
+
+
+def fmt(value: float | None, digits: int = 2, suffix: str = "", missing: str = "n/a") -> str:
+    """A number for a table, `digits` after the point, or `missing` when there is none."""
+    return missing if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def fmt_spread(entry: dict | None, digits: int = 2, suffix: str = "") -> str:
+    """median (min-max) of a spread entry ({"values", "median", "min", "max"}); the median alone for one round."""
+    if not entry:
+        return "n/a"
+    median = fmt(entry["median"], digits, suffix)
+    if len(entry["values"]) < 2:
+        return median
+    return f"{median} ({entry['min']:.{digits}f}-{entry['max']:.{digits}f})"
 
 
 def goals_table(goals: Iterable[dict], measured: Callable[[dict], str], measured_header: str = "measured"

@@ -12,7 +12,7 @@ from pathlib import Path
 from statistics import median
 
 from segserve.bench import report
-from segserve.bench.harness import figure, goals_table
+from segserve.bench.harness import figure, fmt, goals_table
 
 LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
 GOAL_KEYS = ("ttft_ms_p99", "itl_ms_p99")
@@ -41,10 +41,6 @@ def evaluate_goals(added: dict, goal_ms: float) -> list[dict]:
     return goals
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def markdown_table(results: dict) -> str:
     """Latency off / on / added, the consumer's drain rate, then the goals."""
     streams = results["config"]["concurrency"]
@@ -52,8 +48,8 @@ def markdown_table(results: dict) -> str:
              "|---|---:|---:|---:|---:|"]
     for key, item in results["added"].items():
         name = key.replace("_ms_", " ").replace("ttft", "TTFT").replace("itl", "ITL") + " (ms)"
-        lines.append(f"| {name} | {_fmt(item['off'])} | {_fmt(item['on'])} | {_fmt(item['added'])} "
-                     f"| {_fmt(item['per_round_added_median'])} |")
+        lines.append(f"| {name} | {fmt(item['off'])} | {fmt(item['on'])} | {fmt(item['added'])} "
+                     f"| {fmt(item['per_round_added_median'])} |")
     off, on = results["modes"]["off"]["summary"], results["modes"]["on"]["summary"]
     lines.append(f"| requests (errors) | {off['num_requests']} ({off['num_errors']}) "
                  f"| {on['num_requests']} ({on['num_errors']}) | | |")
@@ -61,8 +57,8 @@ def markdown_table(results: dict) -> str:
     lines += ["", "| consumer drain | chunks | records | seconds | chunks/s | records/s |",
               "|---|---:|---:|---:|---:|---:|",
               f"| `segserve.reflow.consumer`, SQLite -> JSONL | {drain['num_chunks']} | {drain['num_records']} "
-              f"| {_fmt(drain['seconds'])} | {_fmt(drain['chunks_per_s'], 0)} | {_fmt(drain['records_per_s'], 0)} |"]
-    lines += goals_table(results["goals"], lambda goal: f"{_fmt(goal['measured_ms'])} ms")
+              f"| {fmt(drain['seconds'])} | {fmt(drain['chunks_per_s'], 0)} | {fmt(drain['records_per_s'], 0)} |"]
+    lines += goals_table(results["goals"], lambda goal: f"{fmt(goal['measured_ms'])} ms")
     return "\n".join(lines)
 
 
@@ -91,7 +87,7 @@ def plot(path: Path, results: dict) -> Path:
         drain = results["consumer"]
         fig.suptitle(f"segserve bench reflow: {results['config']['concurrency']} streams, token every "
                      f"{results['config']['token_interval_ms']:g} ms; consumer "
-                     f"{_fmt(drain['chunks_per_s'], 0)} chunks/s")
+                     f"{fmt(drain['chunks_per_s'], 0)} chunks/s")
     return path
 
 

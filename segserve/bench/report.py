@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 from statistics import median
 
-from segserve.bench.harness import figure, goals_table
+from segserve.bench.harness import figure, fmt, goals_table
 from segserve.bench.loadgen import RequestRecord
 
 
@@ -185,10 +185,6 @@ def check(name: str, target: str, measured: float | None, threshold: float, stri
     return {"name": name, "target": target, "measured": measured, "passed": passed}
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def markdown_table(results: dict) -> str:
     """The README table: one row per system and concurrency, then the baseline and the goals."""
     lines = [
@@ -199,15 +195,15 @@ def markdown_table(results: dict) -> str:
         for level in system["levels"]:
             s = level["summary"]
             lines.append(
-                f"| {system['name']} | {level['concurrency']} | {_fmt(s['aggregate_tokens_per_s'])} "
-                f"| {_fmt(s['ttft_ms_p50'], 0)} | {_fmt(s['ttft_ms_p99'], 0)} | {_fmt(s['itl_ms_p50'], 0)} "
-                f"| {_fmt(s['itl_ms_p99'], 0)} | {s['num_errors']}/{s['num_requests']} |"
+                f"| {system['name']} | {level['concurrency']} | {fmt(s['aggregate_tokens_per_s'], 1)} "
+                f"| {fmt(s['ttft_ms_p50'], 0)} | {fmt(s['ttft_ms_p99'], 0)} | {fmt(s['itl_ms_p50'], 0)} "
+                f"| {fmt(s['itl_ms_p99'], 0)} | {s['num_errors']}/{s['num_requests']} |"
             )
     baseline = results.get("baseline")
     if baseline:
         lines.append(
-            f"| plain generate() | 1 | {_fmt(baseline['tokens_per_s'])} | {_fmt(baseline['ttft_ms'], 0)} | | "
-            f"{_fmt(baseline['itl_ms_p50'], 0)} | {_fmt(baseline['itl_ms_p99'], 0)} | |"
+            f"| plain generate() | 1 | {fmt(baseline['tokens_per_s'], 1)} | {fmt(baseline['ttft_ms'], 0)} | | "
+            f"{fmt(baseline['itl_ms_p50'], 0)} | {fmt(baseline['itl_ms_p99'], 0)} | |"
         )
     lines += overhead_table(results.get("router_overhead") or [])
     lines += overhead_table(results.get("grpc_api_overhead") or [], via="gRPC API")
@@ -220,9 +216,9 @@ def markdown_table(results: dict) -> str:
                   "| load generator CPU ms/token, HTTP / gRPC (medians) |", "|---:|---:|---|---:|"]
         for level in rounds:
             cpu = level.get("client_cpu_ms_per_token", {})
-            lines.append(f"| {level['concurrency']} | {_fmt(level['median'], 2)} [{_fmt(level['min'], 2)}-"
-                         f"{_fmt(level['max'], 2)}] | {', '.join(_fmt(v, 2) for v in level['overhead_ms_per_token'])} "
-                         f"| {_fmt(cpu.get('router'), 3)} / {_fmt(cpu.get('grpc'), 3)} |")
+            lines.append(f"| {level['concurrency']} | {fmt(level['median'], 2)} [{fmt(level['min'], 2)}-"
+                         f"{fmt(level['max'], 2)}] | {', '.join(fmt(v, 2) for v in level['overhead_ms_per_token'])} "
+                         f"| {fmt(cpu.get('router'), 3)} / {fmt(cpu.get('grpc'), 3)} |")
     lines += decode_rounds_table(results.get("decode_rounds"))
     lines += goals_table(results.get("goals", []),
                          lambda goal: "n/a" if goal["measured"] is None else f"{goal['measured']:.2f}x")
@@ -249,11 +245,11 @@ def overhead_table(levels: list[dict], via: str = "router") -> list[str]:
     lines = ["", f"| streams | {header} | {overhead} | TTFT p50 diff ms |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for level in levels:
-        pairs = " | ".join(f"{_fmt(level['router'][key], 1 if key == 'tpot_ms_mean' else 0)} / "
-                           f"{_fmt(level['grpc'][key], 1 if key == 'tpot_ms_mean' else 0)}"
+        pairs = " | ".join(f"{fmt(level['router'][key], 1 if key == 'tpot_ms_mean' else 0)} / "
+                           f"{fmt(level['grpc'][key], 1 if key == 'tpot_ms_mean' else 0)}"
                            for key in OVERHEAD_KEYS)  # fmt: skip
-        lines.append(f"| {level['concurrency']} | {pairs} | {_fmt(level['overhead_ms_per_token'], 2)} "
-                     f"| {_fmt(level['ttft_ms_p50_difference'])} |")  # fmt: skip
+        lines.append(f"| {level['concurrency']} | {pairs} | {fmt(level['overhead_ms_per_token'], 2)} "
+                     f"| {fmt(level['ttft_ms_p50_difference'], 1)} |")  # fmt: skip
     return lines
 
 

@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from segserve.bench import loadgen, report
-from segserve.bench.harness import figure
+from segserve.bench.harness import figure, fmt
 from segserve.bench.prompts import PROMPTS
 
 ENDPOINTS = ("completions", "chat")
@@ -313,19 +313,15 @@ def markdown_table(results: dict) -> str:
     for label, endpoints in tables:
         for endpoint, summary in endpoints.items():
             lines.append(f"| /v1/{'chat/' if endpoint == 'chat' else ''}completions{label} "
-                         f"| {_fmt(summary['cpu_ms_per_token_median'])} | {_fmt(summary['cpu_ms_per_token_min'])} "
-                         f"| {_fmt(summary['cpu_ms_per_token_max'])} | {_fmt(summary['events_per_token_median'], 2)} "
-                         f"| {_fmt(summary['client_cpu_ms_per_token_median'])} | {summary['num_tokens']} "
+                         f"| {fmt(summary['cpu_ms_per_token_median'], 3)} | {fmt(summary['cpu_ms_per_token_min'], 3)} "
+                         f"| {fmt(summary['cpu_ms_per_token_max'], 3)} | {fmt(summary['events_per_token_median'], 2)} "
+                         f"| {fmt(summary['client_cpu_ms_per_token_median'], 3)} | {summary['num_tokens']} "
                          f"| {summary['num_errors']} |")
     floor = results.get("grpc_client_floor")
     if floor:
         lines.append(f"| gRPC receive alone (the router's SchedulerClient, no HTTP) | "
-                     f"{_fmt(floor['cpu_ms_per_token'])} | | | | | {floor['num_tokens']} | |")
+                     f"{fmt(floor['cpu_ms_per_token'], 3)} | | | | | {floor['num_tokens']} | |")
     return "\n".join(lines)
-
-
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def plot(path: Path, results: dict) -> Path:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from segserve.bench.harness import figure, goals_table
+from segserve.bench.harness import figure, fmt, fmt_spread, goals_table
 from segserve.bench.report import check, ratio
 from segserve.bench.spec_workloads import EDIT_KINDS, KINDS
 
@@ -256,20 +256,6 @@ def medians(spread_table):
     return spread_table
 
 
-def _fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
-
-
-def _fmt_spread(entry: dict | None, digits: int = 2, suffix: str = "") -> str:
-    """median (min-max) of a `spread` entry; the median alone for one round."""
-    if not entry:
-        return "n/a"
-    median = _fmt(entry["median"], digits, suffix)
-    if len(entry["values"]) < 2:
-        return median
-    return f"{median} ({entry['min']:.{digits}f}-{entry['max']:.{digits}f})"
-
-
 def markdown_table(block: dict) -> str:
     """One model's rows, one per workload: median (min-max over the rounds) tokens/s per system, the speedups
     of the ablation, draft acceptance and tokens per step (which a loaded machine does not move); then the goals
@@ -283,15 +269,15 @@ def markdown_table(block: dict) -> str:
     for kind, row in table.items():
         acceptance = [summaries.get(s, {}).get(kind, {}).get("draft_acceptance") for s in (SEG_LOOKUP, SPEC)]
         per_step = [summaries.get(s, {}).get(kind, {}).get("tokens_per_step") for s in (SEG_LOOKUP, SPEC)]
-        cells = [kind, *(_fmt_spread(summaries[s].get(kind, {}).get("tokens_per_s"), 1) for s in systems),
-                 _fmt_spread(row.get(f"{SPEC}_vs_{SEG_LOOKUP}"), suffix="x"),
-                 _fmt_spread(row.get(f"{SPEC}_vs_own_plain"), suffix="x"),
-                 _fmt_spread(row.get(f"{SEG_LOOKUP}_vs_own_plain"), suffix="x"),
-                 _fmt_spread(row.get(f"{SPEC}_vs_lookup"), suffix="x"),
-                 " / ".join(_fmt_spread(a) for a in acceptance),
-                 " / ".join(_fmt_spread(n) for n in per_step)]  # fmt: skip
+        cells = [kind, *(fmt_spread(summaries[s].get(kind, {}).get("tokens_per_s"), 1) for s in systems),
+                 fmt_spread(row.get(f"{SPEC}_vs_{SEG_LOOKUP}"), suffix="x"),
+                 fmt_spread(row.get(f"{SPEC}_vs_own_plain"), suffix="x"),
+                 fmt_spread(row.get(f"{SEG_LOOKUP}_vs_own_plain"), suffix="x"),
+                 fmt_spread(row.get(f"{SPEC}_vs_lookup"), suffix="x"),
+                 " / ".join(fmt_spread(a) for a in acceptance),
+                 " / ".join(fmt_spread(n) for n in per_step)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += goals_table(block["goals"], lambda goal: _fmt(goal["measured"]), "measured (median)")
+    lines += goals_table(block["goals"], lambda goal: fmt(goal["measured"]), "measured (median)")
     return "\n".join(lines)
 
 
@@ -312,13 +298,13 @@ def peer_table(block: dict) -> str:
             continue
 
         def pair(name: str, digits: int = 2) -> str:
-            return " / ".join(_fmt_spread(summary.get(name), digits) for summary in both)
+            return " / ".join(fmt_spread(summary.get(name), digits) for summary in both)
 
-        acceptance = " / ".join(", ".join(f"{segment} {_fmt_spread(value)}"
+        acceptance = " / ".join(", ".join(f"{segment} {fmt_spread(value)}"
                                           for segment, value in summary.get("acceptance_by_segment", {}).items())
                                 or "n/a" for summary in both)  # fmt: skip
-        cells = [kind, pair("tokens_per_s", 1), _fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}"), suffix="x"),
-                 pair("tokens_per_step"), _fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}_tokens_per_step"), suffix="x"),
+        cells = [kind, pair("tokens_per_s", 1), fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}"), suffix="x"),
+                 pair("tokens_per_step"), fmt_spread(row.get(f"{SPEC}_vs_{SUFFIX}_tokens_per_step"), suffix="x"),
                  acceptance, pair("drafter_cpu_ms_per_call"), pair("drafter_bytes_per_learned_token", 0)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

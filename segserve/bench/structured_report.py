@@ -32,7 +32,7 @@ from pathlib import Path
 
 import jsonschema
 
-from segserve.bench.harness import figure, goals_table
+from segserve.bench.harness import figure, fmt, fmt_spread, goals_table
 from segserve.bench.report import check, ratio
 from segserve.bench.spec_report import summarize as rate_summary
 from segserve.bench.structured_workloads import KINDS
@@ -170,19 +170,6 @@ def evaluate_goals(summaries: dict, ratio_medians: dict, mismatch_list: list[dic
     return goals
 
 
-def _fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
-
-
-def _fmt_spread(entry: dict | None, digits: int = 2, suffix: str = "") -> str:
-    """median (min-max) of a `spread` entry; the median alone for one round."""
-    if not entry:
-        return "n/a"
-    if len(entry["values"]) < 2:
-        return _fmt(entry["median"], digits, suffix)
-    return f"{_fmt(entry['median'], digits, suffix)} ({entry['min']:.{digits}f}-{entry['max']:.{digits}f})"
-
-
 def markdown_table(results: dict) -> str:
     """One row per workload and system (median, min-max over the rounds), the ratios, then the goals."""
     summaries, table = results["summaries"], results["ratios"]
@@ -192,17 +179,17 @@ def markdown_table(results: dict) -> str:
     for kind in [k for k in KINDS if any(k in per for per in summaries.values())]:
         for system in [s for s in SYSTEMS if kind in summaries.get(s, {})]:
             row = summaries[system][kind]
-            cells = [kind, SYSTEM_LABELS[system], _fmt_spread(row.get("validity")),
-                     _fmt_spread(row.get("finished_validity")), _fmt_spread(row.get("tokens_per_s"), 1),
-                     _fmt_spread(row.get("tokens_per_step")), _fmt_spread(row.get("draft_acceptance")),
-                     _fmt_spread(row.get("accepted_per_verify")),
-                     _fmt_spread((row.get("later") or {}).get("tokens_per_step"))]  # fmt: skip
+            cells = [kind, SYSTEM_LABELS[system], fmt_spread(row.get("validity")),
+                     fmt_spread(row.get("finished_validity")), fmt_spread(row.get("tokens_per_s"), 1),
+                     fmt_spread(row.get("tokens_per_step")), fmt_spread(row.get("draft_acceptance")),
+                     fmt_spread(row.get("accepted_per_verify")),
+                     fmt_spread((row.get("later") or {}).get("tokens_per_step"))]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
     kinds = list(table)
     lines += ["", "| ratio | " + " | ".join(kinds) + " |", "|---" + "|---:" * len(kinds) + "|"]
     for key, (*_, label) in RATIOS.items():
-        lines.append(f"| {label} | " + " | ".join(_fmt_spread(table[k].get(key), suffix="x") for k in kinds) + " |")
-    lines += goals_table(results["goals"], lambda goal: _fmt(goal["measured"]))
+        lines.append(f"| {label} | " + " | ".join(fmt_spread(table[k].get(key), suffix="x") for k in kinds) + " |")
+    lines += goals_table(results["goals"], lambda goal: fmt(goal["measured"]))
     return "\n".join(lines)
 
 
