@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 
 from segserve.bench import engine_report as report
 from segserve.bench.engine_config import EngineBenchConfig
+from segserve.bench.harness import save
 from segserve.bench.hf_compiled import bench_hf_compiled
 from segserve.bench.random_models import RANDOM_SHAPES, build_tiny_gemma3
 from common.heap import freeze_startup_heap
@@ -355,12 +356,7 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
         for batch in results["batches"]:
             batch["hf_compiled"] = hf.get(batch["batch_size"])
     out = Path(config.out)
-    results["outputs"] = {"json": str(out / "engine.json"), "png": str(out / "engine.png")}
-    report.plot(out / "engine.png", results)
-    from segserve.bench.report import write_json
-
-    write_json(out / "engine.json", results)
-    return results
+    return save(results, out, "engine", report.plot)
 
 
 _TOKENIZER_TEXT = ('{"id": 12, "kind": "alpha", "owner": {"name": "Ada Lovelace", "age": 36}, "tags": ["x", "y"]}\n'

@@ -1,7 +1,7 @@
 """What every `segserve bench` report shares: its figure (matplotlib, headless), its numbers and its table of goals.
 
 `figure` gives a row of axes and, when the block ends without error, lays them out, makes the folder and
-saves the figure; it closes it in any case. `fmt` writes a number for a table (n/a when there is none), and
+saves the figure; it closes it in any case; `save` keeps a bench's record, its JSON and its figure. `fmt` writes a number for a table (n/a when there is none), and
 `fmt_spread` a median over rounds with its min-max. `goals_table` renders each goal as one row (pass, FAIL, or not
 measured when nothing measured it), the measured value as the caller formats it. `check_runs` refuses the
 settings every bench of systems over workloads shares, when they cannot run.
@@ -9,6 +9,7 @@ settings every bench of systems over workloads shares, when they cannot run.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +37,22 @@ def figure(path: Path, ncols: int = 1, figsize: tuple[float, float] = (7.0, 4.5)
         fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)
+
+
+def write_json(path: Path, results: dict) -> Path:
+    """results as indented JSON at path (its folder made); NaN and infinities refused."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def save(results: dict, out: Path, name: str, plot: Callable[[Path, dict], Any]) -> dict:
+    """A bench's record, kept: where it goes (results["outputs"]), its figure (plot(out / NAME.png, results)) and
+    the record itself (out / NAME.json). Returns results."""
+    results["outputs"] = {"json": str(out / f"{name}.json"), "png": str(out / f"{name}.png")}
+    plot(out / f"{name}.png", results)
+    write_json(out / f"{name}.json", results)
+    return results
 
 
 def fmt(value: float | None, digits: int = 2, suffix: str = "", missing: str = "n/a") -> str:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from statistics import median
 
-from segserve.bench.harness import figure
+from segserve.bench.harness import figure, save, write_json
 
 ON, OFF = "prefix_cache_on", "prefix_cache_off"
 GOAL_RATIO = 8.0
@@ -185,13 +185,7 @@ def run_benchmark(config: PrefixBenchConfig, factories: dict[str, Callable[[], A
                for name, system in results["systems"].items()}
     results["mismatches"] = [{"repetition": r, "turn": t + 1} for r, conversation in enumerate(answers[ON])
                              for t, text in enumerate(conversation) if answers[OFF][r][t] != text]
-    results["outputs"] = {"json": str(out / "prefix.json"), "png": str(out / "prefix.png")}
-    out.mkdir(parents=True, exist_ok=True)
-    plot(out / "prefix.png", results)
-    from segserve.bench.report import write_json
-
-    write_json(out / "prefix.json", results)
-    return results
+    return save(results, out, "prefix", plot)
 
 
 def markdown_table(results: dict) -> str:
@@ -242,8 +236,6 @@ def run_prefix(args: argparse.Namespace) -> dict:
     header = {"command": shlex.join(sys.argv), "model": str(model_dir), "machine": machine_info()}
     results = run_benchmark(config, factories, history, out, header)
     results["machine"]["loadavg_end"] = list(os.getloadavg())
-    from segserve.bench.report import write_json
-
     write_json(out / "prefix.json", results)
     print(markdown_table(results))
     if results["mismatches"]:

@@ -33,6 +33,7 @@ import grpc
 import httpx
 
 from segserve.bench import loadgen, reflow_report, report
+from segserve.bench.harness import save
 from segserve.bench.machine import machine_info
 from segserve.bench.prompts import PROMPTS
 
@@ -269,9 +270,7 @@ def run_reflow(args: argparse.Namespace) -> dict:
                                              rounds)
     results["goals"] = reflow_report.evaluate_goals(results["added"], config.goal_ms)
     results["machine"]["loadavg_end"] = list(os.getloadavg())
-    results["outputs"] = {"json": str(out / "reflow.json"), "png": str(out / "reflow.png")}
-    reflow_report.plot(out / "reflow.png", results)
-    reflow_report.write_json(out / "reflow.json", results)
+    save(results, out, "reflow", reflow_report.plot)
     print(f"\npaced scheduler: a token every {config.token_interval_ms:g} ms; {config.rounds} rounds; "
           f"tokenizer {model_dir}\n")
     print(reflow_report.markdown_table(results))

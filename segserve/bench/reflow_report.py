@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 from statistics import median
 
-from segserve.bench import report
 from segserve.bench.harness import figure, fmt, goals_table
 
 LATENCY_KEYS = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
@@ -89,6 +88,3 @@ def plot(path: Path, results: dict) -> Path:
                      f"{results['config']['token_interval_ms']:g} ms; consumer "
                      f"{fmt(drain['chunks_per_s'], 0)} chunks/s")
     return path
-
-
-write_json = report.write_json

@@ -22,7 +22,6 @@ throughput in generated tokens per second.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from statistics import median
@@ -251,12 +250,6 @@ def overhead_table(levels: list[dict], via: str = "router") -> list[str]:
         lines.append(f"| {level['concurrency']} | {pairs} | {fmt(level['overhead_ms_per_token'], 2)} "
                      f"| {fmt(level['ttft_ms_p50_difference'], 1)} |")  # fmt: skip
     return lines
-
-
-def write_json(path: Path, results: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    return path
 
 
 def plot(path: Path, results: dict) -> Path:

@@ -54,8 +54,8 @@ from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from segserve.bench import loadgen, report
-from segserve.bench.harness import figure, fmt
+from segserve.bench import loadgen
+from segserve.bench.harness import figure, fmt, save
 from segserve.bench.prompts import PROMPTS
 
 ENDPOINTS = ("completions", "chat")
@@ -370,9 +370,7 @@ def run_router(args: argparse.Namespace) -> dict:
         results[TRACED] = {"endpoints": {e: summarize([r[TRACED][e] for r in measured["rounds"]]) for e in ENDPOINTS},
                            **measured[TRACED]}
     results["machine"]["loadavg_end"] = list(os.getloadavg())
-    results["outputs"] = {"json": str(out / "router.json"), "png": str(out / "router.png")}
-    plot(out / "router.png", results)
-    report.write_json(out / "router.json", results)
+    save(results, out, "router", plot)
     print(f"\npaced scheduler: a token every {config.token_interval_ms:g} ms per stream; {config.rounds} rounds; "
           f"data reflow {'on' if config.reflow else 'off'}; tokenizer {model_dir}\n")
     if TRACED in results:

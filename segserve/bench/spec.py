@@ -33,13 +33,12 @@ import logging
 import os
 import shlex
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import spec_report as report
-from segserve.bench.harness import check_runs
+from segserve.bench.harness import check_runs, save, write_json
 from segserve.bench.spec_mixed import SystemFactory, run_mixed
 from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, MIXED, PEER_KINDS, PUBLIC_KINDS, \
     WARMUP_PROMPT, Workload, build_workloads, load_file
@@ -252,7 +251,6 @@ def run_benchmark(config: SpecBenchConfig, make_factories: MakeFactories, models
                   header: dict | None = None) -> dict:  # fmt: skip
     """Every round runs every model's systems (models interleaved, so machine drift hits them alike); then the
     spread, goals and mismatches per model; writes spec.json, spec.png and each round's JSON."""
-    from segserve.bench.report import write_json
 
     workloads = load_file(config.workloads_file) if config.workloads_file else build_workloads(
         config.num_structured, config.num_structured_warmup, config.kinds, config.num_edits, config.temperature)
@@ -269,11 +267,7 @@ def run_benchmark(config: SpecBenchConfig, make_factories: MakeFactories, models
                "models": {label: model_block(models[label], rounds[label], workloads) for label in models}}  # fmt: skip
     if "finetuned" not in models:
         results["finetuned"] = "not measured: no --finetuned-model given"
-    results["outputs"] = {"json": str(out / "spec.json"), "png": str(out / "spec.png")}
-    out.mkdir(parents=True, exist_ok=True)
-    report.plot(out / "spec.png", results)
-    write_json(out / "spec.json", results)
-    return results
+    return save(results, out, "spec", report.plot)
 
 
 def print_results(results: dict) -> None:
@@ -324,7 +318,6 @@ def run_spec(args: argparse.Namespace) -> dict:
     header = {"command": shlex.join(sys.argv), "model": models["base"], "machine": machine_info()}
     results = run_benchmark(config, default_factories(config), models, Path(config.out), header)
     results["machine"]["loadavg_end"] = list(os.getloadavg())
-    from segserve.bench.report import write_json
 
     write_json(Path(config.out) / "spec.json", results)
     print_results(results)

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import structured_report as report
-from segserve.bench.harness import check_runs
+from segserve.bench.harness import check_runs, save, write_json
 from segserve.bench.spec_report import medians, spread
 from segserve.bench.structured_workloads import (CHATS, EXTRACTIONS, KINDS, WARMUP, call_schemas, follow_up,
                                                  schema_requests, tool_body, tool_chats)  # fmt: skip
@@ -209,7 +209,6 @@ def run_benchmark(config: StructuredBenchConfig, make_factories: MakeFactories, 
                   header: dict | None = None) -> dict:  # fmt: skip
     """Every round with fresh systems; then the spread of every number, the goals and every mismatch (with its
     round); writes structured.json, structured.png and each round's JSON."""
-    from segserve.bench.report import write_json
 
     rounds = []
     for k in range(config.rounds):
@@ -232,11 +231,7 @@ def run_benchmark(config: StructuredBenchConfig, make_factories: MakeFactories, 
     results["errors"] = [{"round": k + 1, "system": name, "error": s["error"]}
                          for k, r in enumerate(rounds) for name, s in r["systems"].items() if s.get("error")]
     results["rounds"] = rounds
-    results["outputs"] = {"json": str(out / "structured.json"), "png": str(out / "structured.png")}
-    out.mkdir(parents=True, exist_ok=True)
-    report.plot(out / "structured.png", results)
-    write_json(out / "structured.json", results)
-    return results
+    return save(results, out, "structured", report.plot)
 
 
 def print_results(results: dict) -> None:
@@ -260,7 +255,6 @@ def run_structured(args: argparse.Namespace) -> dict:
     from common.checkpoint import resolve_model
     from segserve.bench.machine import machine_info
     from segserve.bench.peers import resolve_dtype
-    from segserve.bench.report import write_json
 
     try:
         config = config_from_args(args)

@@ -33,6 +33,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from segserve.bench import decode_rounds, grpc_direct, grpc_public, loadgen, peers, report, side_by_side
+from segserve.bench.harness import save
 from segserve.bench.machine import machine_info
 from segserve.bench.prompts import PROMPTS
 from segserve.bench.throughput_config import PEER_CHOICES, ThroughputConfig
@@ -388,9 +389,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
         results["decode_rounds"] = decode_rounds.summarize(systems["segserve"]["decode_rounds"])
         results["goals"].append(decode_rounds.goal(results["decode_rounds"]))
     results["machine"]["loadavg_end"] = list(os.getloadavg())
-    results["outputs"] = {"json": str(out / "throughput.json"), "png": str(out / "throughput.png")}
-    report.plot(out / "throughput.png", results)
-    report.write_json(out / "throughput.json", results)
+    save(results, out, "throughput", report.plot)
     print(f"\npeer: {peer['name'] if peer else 'none'}; baseline: {results['baseline']['method']}\n")
     print(report.markdown_table(results))
     if results.get("side_by_side"):
