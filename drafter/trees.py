@@ -157,12 +157,6 @@ BUILDERS: dict[str, TreeBuilder] = {
 }
 
 
-def build(algorithm: str, continuations: list[Continuation], max_nodes: int, max_depth: int,
-          min_prob: float = 0.0) -> CandidateTree:
-    """Build a tree with the named algorithm (a key of BUILDERS), of nodes weighing at least min_prob."""
-    return grow(algorithm, merge(continuations, max_depth), max_nodes, min_prob)
-
-
 def grow(algorithm: str, root: TrieNode, max_nodes: int, min_prob: float = 0.0,
          calibrate: Calibrate | None = None) -> CandidateTree:
     """The tree the named algorithm picks from a merged trie (merge()), of nodes at least min_prob likely (their

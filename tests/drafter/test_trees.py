@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from drafter.trees import BUILDERS, build, merge
+from drafter.trees import BUILDERS, grow, merge
 from drafter.types import Continuation
 from protos.segserve.v1.tree import ROOT, CandidateTree
 
@@ -19,6 +19,12 @@ CONTINUATIONS = [
     Continuation((13,), 0.5),
 ]
 BEST_CHAIN = [1, 2, 3, 4, 5, 6]
+
+
+def build(algorithm: str, continuations: list[Continuation], max_nodes: int, max_depth: int,
+          min_prob: float = 0.0) -> CandidateTree:
+    """The tree the named builder grows from the continuations' trie (as the planner does)."""
+    return grow(algorithm, merge(continuations, max_depth), max_nodes, min_prob)
 
 
 def _paths(tree: CandidateTree) -> set[tuple[int, ...]]:
