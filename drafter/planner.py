@@ -39,12 +39,12 @@ from collections import Counter, OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 from typing import Mapping, Sequence
 
+from drafter.calibration import NodeCalibration
 from drafter.corpus import LookupCorpus
 from drafter.keyed import KEY_START, KeyedCorpora, Scope, output_context
 from drafter.learner import Learner
 from drafter.segments import SegmentKind, SegmentsConfig
 from drafter.state import RequestState
-from drafter.calibration import NodeCalibration
 from drafter.trees import grow, merge
 from drafter.types import Continuation, ContinuationSource, is_request_aware
 from protos.segserve.v1.tree import CandidateTree
