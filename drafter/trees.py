@@ -32,6 +32,8 @@ Calibrate = Callable[[int, float, float], float]
 @dataclass(slots=True)
 class TrieNode:
     token_id: int
+    depth: int = 0
+    """Tokens from the root to it (the root's 0)."""
     weight: float = 0.0
     children: dict[int, "TrieNode"] = field(default_factory=dict)
     prob: float = 1.0
@@ -48,8 +50,8 @@ def merge(continuations: list[Continuation], max_depth: int) -> TrieNode:
             continue
         node = root
         root.weight += cont.score
-        for token_id in cont.token_ids[:max_depth]:
-            node = node.children.setdefault(token_id, TrieNode(token_id))
+        for depth, token_id in enumerate(cont.token_ids[:max_depth], start=1):
+            node = node.children.setdefault(token_id, TrieNode(token_id, depth))
             node.weight += cont.score
     return root
 
@@ -64,12 +66,12 @@ class _Ranker:
     min_prob: float = 0.0
     calibrate: Calibrate | None = None
 
-    def kept(self, node: TrieNode, depth: int) -> list[TrieNode]:
-        """node's ranked children; node is at `depth` (the root at 0)."""
+    def kept(self, node: TrieNode) -> list[TrieNode]:
+        """node's ranked children."""
         if node.kept is None:
             for child in node.children.values():
                 child.prob = (child.weight if self.calibrate is None
-                              else node.prob * self.calibrate(depth + 1, child.weight, node.weight))
+                              else node.prob * self.calibrate(child.depth, child.weight, node.weight))
             node.kept = sorted((c for c in node.children.values() if c.prob >= self.min_prob), key=lambda c: -c.prob)
         return node.kept
 
@@ -98,34 +100,33 @@ class _Emitter:
 def single_branch(root: TrieNode, max_nodes: int, ranker: _Ranker) -> CandidateTree:
     """One chain: the likeliest child at every level."""
     out = _Emitter()
-    node, parent, depth = root, None, 0
-    while len(out) < max_nodes and ranker.kept(node, depth):
-        child = ranker.kept(node, depth)[0]
+    node, parent = root, None
+    while len(out) < max_nodes and (kept := ranker.kept(node)):
+        child = kept[0]
         out.emit(child, parent)
         node = parent = child
-        depth += 1
     return out.tree()
 
 
 def multi_branch_dfs(root: TrieNode, max_nodes: int, ranker: _Ranker) -> CandidateTree:
     """Depth-first, likeliest child first: the best chain in full, then its alternatives."""
     out = _Emitter()
-    stack: list[tuple[TrieNode, TrieNode | None, int]] = [(c, None, 1) for c in reversed(ranker.kept(root, 0))]
+    stack: list[tuple[TrieNode, TrieNode | None]] = [(c, None) for c in reversed(ranker.kept(root))]
     while stack and len(out) < max_nodes:
-        node, parent, depth = stack.pop()
+        node, parent = stack.pop()
         out.emit(node, parent)
-        stack.extend((c, node, depth + 1) for c in reversed(ranker.kept(node, depth)))
+        stack.extend((c, node) for c in reversed(ranker.kept(node)))
     return out.tree()
 
 
 def multi_branch_bfs(root: TrieNode, max_nodes: int, ranker: _Ranker) -> CandidateTree:
     """Breadth-first, likeliest child first: every alternative of depth d before depth d + 1."""
     out = _Emitter()
-    queue = deque((c, None, 1) for c in ranker.kept(root, 0))
+    queue = deque((c, None) for c in ranker.kept(root))
     while queue and len(out) < max_nodes:
-        node, parent, depth = queue.popleft()
+        node, parent = queue.popleft()
         out.emit(node, parent)
-        queue.extend((c, node, depth + 1) for c in ranker.kept(node, depth))
+        queue.extend((c, node) for c in ranker.kept(node))
     return out.tree()
 
 
@@ -137,13 +138,13 @@ def best_first(root: TrieNode, max_nodes: int, ranker: _Ranker) -> CandidateTree
     """
     out = _Emitter()
     counter = itertools.count()  # tie-break: earlier pushes (likelier siblings, shallower nodes) first
-    heap = [(-c.prob, next(counter), c, None, 1) for c in ranker.kept(root, 0)]
+    heap = [(-c.prob, next(counter), c, None) for c in ranker.kept(root)]
     heapq.heapify(heap)
     while heap and len(out) < max_nodes:
-        _, _, node, parent, depth = heapq.heappop(heap)
+        _, _, node, parent = heapq.heappop(heap)
         out.emit(node, parent)
-        for child in ranker.kept(node, depth):
-            heapq.heappush(heap, (-child.prob, next(counter), child, node, depth + 1))
+        for child in ranker.kept(node):
+            heapq.heappush(heap, (-child.prob, next(counter), child, node))
     return out.tree()
 
 
