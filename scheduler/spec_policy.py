@@ -172,7 +172,8 @@ class StepCostModel:
 
     def estimate(self, num_tokens: float, num_seqs: int = 0) -> float:
         """Seconds for a step of num_tokens over num_seqs sequences; needs is_fitted."""
-        return self.per_seq_s * num_seqs + self._g(num_tokens)
+        per_seq_s = self.per_seq_s  # refits the knots too, if steps came since
+        return per_seq_s * num_seqs + self._g(num_tokens)
 
     def _g(self, num_tokens: float) -> float:
         knots = self._knots
