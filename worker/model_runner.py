@@ -23,7 +23,6 @@ and sets the history to history[:num_computed] + root + accepted drafts.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -33,12 +32,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from worker.attention import build_attention_batch
-from worker.attention_plan import bucket_keys, graph_bucket_keys, plan_groups
 from worker.block_tables import BlockTables
-from worker.compiled import CompiledDecoder
-from worker.compiled_layers import compiled_regions
-from worker.decode_graphs import DecodeGraphs
 from common import tracing
 from common.checkpoint import resolve_model
 from protos.segserve.v1.info import WorkerInfo
@@ -47,8 +41,8 @@ from protos.segserve.v1.step import MAX_DECODE_STEPS, NewSequence, ScheduledSequ
 from protos.segserve.v1.step_result import PromptLogprobs, SequenceOutput, TopLogprobs
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCacheShape, PagedKVCache, num_blocks_in_gb
-from worker.lean_decoder import LEAN_DECODERS, lean_decoder
 from worker.loading import load, max_model_len, prepare_linears, resolve_device_dtype
+from worker.forward_path import PathChoice
 from worker.fused_norm import fuse_rms_norms
 from worker.grammar import GrammarEngine
 from worker.grammar_masks import GrammarMasks, constrainer, fill_masks
@@ -58,10 +52,9 @@ from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.ranks import Launch, launch_process
 from worker.sharded_load import peak_host_gib
 from worker.tensor_parallel import RankGroup
-from worker.upload import to_device, upload
+from worker.upload import to_device
 from worker.sampler import PrefixedHistory, SampleRow
 from worker import latent_attention, self_check, sequence_state
-from worker.sequence_state import Span
 from worker.validation import InvalidRequest, StepLimits
 from worker.verify import NON_FINITE, Sampled, kv_moves, sample_works, step_paths
 from worker.work import Work
@@ -104,15 +97,12 @@ class ModelRunner:
                         torch.get_num_threads())
         self.followers = loaded.followers
         """Rank 0's other ranks, which run each step with it (worker/ranks.py); None on one device and on them."""
-        has_lean = config.is_lean_decoder and not config.is_compiled and type(self.model).__name__ in LEAN_DECODERS
-        is_graphs = config.uses_cuda_graphs(self.device.type, has_lean)
-        self.is_compiled_layers = config.uses_compiled_layers(self.device.type, has_lean)
-        if (is_graphs or self.is_compiled_layers) and not has_lean:
-            raise ValueError(f"{type(self.model).__name__} has no lean decoder for cuda_graphs or compiled_layers")
+        self.choice = PathChoice.of(config, self.device.type, self.model)
+        """Which forward path steps take (worker/forward_path.py), decided before the linears are packed."""
         self.latent = latent_attention.attach(self.model)  # before the linears are packed: it keeps kv_b_proj's
         """Multi-head latent attention's latent widths, which the KV cache holds (worker/latent_attention.py), or
         None."""
-        prepare_linears(self.model, config, is_packed=config.is_packed_linear and not self.is_compiled_layers)
+        prepare_linears(self.model, config, is_packed=config.is_packed_linear and not self.choice.is_compiled_layers)
         self.num_threads = torch.get_num_threads()
         """torch's threads the linears' row policies were probed at: every step runs at this many (step())."""
         logger.info("fused %d RMSNorm modules into one op each", fuse_rms_norms(self.model))
@@ -122,18 +112,13 @@ class ModelRunner:
         if (self.sequence_states is not None or self.latent is not None) and config.is_compiled:
             raise ValueError(f"{type(self.model).__name__}'s stateful layers and latent attention run eagerly only: "
                              "drop --compiled")
-        self.compiled_decoder = CompiledDecoder(self.model) if config.is_compiled else None
-        """The compiled decoder (config.is_compiled), or None."""
-        regions = compiled_regions if self.is_compiled_layers else None
-        self._lean = lean_decoder(self.model, regions) if has_lean else None
-        """The model's lean forward (worker/lean_decoder.py), or None: transformers' forward."""
         max_len = max_model_len(self.model, config)
         num_layers = self.model.config.get_text_config().num_hidden_layers
         shape = (self.latent.cache_shape(num_layers) if self.latent is not None
                  else KVCacheShape.from_model_config(self.model.config))
         num_blocks = config.num_kv_blocks or num_blocks_in_gb(shape, config.block_size, self.dtype, config.kv_cache_gb)
-        num_scratch = 1 if is_graphs else 0  # a block the scheduler never gets, for the graphs' padding
-        self.kv_cache = PagedKVCache(shape, num_blocks + num_scratch, config.block_size, self.dtype, self.device)
+        self.kv_cache = PagedKVCache(shape, num_blocks + self.choice.num_scratch_blocks, config.block_size, self.dtype,
+                                     self.device)
         self.limits = StepLimits(num_blocks=num_blocks, block_size=config.block_size,
                                  input_vocab_size=self.model.get_input_embeddings().num_embeddings,
                                  max_model_len=config.max_model_len or max_len)
@@ -160,11 +145,8 @@ class ModelRunner:
         self._forward_s = 0.0
         """How long the last forward took on the host (on a GPU: its launch)."""
         self.block_tables = BlockTables(-(-self.limits.max_model_len // config.block_size), num_blocks, self.device)
-        self.graphs = DecodeGraphs(self._lean, self.kv_cache, self.block_tables, num_blocks * config.block_size,
-                                   is_capture=self.device.type == "cuda") if is_graphs else None
-        """Decode steps on static buffers and CUDA graphs (config.is_cuda_graphs), or None: every step eager."""
-        self.key_bucket = graph_bucket_keys if self.graphs is not None else bucket_keys
-        """How eager steps pad key lengths: as the graphs do, where there are graphs."""
+        self.path = self.choice.build(self.model, self.device, self.kv_cache, self.block_tables, self.sequence_states)
+        """How a step's tokens become logits (worker/forward_path.py), chosen here once."""
         self._states: dict[str, SequenceState] = {}
         self.is_ready = False
         self.timings: dict[str, float] | None = None
@@ -192,7 +174,7 @@ class ModelRunner:
         so that no request waits for a compile of those. With decode graphs, a step of one token runs on them too
         (on a GPU it captures a graph: a capture that cannot work fails the start, not a request)."""
         most = min(self.limits.max_model_len, self.limits.num_blocks * self.kv_cache.block_size)
-        sizes = {min(4, most)} | ({1} if self.graphs is not None else set())
+        sizes = {min(4, most)} | ({1} if self.path.graphs is not None else set())
         if self.config.is_compiled:
             sizes |= {n for n in (1 << i for i in range(32)) if n <= min(self.config.compile_max_tokens, most)}
         for num_tokens in sorted(sizes):
@@ -270,11 +252,6 @@ class ModelRunner:
         self._lap("sample")
         return outputs
 
-    @property
-    def is_lean(self) -> bool:
-        """Whether steps run the model's lean decoder (worker/lean_decoder.py), not transformers' forward."""
-        return self._lean is not None
-
     def forward(self, request: StepRequest) -> torch.Tensor:
         """The float32 logits [N, V] that step(request) would sample from, one row per sample index (every node of
         a tree) in request order: its state update and forward, without the sampling. InvalidRequest when the
@@ -317,34 +294,12 @@ class ModelRunner:
         positions = np.fromiter(itertools.chain.from_iterable(w.positions for w in works), np.int64, num_tokens)
         keep = np.concatenate([_kept_rows(works, layout.offsets, "sample_indices"),
                                _kept_rows(works, layout.offsets, "prompt_offsets")])
-        if self.graphs is not None and self.graphs.fits(len(works), num_tokens, keep):
-            self._lap("metadata")
-            self._start_masks(plan)
-            started = time.perf_counter()
-            logits, plan.non_finite_tokens = self.graphs.run(layout, token_ids, positions)
-            self._forward_s = time.perf_counter() - started
-            self._lap("forward")
-            return logits
-        groups = plan_groups(works, layout, self.key_bucket)
-        uploaded = upload([np.stack([token_ids, positions, layout.slots]), keep,
-                           *(a for group in groups for a in group.arrays())], self.device)
-        inputs, logits_to_keep = uploaded[0], uploaded[1]  # [3, T], [N + R]
-        batch = build_attention_batch(groups, uploaded[2:], inputs[2], self.block_tables.device_table, self.kv_cache)
-        input_ids, position_ids = inputs[0:1], inputs[1:2]  # [1, T] each
-        spans = [Span(w.seq_id, int(offset), len(w.token_ids), w.num_computed_tokens, w.node_parents, w.node_depths)
-                 for w, offset in zip(works, layout.offsets)] if self.sequence_states is not None else None
+        forward = self.path.prepare(plan, token_ids, positions, keep)
         self._lap("metadata")
         self._start_masks(plan)
         started = time.perf_counter()
-        with self.sequence_states.step(spans) if spans is not None else contextlib.nullcontext():
-            if self._lean is not None:
-                logits = self._lean(input_ids, position_ids, logits_to_keep, batch)
-            else:
-                logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                    logits_to_keep=logits_to_keep, segserve_batch=batch).logits
+        logits = forward()
         self._forward_s = time.perf_counter() - started
-        plan.non_finite_tokens = batch.non_finite
-        logits = logits[0].float()  # [N + R, V]
         self._lap("forward")
         return logits
 

@@ -91,7 +91,7 @@ def _worker_logits(runner, prompt: list[int]) -> tuple[torch.Tensor, list[int], 
 def _reference_logits(runner, tokens: list[int]) -> torch.Tensor:
     """transformers' eager forward of `tokens` in one causal pass, without a cache: [len(tokens), V] float32. With
     the compiled decoder, the decoder's own forward (the compiled one is the worker's path)."""
-    model, compiled = runner.model, runner.compiled_decoder
+    model, compiled = runner.model, runner.path.compiled
     implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")
     if compiled is not None:

@@ -220,7 +220,7 @@ def timed_steps(rng: random.Random, num_steps: int) -> set[int]:
 
 def _num_captured(runner) -> int:
     """The CUDA graphs the runner has captured so far (0 without graphs)."""
-    return runner.graphs.num_captured if runner.graphs is not None else 0
+    return runner.path.graphs.num_captured if runner.path.graphs is not None else 0
 
 
 def _uncaptured(steps: list[tuple[tuple[dict, int], bool]]) -> list[tuple[dict, int]]:
@@ -347,10 +347,10 @@ def run_benchmark(config: EngineBenchConfig, model_dir: Path, header: dict | Non
                   file=sys.stderr, flush=True)
     finally:
         runner.close()  # the other tensor-parallel ranks, before HF compiled takes their devices
-    results["compiled_layers"] = runner.is_compiled_layers
-    if runner.graphs is not None:
-        results["graphs_captured"] = runner.graphs.num_captured
-        results["graph_capture_s"] = runner.graphs.capture_seconds
+    results["compiled_layers"] = runner.choice.is_compiled_layers
+    if runner.path.graphs is not None:
+        results["graphs_captured"] = runner.path.graphs.num_captured
+        results["graph_capture_s"] = runner.path.graphs.capture_seconds
     if config.is_hf_compiled:
         hf = bench_hf_compiled(config, model_dir, runner)
         for batch in results["batches"]:

@@ -74,7 +74,7 @@ def runner_of(model_dir, **fields) -> ModelRunner:
 def served(request, tmp_path_factory):
     model_dir = build_architecture(request.param, tmp_path_factory.mktemp(request.param))
     runner = runner_of(model_dir)
-    assert runner.is_lean == (request.param in LEAN)  # the path the table says
+    assert runner.choice.is_lean == (request.param in LEAN)  # the path the table says
     assert bool(runner.info().sequence_state_reason) == (request.param in NO_PREFIXES)
     return model_dir, runner
 

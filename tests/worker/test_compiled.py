@@ -42,7 +42,7 @@ def test_a_step_pads_to_the_next_power_of_two():
 def test_greedy_tokens_are_the_eager_runners(compiled, eager):
     """Uneven prefill chunks (3, 5 and 3 tokens: padded to 4, 8 and 4), a scattered block table, 20 tokens past
     the sliding window of 8."""
-    assert compiled._lean is None  # the compiled decoder is transformers' forward, traced
+    assert compiled.path.compiled is not None and not compiled.choice.is_lean  # transformers' forward, traced
     blocks = [9, 2, 31, 5, 17, 3, 40, 11]
     got = run_together(compiled, [Decoder("a", PROMPT, blocks, chunks=[3, 5, 3])], 20)
     assert got == run_together(eager, [Decoder("a", PROMPT, blocks, chunks=[3, 5, 3])], 20)

@@ -7,6 +7,7 @@ On the test device: on the CPU the compiled kernels are inductor's C++ ones, on 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -41,7 +42,7 @@ def runners(request):
     model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
     graphs = make_runner(model_dir, NUM_BLOCKS, is_compiled_layers=True, is_cuda_graphs=True)
     compiled = make_runner(model_dir, NUM_BLOCKS, is_compiled_layers=True, is_cuda_graphs=False)
-    compiled.key_bucket = graph_bucket_keys
+    compiled.path = dataclasses.replace(compiled.path, key_bucket=graph_bucket_keys)
     eager = make_runner(model_dir, NUM_BLOCKS, is_compiled_layers=False, is_cuda_graphs=False)
     return graphs, compiled, eager
 
@@ -49,9 +50,9 @@ def runners(request):
 def test_the_layers_run_compiled(runners):
     graphs, compiled, eager = runners
     for runner in (graphs, compiled):
-        assert isinstance(runner._lean.before_attention, CompiledRegion)
-        assert isinstance(runner._lean.after_attention, CompiledRegion)
-    assert not isinstance(eager._lean.before_attention, CompiledRegion)
+        assert isinstance(runner.path.decode.before_attention, CompiledRegion)
+        assert isinstance(runner.path.decode.after_attention, CompiledRegion)
+    assert not isinstance(eager.path.decode.before_attention, CompiledRegion)
 
 
 def test_one_compile_serves_every_layer_and_token_count(tiny_gemma3_dir):
@@ -96,7 +97,7 @@ def test_decode_steps_on_static_buffers_give_the_runners_logits(runners, num_seq
     for step, (want, have) in enumerate(zip(logits_of_each_step(compiled, batch, 6),
                                             logits_of_each_step(graphs, batch, 6))):
         assert torch.equal(want, have), f"decode step {step}"
-    assert min(key[0] for key in graphs.graphs.keys) == 2  # one sequence goes padded to two rows, as two tokens
+    assert min(key[0] for key in graphs.path.graphs.keys) == 2  # one sequence goes padded to two rows, as two tokens
 
 
 def test_greedy_speculation_is_lossless(runners):

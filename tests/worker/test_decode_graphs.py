@@ -6,6 +6,7 @@ the graphs."""
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -35,9 +36,9 @@ def runners(request):
 
 def eager_runner(model_dir, num_kv_blocks: int, **fields) -> ModelRunner:
     """A runner without graphs (on CUDA too, where they are the default) whose steps pad key lengths as a runner
-    with graphs does (ModelRunner.key_bucket): the reference for its logits, bit for bit."""
+    with graphs does (GraphPath's key_bucket): the reference for its logits, bit for bit."""
     runner = make_runner(model_dir, num_kv_blocks, is_cuda_graphs=False, **fields)
-    runner.key_bucket = graph_bucket_keys
+    runner.path = dataclasses.replace(runner.path, key_bucket=graph_bucket_keys)
     return runner
 
 
@@ -47,14 +48,14 @@ def counted(monkeypatch):
     counts: dict[int, list[int]] = {}
 
     def watch(runner):
-        real = runner.graphs.run
+        real = runner.path.graphs.run
         calls = counts.setdefault(id(runner), [0])
 
         def run(*args):
             calls[0] += 1
             return real(*args)
 
-        monkeypatch.setattr(runner.graphs, "run", run)
+        monkeypatch.setattr(runner.path.graphs, "run", run)
         return calls
 
     return watch
@@ -187,10 +188,10 @@ def test_a_growing_context_passes_few_graph_keys(tiny_gemma3_dir):
     """One sequence decoding from 21 to 170 tokens needs the graphs of three key lengths (64, 128 and 256 keys),
     the first of which the warm-up took."""
     runner = make_runner(tiny_gemma3_dir, 64, block_size=4, is_cuda_graphs=True)
-    rows = runner.graphs.lean.min_tokens  # 1, or 2 with compiled layers (the default on CUDA)
-    assert [key[:2] for key in runner.graphs.keys] == [(rows, 64)]
+    rows = runner.path.graphs.lean.min_tokens  # 1, or 2 with compiled layers (the default on CUDA)
+    assert [key[:2] for key in runner.path.graphs.keys] == [(rows, 64)]
     logits_of_each_step(runner, [list(range(1, 21))], 150)
-    assert [key[:2] for key in runner.graphs.keys] == [(rows, 64), (rows, 128), (rows, 256)]
+    assert [key[:2] for key in runner.path.graphs.keys] == [(rows, 64), (rows, 128), (rows, 256)]
 
 
 @pytest.mark.parametrize("is_self_check", [False, True])
@@ -206,9 +207,9 @@ def test_the_warm_up_runs_a_step_on_the_graphs(tiny_gemma3_dir, counted, is_self
 
 def test_graphs_are_on_by_default_on_a_gpu_with_a_lean_decoder(tiny_gemma3_dir):
     is_gpu = torch.device(TEST_DEVICE).type == "cuda"
-    assert (make_runner(tiny_gemma3_dir, 16).graphs is not None) == is_gpu
-    assert make_runner(tiny_gemma3_dir, 16, is_lean_decoder=False).graphs is None
-    assert make_runner(tiny_gemma3_dir, 16, is_cuda_graphs=False).graphs is None
+    assert (make_runner(tiny_gemma3_dir, 16).path.graphs is not None) == is_gpu
+    assert make_runner(tiny_gemma3_dir, 16, is_lean_decoder=False).path.graphs is None
+    assert make_runner(tiny_gemma3_dir, 16, is_cuda_graphs=False).path.graphs is None
     # the default resolved for either device, whichever this machine has
     assert WorkerConfig().uses_cuda_graphs("cuda", True) and not WorkerConfig().uses_cuda_graphs("cpu", True)
     assert not WorkerConfig().uses_cuda_graphs("cuda", False)

@@ -7,6 +7,7 @@ and that a failure stays with its sequence."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -53,16 +54,13 @@ def beside(runner, monkeypatch):
 
 
 def around_forward(runner, monkeypatch, before) -> None:
-    """Call before() at the start of every forward of the runner (its lean decoder, decode graphs or the model)."""
-    if runner.graphs is not None:
-        run = runner.graphs.run
-        monkeypatch.setattr(runner.graphs, "run", lambda *args: (before(), run(*args))[1])
-    if runner._lean is not None:
-        lean = runner._lean
-        monkeypatch.setattr(runner, "_lean", lambda *args: (before(), lean(*args))[1])
-    else:
-        forward = runner.model.forward
-        monkeypatch.setattr(runner.model, "forward", lambda *args, **kwargs: (before(), forward(*args, **kwargs))[1])
+    """Call before() at the start of every forward of the runner (its graphs or its decode)."""
+    if runner.path.graphs is not None:
+        run = runner.path.graphs.run
+        monkeypatch.setattr(runner.path.graphs, "run", lambda *args: (before(), run(*args))[1])
+    decode = runner.path.decode
+    around = dataclasses.replace(runner.path, decode=lambda *args: (before(), decode(*args))[1])
+    monkeypatch.setattr(runner, "path", around)
 
 
 def test_masks_are_filled_on_the_grammar_thread_while_the_forward_runs(runner, prompt, monkeypatch, beside):

@@ -4,6 +4,7 @@ and used only where one exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from protos.segserve.v1.sampling import SamplingParams
 from protos.segserve.v1.step import NewSequence, ScheduledSequence, StepRequest
 from protos.segserve.v1.tree import CandidateTree
+from worker.forward_path import transformers_decode
 from worker.fused_norm import is_known_norm
 from worker.lean_decoder import LEAN_DECODERS, lean_decoder
 from tests.support.devices import TEST_DEVICE
@@ -56,16 +58,17 @@ def varied_runner(request, tmp_path_factory):
 
 def test_the_lean_forward_gives_transformers_logits_bit_for_bit(varied_runner):
     runner = varied_runner
-    assert type(runner._lean) is LEAN_DECODERS[type(runner.model).__name__]  # the default
-    lean = runner._lean
+    lean = runner.path
+    assert type(lean.decode) is LEAN_DECODERS[type(runner.model).__name__]  # the default
+    stock = dataclasses.replace(lean, decode=transformers_decode(runner.model))
     try:
         for request in steps():
             plan = runner.update_states(request)
-            runner._lean = lean
+            runner.path = lean
             expected_rows = plan.num_sample_rows
             lean_logits = runner.execute(plan)
             lean_non_finite = plan.non_finite_tokens.clone()
-            runner._lean = None  # transformers' forward, on the same plan (it writes the same keys and values)
+            runner.path = stock  # transformers' forward, on the same plan (it writes the same keys and values)
             stock_logits = runner.execute(plan)
             assert lean_logits.shape[0] >= expected_rows > 0
             if TEST_DEVICE == "cpu":
@@ -74,7 +77,7 @@ def test_the_lean_forward_gives_transformers_logits_bit_for_bit(varied_runner):
                 torch.testing.assert_close(lean_logits, stock_logits)
             assert torch.equal(lean_non_finite, plan.non_finite_tokens)
     finally:
-        runner._lean = lean
+        runner.path = lean
         runner.step(StepRequest(finished_seq_ids=list(PROMPTS)))
 
 
@@ -98,7 +101,7 @@ def test_other_models_and_the_flag_off_keep_transformers_forward(tiny_gemma3_dir
 
     assert lean_decoder(GPT2LMHeadModel()) is None
     off = make_runner(tiny_gemma3_dir, is_lean_decoder=False)
-    assert off._lean is None
+    assert not off.choice.is_lean and off.path.graphs is None
     (output,) = off.step(StepRequest([ScheduledSequence("d", [5, 6, 7], 0, (2,), sample_indices=[2])],
                                      [NewSequence("d", SamplingParams(), 3)]))
     assert not output.error

@@ -340,9 +340,9 @@ def test_info_describes_model_and_cache(gemma3_runner):
 def test_attention_without_gather_or_scatter_gives_the_same_logits(runner, monkeypatch, chunks):
     """The step's only group with no padding query reads its queries and writes its output in place; the logits
     are exactly those of gathering and scattering its rows."""
-    import worker.model_runner as model_runner
+    from worker import forward_path
 
-    plan_groups = model_runner.plan_groups
+    plan_groups = forward_path.plan_groups
     seen = []
 
     def plan_groups_without_shortcut(*args):
@@ -356,7 +356,7 @@ def test_attention_without_gather_or_scatter_gives_the_same_logits(runner, monke
     logits = {}
     for is_shortcut in (True, False):
         if not is_shortcut:
-            monkeypatch.setattr(model_runner, "plan_groups", plan_groups_without_shortcut)
+            monkeypatch.setattr(forward_path, "plan_groups", plan_groups_without_shortcut)
         ids = [f"s{i}" for i in range(len(chunks))]
         new = [NewSequence(i, SamplingParams(), len(p)) for i, p in zip(ids, prompts)]
         prefill = [ScheduledSequence(i, p[:4], 0, [10 * k, 10 * k + 1, 10 * k + 2], sample_indices=[3])

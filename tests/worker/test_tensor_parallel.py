@@ -109,8 +109,9 @@ def test_the_fast_paths_run_on_two_ranks(tiny_gemma3_dir):
     one = runner_of(tiny_gemma3_dir, 1)
     two = runner_of(tiny_gemma3_dir, 2, is_cuda_graphs=True, is_compiled_layers=True)
     try:
-        assert two.graphs is not None and two.is_compiled_layers
-        for region in (two._lean.before_attention, two._lean.after_attention):  # compiled, all-reduces and all
+        assert two.path.graphs is not None and two.choice.is_compiled_layers
+        lean = two.path.decode
+        for region in (lean.before_attention, lean.after_attention):  # compiled, all-reduces and all
             assert region._is_compiled and region._compiled is not region._fn, region.name
         assert_as_exact_as_one_device(one, two, steps(), exact_logits(tiny_gemma3_dir, steps()))
     finally:
