@@ -1,10 +1,12 @@
 """What every `segserve bench` report shares: its figure (matplotlib, headless), its numbers and its table of goals.
 
 `figure` gives a row of axes and, when the block ends without error, lays them out, makes the folder and
-saves the figure; it closes it in any case; `save` keeps a bench's record, its JSON and its figure. `fmt` writes a number for a table (n/a when there is none), and
-`fmt_spread` a median over rounds with its min-max. `goals_table` renders each goal as one row (pass, FAIL, or not
-measured when nothing measured it), the measured value as the caller formats it. `check_runs` refuses the
-settings every bench of systems over workloads shares, when they cannot run.
+saves the figure; it closes it in any case; `save` keeps a bench's record, its JSON and its figure. `fmt` writes a
+number for a table (n/a when there is none), and `fmt_spread` a median over rounds with its min-max. `goals_table`
+renders each goal as one row (pass, FAIL, or not measured when nothing measured it), the measured value as the
+caller formats it. `check_runs` refuses the settings every bench of systems over workloads shares, when they cannot
+run. `mismatches` finds the greedy outputs that differ from a reference system's, and `print_failures` prints them
+with the runs that failed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,38 @@ from typing import Any
 
 VERDICTS = {True: "pass", False: "FAIL", None: "not measured"}
 """A goal's `passed` (None: not measured) as its table says it."""
+
+
+def mismatches(outputs: dict[str, dict[str, list[str]]], systems: Iterable[str], reference: str | None,
+               kinds: Collection[str] | None = None) -> list[dict]:  # fmt: skip
+    """outputs[system][kind] = greedy outputs in order: every output of `systems` (other than the reference; of
+    `kinds` only, when given) that differs from the reference system's at its place, with its first differing
+    character."""
+    expected = outputs.get(reference, {})
+    found = []
+    for system in systems:
+        if system == reference:
+            continue
+        for kind, got_outputs in outputs.get(system, {}).items():
+            if kinds is not None and kind not in kinds:
+                continue
+            for index, (got, want) in enumerate(zip(got_outputs, expected.get(kind, []))):
+                if got != want:
+                    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    found.append({"system": system, "reference": reference, "kind": kind, "index": index,
+                                  "first_diff_char": at, "got": got, "expected": want})  # fmt: skip
+    return found
+
+
+def print_failures(errors: list[dict], mismatched: list[dict]) -> None:
+    """The runs that failed and the outputs that differ from their reference's (`mismatches`), as a bench prints
+    them under its table."""
+    for error in errors:
+        print(f"\nround {error['round']} {error['system']}: ERROR {error['error']}")
+    for item in mismatched:
+        print(f"\nMISMATCH: round {item['round']} {item['system']} {item['kind']}[{item['index']}] differs from "
+              f"{item['reference']} at char {item['first_diff_char']}:\n  got      {item['got']!r}\n"
+              f"  expected {item['expected']!r}")  # fmt: skip
 
 
 @contextmanager

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import spec_report as report
-from segserve.bench.harness import check_runs, save, write_json
+from segserve.bench.harness import check_runs, print_failures, save, write_json
 from segserve.bench.spec_mixed import SystemFactory, run_mixed
 from segserve.bench.spec_workloads import DEFAULT_KINDS, EDIT_KINDS, KINDS, MIXED, PEER_KINDS, PUBLIC_KINDS, \
     WARMUP_PROMPT, Workload, build_workloads, load_file
@@ -277,12 +277,7 @@ def print_results(results: dict) -> None:
         peer = report.peer_table(block)
         if peer:
             print(f"\nfull segserve against SuffixDecoding on the same engine:\n\n{peer}")
-        for error in block["errors"]:
-            print(f"\nround {error['round']} {error['system']}: ERROR {error['error']}")
-        for item in block["mismatches"]:
-            print(f"\nMISMATCH: round {item['round']} {item['system']} {item['kind']}[{item['index']}] differs from "
-                  f"{item['reference']} at char {item['first_diff_char']}:\n  got      {item['got']!r}\n"
-                  f"  expected {item['expected']!r}")  # fmt: skip
+        print_failures(block["errors"], block["mismatches"])
         if not block["outputs_compared"]:
             print("\ngreedy outputs: not compared (no plain-decoding system ran: add hf_plain or segserve_off)")
         elif not block["mismatches"]:

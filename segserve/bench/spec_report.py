@@ -30,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from segserve.bench.harness import figure, fmt, fmt_spread, goals_table
+from segserve.bench import harness
 from segserve.bench.report import check, ratio
 from segserve.bench.spec_workloads import EDIT_KINDS, KINDS
 
@@ -190,20 +191,7 @@ def mismatches(texts: dict[str, dict[str, list[str]]], greedy_kinds: tuple[str, 
     """texts[system][kind] = outputs in order; every output of a greedy kind (all kinds when None) that differs
     from the reference's: HF plain generate(), else segserve's plain decoding."""
     reference = reference or (PLAIN if PLAIN in texts else OFF)
-    found = []
-    for system in (OFF, SEG_LOOKUP, SUFFIX, SPEC, LOOKUP):
-        if system == reference:
-            continue
-        for kind, outputs in texts.get(system, {}).items():
-            if greedy_kinds is not None and kind not in greedy_kinds:
-                continue
-            expected = texts.get(reference, {}).get(kind, [])
-            for index, (got, want) in enumerate(zip(outputs, expected)):
-                if got != want:
-                    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                    found.append({"system": system, "reference": reference, "kind": kind, "index": index,
-                                  "first_diff_char": at, "got": got, "expected": want})  # fmt: skip
-    return found
+    return harness.mismatches(texts, (OFF, SEG_LOOKUP, SUFFIX, SPEC, LOOKUP), reference, greedy_kinds)
 
 
 def output_sources(prompts: list[str], outputs: list[str]) -> dict:

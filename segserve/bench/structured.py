@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from segserve.bench import structured_report as report
-from segserve.bench.harness import check_runs, save, write_json
+from segserve.bench.harness import check_runs, print_failures, save, write_json
 from segserve.bench.spec_report import medians, spread
 from segserve.bench.structured_workloads import (CHATS, EXTRACTIONS, KINDS, WARMUP, call_schemas, follow_up,
                                                  schema_requests, tool_body, tool_chats)  # fmt: skip
@@ -237,12 +237,7 @@ def run_benchmark(config: StructuredBenchConfig, make_factories: MakeFactories, 
 def print_results(results: dict) -> None:
     print(f"\n{results['model']}, median (min-max) over {results['config']['rounds']} rounds:\n")
     print(report.markdown_table(results))
-    for error in results["errors"]:
-        print(f"\nround {error['round']} {error['system']}: ERROR {error['error']}")
-    for item in results["mismatches"]:
-        print(f"\nMISMATCH: round {item['round']} {item['system']} {item['kind']}[{item['index']}] differs from "
-              f"{item['reference']} at char {item['first_diff_char']}:\n  got      {item['got']!r}\n"
-              f"  expected {item['expected']!r}")  # fmt: skip
+    print_failures(results["errors"], results["mismatches"])
     if not results["mismatches"]:
         print("\ngreedy outputs: every segserve system's equal segserve_off's (or the first segserve system's)")
     hf = results["hf_mismatches"]

@@ -33,6 +33,7 @@ from pathlib import Path
 import jsonschema
 
 from segserve.bench.harness import figure, fmt, fmt_spread, goals_table
+from segserve.bench import harness
 from segserve.bench.report import check, ratio
 from segserve.bench.spec_report import summarize as rate_summary
 from segserve.bench.structured_workloads import KINDS
@@ -134,17 +135,7 @@ def mismatches(outputs: dict[str, dict[str, list[str]]], systems: tuple[str, ...
     differing character."""
     present = [s for s in systems if s in outputs]
     reference = reference or (OFF if OFF in outputs else present[0] if present else None)
-    found = []
-    for system in present:
-        if system == reference:
-            continue
-        for kind, got_outputs in outputs[system].items():
-            for index, (got, want) in enumerate(zip(got_outputs, outputs.get(reference, {}).get(kind, []))):
-                if got != want:
-                    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                    found.append({"system": system, "reference": reference, "kind": kind, "index": index,
-                                  "first_diff_char": at, "got": got, "expected": want})  # fmt: skip
-    return found
+    return harness.mismatches(outputs, present, reference)
 
 
 def evaluate_goals(summaries: dict, ratio_medians: dict, mismatch_list: list[dict]) -> list[dict]:
