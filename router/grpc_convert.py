@@ -15,11 +15,9 @@ compact_json); errors name the kind's path, e.g.
 `parameters.structured_output.json_schema`. Whether its grammar compiles is
 grpc_api.py's check (structured.check_compiles), after the contract's.
 
-Sampling, as one contract for both HTTP APIs' callers: `do_sample` samples;
-so does a temperature other than 0, or a top_k, top_p or typical_p that is not
-off (SPEC: given sampling parameters make do_sample true); a temperature in
-[0, 1e-5) is greedy, as OpenAI's 0 (protocol.sampling_temperature). Choice i's seed is
-seed + i (protocol.choice_seed).
+Sampling follows the rule every API follows (router/sampling.py): `do_sample`
+samples, and so does any sampling parameter sent and not off; a temperature in
+[0, 1e-5) is greedy; choice i's seed is seed + i.
 
 Speculative decoding shows in `step_num_tokens`: the scheduler sends one chunk
 per step, so `StepSizes` (a StreamObserver of the choice's stream) notes each
@@ -37,16 +35,17 @@ import time
 from google.protobuf.json_format import MessageToDict
 
 from protos.segserve.v1 import generation_pb2 as pb
-from protos.segserve.v1.generate import FinishReason, GenerateEvent, GenerateRequest, TokenChunk
-from protos.segserve.v1.sampling import RANGES, SamplingParams, StoppingCriteria, StructuredKind, StructuredOutput
+from protos.segserve.v1.generate import FinishReason, GenerateEvent, TokenChunk
+from protos.segserve.v1.sampling import RANGES, SamplingParams, StructuredKind, StructuredOutput
 from protos.segserve.v1.step_result import PromptLogprobs
-from router.admission import check_request
 from router.choices import MAX_CHOICES
 from router.errors import APIError, bad_request
 from router.generation import Delta, GenerationJob, TokenLogprob
-from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
-from router.protocol import MAX_STOP_STRINGS, choice_seed, sampling_temperature
+from router.jobs import build_jobs
+from router.prompts import chat_prompt_ids, completion_prompt_ids
+from router.protocol import MAX_STOP_STRINGS
 from router.responses import by_choice
+from router.sampling import AskedSampling, sampling_params
 from router.scheduler_streams import StreamObserver
 from router.state import RouterState
 from router.structured import compact_json, schema_object, tag_object
@@ -134,25 +133,17 @@ def structured_output(params: pb.GenerationParameters) -> tuple[str, StructuredO
 
 def to_sampling(params: pb.GenerationParameters, choice_index: int,
                 structured: StructuredOutput | None = None) -> SamplingParams:
-    """The contract's sampling for choice `choice_index` (rules in the module docstring), constrained to
-    `structured` (structured_output's); unchecked."""
-    is_sampled = params.do_sample or params.top_k > 0 or any(
-        params.HasField(name) and getattr(params, name) != 1.0 for name in ("top_p", "typical_p"))
-    temperature = 1.0
-    if params.HasField("temperature"):
-        is_sampled, temperature = sampling_temperature(params.temperature)
-    num_top = params.logprobs if params.HasField("logprobs") else None
-    return SamplingParams(
-        do_sample=is_sampled, temperature=temperature, top_k=params.top_k,
-        top_p=params.top_p if params.HasField("top_p") else 1.0,
-        typical_p=params.typical_p if params.HasField("typical_p") else 1.0,
-        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
-        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
-        seed=choice_seed(params.seed, choice_index) if params.HasField("seed") else None,
-        # The chosen token's own logprob comes from the top list (a greedy score is a logit): ask for one.
-        num_top_logprobs=0 if num_top is None else max(1, num_top),
-        num_prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
-        watermark=params.watermark, logit_bias=dict(params.logit_bias), structured_output=structured)
+    """The contract's sampling for choice `choice_index` (router/sampling.py), constrained to `structured`
+    (structured_output's); unchecked."""
+    def sent(name: str):
+        return getattr(params, name) if params.HasField(name) else None
+
+    return sampling_params(AskedSampling(
+        do_sample=params.do_sample, temperature=sent("temperature"), top_k=params.top_k, top_p=sent("top_p"),
+        typical_p=sent("typical_p"), repetition_penalty=sent("repetition_penalty"),
+        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty, seed=sent("seed"),
+        num_top_logprobs=sent("logprobs"), num_prompt_logprobs=sent("prompt_logprobs"), watermark=params.watermark,
+        logit_bias=dict(params.logit_bias), structured_output=structured), choice_index)
 
 
 def stop_strings(params: pb.GenerationParameters) -> list[str]:
@@ -173,19 +164,14 @@ def choice_jobs(state: RouterState, request: pb.GenerationRequest, prompt: Promp
     if num_choices > MAX_CHOICES:
         raise bad_request(f"Invalid request: `parameters.n` must be in [1, {MAX_CHOICES}] (got {num_choices})",
                           "parameters.n")
-    max_tokens = output_budget(params.max_tokens if params.HasField("max_tokens") else None, len(prompt.token_ids),
-                               state.model_info.max_model_len, state.config.default_max_tokens)
-    stopping = StoppingCriteria(max_tokens=max_tokens, stop_token_ids=tuple(params.stop_token_ids),
-                                ignore_eos=params.ignore_eos)
-    requests = [GenerateRequest(scheduler_id if num_choices == 1 else f"{scheduler_id}-{index}", prompt.token_ids,
-                                to_sampling(params, index, structured[1] if structured else None), stopping)
-                for index in range(num_choices)]
+    request_ids = [scheduler_id] if num_choices == 1 else [f"{scheduler_id}-{i}" for i in range(num_choices)]
     names = {**FIELD_PATHS, "prompt_token_ids": prompt.field,
              "structured_output": structured[0] if structured else "parameters.structured_output"}
-    for generate_request in requests:
-        check_request(generate_request, state.model_info, names)
-    num_top = params.logprobs if params.HasField("logprobs") else None
-    return [GenerationJob(r, state.eos_token_ids, num_top, timeout_s) for r in requests]
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else None
+    return build_jobs(state, prompt.token_ids, request_ids, max_tokens, state.config.default_max_tokens,
+                      lambda index: to_sampling(params, index, structured[1] if structured else None), names,
+                      stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                      num_top_logprobs=params.logprobs if params.HasField("logprobs") else None, timeout_s=timeout_s)
 
 
 def reflow_body(request: pb.GenerationRequest, served_name: str) -> dict:

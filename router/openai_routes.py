@@ -3,7 +3,7 @@
 A request's life: the pydantic body checks types (protocol.py); the prompt (each
 of a completion's prompts) is tokenized (prompts.py), which fixes the output
 budget (prompts.output_budget); each of the n choices (per prompt) becomes a
-contract GenerateRequest that admission.py validates with the contract's
+contract GenerateRequest (router/jobs.py, as /v2's and gRPC's) that admission.py validates with the contract's
 validator and against the context left (a 400 naming the field in OpenAI's
 words, before the scheduler sees anything), and a structured output's grammar
 must compile (structured.check_compiles); serving.py runs the jobs (one per
@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from router.admission import check_request
 from router.choices import merge_choices
 from router.errors import bad_request
 from router.generation import GenerationJob
+from router.jobs import build_jobs
 from router.output_validation import validated_outputs
-from router.prompts import chat_prompt_ids, completion_prompt_ids, output_budget
+from router.prompts import chat_prompt_ids, completion_prompt_ids
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from router.responses import ChatRenderer, ChoicePrompt, CompletionRenderer
 from router.serving import job_events, respond_events
@@ -109,18 +109,11 @@ def generation_ids(response_id: str, count: int) -> list[str]:
 def choice_jobs(state: RouterState, body: SamplingRequest, prompt_ids: list[int],
                 request_ids: list[str]) -> list[GenerationJob]:
     """One validated job per choice of one prompt (`request_ids`: the n choices' ids), each with the output
-    budget the prompt leaves (a 400 naming the field when the contract or the context refuses it)."""
-    max_tokens = output_budget(body.requested_max_tokens, len(prompt_ids), state.model_info.max_model_len,
-                               state.config.default_max_tokens)
-    requests = [body.to_request(request_id, prompt_ids, max_tokens, index)
-                for index, request_id in enumerate(request_ids)]
-    for request in requests:
-        check_request(request, state.model_info, body.api_names)
-    return [
-        GenerationJob(request=request, eos_token_ids=state.eos_token_ids, num_top_logprobs=body.num_top_logprobs,
-                      timeout_s=state.config.request_timeout_s or None, include_speculation=body.include_speculation)
-        for request in requests
-    ]
+    budget the prompt leaves (a 400 naming the field when the contract or the context refuses it; router/jobs.py)."""
+    return build_jobs(state, prompt_ids, request_ids, body.requested_max_tokens, state.config.default_max_tokens,
+                      body.to_sampling, body.api_names, ignore_eos=body.ignore_eos,
+                      num_top_logprobs=body.num_top_logprobs, timeout_s=state.config.request_timeout_s or None,
+                      include_speculation=body.include_speculation)
 
 
 async def check_structured_output(body: SamplingRequest) -> None:

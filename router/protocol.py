@@ -3,7 +3,7 @@
 The bodies check types, strictly as OpenAI does (`true` is not 1, `"5"` not 5,
 `5.0` not an integer), and the API's own rules (n, stop strings, best_of, the
 legacy completions' 5 logprobs, chat's top_logprobs needing logprobs). They do
-not own the value ranges of the sampling contract's fields: `to_request` maps a
+not own the value ranges of the sampling contract's fields: `to_sampling` maps a
 body onto the contract (protos/segserve/v1/sampling.py) and admission.py's
 `check_request` runs the contract's validator on it, naming the field in
 OpenAI's words (`api_names`). The OpenAPI document shows the same ranges,
@@ -11,12 +11,12 @@ generated from `sampling.RANGES` (admission.bounds). Unknown fields are ignored,
 as OpenAI clients send extras, and null is accepted wherever OpenAI's default
 would do (clients send `"n": 1, "logprobs": null, "stop": null, ...`).
 
-Mapping at the edge (and nothing else): temperature in [0, 1e-5) is greedy
-decoding (as in vLLM), while a negative or non-finite one goes on to be refused;
-negative int64 seeds wrap modulo 2**64 (choice i uses seed + i); top_k -1 is
-off (vLLM's); logit_bias keys are token ids written as strings; `logprobs` /
-`top_logprobs` become num_top_logprobs and, with `echo`, num_prompt_logprobs
-(vLLM's `prompt_logprobs` sets it itself); `echo` with `max_tokens` 0 asks for one
+Mapping at the edge (and nothing else): the body's sampling fields become an
+`AskedSampling` (router/sampling.py: one greedy rule and one seed per choice for
+every API; OpenAI's bodies sample by default); top_k -1 is off (vLLM's);
+logit_bias keys are token ids written as strings; `logprobs` / `top_logprobs`
+become num_top_logprobs and, with `echo`, num_prompt_logprobs (vLLM's
+`prompt_logprobs` sets it itself); `echo` with `max_tokens` 0 asks for one
 token, which the answer leaves out (the prompt alone, as vLLM answers it).
 top_k, typical_p, repetition_penalty, ignore_eos, add_special_tokens and the chat
 template's options (prompts.ChatTemplateOptions) are extensions, as in vLLM.
@@ -37,17 +37,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from protos.segserve.v1.generate import GenerateRequest
-from protos.segserve.v1.sampling import (
-    MAX_LOGIT_BIAS_ENTRIES,
-    SEED_LIMIT,
-    SamplingParams,
-    StoppingCriteria,
-    StructuredOutput,
-)
+from protos.segserve.v1.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, StructuredOutput
 from router.admission import bounds
 from router.choices import MAX_CHOICES, MAX_GENERATIONS
 from router.prompts import ChatTemplateOptions
+from router.sampling import MIN_SEED, AskedSampling, sampling_params
 from router.structured import (
     STRUCTURED_FIELDS,
     ResponseFormat,
@@ -66,11 +60,8 @@ from router.tools import (
     tool_mode,
 )
 
-# Temperatures below this are greedy decoding (as in vLLM).
-GREEDY_TEMPERATURE = 1e-5
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 MAX_STOP_STRINGS = 4
-MIN_SEED = -(SEED_LIMIT // 2)  # seeds are uint64 on the wire; negative (int64) seeds wrap around
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,40}")
 _LOGIT_BIAS_SCHEMA = {
     "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
@@ -92,24 +83,6 @@ class StreamOptions(BaseModel):
 def _bounded(field: str, **changes: float | None):
     """A body field documented with the contract's range (checked by the contract, not here)."""
     return Field(default=None, json_schema_extra=bounds(field, **changes))
-
-
-def choice_seed(seed: int | None, choice_index: int) -> int | None:
-    """Choice `choice_index`'s seed: `seed` + index modulo 2**64 for a seed OpenAI allows (int64 or
-    uint64); any other value is passed on unchanged for the contract to refuse."""
-    if seed is None or not MIN_SEED <= seed < SEED_LIMIT:
-        return seed
-    return (seed + choice_index) % SEED_LIMIT
-
-
-def sampling_temperature(temperature: float | None) -> tuple[bool, float]:
-    """(do_sample, temperature): OpenAI's default (None) samples at 1; [0, 1e-5) is greedy. Anything
-    else, negative and non-finite values included, is sent as is (the contract refuses those)."""
-    if temperature is None:
-        return True, 1.0
-    if 0.0 <= temperature < GREEDY_TEMPERATURE:
-        return False, 1.0
-    return True, temperature
 
 
 class SamplingRequest(BaseModel):
@@ -235,33 +208,14 @@ class SamplingRequest(BaseModel):
         return {"max_tokens": max_param, "prompt_token_ids": "prompt", "structured_output": structured_param}
 
     def to_sampling(self, choice_index: int = 0) -> SamplingParams:
-        """The contract's sampling for choice `choice_index`: its seed is `seed` + the index, so each
-        choice samples differently and a request with a seed is reproducible choice by choice."""
-        do_sample, temperature = sampling_temperature(self.temperature)
-        num_top = self.num_top_logprobs
-        return SamplingParams(
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            typical_p=1.0 if self.typical_p is None else self.typical_p,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
-            seed=choice_seed(self.seed, choice_index),
-            # The chosen token's own logprob comes from the top list (under greedy
-            # decoding the score is a logit), so ask for at least one.
-            num_top_logprobs=0 if num_top is None else 1 if num_top == 0 else num_top,
-            num_prompt_logprobs=self.num_prompt_logprobs,
+        """The contract's sampling for choice `choice_index` (router/sampling.py)."""
+        return sampling_params(AskedSampling(
+            is_sampled_by_default=True, temperature=self.temperature, top_k=None if self.top_k == -1 else self.top_k,
+            top_p=self.top_p, typical_p=self.typical_p, repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, seed=self.seed,
+            num_top_logprobs=self.num_top_logprobs, num_prompt_logprobs=self.num_prompt_logprobs,
             logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
-            structured_output=self.structured_request[1] if self.structured_request else None,
-        )
-
-    def to_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                   choice_index: int = 0) -> GenerateRequest:
-        """The contract's request for one choice; validate it with admission.check_request."""
-        return GenerateRequest(request_id, tuple(prompt_token_ids), self.to_sampling(choice_index),
-                               StoppingCriteria(max_tokens=max_tokens, ignore_eos=self.ignore_eos))
+            structured_output=self.structured_request[1] if self.structured_request else None), choice_index)
 
 
 class CompletionRequest(SamplingRequest):

@@ -4,7 +4,8 @@ In: `{"id", "text_input", "parameters": {...}}` (SPEC section 4). The body check
 types strictly, unknown fields and MindIE's own rules (seed > 0, batch_size > 0,
 id non-empty, text_input at most 512 KiB characters); the value ranges of the
 sampling contract's fields are the contract's: the parameters become a contract
-GenerateRequest checked by admission.py (the same validator as /v1's). Any
+GenerateRequest (router/sampling.py, router/jobs.py: the same rule and builder as /v1's
+and gRPC's) checked by admission.py. Any
 problem is a 400 whose `param` is the dotted path of the field
 (`parameters.top_k`, `parameters.max_new_tokens`). Out: `{"id", "model_name",
 "model_version", "text_output"}`, plus `finish_reason` on the last event (and in
@@ -44,14 +45,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from protos.segserve.v1 import generate
 from protos.segserve.v1.generate import FinishReason, GenerateComplete
-from protos.segserve.v1.sampling import RANGES, UINT32_MAX, SamplingParams, StoppingCriteria
-from router.admission import bounds, check_request
+from protos.segserve.v1.sampling import RANGES, UINT32_MAX, SamplingParams
+from router.admission import bounds
 from router.errors import ErrorBody, bad_request, describe_validation_errors
-from router.generation import Delta, GenerationJob
-from router.prompts import output_budget
+from router.generation import Delta
+from router.jobs import build_jobs
 from router.responses import TextTemplate
+from router.sampling import AskedSampling, sampling_params
 from router.serving import respond
 from router.state import StateDep
 
@@ -105,11 +106,14 @@ class Parameters(BaseModel):
         return self.max_new_tokens if "max_new_tokens" in self.model_fields_set else None
 
     def to_sampling(self) -> SamplingParams:
-        return SamplingParams(
-            do_sample=self.do_sample, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            typical_p=1.0 if self.typical_p is None else self.typical_p,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, watermark=self.watermark,
-        )
+        """The contract's sampling (router/sampling.py): a sampling parameter sent, not only do_sample, samples;
+        the temperature is MindIE's, > 0 (a 0 is refused, not greedy)."""
+        sent = self.model_fields_set
+        return sampling_params(AskedSampling(
+            do_sample=self.do_sample, is_zero_temperature_greedy=False,
+            temperature=self.temperature if "temperature" in sent else None,
+            top_k=self.top_k, top_p=self.top_p, typical_p=self.typical_p, repetition_penalty=self.repetition_penalty,
+            seed=self.seed, watermark=self.watermark))
 
 
 class GenerateBody(BaseModel):
@@ -303,13 +307,6 @@ def finish_reason(done: GenerateComplete) -> str:
     return _FINISH.get(done.finish_reason, done.finish_reason.value)
 
 
-def to_request(body: GenerateBody, request_id: str, prompt_ids: list[int],
-               max_tokens: int) -> generate.GenerateRequest:
-    """The contract's request for `body`; validate it with admission.check_request."""
-    return generate.GenerateRequest(request_id, tuple(prompt_ids), body.parameters.to_sampling(),
-                                    StoppingCriteria(max_tokens=max_tokens))
-
-
 def router_for(served_name: str) -> APIRouter:
     """The four /v2 generate routes; `served_name` only documents the `model` path parameter."""
     router = APIRouter()
@@ -334,12 +331,8 @@ def _endpoint(stream: bool):
         if not prompt_ids:
             raise bad_request("text_input tokenizes to no tokens", "text_input")
         request_id = f"gen-{uuid.uuid4().hex}"
-        max_tokens = output_budget(params.requested_max_tokens, len(prompt_ids), state.model_info.max_model_len,
-                                   DEFAULT_MAX_NEW_TOKENS)
-        contract_request = to_request(body, request_id, prompt_ids, max_tokens)
-        check_request(contract_request, state.model_info, API_NAMES)
-        job = GenerationJob(request=contract_request, eos_token_ids=state.eos_token_ids,
-                            timeout_s=state.config.request_timeout_s or None)
+        (job,) = build_jobs(state, prompt_ids, [request_id], params.requested_max_tokens, DEFAULT_MAX_NEW_TOKENS,
+                            lambda _: params.to_sampling(), API_NAMES, timeout_s=state.config.request_timeout_s or None)
         renderer = V2Renderer(body.id or request_id, state.served_name, version, arrived_s, params.details,
                               params.perf_stat)
         return await respond(state, request, job, renderer, stream, False)
