@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.ports import bind_free
 from common.tls import TlsFiles, add_port
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -53,11 +54,15 @@ def add_health_and_reflection(server: grpc.aio.Server, serving: Serving) -> None
 
 async def start_serving(server: grpc.aio.Server, serving: Serving, address: str, tls: TlsFiles | None,
                         what: str) -> int:
-    """Add health and reflection to `server` (its services already added), bind `address` (port 0: any free one;
-    over TLS with `tls`, common/tls.py's add_port) and start it; returns the bound port. OSError naming `what`
-    when the address cannot be bound."""
+    """Add health and reflection to `server` (its services already added), bind `address` (port 0: any free one,
+    common/ports.py's bind_free; over TLS with `tls`, common/tls.py's add_port) and start it; returns the bound
+    port. OSError naming `what` when the address cannot be bound."""
     add_health_and_reflection(server, serving)
-    port = add_port(server, address, tls)
+    host, _, port_text = address.rpartition(":")
+    if port_text == "0" and not address.startswith("unix"):  # any free one, bound where it is found (common/ports.py)
+        port = bind_free(lambda candidate: add_port(server, f"{host}:{candidate}", tls))
+    else:
+        port = add_port(server, address, tls)
     if port == 0:
         raise OSError(f"cannot bind {what} to {address}")
     await server.start()

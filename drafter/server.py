@@ -36,6 +36,7 @@ from common import tracing
 from common.checkpoint import resolve_model
 from common.health import start_serving
 from common.heap import freeze_startup_heap
+from common.ports import announce_ports
 from common.tls import EXCLUSIVE_PORT, TlsFiles, internal_tls
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ async def serve(config: DrafterConfig, draft_models: Mapping[str, ContinuationSo
     num_replayed = await asyncio.to_thread(servicer.memory.catch_up) if servicer.memory is not None else 0
     tracing.setup("drafter", config)
     server, port = await start_server(servicer, config.host, config.port, tls)
+    announce_ports(port=port)
     freeze_startup_heap()  # segments, tokenizer, draft models and the replayed corpora
     logger.info("drafter listening on %s:%d%s with segments %s, the %s backend (%d log records replayed)",
                 config.host, port, " (mutual TLS)" if tls else "", [k.name for k in segments.all_kinds], config.backend,

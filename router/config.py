@@ -24,11 +24,11 @@ class RouterConfig(InternalTlsFields, TracingFields):
     host: str = "127.0.0.1"
     """Bind address of HTTP and of the public gRPC API."""
     port: int = 8000
-    """HTTP port (0 = any free port, chosen by the launcher)."""
+    """HTTP port (0 = any free port, which the router binds and reports: common/ports.py)."""
     is_grpc_api: bool = True
     """Serve the public gRPC API (segserve.v1.Generation, with health and reflection) on grpc_port."""
     grpc_port: int = 8001
-    """Port of the public gRPC API, on the HTTP bind address (0 = any free port, chosen by the launcher)."""
+    """Port of the public gRPC API, on the HTTP bind address (0 = any free port, bound as `port`'s)."""
     grpc_max_message_bytes: int = 4 * 1024 * 1024
     """Largest gRPC message received or sent by the public gRPC API; a larger one is RESOURCE_EXHAUSTED."""
     grpc_keepalive_time_s: float = 30.0

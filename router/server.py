@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 
 import uvicorn
 from fastapi import FastAPI
@@ -30,6 +31,7 @@ from router.scheduler_pool import SchedulerPool
 from common import tracing
 from common.discovery import parse_targets
 from common.heap import freeze_startup_heap
+from common.ports import announce_ports, bind_free
 from common.tls import internal_tls
 
 logger = logging.getLogger(__name__)
@@ -121,12 +123,34 @@ async def serve(config: RouterConfig) -> None:
     check_tls(config)
     app = await build_app(config)
     grpc_api = await start_grpc_server(app.state.router, config) if config.is_grpc_api else None
+    sockets = [http_socket(config.host)] if config.port == 0 else None
+    announce_ports(port=sockets[0].getsockname()[1] if sockets else config.port,
+                   **({"grpc_port": grpc_api.port} if grpc_api is not None else {}))
     freeze_startup_heap()  # the tokenizer, templates and apps stay out of every later collection
     try:
-        await make_server(config, app, grpc_api=grpc_api).serve()
+        await make_server(config, app, grpc_api=grpc_api).serve(sockets)
     finally:
         if grpc_api is not None:
             await grpc_api.stop()  # HTTP failed to start, or an error ended it before its shutdown
+
+
+def http_socket(host: str) -> socket.socket:
+    """A socket bound to any free port of `host` (common/ports.py's bind_free), for uvicorn to listen on: the
+    router's HTTP port 0."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def bind(port: int) -> int:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return 0
+        return sock.getsockname()[1]
+
+    if not bind_free(bind):
+        sock.close()
+        raise OSError(f"cannot bind the router's HTTP API to {host}")
+    return sock
 
 
 def check_tls(config: RouterConfig) -> None:

@@ -22,6 +22,7 @@ import threading
 import psutil
 
 from scheduler.config import SchedulerConfig
+from common.ports import announce_ports
 from common.tls import internal_tls
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ def run(config: SchedulerConfig) -> None:
     try:
         actor = SchedulerActor.options(**actor_options(config)).remote()
         port = ray.get(actor.start.remote(config))
+        announce_ports(port=port)
         node_ip = ray.get(actor.node_ip.remote())
         watchdog.cancel()
         logger.info("scheduler serving on %s:%d, Ray node %s (worker %s)", config.host, port, node_ip,

@@ -5,7 +5,9 @@ Each service runs as `python -m segserve.cli <service> <flags>` so that the loca
 stack is the same code path as a pod on a cluster; secrets (the router's API keys)
 go in the child's environment, never on its command line. Each config's internal
 TLS files reach its process as flags; the launcher's own readiness checks dial each
-service with that service's files.
+service with that service's files. A service not given a port binds any free one and
+reports it (common/ports.py); the launcher waits for that report, then for its health,
+and tells the services started after it (and a restart) that port.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from protos.segserve.v1 import common_pb2, drafter_pb2_grpc, scheduler_pb2_grpc,
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from common.checkpoint import resolve_model
-from common.ports import free_port, is_free
+from common.ports import PORTS_FILE_VAR, is_free, read_ports
 from segserve.flags import env_names, to_argv, to_env
 from common.tls import internal_tls, open_blocking_channel
 from worker.config import WorkerConfig
@@ -118,10 +120,6 @@ class StackConfig:
             raise ValueError("Ray workers need the scheduler's ray_address (--ray-address)")
 
 
-_PORT_ATTEMPTS = 3
-"""Spawns of a service whose port the launcher picked, when the port is taken before the service binds it."""
-_PORT_TAKEN = re.compile(r"cannot bind .+ to \S+:\d+$")
-"""The end of the error of a worker, drafter or scheduler that found its port taken."""
 _HEALTH_STUBS = {"worker": worker_pb2_grpc.WorkerStub, "drafter": drafter_pb2_grpc.DrafterStub,
                  "scheduler": scheduler_pb2_grpc.SchedulerStub}
 """The stub whose Health RPC says a service is ready, by its command."""
@@ -166,6 +164,8 @@ class Stack:
         self._tails: dict[str, deque[str]] = {}
         """Without a log_dir: each service's last lines of output, which _spawn forwards to this one's."""
         self._shared_dir: tempfile.TemporaryDirectory | None = None
+        self._ports_dir = tempfile.TemporaryDirectory(prefix="segserve-ports-")
+        """Where each service reports the ports it bound (common/ports.py: <name>.json)."""
         self._ray_actors: list = []
         """Worker actors, with is_ray_workers."""
         self._ray_groups: list = []
@@ -201,8 +201,8 @@ class Stack:
         model_dir = str(resolve_model(cfg.worker.model))  # converts the default model once, with a progress bar
         ports = [cfg.worker.port] if cfg.worker.port and cfg.num_workers == 1 else [0] * cfg.num_workers
         num_threads = cfg.worker.num_threads or (0 if cfg.is_ray_workers else local_worker_threads(cfg.num_workers))
-        workers = [dataclasses.replace(cfg.worker, model=model_dir, num_threads=num_threads,
-                                       port=port or (0 if cfg.is_ray_workers else free_port())) for port in ports]
+        workers = [dataclasses.replace(cfg.worker, model=model_dir, num_threads=num_threads, port=port)
+                   for port in ports]
         cpu_sets = local_cpu_sets(cfg.num_workers) if self._is_pinnable(cfg) else None
         if cpu_sets is not None:  # each worker counts its CPUs, and takes as many threads as its model pays for
             workers = [dataclasses.replace(worker, compute_cpus=format_cpu_list(cpus), num_threads=0)
@@ -215,21 +215,25 @@ class Stack:
             if cfg.is_ray_workers:
                 worker_addresses = self._start_ray_workers(workers, deadline)
             else:
-                self._start_replicas("worker", deadline, is_port_picked=not cfg.worker.port or cfg.num_workers > 1)
+                self._start_replicas("worker", deadline)
                 worker_addresses = [f"{w.host}:{w.port}" for w in self.worker_configs]
-            self._start_replicas("drafter", deadline, is_port_picked=not cfg.drafter.port or cfg.num_drafters > 1)
+            self._start_replicas("drafter", deadline)
             drafters = self.drafter_configs
             scheduler = dataclasses.replace(cfg.scheduler, worker_address=",".join(worker_addresses),
                                             drafter_addresses=[f"{d.host}:{d.port}" for d in drafters],
-                                            port=cfg.scheduler.port or free_port(),
                                             max_draft_nodes=cfg.scheduler.max_draft_nodes if cfg.is_speculative else 0)
             router = dataclasses.replace(cfg.router, model=model_dir,
                                          served_model_name=cfg.router.served_model_name or workers[0].served_model_name)
             self.config = dataclasses.replace(cfg, worker=self.worker_configs[0], scheduler=scheduler, router=router,
                                               drafter=drafters[0] if drafters else cfg.drafter)
-            scheduler = self._start_scheduler(scheduler, deadline, is_port_picked=not cfg.scheduler.port)
+            self._spawn("scheduler", scheduler)
+            scheduler = self._bound("scheduler", deadline)
+            self._wait_until_ready("scheduler", deadline)
             router = dataclasses.replace(router, scheduler_address=f"{scheduler.host}:{scheduler.port}")
-            self._start_router(router, deadline)
+            self.config = dataclasses.replace(self.config, router=router)
+            self._spawn("router", router)
+            self._bound("router", deadline)
+            self._wait_http_ready(deadline)
         except BaseException:
             self.stop()
             raise
@@ -252,24 +256,39 @@ class Stack:
             raise RuntimeError(f"port{'s' if len(taken) > 1 else ''} {', '.join(taken)} already in use on this machine "
                                "(another segserve serve?): stop what holds them, or choose other ports")
 
-    def _start_replicas(self, role: str, deadline: float, is_port_picked: bool) -> None:
+    def _start_replicas(self, role: str, deadline: float) -> None:
         """Spawn every worker or drafter replica (self.worker_configs or self.drafter_configs), then wait until each
-        is ready. A replica that dies at start-up because its port, picked by this launcher, was bound by another
-        process in the meantime is started again on a port picked anew: the scheduler is told the addresses only
-        once all are ready."""
+        has bound its port and is ready: the scheduler is told the addresses once all are."""
         configs = self.worker_configs if role == "worker" else self.drafter_configs
         for i, config in enumerate(configs):
             self._spawn(replica_name(role, i), config, role)
         for i in range(len(configs)):
-            for attempt in range(1, _PORT_ATTEMPTS + 1):
-                try:
-                    self._wait_until_ready(replica_name(role, i), deadline)
-                    break
-                except RuntimeError as exc:
-                    if not is_port_picked or attempt == _PORT_ATTEMPTS or not _PORT_TAKEN.search(str(exc)):
-                        raise
-                configs[i] = dataclasses.replace(configs[i], port=free_port())
-                self._spawn(replica_name(role, i), configs[i], role)
+            self._bound(replica_name(role, i), deadline)
+            self._wait_until_ready(replica_name(role, i), deadline)
+
+    def _bound(self, name: str, deadline: float):
+        """Wait until the service `name`, just spawned, reports the ports it bound (common/ports.py: a port 0 of
+        its config is any free one it found); its config as started takes them. Returns that config."""
+        role, config = self._role_config(name)
+        wanted = {"port", "grpc_port"} if role == "router" and config.is_grpc_api else {"port"}
+        while True:
+            self._check_alive(name)
+            ports = read_ports(self._ports_file(name)) or {}
+            if wanted <= ports.keys():
+                break
+            if time.monotonic() > deadline:
+                raise self._not_ready(name, f"{config.host}:{config.port}", "no port reported")
+            time.sleep(0.1)
+        bound = dataclasses.replace(config, **{key: ports[key] for key in wanted})
+        if role in ("worker", "drafter"):
+            configs = self.worker_configs if role == "worker" else self.drafter_configs
+            configs[int(name.partition("-")[2] or 0)] = bound
+        else:
+            self.config = dataclasses.replace(self.config, **{role: bound})
+        return bound
+
+    def _ports_file(self, name: str) -> Path:
+        return Path(self._ports_dir.name) / f"{name}.json"
 
     def _start_ray_workers(self, workers: list[WorkerConfig], deadline: float) -> list[str]:
         """Start one WorkerActor per config on the scheduler's Ray cluster; their addresses once all are ready."""
@@ -319,14 +338,14 @@ class Stack:
         ray.shutdown()
 
     def _drafter_configs(self, model_dir: str) -> list[DrafterConfig]:
-        """One config per drafter replica: free ports, and one log for all (a restarted replica replays it)."""
+        """One config per drafter replica: port 0 (any free one, which it reports) unless one was chosen for a lone
+        replica, and one log for all (a restarted replica replays it)."""
         base = dataclasses.replace(self.config.drafter, tokenizer=model_dir)
         if not (base.redis_url or base.shared_log_dir or base.corpus_dir):
             self._shared_dir = tempfile.TemporaryDirectory(prefix="segserve-drafters-")
             base = dataclasses.replace(base, shared_log_dir=self._shared_dir.name)
         ports = [base.port] if base.port and self.config.num_drafters == 1 else [0] * self.config.num_drafters
-        return [dataclasses.replace(base, port=port or free_port(),
-                                    replica_name=base.replica_name or replica_name("drafter", i))
+        return [dataclasses.replace(base, port=port, replica_name=base.replica_name or replica_name("drafter", i))
                 for i, port in enumerate(ports)]
 
     def stop(self, timeout_s: float = 20.0) -> None:
@@ -352,42 +371,6 @@ class Stack:
             self._shared_dir = None
         if self._ray_actors:
             self._stop_ray_workers()
-
-    def _start_scheduler(self, scheduler: SchedulerConfig, deadline: float, is_port_picked: bool) -> SchedulerConfig:
-        """Spawn the scheduler and wait until it serves; returns its config. A port picked here is picked again if
-        the scheduler dies at start-up: Ray starts its own processes, which open ports, before the scheduler binds."""
-        attempts = _PORT_ATTEMPTS if is_port_picked else 1
-        for attempt in range(1, attempts + 1):
-            if attempt > 1:
-                scheduler = dataclasses.replace(scheduler, port=free_port())
-            self.config = dataclasses.replace(self.config, scheduler=scheduler)
-            self._spawn("scheduler", scheduler)
-            try:
-                self._wait_until_ready("scheduler", deadline)
-                return scheduler
-            except RuntimeError:
-                if attempt == attempts or self.processes["scheduler"].poll() is None:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _start_router(self, router: RouterConfig, deadline: float) -> None:
-        """Spawn the router and wait for its /health. A port picked here (port 0, HTTP or gRPC) is picked just
-        before the spawn, and picked again if the router dies at start-up: while the other services started,
-        any of them (Ray opens ports of its own) may have bound the one picked earlier."""
-        is_grpc_picked = router.is_grpc_api and not router.grpc_port
-        attempts = _PORT_ATTEMPTS if not router.port or is_grpc_picked else 1
-        for attempt in range(1, attempts + 1):
-            config = router if router.port else dataclasses.replace(router, port=free_port())
-            if is_grpc_picked:
-                config = dataclasses.replace(config, grpc_port=free_port())
-            self.config = dataclasses.replace(self.config, router=config)
-            self._spawn("router", config)
-            try:
-                self._wait_http_ready(deadline)
-                return
-            except RuntimeError:
-                if attempt == attempts or self.processes["router"].poll() is None:
-                    raise
 
     def restart(self, name: str) -> None:
         """Start a service that exited again with the config it ran with (same ports): "router", "scheduler",
@@ -451,7 +434,9 @@ class Stack:
         # would take a value meant for another service (SEGSERVE_PORT is the router's in `segserve serve`).
         flag_vars = env_names(type(config))
         env = {k: v for k, v in os.environ.items() if k not in flag_vars}
-        env.update(to_env(config), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        ports_file = self._ports_file(name)
+        ports_file.unlink(missing_ok=True)  # a restarted service reports its ports anew
+        env.update(to_env(config), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **{PORTS_FILE_VAR: str(ports_file)})
         proc = self.processes[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         if out is subprocess.PIPE:
             tail = self._tails[name] = deque(maxlen=_TAIL_LINES)

@@ -32,6 +32,7 @@ from common import tracing
 from common.blocking import CallCost, in_thread, run_blocking
 from common.health import Serving, start_serving, status_errors
 from common.heap import freeze_startup_heap
+from common.ports import announce_ports
 from common.tls import EXCLUSIVE_PORT, TlsFiles, internal_tls
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
@@ -193,6 +194,7 @@ async def serve(config: WorkerConfig) -> None:
     tls = internal_tls(config)
     tracing.setup("worker", config)
     server, port = await start_server(servicer, config.host, config.port, tls)
+    announce_ports(port=port)
     if config.compute_cpus:
         bind_compute_thread(parse_cpu_list(config.compute_cpus))
     logger.info("worker listening on %s:%d%s, loading the model", config.host, port, " (mutual TLS)" if tls else "")

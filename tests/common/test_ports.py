@@ -1,4 +1,5 @@
-"""free_port: a port nothing holds, below the kernel's ephemeral range (ports outgoing connections are given)."""
+"""Ports below the kernel's ephemeral range (never given to outgoing connections): bind_free binds one, free_port
+picks one; services report what they bound (announce_ports)."""
 import socket
 
 import common.ports as ports
@@ -35,3 +36,59 @@ def test_without_room_below_the_range_the_kernel_picks(monkeypatch):
     port = ports.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_bind_free_holds_the_first_port_it_can_bind(monkeypatch):
+    """Race-free: the port is held from the bind that found it free, a held one skipped, below the range."""
+    with socket.socket() as held, socket.socket() as sock:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        candidates = iter([taken, 0])
+        monkeypatch.setattr(ports, "_candidates", lambda: candidates)
+        tried = []
+
+        def bind(port):
+            tried.append(port)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return 0
+            return sock.getsockname()[1]
+
+        bound = ports.bind_free(bind)
+        assert tried == [taken, 0] and bound == sock.getsockname()[1] != taken
+
+
+def test_servers_asked_for_port_0_bind_below_the_ephemeral_range():
+    """A gRPC service's (common/health.py) and the router's HTTP socket: a port a restart finds free again."""
+    import asyncio
+
+    import grpc
+
+    from common.health import Serving, start_serving
+    from common.tls import EXCLUSIVE_PORT
+    from router.server import http_socket
+
+    async def grpc_port() -> int:
+        server = grpc.aio.server(options=[EXCLUSIVE_PORT])
+        port = await start_serving(server, Serving(["test"]), "127.0.0.1:0", None, "the test server")
+        await server.stop(None)
+        return port
+
+    start = ports._ephemeral_start()
+    with http_socket("127.0.0.1") as sock:
+        assert 20000 <= sock.getsockname()[1] < start
+    assert 20000 <= asyncio.run(grpc_port()) < start
+
+
+def test_announced_ports_are_read_whole_and_merged(monkeypatch, tmp_path):
+    path = tmp_path / "router.json"
+    assert ports.read_ports(path) is None
+    ports.announce_ports(port=1234)  # no variable: nothing is written
+    assert not path.exists()
+    monkeypatch.setenv(ports.PORTS_FILE_VAR, str(path))
+    ports.announce_ports(grpc_port=1235)
+    ports.announce_ports(port=1234)
+    assert ports.read_ports(path) == {"grpc_port": 1235, "port": 1234}
+    assert list(tmp_path.iterdir()) == [path]

@@ -1,10 +1,11 @@
-"""The local launcher's start-up: a service whose auto-picked port was taken meanwhile is started again on
-another; a service not ready in time is reported with the end of its log; local workers get the
+"""The local launcher's start-up: services bind their own ports and report them, and are reached there; a service
+not ready in time is reported with the end of its log; local workers get the
 machine's CPUs but one as torch threads; without a log directory a service's output comes through, line by line
 after its name, and its last lines are kept for the supervisor."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -31,110 +32,82 @@ class _Process:
     def poll(self) -> int | None:
         return self.returncode
 
+    def send_signal(self, signum: int) -> None:
+        self.returncode = -signum
 
-_READINESS_POLLS = {"router": "_wait_http_ready", "scheduler": "_wait_grpc_ready"}
-
-
-def _stack_whose_service_dies(monkeypatch, service: str, num_deaths: int) -> tuple[Stack, list[int]]:
-    """A Stack whose first `num_deaths` spawns of `service` exit at start-up (as on a port taken meanwhile)."""
-    ports = iter(range(40001, 40100))
-    monkeypatch.setattr(launcher, "free_port", lambda: next(ports))
-    stack, spawned = Stack(StackConfig()), []
-
-    def spawn(name, config):
-        spawned.append(config.port)
-        stack.processes[name] = _Process(3 if len(spawned) <= num_deaths else None)
-
-    monkeypatch.setattr(stack, "_spawn", spawn)
-    monkeypatch.setattr(stack, _READINESS_POLLS[service], lambda *_: stack._check_alive(service))
-    return stack, spawned
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
 
 
-def _stack_whose_router_dies(monkeypatch, num_deaths: int) -> tuple[Stack, list[int]]:
-    return _stack_whose_service_dies(monkeypatch, "router", num_deaths)
-
-
-def test_a_router_that_dies_at_start_up_gets_a_fresh_port(monkeypatch):
-    stack, spawned = _stack_whose_router_dies(monkeypatch, num_deaths=2)
-    stack._start_router(RouterConfig(port=0), deadline=0)
-    assert spawned == [40001, 40002, 40003]
-    assert stack.base_url.endswith(":40003")
-
-
-def test_the_router_start_gives_up_after_a_few_ports(monkeypatch):
-    stack, spawned = _stack_whose_router_dies(monkeypatch, num_deaths=10)
-    with pytest.raises(RuntimeError, match="router exited with code 3"):
-        stack._start_router(RouterConfig(port=0), deadline=0)
-    assert len(spawned) == launcher._PORT_ATTEMPTS
-
-
-def test_a_port_the_user_chose_is_not_replaced(monkeypatch):
-    stack, spawned = _stack_whose_router_dies(monkeypatch, num_deaths=1)
-    with pytest.raises(RuntimeError):
-        stack._start_router(RouterConfig(port=8123), deadline=0)
-    assert spawned == [8123]
-
-
-def _stack_whose_scheduler_dies(monkeypatch, num_deaths: int) -> tuple[Stack, list[int]]:
-    """Its scheduler dies instead (Ray's processes took the picked port)."""
-    return _stack_whose_service_dies(monkeypatch, "scheduler", num_deaths)
-
-
-def test_a_scheduler_that_dies_at_start_up_gets_a_fresh_port_when_the_port_was_picked(monkeypatch):
-    stack, spawned = _stack_whose_scheduler_dies(monkeypatch, num_deaths=2)
-    started = stack._start_scheduler(SchedulerConfig(port=40999), deadline=0, is_port_picked=True)
-    assert spawned == [40999, 40001, 40002] and started.port == 40002
-    assert stack.config.scheduler.port == 40002
-
-
-def test_a_scheduler_port_the_user_chose_is_not_replaced(monkeypatch):
-    stack, spawned = _stack_whose_scheduler_dies(monkeypatch, num_deaths=1)
-    with pytest.raises(RuntimeError, match="scheduler exited with code 3"):
-        stack._start_scheduler(SchedulerConfig(port=50051), deadline=0, is_port_picked=False)
-    assert spawned == [50051]
-
-
-def _drafters_whose_first_dies(monkeypatch, last_line: str, num_drafters: int = 2,
-                               port: int = 0) -> tuple[Stack, list[tuple[str, int]]]:
-    """A Stack of `num_drafters` drafters whose first spawn of drafter-1 exits at start-up, `last_line` its last
-    output; every other spawn comes up."""
-    ports = iter(range(40001, 40100))
-    monkeypatch.setattr(launcher, "free_port", lambda: next(ports))
-    stack = Stack(StackConfig(num_drafters=num_drafters, drafter=DrafterConfig(port=port)))
-    stack.drafter_configs = stack._drafter_configs("model")
-    spawned = []
+def reporting_spawn(stack: Stack, spawned: dict, ports=None, dies: str = "") -> None:
+    """Replace the stack's _spawn by one that runs nothing: each service "binds" its config's port, or for port 0
+    the next of `ports`, and reports it as a real one does (common/ports.py), the router its gRPC port too; the
+    service named `dies` exits at start-up instead, without reporting."""
+    ports = ports if ports is not None else iter(range(40001, 40100))
 
     def spawn(name, config, command=None):
-        is_dying = name == ("drafter-1" if num_drafters > 1 else "drafter") and not any(n == name for n, _ in spawned)
-        spawned.append((name, config.port))
-        stack.processes[name] = _Process(1 if is_dying else None)
-        stack._tails[name] = deque(["Traceback (most recent call last):", last_line] if is_dying else [])
+        spawned[name] = config
+        stack.processes[name] = _Process(3 if name == dies else None)
+        if name == dies:
+            stack._tails[name] = deque(["Traceback (most recent call last):", "OSError: cannot bind"])
+            return
+        bound = {"port": config.port or next(ports)}
+        if name == "router" and config.is_grpc_api:
+            bound["grpc_port"] = config.grpc_port or next(ports)
+        stack._ports_file(name).write_text(json.dumps(bound))
 
-    monkeypatch.setattr(stack, "_spawn", spawn)
+    stack._spawn = spawn
+
+
+def started_stack(monkeypatch, tmp_path, config: StackConfig, dies: str = "") -> tuple[Stack, dict]:
+    """A stack started with reporting_spawn, every health check answered at once: it and the configs it spawned."""
+    monkeypatch.setattr(launcher, "resolve_model", lambda model: tmp_path)
+    stack, spawned = Stack(config), {}
+    reporting_spawn(stack, spawned, dies=dies)
     monkeypatch.setattr(stack, "_wait_grpc_ready", lambda name, *_: stack._check_alive(name))
+    monkeypatch.setattr(stack, "_wait_http_ready", lambda *_: stack._check_alive("router"))
+    stack.start()
     return stack, spawned
 
 
-def test_a_replica_whose_picked_port_was_taken_meanwhile_starts_again_on_another(monkeypatch):
-    stack, spawned = _drafters_whose_first_dies(monkeypatch, "OSError: cannot bind the drafter to 127.0.0.1:40002")
-    stack._start_replicas("drafter", deadline=0, is_port_picked=True)
-    assert spawned == [("drafter", 40001), ("drafter-1", 40002), ("drafter-1", 40003)]
-    assert [d.port for d in stack.drafter_configs] == [40001, 40003]  # the addresses the scheduler is given
+def test_services_asked_for_port_0_are_reached_on_the_ports_they_report(monkeypatch, tmp_path):
+    """Nothing picks a port for another process: each service binds one and reports it, and the launcher gives
+    the next service the addresses reported (the scheduler its workers' and drafters', the router its
+    scheduler's) and takes its own URLs from the router's."""
+    config = StackConfig(num_workers=2, num_drafters=2, worker=WorkerConfig(port=0), drafter=DrafterConfig(port=0),
+                         scheduler=SchedulerConfig(port=0), router=RouterConfig(port=0, grpc_port=0))
+    stack, spawned = started_stack(monkeypatch, tmp_path, config)
+    assert [spawned[name].port for name in ("worker", "worker-1", "drafter", "drafter-1", "scheduler", "router")] \
+        == [0] * 6
+    assert [w.port for w in stack.worker_configs] == [40001, 40002]  # as restart() spawns them again
+    assert [d.port for d in stack.drafter_configs] == [40003, 40004]
+    scheduler = spawned["scheduler"]
+    assert scheduler.worker_address == "127.0.0.1:40001,127.0.0.1:40002"
+    assert scheduler.drafter_addresses == ["127.0.0.1:40003", "127.0.0.1:40004"]
+    assert spawned["router"].scheduler_address == "127.0.0.1:40005" == f"127.0.0.1:{stack.config.scheduler.port}"
+    assert stack.base_url.endswith(":40006") and stack.grpc_address.endswith(":40007")
 
 
-def test_a_replica_that_dies_for_another_reason_is_not_started_again(monkeypatch):
-    stack, spawned = _drafters_whose_first_dies(monkeypatch, "ValueError: corpus_dir /x is not a directory")
-    with pytest.raises(RuntimeError, match="drafter-1 exited with code 1 during start-up: ValueError: corpus_dir"):
-        stack._start_replicas("drafter", deadline=0, is_port_picked=True)
-    assert spawned == [("drafter", 40001), ("drafter-1", 40002)]
+def test_ports_the_user_chose_are_passed_on_as_they_are(monkeypatch, tmp_path):
+    config = StackConfig(worker=WorkerConfig(port=50061), drafter=DrafterConfig(port=50071),
+                         scheduler=SchedulerConfig(port=50051), router=RouterConfig(port=50080, grpc_port=50081))
+    monkeypatch.setattr(launcher, "is_free", lambda *_, **__: True)
+    stack, spawned = started_stack(monkeypatch, tmp_path, config)
+    assert [spawned[name].port for name in ("worker", "drafter", "scheduler", "router")] == [50061, 50071, 50051,
+                                                                                             50080]
+    assert stack.base_url.endswith(":50080") and stack.grpc_address.endswith(":50081")
 
 
-def test_a_replica_port_the_user_chose_is_not_replaced(monkeypatch):
-    stack, spawned = _drafters_whose_first_dies(monkeypatch, "OSError: cannot bind the drafter to 127.0.0.1:50071",
-                                                num_drafters=1, port=50071)
-    with pytest.raises(RuntimeError, match="cannot bind the drafter to 127.0.0.1:50071"):
-        stack._start_replicas("drafter", deadline=0, is_port_picked=False)
-    assert spawned == [("drafter", 50071)]
+def test_a_service_that_dies_before_reporting_its_port_fails_the_start_with_its_error(monkeypatch, tmp_path):
+    with pytest.raises(RuntimeError, match="drafter exited with code 3 during start-up: OSError: cannot bind"):
+        started_stack(monkeypatch, tmp_path, StackConfig(is_speculative=False), dies="drafter")
+
+
+def test_a_service_that_never_reports_a_port_is_not_ready(tmp_path):
+    stack = Stack(StackConfig(log_dir=str(tmp_path)))
+    stack.processes["scheduler"] = _Process(None)  # alive, never binds
+    with pytest.raises(TimeoutError, match=r"^scheduler at 127\.0\.0\.1:\d+ was not ready in time \(last: no port "):
+        stack._bound("scheduler", time.monotonic() + 0.5)
 
 
 def test_a_chosen_port_held_by_another_process_stops_the_start_before_anything_runs(monkeypatch):
@@ -165,16 +138,10 @@ def test_a_service_not_ready_in_time_is_reported_with_its_last_answer_and_the_en
 
 
 def started_workers(monkeypatch, tmp_path, config: StackConfig) -> list[WorkerConfig]:
-    """The configs the stack's start() spawns its workers with (nothing is spawned)."""
-    monkeypatch.setattr(launcher, "resolve_model", lambda model: tmp_path)
-    stack, spawned = Stack(config), {}
-    monkeypatch.setattr(stack, "_spawn", lambda name, config, command=None: spawned.update({name: config}))
-    monkeypatch.setattr(stack, "_wait_grpc_ready", lambda *_: None)
-    monkeypatch.setattr(stack, "_start_scheduler", lambda scheduler, *_, **__: scheduler)
-    monkeypatch.setattr(stack, "_start_router", lambda *_: None)
-    stack.start()
+    """The configs the stack's start() spawns its workers with (nothing is spawned; ports as reported)."""
+    stack, spawned = started_stack(monkeypatch, tmp_path, config)
     workers = [c for name, c in spawned.items() if name.startswith("worker")]
-    assert workers == stack.worker_configs  # as restart() spawns them again
+    assert [w.num_threads for w in workers] == [w.num_threads for w in stack.worker_configs]
     return workers
 
 
