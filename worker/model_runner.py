@@ -403,12 +403,6 @@ class ModelRunner:
                 indices.append(i)
         return dict(zip(indices, compute_prompt_logprobs(items))) if items else {}
 
-    def sample_row(self, work: Work, index: int) -> SampleRow:
-        """Token `index` of `work`, seeing the sequence's computed tokens and its own path or prefix."""
-        state = self._states[work.seq_id]
-        history = PrefixedHistory(state.history, work.num_computed_tokens, work.visible_tokens(index))
-        return SampleRow(state.params, history, state.num_prompt_tokens, state.generator)
-
     def sample_rows(self, work: Work) -> list[SampleRow]:
         """The rows of every sample index of `work`, in order; when the sampler reads no history (no penalty, no
         watermark) they are one row, kept on the sequence's state, with no history, so a tree costs no row per

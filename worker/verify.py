@@ -100,7 +100,7 @@ class Sampled:
 
 
 def step_paths(work: Work) -> list[tuple[int, ...]]:
-    """Per sample index of `work`, the step's tokens it sees, itself included (Work.visible_tokens), each
+    """Per sample index of `work`, the step's tokens it sees, itself included (its path or its prefix), each
     tree path built from its parent's in one tuple concatenation rather than walked back to the root."""
     if not work.is_tree:
         return [work.token_ids[:index + 1] for index in work.sample_indices]

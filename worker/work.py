@@ -49,16 +49,6 @@ class Work:
     def is_tree(self) -> bool:
         return bool(self.node_parents)
 
-    def visible_tokens(self, index: int) -> list[int]:
-        """The step's tokens that token `index` sees, itself included, in order: its path or its prefix."""
-        if not self.is_tree:
-            return list(self.token_ids[: index + 1])
-        path = []
-        while index >= 0:
-            path.append(self.token_ids[index])
-            index = self.node_parents[index]
-        return path[::-1]
-
 
 def expand(seq: ScheduledSequence, prompt_offsets: tuple[int, ...] = ()) -> Work:
     """The Work of a validated sequence (a tree must have passed CandidateTree.problem())."""

@@ -262,7 +262,9 @@ def test_tree_sampling_sees_each_nodes_path(runner):
                                                                 draft=TREE)]))
     logits = runner.execute(plan)  # [nodes, V]
     (work,) = plan.works
-    tree_out = sample(logits, [runner.sample_row(work, node) for node in range(len(TREE) + 1)])
+    rows = runner.sample_rows(work)  # one a node, each with its node's path: the penalties ask for history
+    assert len(rows) == len(TREE) + 1
+    tree_out = sample(logits, rows)
     runner.step(StepRequest(finished_seq_ids=["t"]))
     for node, path in enumerate(node_paths(TREE)):
         tokens = context + path

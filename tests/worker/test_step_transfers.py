@@ -101,12 +101,24 @@ def test_rows_with_non_finite_logits_do_not_raise():
     assert len(out.token_ids) == 4 and all(0 <= t < 64 for t in out.token_ids)
 
 
+def visible_tokens(work, index: int) -> list[int]:
+    """The step's tokens that token `index` sees, itself included, walked back from it to the root: the reference
+    step_paths builds from the parents' paths instead."""
+    if not work.is_tree:
+        return list(work.token_ids[: index + 1])
+    path = []
+    while index >= 0:
+        path.append(work.token_ids[index])
+        index = work.node_parents[index]
+    return path[::-1]
+
+
 def test_row_histories_read_like_the_copied_history():
     history = [1, 2, 3, 4, 5, 99, 98]  # only the first num_computed (5) tokens are real
     work = expand(ScheduledSequence("w", (9,), 5, (0, 1), draft=CandidateTree((10, 11, 12, 13), (-1, -1, 1, 2))))
     paths = step_paths(work)
     for index in range(5):
-        expected = history[:5] + work.visible_tokens(index)
+        expected = history[:5] + visible_tokens(work, index)
         view = PrefixedHistory(history, 5, paths[index])
         assert len(view) == len(expected) and list(view) == expected
         assert view[2:] == expected[2:] and view[-1] == expected[-1] and view[5] == expected[5]

@@ -20,7 +20,7 @@ from protos.segserve.v1.tree import CandidateTree
 from tests.worker.test_model_runner import PROMPT, make_runner, reference_greedy, stock_attention
 from worker.attention_plan import tree_sees
 from worker.server import WorkerServicer, start_server
-from worker.verify import TreeWalk, kv_moves
+from worker.verify import TreeWalk, kv_moves, step_paths
 from worker.work import expand
 
 NUM_NEW = 24  # prompt (11) + 24 tokens: far past tiny Gemma3's sliding window of 8
@@ -181,7 +181,7 @@ def test_walk_descends_on_agreement_and_moves_kv_to_depth():
     work = expand(ScheduledSequence("w", (9,), 5, (0, 1, 2), draft=CandidateTree((10, 11, 12, 13), (-1, -1, 1, 2))))
     assert work.node_depths == (0, 1, 1, 2, 3) and work.positions == (5, 6, 6, 7, 8)
     assert tree_sees(work.node_parents)[4].tolist() == [True, False, True, True, True]
-    assert work.sample_indices == (0, 1, 2, 3, 4) and work.visible_tokens(4) == [9, 11, 12, 13]
+    assert work.sample_indices == (0, 1, 2, 3, 4) and step_paths(work)[4] == (9, 11, 12, 13)
     walk = TreeWalk(work)
     for token in (11, 12, 50):
         walk.offer(token)
