@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import torch
@@ -46,14 +46,6 @@ KeyBucket = Callable[[int], int]
 
 Forward = Callable[[], torch.Tensor]
 """A prepared step's forward: its float32 logits [K, V], the plan's non-finite tokens set."""
-
-
-class ForwardPath(Protocol):
-    def prepare(self, plan: ForwardPlan, token_ids: np.ndarray, positions: np.ndarray, keep: np.ndarray
-                ) -> Forward:  # fmt: skip
-        """Everything a step needs before its forward, for the plan's works (token ids, positions and the rows
-        to keep, in work order); the forward runs when the result is called."""
-        ...
 
 
 def transformers_decode(model: torch.nn.Module) -> Decode:
@@ -84,6 +76,8 @@ class EagerPath:
     """GraphPath's decode graphs; None on an eager path."""
 
     def prepare(self, plan: ForwardPlan, token_ids: np.ndarray, positions: np.ndarray, keep: np.ndarray) -> Forward:
+        """Everything a step needs before its forward, for the plan's works (token ids, positions and the rows to
+        keep, in work order); the forward runs when the result is called."""
         works, layout = plan.works, plan.layout
         groups = plan_groups(works, layout, self.key_bucket)
         uploaded = upload([np.stack([token_ids, positions, layout.slots]), keep,
