@@ -227,13 +227,11 @@ class Stack:
             self.config = dataclasses.replace(cfg, worker=self.worker_configs[0], scheduler=scheduler, router=router,
                                               drafter=drafters[0] if drafters else cfg.drafter)
             self._spawn("scheduler", scheduler)
-            scheduler = self._bound("scheduler", deadline)
-            self._wait_until_ready("scheduler", deadline)
+            scheduler = self._wait_started("scheduler", deadline)
             router = dataclasses.replace(router, scheduler_address=f"{scheduler.host}:{scheduler.port}")
             self.config = dataclasses.replace(self.config, router=router)
             self._spawn("router", router)
-            self._bound("router", deadline)
-            self._wait_http_ready(deadline)
+            self._wait_started("router", deadline)
         except BaseException:
             self.stop()
             raise
@@ -263,12 +261,12 @@ class Stack:
         for i, config in enumerate(configs):
             self._spawn(replica_name(role, i), config, role)
         for i in range(len(configs)):
-            self._bound(replica_name(role, i), deadline)
-            self._wait_until_ready(replica_name(role, i), deadline)
+            self._wait_started(replica_name(role, i), deadline)
 
-    def _bound(self, name: str, deadline: float):
+    def _wait_started(self, name: str, deadline: float):
         """Wait until the service `name`, just spawned, reports the ports it bound (common/ports.py: a port 0 of
-        its config is any free one it found); its config as started takes them. Returns that config."""
+        its config is any free one it found), which its config as started then takes, and until it is ready.
+        Returns that config."""
         role, config = self._role_config(name)
         wanted = {"port", "grpc_port"} if role == "router" and config.is_grpc_api else {"port"}
         while True:
@@ -285,6 +283,7 @@ class Stack:
             configs[int(name.partition("-")[2] or 0)] = bound
         else:
             self.config = dataclasses.replace(self.config, **{role: bound})
+        self._wait_until_ready(name, deadline)
         return bound
 
     def _ports_file(self, name: str) -> Path:

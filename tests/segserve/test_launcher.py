@@ -107,7 +107,7 @@ def test_a_service_that_never_reports_a_port_is_not_ready(tmp_path):
     stack = Stack(StackConfig(log_dir=str(tmp_path)))
     stack.processes["scheduler"] = _Process(None)  # alive, never binds
     with pytest.raises(TimeoutError, match=r"^scheduler at 127\.0\.0\.1:\d+ was not ready in time \(last: no port "):
-        stack._bound("scheduler", time.monotonic() + 0.5)
+        stack._wait_started("scheduler", time.monotonic() + 0.5)
 
 
 def test_a_chosen_port_held_by_another_process_stops_the_start_before_anything_runs(monkeypatch):
